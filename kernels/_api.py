@@ -67,8 +67,12 @@ def _module(backend: str):
 # ----------------------------------------------------------------------------- checks
 
 
+def _dtype(x: Any) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
 def _index_array(name: str, x: Any, ndim: int) -> jax.Array:
-    dt = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
+    dt = _dtype(x)
     if not np.issubdtype(dt, np.integer):
         raise ValueError(f"{name} must be an integer array (int32 preferred), got dtype {dt}")
     shape = np.shape(x)
@@ -78,7 +82,7 @@ def _index_array(name: str, x: Any, ndim: int) -> jax.Array:
 
 
 def _bool_array(name: str, x: Any, ndim: int) -> jax.Array:
-    dt = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
+    dt = _dtype(x)
     if dt != np.bool_:
         raise ValueError(f"{name} must be a bool array, got dtype {dt}")
     shape = np.shape(x)
@@ -90,7 +94,7 @@ def _bool_array(name: str, x: Any, ndim: int) -> jax.Array:
 def _num_reqs(num_reqs: Any, rows: int) -> jax.Array:
     if num_reqs is None:
         return jnp.asarray(rows, dtype=jnp.int32)
-    dt = np.dtype(getattr(num_reqs, "dtype", np.asarray(num_reqs).dtype))
+    dt = _dtype(num_reqs)
     if not np.issubdtype(dt, np.integer) or np.ndim(num_reqs) != 0:
         raise ValueError(
             f"num_reqs must be None or a 0-d integer array (a device scalar), got "
