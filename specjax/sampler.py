@@ -1,0 +1,258 @@
+"""Rejection sampler: verify drafts against the target (vLLM ``rejection_sampler.py``).
+
+Greedy rows accept while the draft equals the target argmax and then emit the target's
+token; random rows accept a draft token x when ``p_target(x) / p_draft(x) >= u`` and, on
+rejection, sample from the normalized residual ``max(p_target - p_draft, 0)``. Greedy and
+random rows mix in one batch. Every proposer of specjax drafts greedily and passes no draft
+probabilities (a certain draft: ``p_draft(x) = 1``, and the residual is ``p_target`` with
+the draft token removed), as vLLM v0.20 does; the probability path is for sampled drafts.
+
+Randomness is per request: row r uses only ``keys[r]`` (folded with the draft position and
+a stream id), so a seeded request gives the same tokens whatever else is in the batch.
+Uniforms are float32 (vLLM draws float64; JAX would need ``jax_enable_x64``).
+
+Not supported yet (documented in the README): logprobs, penalties, bad words, min-tokens
+and other logits processors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.metadata import SpecDecodeMetadata
+
+PLACEHOLDER_TOKEN_ID = -1
+GREEDY_TEMPERATURE = 0.0
+MAX_SPEC_LEN = 128
+
+# Stream ids folded into a request's key, one per use of randomness.
+_STREAM_ACCEPT, _STREAM_RECOVER, _STREAM_BONUS = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-request sampling parameters, ``[B_pad]`` each (a pytree).
+
+    temperature: float32; ``0`` means greedy.
+    top_k: int32; ``0`` (or >= vocab) disables top-k.
+    top_p: float32 in (0, 1]; ``1`` disables top-p.
+    keys: ``[B_pad, 2] uint32`` raw PRNG keys (``jax.random.key_data``), one per request.
+    all_greedy: static; lets the jit skip the random path entirely.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    keys: jax.Array
+    all_greedy: bool = False
+
+    @classmethod
+    def create(cls, temperature, top_k=None, top_p=None, seeds=None, *, step: int = 0
+               ) -> "SamplingMetadata":
+        """Build on the host. ``seeds``: one int per request (None draws from 0..B-1);
+        ``step`` is folded into each key so successive steps differ."""
+        import numpy as np
+
+        t = np.asarray(temperature, np.float32)
+        if t.ndim != 1:
+            raise ValueError(f"temperature must be [B], got shape {t.shape}")
+        if (t < 0).any() or not np.isfinite(t).all():
+            raise ValueError("temperature must be finite and >= 0 (0 means greedy)")
+        b = t.shape[0]
+        k = np.zeros(b, np.int32) if top_k is None else np.asarray(top_k, np.int32)
+        p = np.ones(b, np.float32) if top_p is None else np.asarray(top_p, np.float32)
+        if k.shape != (b,) or (k < 0).any():
+            raise ValueError(f"top_k must be [B={b}] ints >= 0 (0 disables), got {k!r}")
+        if p.shape != (b,) or (p <= 0).any() or (p > 1).any():
+            raise ValueError(f"top_p must be [B={b}] values in (0, 1], got {p!r}")
+        s = np.arange(b) if seeds is None else np.asarray(seeds, np.int64)
+        if s.shape != (b,):
+            raise ValueError(f"seeds must hold one int per request ({b}), got shape {s.shape}")
+        keys = jax.vmap(lambda sd: jax.random.key_data(
+            jax.random.fold_in(jax.random.key(sd), step)))(jnp.asarray(s % 2**31, jnp.uint32))
+        return cls(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), keys,
+                   all_greedy=bool((t == GREEDY_TEMPERATURE).all()))
+
+
+jax.tree_util.register_dataclass(
+    SamplingMetadata, data_fields=["temperature", "top_k", "top_p", "keys"],
+    meta_fields=["all_greedy"])
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask logits outside the top-k / top-p set to ``-inf``.
+
+    ``logits``: ``[..., V]`` float32; ``top_k``, ``top_p``: ``[...]``. Top-k keeps values
+    >= the k-th largest (ties kept); top-p keeps the smallest prefix of the sorted
+    distribution whose mass reaches p (at least one token).
+    """
+    v = logits.shape[-1]
+    srt = jnp.sort(logits, axis=-1)[..., ::-1]                       # descending
+    k = jnp.where((top_k <= 0) | (top_k >= v), v, top_k)
+    kth = jnp.take_along_axis(srt, (k - 1)[..., None], axis=-1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    srt = jnp.where(jnp.arange(v) < k[..., None], srt, -jnp.inf)
+    probs = jax.nn.softmax(srt, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs                  # mass of strictly larger
+    keep_sorted = (mass_before < top_p[..., None]) | (jnp.arange(v) == 0)
+    # threshold: smallest kept sorted value
+    n_keep = keep_sorted.sum(axis=-1)
+    thr = jnp.take_along_axis(srt, (n_keep - 1)[..., None], axis=-1)
+    use_p = (top_p < 1.0)[..., None]
+    return jnp.where(use_p & (logits < thr), -jnp.inf, logits)
+
+
+def _process(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """Temperature then top-k/top-p; greedy rows (temperature 0) are divided by 1."""
+    t = jnp.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
+    return apply_top_k_top_p(logits / t[..., None], top_k, top_p)
+
+
+def _keys(keys: jax.Array, stream: int, pos: jax.Array | int):
+    """``[B, 2]`` raw keys -> typed keys folded with a stream and a position."""
+    k = jax.random.wrap_key_data(keys)
+    k = jax.vmap(lambda kk: jax.random.fold_in(kk, stream))(k)
+    return jax.vmap(lambda kk: jax.random.fold_in(kk, pos))(k) if isinstance(pos, int) else \
+        jax.vmap(lambda kk: jax.vmap(lambda p: jax.random.fold_in(kk, p))(pos))(k)
+
+
+def sample_tokens(logits: jax.Array, sampling: SamplingMetadata) -> jax.Array:
+    """The ordinary sampler for the bonus position: ``[B, V]`` -> ``[B] int32``.
+
+    Greedy rows take the argmax; random rows sample the processed distribution with the
+    exponential trick (``argmax p / q``, ``q ~ Exp(1)``), keyed per request.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if sampling.all_greedy:
+        return greedy
+    probs = jax.nn.softmax(_process(logits, sampling.temperature, sampling.top_k, sampling.top_p), -1)
+    keys = _keys(sampling.keys, _STREAM_BONUS, 0)
+    q = jax.vmap(lambda k: jax.random.exponential(k, (logits.shape[-1],)))(keys)
+    sampled = jnp.argmax(probs / q, axis=-1).astype(jnp.int32)
+    return jnp.where(sampling.temperature == GREEDY_TEMPERATURE, greedy, sampled)
+
+
+@jax.jit
+def rejection_sample(
+    metadata: SpecDecodeMetadata,
+    draft_probs: jax.Array | None,
+    logits: jax.Array,
+    sampling: SamplingMetadata,
+    synthetic_conditional_rates: jax.Array | None = None,
+) -> jax.Array:
+    """Verify the drafts of a batch.
+
+    Args:
+      metadata: where the drafts are (``max_spec_len`` static, at most ``MAX_SPEC_LEN``).
+      draft_probs: ``[N_pad, V]`` float probabilities the drafts were sampled from, or None
+        for certain (greedy / n-gram) drafts.
+      logits: ``[N_pad + B_pad, V]`` target logits, rows as ``metadata.logits_indices``
+        (the draft positions and each request's bonus position).
+      sampling: per-request parameters.
+      synthetic_conditional_rates: ``[max_spec_len]`` float32 for vLLM's synthetic mode
+        (accept position j with probability ``rate[j]`` given j-1 accepted), or None.
+
+    Returns:
+      ``[B_pad, max_spec_len + 1] int32``: accepted drafts, then the recovered token at the
+      first rejection, or the bonus token when every draft was accepted; -1 after. Padding
+      rows (past ``num_reqs``) are all -1.
+    """
+    k = metadata.max_spec_len
+    if k > MAX_SPEC_LEN:
+        raise ValueError(f"max_spec_len={k} exceeds MAX_SPEC_LEN={MAX_SPEC_LEN}")
+    b = metadata.num_draft_tokens.shape[0]
+    v = logits.shape[-1]
+    n_draft = metadata.num_draft_tokens
+    rows = jnp.arange(b, dtype=jnp.int32)
+    real = rows < metadata.num_reqs
+    start = metadata.cu_num_draft_tokens - n_draft                    # exclusive cumsum
+    j = jnp.arange(k, dtype=jnp.int32)
+    has = j[None, :] < n_draft[:, None]                               # [B, K]
+    flat = jnp.where(has, start[:, None] + j[None, :], 0)
+    n_pad = metadata.draft_token_ids.shape[0]
+    flat = jnp.clip(flat, 0, max(n_pad - 1, 0))
+    drafts = metadata.draft_token_ids[flat] if n_pad else jnp.zeros((b, k), jnp.int32)
+    tgt_rows = metadata.target_logits_indices[flat] if n_pad else jnp.zeros((b, k), jnp.int32)
+    tgt_logits = logits[tgt_rows].astype(jnp.float32)                 # [B, K, V]
+    bonus_logits = logits[metadata.bonus_logits_indices]              # [B, V]
+    greedy_row = sampling.temperature == GREEDY_TEMPERATURE
+    tgt_argmax = jnp.argmax(tgt_logits, axis=-1).astype(jnp.int32)
+    bonus = sample_tokens(bonus_logits, sampling)
+    safe_drafts = jnp.clip(drafts, 0, v - 1)
+
+    if synthetic_conditional_rates is not None:
+        u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(_keys(sampling.keys, _STREAM_ACCEPT, 0))
+        synth_accept = u < synthetic_conditional_rates[None, :k]
+
+    # --- greedy rows
+    if synthetic_conditional_rates is None:
+        accept_g = drafts == tgt_argmax
+    else:
+        accept_g = synth_accept
+    recovered_g = tgt_argmax
+
+    if sampling.all_greedy:
+        accept, recovered = accept_g, recovered_g
+    else:
+        # --- random rows
+        proc = _process(tgt_logits, sampling.temperature[:, None], sampling.top_k[:, None],
+                        sampling.top_p[:, None])
+        tgt_probs = jax.nn.softmax(proc, axis=-1)
+        p_t = jnp.take_along_axis(tgt_probs, safe_drafts[..., None], axis=-1)[..., 0]
+        if draft_probs is None:
+            p_d = jnp.ones_like(p_t)
+            residual = jnp.where(jnp.arange(v)[None, None, :] == safe_drafts[..., None], 0.0, tgt_probs)
+        else:
+            dprobs = draft_probs[flat].astype(jnp.float32)           # [B, K, V]
+            p_d = jnp.take_along_axis(dprobs, safe_drafts[..., None], axis=-1)[..., 0]
+            residual = jnp.maximum(tgt_probs - dprobs, 0.0)
+        if synthetic_conditional_rates is None:
+            u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(
+                _keys(sampling.keys, _STREAM_ACCEPT, 0))
+            ratio = p_t / jnp.where(p_d > 0, p_d, 1.0)
+            accept_r = (p_d > 0) & (ratio >= u)
+        else:
+            accept_r = synth_accept
+        qkeys = _keys(sampling.keys, _STREAM_RECOVER, j)                  # [B, K] keys
+        q = jax.vmap(jax.vmap(lambda kk: jax.random.exponential(kk, (v,))))(qkeys)
+        recovered_r = jnp.argmax(residual / q, axis=-1).astype(jnp.int32)
+        accept = jnp.where(greedy_row[:, None], accept_g, accept_r)
+        recovered = jnp.where(greedy_row[:, None], recovered_g, recovered_r)
+
+    # Leading accepted drafts; the first rejection emits the recovered token.
+    accepted_prefix = jnp.cumprod((accept & has).astype(jnp.int32), axis=1).astype(bool)
+    n_acc = accepted_prefix.sum(axis=1)                                # [B]
+    out = jnp.full((b, k + 1), PLACEHOLDER_TOKEN_ID, jnp.int32)
+    jj = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    drafts_ext = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    rec_ext = jnp.concatenate([recovered, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    all_acc = n_acc == n_draft
+    out = jnp.where(jj < n_acc[:, None], drafts_ext, out)
+    out = jnp.where((jj == n_acc[:, None]) & ~all_acc[:, None], rec_ext, out)
+    out = jnp.where((jj == n_draft[:, None]) & all_acc[:, None], bonus[:, None], out)
+    return jnp.where(real[:, None], out, PLACEHOLDER_TOKEN_ID)
+
+
+def unconditional_to_conditional_rates(rates) -> list[float]:
+    """vLLM's synthetic-mode helper: ``out[i] = rates[i] / rates[i-1]`` (``rates[-1] = 1``),
+    0 where the denominator is 0."""
+    out, prev = [], 1.0
+    for r in rates:
+        out.append(0.0 if prev == 0 else float(r) / prev)
+        prev = float(r)
+    return out
+
+
+def parse_output(output_token_ids, vocab_size: int, discard_req_indices=()) -> list[list[int]]:
+    """Host-side: keep entries that are not -1 and below vocab; empty discarded rows."""
+    import numpy as np
+
+    arr = np.asarray(output_token_ids)
+    out = [[int(t) for t in row if t != PLACEHOLDER_TOKEN_ID and t < vocab_size] for row in arr]
+    for i in discard_req_indices:
+        out[i] = []
+    return out
