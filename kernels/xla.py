@@ -99,6 +99,10 @@ def copy_and_expand_eagle_inputs(target_token_ids, target_positions, next_token_
     r = next_token_ids.shape[0]
     p = num_padding_slots_per_request
     shift = 1 if shift_input_ids else 0
+    if r == 0:  # no request at all: every output is fill
+        z = jnp.zeros((num_output_tokens,), _I32)
+        f = jnp.zeros((num_output_tokens,), jnp.bool_)
+        return z, z, f, f, jnp.zeros((0,), _I32), jnp.full((t,), num_output_tokens, _I32)
     # Output ranges are contiguous: request r's output starts at qsl[r] + r * (P - shift)
     # and is next_start - start + P - shift long.
     rows = jnp.arange(r, dtype=_I32)
@@ -146,6 +150,9 @@ def copy_and_expand_dflash_inputs(next_token_ids, target_positions, block_table,
     r = next_token_ids.shape[0]
     k = num_speculative_tokens
     q = 1 + k
+    if r == 0:  # no request at all: every output is fill
+        e = jnp.zeros((0,), _I32)
+        return e, jnp.zeros((t,), _I32), e, jnp.full((t,), PADDING_SLOT_ID, _I32), e, e
     rows = jnp.arange(r, dtype=_I32)
     real = rows < num_reqs
 
