@@ -23,7 +23,7 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -80
   if [ -f benchmarks/ngram.py ]; then
-    python benchmarks/ngram.py --gpu-only --json "$OUT/ngram.json" 2>&1 | tee "$OUT/ngram.log" | tail -30
+    python benchmarks/ngram.py --gpu --json "$OUT/ngram.json" 2>&1 | tee "$OUT/ngram.log" | tail -30
   fi
 fi
 exit $rc

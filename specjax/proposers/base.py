@@ -1,0 +1,105 @@
+"""What every proposer returns.
+
+Kept deliberately small: the model-based proposers extend this module later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+#: Value of an unused draft slot in ``DraftOutput.token_ids``.
+DRAFT_PADDING_ID: int = -1
+
+
+class DraftOutput(NamedTuple):
+    """Draft tokens of one proposer step, padded to a rectangle.
+
+    A NamedTuple, hence a JAX pytree: it passes through ``jax.jit`` as is. The leaves are
+    ``jax.Array`` for device proposers and ``np.ndarray`` for host ones.
+
+    Attributes:
+      token_ids: ``[B, k]`` int32. Row ``b`` holds its drafts in columns
+        ``0 .. num_drafts[b]-1``; every later column is -1.
+      num_drafts: ``[B]`` int32, the number of leading valid drafts of each row
+        (``0 <= num_drafts[b] <= k``).
+    """
+
+    token_ids: Any
+    num_drafts: Any
+
+    @classmethod
+    def from_lists(cls, drafts: Sequence[Sequence[int]], k: int) -> "DraftOutput":
+        """Pad ragged per-request drafts (vLLM's ``list[list[int]]``) to host arrays.
+
+        Args:
+          drafts: ``B`` lists of token ids, each at most ``k`` long.
+          k: number of columns of the result (>= 1).
+
+        Returns:
+          ``DraftOutput`` of numpy arrays: ``token_ids [B, k]`` int32 (-1 padded),
+          ``num_drafts [B]`` int32.
+        """
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        token_ids = np.full((len(drafts), int(k)), DRAFT_PADDING_ID, dtype=np.int32)
+        num_drafts = np.zeros((len(drafts),), dtype=np.int32)
+        for i, draft in enumerate(drafts):
+            n = len(draft)
+            if n > k:
+                raise ValueError(f"drafts[{i}] has {n} tokens, more than k={k}")
+            if n:
+                token_ids[i, :n] = np.asarray(draft, dtype=np.int32)
+            num_drafts[i] = n
+        return cls(token_ids, num_drafts)
+
+    def to_lists(self) -> list[list[int]]:
+        """The inverse of ``from_lists``: row ``b`` truncated to ``num_drafts[b]``."""
+        token_ids = np.asarray(self.token_ids)
+        num_drafts = np.asarray(self.num_drafts)
+        return [token_ids[b, : int(num_drafts[b])].tolist() for b in range(token_ids.shape[0])]
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Validate an integer configuration field; raise ValueError naming it and its range.
+
+    ``bool`` is refused (``True`` is not a token count). Returns the value as ``int``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer{_range_text(minimum, maximum)}, got {value!r}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an integer{_range_text(minimum, maximum)}, got {value}")
+    return value
+
+
+def _range_text(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
+
+
+def resolve_prompt_lookup(prompt_lookup_min: int | None, prompt_lookup_max: int | None) -> tuple[int, int]:
+    """vLLM's n-gram size defaults and checks (``SpeculativeConfig``).
+
+    Both None -> both 5; one None -> it copies the other; each must be >= 1 and
+    ``prompt_lookup_min <= prompt_lookup_max``. Returns ``(min_n, max_n)``.
+    """
+    if prompt_lookup_min is None and prompt_lookup_max is None:
+        return 5, 5
+    if prompt_lookup_min is None:
+        prompt_lookup_min = prompt_lookup_max
+    if prompt_lookup_max is None:
+        prompt_lookup_max = prompt_lookup_min
+    min_n = check_int("prompt_lookup_min", prompt_lookup_min, minimum=1)
+    max_n = check_int("prompt_lookup_max", prompt_lookup_max, minimum=1)
+    if min_n > max_n:
+        raise ValueError(
+            f"prompt_lookup_min ({min_n}) must be <= prompt_lookup_max ({max_n})"
+        )
+    return min_n, max_n

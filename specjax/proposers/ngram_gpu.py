@@ -1,0 +1,368 @@
+"""N-gram (prompt lookup) proposer on the accelerator: one jit-compiled XLA computation.
+
+The choice rule is that of the CPU proposer (``ngram_cpu``), including the cap at
+``max_model_len`` that vLLM v0.20's ``ngram_gpu`` omits:
+
+* the longest n-gram ``n in [prompt_lookup_min, prompt_lookup_max]`` that ends the context
+  and occurs earlier in it (followed by at least one token) wins, then its earliest
+  occurrence;
+* the draft is the ``min(k, max_model_len - L, L - start)`` tokens after that occurrence.
+
+Vectorised over a padded ``[B, T]`` token buffer. For each candidate end position ``e`` and
+each offset ``j < max_n`` the kernel compares ``tokens[b, e - j]`` with the context's j-th
+last token ``tokens[b, L - 1 - j]`` (a sliding window read as ``max_n`` shifted copies; the
+loop over ``j`` is unrolled at trace time). The running AND over ``j`` gives the match length
+``m(e)`` ending at ``e``; one max-reduction per row over the key ``m * (T + 1) + (T - e)``
+then picks the longest match and, among equals, the earliest end. XLA fuses the shifts,
+compares and the reduction into one pass over the buffer.
+
+The device token buffer lives in ``NgramGPUState``; ``propose`` scatters the newly sampled
+tokens into it and drafts in one step, and ``add_requests`` / ``remove_requests`` /
+``move_requests`` keep it in sync with a persistent batch. All of them are pure functions of
+the state, jit-compiled with the state donated so XLA updates the buffer in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specjax.constants import INT32_LIMIT
+from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, check_int, resolve_prompt_lookup
+
+
+class NgramGPUState(NamedTuple):
+    """Device token buffer of the persistent batch (a pytree; donate it to every step).
+
+    Attributes:
+      token_ids: ``[max_num_seqs, T]`` int32; row ``r`` holds request ``r``'s context in its
+        first ``num_tokens[r]`` columns (``T`` is usually ``max_model_len``).
+      num_tokens: ``[max_num_seqs]`` int32, each row's context length (vLLM's
+        ``num_tokens_no_spec``); 0 for an empty row.
+    """
+
+    token_ids: jax.Array
+    num_tokens: jax.Array
+
+
+def ngram_search(
+    token_ids: jax.Array,
+    num_tokens: jax.Array,
+    valid: jax.Array,
+    *,
+    k: int,
+    min_n: int,
+    max_n: int,
+    max_model_len: int,
+) -> DraftOutput:
+    """Draft by n-gram lookup for every row of a padded batch (traceable; no host sync).
+
+    Args:
+      token_ids: ``[B, T]`` int32, row ``b``'s context in its first ``num_tokens[b]``
+        columns; later columns are ignored.
+      num_tokens: ``[B]`` int32 context lengths, ``0 <= L <= T``.
+      valid: ``[B]`` bool; rows where it is False get no draft.
+      k, min_n, max_n, max_model_len: static configuration (Python ints).
+
+    Returns:
+      ``DraftOutput(token_ids [B, k] int32 (-1 padded), num_drafts [B] int32)``.
+    """
+    batch, width = token_ids.shape
+    token_ids = token_ids.astype(jnp.int32)
+    lengths = jnp.clip(num_tokens.astype(jnp.int32), 0, width)[:, None]  # [B, 1]
+    last = lengths - 1
+
+    # The context's tail, last token first: tail[:, j] = tokens[L - 1 - j].
+    offsets = jnp.arange(max_n, dtype=jnp.int32)[None, :]
+    tail_index = jnp.clip(last - offsets, 0, width - 1)
+    tail = jnp.take_along_axis(token_ids, tail_index, axis=1)  # [B, max_n]
+
+    end = lax.broadcasted_iota(jnp.int32, (batch, width), 1)  # candidate end e
+    run = jnp.ones((batch, width), dtype=jnp.bool_)
+    match_len = jnp.zeros((batch, width), dtype=jnp.int32)
+    for j in range(min(max_n, width)):  # unrolled at trace time; no match is longer than T
+        # shifted[:, e] = tokens[:, e - j]; the j columns shifted in are masked by e >= j.
+        shifted = token_ids if j == 0 else jnp.pad(token_ids[:, : width - j], ((0, 0), (j, 0)))
+        run = run & (shifted == tail[:, j : j + 1]) & (end >= j)
+        match_len = match_len + run.astype(jnp.int32)
+
+    # An occurrence must end at e <= L - 2 so that at least one token follows it.
+    eligible = (match_len >= min_n) & (end <= lengths - 2) & valid[:, None]
+    key = jnp.where(eligible, match_len * (width + 1) + (width - end), 0)
+    best = jnp.max(key, axis=1)  # [B]
+    found = best > 0
+    best_end = width - best % (width + 1)
+
+    start = best_end + 1
+    lengths = lengths[:, 0]
+    budget = jnp.minimum(k, max_model_len - lengths)
+    count = jnp.where(found, jnp.clip(jnp.minimum(budget, lengths - start), 0, k), 0)
+    column = jnp.arange(k, dtype=jnp.int32)[None, :]
+    draft_index = jnp.clip(start[:, None] + column, 0, width - 1)
+    drafts = jnp.take_along_axis(token_ids, draft_index, axis=1)
+    drafts = jnp.where(column < count[:, None], drafts, DRAFT_PADDING_ID)
+    return DraftOutput(drafts.astype(jnp.int32), count.astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramGPUProposer:
+    """Static configuration of the device n-gram proposer (hashable; static under jit).
+
+    Args:
+      num_speculative_tokens: ``k``, the most draft tokens per request (>= 1).
+      max_model_len: the context cap; drafts never run past it (>= 1).
+      prompt_lookup_min / prompt_lookup_max: n-gram sizes searched (>= 1, min <= max; both
+        None -> 5; one None -> copies the other), as in vLLM's ``SpeculativeConfig``.
+    """
+
+    num_speculative_tokens: int
+    max_model_len: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        k = check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        max_model_len = check_int("max_model_len", self.max_model_len, minimum=1)
+        min_n, max_n = resolve_prompt_lookup(self.prompt_lookup_min, self.prompt_lookup_max)
+        # The selection key m * (T + 1) + (T - e) must fit int32 for every buffer width T up
+        # to max_model_len.
+        if (max_n + 1) * (max_model_len + 1) >= INT32_LIMIT:
+            raise ValueError(
+                f"(prompt_lookup_max + 1) * (max_model_len + 1) must be < 2**31 for the int32 "
+                f"search key; got prompt_lookup_max={max_n}, max_model_len={max_model_len}"
+            )
+        object.__setattr__(self, "num_speculative_tokens", k)
+        object.__setattr__(self, "max_model_len", max_model_len)
+        object.__setattr__(self, "prompt_lookup_min", min_n)
+        object.__setattr__(self, "prompt_lookup_max", max_n)
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+    # ------------------------------------------------------------------ state
+
+    def init_state(self, max_num_seqs: int, width: int | None = None) -> NgramGPUState:
+        """An empty buffer: ``token_ids [max_num_seqs, width]`` int32 zeros (``width``
+        defaults to ``max_model_len``), ``num_tokens [max_num_seqs]`` int32 zeros."""
+        rows = check_int("max_num_seqs", max_num_seqs, minimum=1)
+        width = self.max_model_len if width is None else check_int("width", width, minimum=1)
+        if width > self.max_model_len:
+            raise ValueError(f"width must be in [1, max_model_len={self.max_model_len}], got {width}")
+        if rows * width >= INT32_LIMIT:
+            raise ValueError(f"max_num_seqs * width = {rows * width} must be < 2**31 (int32 indexing)")
+        return NgramGPUState(
+            jnp.zeros((rows, width), dtype=jnp.int32), jnp.zeros((rows,), dtype=jnp.int32)
+        )
+
+    # ------------------------------------------------------------------ drafting
+
+    def propose(
+        self, state: NgramGPUState, sampled_token_ids: jax.Array, num_sampled: jax.Array
+    ) -> tuple[DraftOutput, NgramGPUState]:
+        """Append this step's sampled tokens and draft (``state`` is donated).
+
+        Args:
+          state: the buffer; its rows ``0 .. B-1`` are this step's requests.
+          sampled_token_ids: ``[B, S]`` int32, row ``b``'s accepted tokens (plus the bonus
+            token) in its first ``num_sampled[b]`` columns; -1 entries are not written.
+          num_sampled: ``[B]`` int32. A row with 0 (a partial prefill or a padding row) keeps
+            its length and gets no draft.
+
+        Returns:
+          ``(DraftOutput [B, k] / [B], new state)``; lengths grow by ``num_sampled``. Rows
+          that reach ``max_model_len`` or are shorter than ``prompt_lookup_min`` get no draft.
+        """
+        _check_batch(state, sampled_token_ids, num_sampled)
+        return _propose_step(self, state, sampled_token_ids, num_sampled)
+
+    def propose_arrays(
+        self, token_ids: jax.Array, num_tokens: jax.Array, valid: jax.Array | None = None
+    ) -> DraftOutput:
+        """Stateless drafting over a caller-owned padded buffer (nothing donated).
+
+        Args:
+          token_ids: ``[B, T]`` int32; ``num_tokens``: ``[B]`` int32 (``0 <= L <= T``);
+          valid: ``[B]`` bool (default all True).
+        """
+        _check_int_dtype("token_ids", token_ids)
+        _check_int_dtype("num_tokens", num_tokens)
+        if token_ids.ndim != 2 or num_tokens.shape != (token_ids.shape[0],):
+            raise ValueError(
+                f"token_ids must be [B, T] and num_tokens [B]; got {token_ids.shape} and {num_tokens.shape}"
+            )
+        if (self.prompt_lookup_max + 1) * (token_ids.shape[1] + 1) >= INT32_LIMIT:
+            raise ValueError(f"token_ids width {token_ids.shape[1]} is too wide for the int32 search key")
+        if valid is None:
+            valid = jnp.ones(num_tokens.shape, dtype=jnp.bool_)
+        elif valid.shape != num_tokens.shape or valid.dtype != jnp.bool_:
+            raise ValueError(f"valid must be a [{num_tokens.shape[0]}] bool array, got {valid.shape} {valid.dtype}")
+        return _propose_arrays(self, token_ids, num_tokens, valid)
+
+    # ------------------------------------------------------------------ persistent batch
+
+    def add_requests(
+        self, state: NgramGPUState, rows: jax.Array, token_ids: jax.Array, num_tokens: jax.Array
+    ) -> NgramGPUState:
+        """Write joining requests' contexts into their rows (``state`` donated).
+
+        Args:
+          rows: ``[R]`` int32 destination rows; -1 (``PADDING_SLOT_ID``) entries are skipped,
+            so ``R`` can be a bucket size.
+          token_ids: ``[R, W]`` int32 contexts (``W <= T``; columns past ``num_tokens`` are
+            written but never read).
+          num_tokens: ``[R]`` int32 context lengths (``<= W``).
+        """
+        _check_state(state)
+        for name, value in (("rows", rows), ("token_ids", token_ids), ("num_tokens", num_tokens)):
+            _check_int_dtype(name, value)
+        if rows.ndim != 1 or token_ids.ndim != 2 or token_ids.shape[0] != rows.shape[0] or num_tokens.shape != rows.shape:
+            raise ValueError(
+                f"rows [R], token_ids [R, W] and num_tokens [R] must agree; got {rows.shape}, "
+                f"{token_ids.shape}, {num_tokens.shape}"
+            )
+        if token_ids.shape[1] > state.token_ids.shape[1]:
+            raise ValueError(f"token_ids width {token_ids.shape[1]} exceeds the buffer width {state.token_ids.shape[1]}")
+        return _add_requests(state, rows, token_ids, num_tokens)
+
+    def remove_requests(self, state: NgramGPUState, rows: jax.Array) -> NgramGPUState:
+        """Empty the given rows (``[R]`` int32, -1 skipped); ``state`` donated."""
+        _check_state(state)
+        _check_int_dtype("rows", rows)
+        if rows.ndim != 1:
+            raise ValueError(f"rows must be [R], got {rows.shape}")
+        return _remove_requests(state, rows)
+
+    def move_requests(self, state: NgramGPUState, src: jax.Array, dst: jax.Array) -> NgramGPUState:
+        """Copy rows ``src[i]`` to ``dst[i]`` all at once (swaps and condensing); donated.
+
+        Every source is read before any destination is written, so ``src=[a, b],
+        dst=[b, a]`` swaps. Pairs with a -1 entry are skipped. Sources are left as they were
+        (remove them separately when they should be emptied).
+        """
+        _check_state(state)
+        _check_int_dtype("src", src)
+        _check_int_dtype("dst", dst)
+        if src.ndim != 1 or src.shape != dst.shape:
+            raise ValueError(f"src and dst must both be [M]; got {src.shape} and {dst.shape}")
+        return _move_requests(state, src, dst)
+
+    def warmup(self, state: NgramGPUState, batch_sizes: Sequence[int], max_sampled: int | None = None) -> NgramGPUState:
+        """Compile ``propose`` for each batch bucket ahead of time (vLLM's dummy run).
+
+        Runs each bucket with ``num_sampled = 0``, which leaves the buffer unchanged.
+        ``max_sampled`` is the sampled-token width ``S`` (default ``k + 1``).
+        """
+        width = self.k + 1 if max_sampled is None else check_int("max_sampled", max_sampled, minimum=1)
+        for size in batch_sizes:
+            size = check_int("batch size", size, minimum=1, maximum=state.num_tokens.shape[0])
+            sampled = jnp.full((size, width), DRAFT_PADDING_ID, dtype=jnp.int32)
+            out, state = self.propose(state, sampled, jnp.zeros((size,), dtype=jnp.int32))
+            jax.block_until_ready(out)
+        return state
+
+
+# ---------------------------------------------------------------------- jitted bodies
+
+
+def _search(cfg: NgramGPUProposer, token_ids, num_tokens, valid) -> DraftOutput:
+    return ngram_search(
+        token_ids,
+        num_tokens,
+        valid,
+        k=cfg.num_speculative_tokens,
+        min_n=cfg.prompt_lookup_min,
+        max_n=cfg.prompt_lookup_max,
+        max_model_len=cfg.max_model_len,
+    )
+
+
+@partial(jax.jit, static_argnums=0)
+def _propose_arrays(cfg: NgramGPUProposer, token_ids, num_tokens, valid) -> DraftOutput:
+    return _search(cfg, token_ids, num_tokens, valid)
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _propose_step(cfg: NgramGPUProposer, state: NgramGPUState, sampled, num_sampled):
+    rows, width = state.token_ids.shape
+    batch, max_new = sampled.shape
+    sampled = sampled.astype(jnp.int32)
+    num_sampled = num_sampled.astype(jnp.int32)
+    old_len = state.num_tokens[:batch]
+
+    column = jnp.arange(max_new, dtype=jnp.int32)[None, :]
+    write_pos = old_len[:, None] + column
+    write = (column < num_sampled[:, None]) & (sampled != DRAFT_PADDING_ID) & (write_pos < width)
+    # Masked writes go out of bounds and are dropped.
+    write_pos = jnp.where(write, write_pos, width)
+    row_index = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], write_pos.shape)
+    token_ids = state.token_ids.at[row_index, write_pos].set(sampled, mode="drop")
+
+    new_len = jnp.minimum(old_len + num_sampled, width)
+    num_tokens = state.num_tokens.at[:batch].set(new_len)
+    valid = (num_sampled > 0) & (new_len >= cfg.prompt_lookup_min) & (new_len < cfg.max_model_len)
+    drafts = _search(cfg, token_ids[:batch], new_len, valid)
+    return drafts, NgramGPUState(token_ids, num_tokens)
+
+
+def _drop_padding(rows, limit):
+    rows = rows.astype(jnp.int32)
+    return jnp.where((rows >= 0) & (rows < limit), rows, limit)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _add_requests(state: NgramGPUState, rows, token_ids, num_tokens) -> NgramGPUState:
+    limit = state.num_tokens.shape[0]
+    rows = _drop_padding(rows, limit)
+    width = token_ids.shape[1]
+    buffer = state.token_ids.at[rows, :width].set(token_ids.astype(jnp.int32), mode="drop")
+    lengths = state.num_tokens.at[rows].set(num_tokens.astype(jnp.int32), mode="drop")
+    return NgramGPUState(buffer, lengths)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _remove_requests(state: NgramGPUState, rows) -> NgramGPUState:
+    rows = _drop_padding(rows, state.num_tokens.shape[0])
+    return NgramGPUState(state.token_ids, state.num_tokens.at[rows].set(0, mode="drop"))
+
+
+@partial(jax.jit, donate_argnums=0)
+def _move_requests(state: NgramGPUState, src, dst) -> NgramGPUState:
+    limit = state.num_tokens.shape[0]
+    skip = (src < 0) | (src >= limit) | (dst < 0) | (dst >= limit)
+    src = jnp.where(skip, 0, src.astype(jnp.int32))
+    dst = jnp.where(skip, limit, dst.astype(jnp.int32))
+    moved_tokens = state.token_ids[src]  # gathered before any write
+    moved_lengths = state.num_tokens[src]
+    buffer = state.token_ids.at[dst].set(moved_tokens, mode="drop")
+    lengths = state.num_tokens.at[dst].set(moved_lengths, mode="drop")
+    return NgramGPUState(buffer, lengths)
+
+
+def _check_int_dtype(name: str, value) -> None:
+    dtype = getattr(value, "dtype", None)
+    # dtype.kind is a cheap test (jnp.issubdtype costs microseconds per call).
+    if dtype is None or getattr(dtype, "kind", None) not in ("i", "u"):
+        raise TypeError(f"{name} must be an integer array, got {dtype if dtype is not None else type(value).__name__}")
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, NgramGPUState):
+        raise TypeError(f"state must be an NgramGPUState (from init_state), got {type(state).__name__}")
+
+
+def _check_batch(state: NgramGPUState, sampled, num_sampled) -> None:
+    _check_state(state)
+    _check_int_dtype("sampled_token_ids", sampled)
+    _check_int_dtype("num_sampled", num_sampled)
+    if sampled.ndim != 2 or num_sampled.shape != (sampled.shape[0],):
+        raise ValueError(
+            f"sampled_token_ids must be [B, S] and num_sampled [B]; got {sampled.shape} and {num_sampled.shape}"
+        )
+    if sampled.shape[0] > state.num_tokens.shape[0]:
+        raise ValueError(f"batch size {sampled.shape[0]} exceeds the buffer's {state.num_tokens.shape[0]} rows")
