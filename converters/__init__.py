@@ -1,0 +1,45 @@
+"""Checkpoint converters: every upstream format -> the canonical form of
+``models/CANONICAL.md`` -> Flax params saved with orbax. No torch needed.
+
+``load_pretrained(path, dtype=None)`` returns ``(kind, config, params)`` from a
+``specjax-convert`` output directory or straight from an original checkpoint directory.
+
+Attributes load lazily (PEP 562), so ``import specjax`` stays light.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "CheckpointError": "errors",
+    "DestinationExistsError": "errors",
+    "FormatDetectionError": "errors",
+    "TensorMismatchError": "errors",
+    "UnsafePickleError": "errors",
+    "FORMATS": "formats",
+    "detect_format": "formats",
+    "normalize": "formats",
+    "convert": "pipeline",
+    "load_pretrained": "pipeline",
+    "prepare": "pipeline",
+    "read_checkpoint": "readers",
+    "read_safetensors_header": "readers",
+    "read_torch_file": "torch_pickle",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"specjax.converters.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'specjax.converters' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
+
+
+def _specjax_getattr(name):
+    """``specjax.__getattr__``: ``specjax.load_pretrained`` without importing it eagerly."""
+    if name == "load_pretrained":
+        return __getattr__(name)
+    raise AttributeError(f"module 'specjax' has no attribute {name!r}")

@@ -1,0 +1,71 @@
+"""Errors raised by the converters. All are ``ValueError`` subclasses except the
+destination check, which is a ``FileExistsError``."""
+
+from __future__ import annotations
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read or converted (bad file, bad config, unsupported field)."""
+
+
+class UnsafePickleError(CheckpointError):
+    """A PyTorch pickle names a global outside the allow-list; it was not run."""
+
+    def __init__(self, global_name: str, path: str):
+        self.global_name = global_name
+        self.path = path
+        super().__init__(
+            f"{path}: refusing to load a pickle that references {global_name!r}: only "
+            "tensor-rebuild functions, storage types and plain containers are allowed "
+            "(nothing was executed)"
+        )
+
+
+class FormatDetectionError(CheckpointError):
+    """No known format matches the checkpoint (or the named format is unknown)."""
+
+
+class TensorMismatchError(CheckpointError):
+    """The tensors do not match what the model expects. Every offending key is named:
+    ``unknown`` (not used by the model), ``missing`` (required but absent), ``mis_shaped``
+    (``key -> (found, expected)``)."""
+
+    def __init__(
+        self,
+        kind: str,
+        unknown: list[str] = (),
+        missing: list[str] = (),
+        mis_shaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+        source: str = "",
+        mis_typed: dict[str, tuple[str, str]] | None = None,
+    ):
+        self.kind = kind
+        self.unknown = sorted(unknown)
+        self.missing = sorted(missing)
+        self.mis_shaped = dict(sorted((mis_shaped or {}).items()))
+        self.mis_typed = dict(sorted((mis_typed or {}).items()))
+        parts = []
+        if self.unknown:
+            parts.append("unknown tensors (not part of a %s model): %s"
+                         % (kind, ", ".join(self.unknown)))
+        if self.missing:
+            parts.append("missing tensors: %s" % ", ".join(self.missing))
+        if self.mis_shaped:
+            parts.append("mis-shaped tensors: %s" % ", ".join(
+                f"{k} has shape {list(got)}, expected {list(want)}"
+                for k, (got, want) in self.mis_shaped.items()))
+        if self.mis_typed:
+            parts.append("tensors of the wrong dtype: %s" % ", ".join(
+                f"{k} is {got}, expected {want}" for k, (got, want) in self.mis_typed.items()))
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}checkpoint does not match the {kind} model: "
+                         + "; ".join(parts))
+
+    @property
+    def keys(self) -> list[str]:
+        """Every offending key."""
+        return self.unknown + self.missing + list(self.mis_shaped) + list(self.mis_typed)
+
+
+class DestinationExistsError(FileExistsError):
+    """The conversion output directory already exists (pass ``force=True`` / ``--force``)."""

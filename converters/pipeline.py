@@ -1,0 +1,304 @@
+"""Read -> normalize -> validate -> build params -> save (orbax), and load back.
+
+Output directory layout (``specjax-convert SRC DST``)::
+
+    DST/specjax.json   kind, format, normalized hf_config, config, dtype, notes
+    DST/params/        the params pytree, written by orbax's StandardCheckpointer
+
+The directory appears only when complete: everything is written to a temporary
+directory beside ``DST`` and renamed at the end; a failed or interrupted run removes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+
+from specjax.converters.errors import (
+    CheckpointError,
+    DestinationExistsError,
+    TensorMismatchError,
+)
+from specjax.converters.formats import FORMATS, Normalized, detect_format, normalize
+from specjax.converters.readers import Checkpoint, read_checkpoint
+
+METADATA_FILE = "specjax.json"
+PARAMS_DIR = "params"
+METADATA_VERSION = 1
+
+DTYPES = {
+    "bf16": ml_dtypes.bfloat16, "bfloat16": ml_dtypes.bfloat16,
+    "fp16": np.float16, "float16": np.float16, "half": np.float16,
+    "fp32": np.float32, "float32": np.float32, "float": np.float32,
+}
+#: Canonical keys holding integer id maps; every other tensor holds floats.
+INT_MAP_KEYS = frozenset({"d2t", "token_map"})
+#: Progress callback: ``(done, total, key)``.
+Progress = Callable[[int, int, str], None]
+
+
+def parse_dtype(dtype) -> np.dtype | None:
+    """``None``, a name (``bf16``, ``fp16``, ``fp32`` and their long names) or a dtype ->
+    a NumPy dtype among bfloat16 / float16 / float32 (ValueError otherwise)."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype.lower() not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (allowed: bf16, fp16, fp32)")
+        return np.dtype(DTYPES[dtype.lower()])
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)):
+        raise ValueError(f"dtype {dt} is not supported (allowed: bf16, fp16, fp32)")
+    return dt
+
+
+def dtype_name(dt: np.dtype) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[np.dtype(dt).name]
+
+
+def is_float(dt) -> bool:
+    dt = np.dtype(dt)
+    return dt.kind == "f" or dt == np.dtype(ml_dtypes.bfloat16)
+
+
+def _registry():
+    from specjax.models import registry  # noqa: PLC0415 (models import jax/flax)
+    return registry
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A checkpoint read, normalized, validated and turned into params (nothing saved)."""
+
+    kind: str
+    format: str
+    hf_config: dict
+    config: Any
+    params: Any
+    dtype: np.dtype
+    notes: list[str]
+    files: list[str]
+    n_tensors: int
+    n_values: int
+    source: str
+
+
+# -- steps --------------------------------------------------------------------------------
+
+def read_and_normalize(src, format: str | None = None) -> tuple[Checkpoint, Normalized]:
+    """Read ``src`` and normalize it (``format`` auto-detected when None)."""
+    ckpt = read_checkpoint(src)
+    fmt = format or detect_format(ckpt.config, ckpt.tensors, ckpt.files)
+    norm = normalize(fmt, ckpt.config, ckpt.tensors)
+    norm.notes[:0] = ckpt.notes
+    return ckpt, norm
+
+
+def validate(kind: str, config, tensors: dict, source: str = "") -> None:
+    """Compare ``tensors`` (key -> anything with ``.shape`` and ``.dtype``) with
+    ``registry.expected_tensors``; raise :class:`TensorMismatchError` naming every unknown,
+    missing (required), mis-shaped and mis-typed key."""
+    expected = _registry().expected_tensors(kind, config)
+    unknown = [k for k in tensors if k not in expected]
+    missing = [k for k, (_, required) in expected.items() if required and k not in tensors]
+    mis_shaped = {k: (tuple(tensors[k].shape), tuple(shape))
+                  for k, (shape, _) in expected.items()
+                  if k in tensors and tuple(tensors[k].shape) != tuple(shape)}
+    mis_typed = {}
+    for k, t in tensors.items():
+        if k in expected and hasattr(t, "dtype"):
+            want_int = k in INT_MAP_KEYS
+            if want_int != np.issubdtype(np.dtype(t.dtype), np.integer) or \
+                    (not want_int and not is_float(t.dtype)):
+                mis_typed[k] = (str(np.dtype(t.dtype)), "integer" if want_int else "float")
+    if unknown or missing or mis_shaped or mis_typed:
+        raise TensorMismatchError(kind, unknown, missing, mis_shaped, source, mis_typed)
+
+
+def default_dtype(tensors: dict, hf_config: dict) -> np.dtype:
+    """The checkpoint's own float dtype: the one all float tensors share, else the config's
+    ``torch_dtype`` / ``dtype``, else float32."""
+    floats = {np.dtype(t.dtype) for t in tensors.values() if is_float(t.dtype)}
+    if len(floats) == 1:
+        dt = floats.pop()
+        if dt in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)):
+            return dt
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if isinstance(name, str) and name.lower() in DTYPES:
+        return np.dtype(DTYPES[name.lower()])
+    return np.dtype(np.float32)
+
+
+def make_config(kind: str, hf_config: dict, tensors: dict):
+    """``registry.config_from_hf``, with the optional-tensor flags (``has_embed_tokens``,
+    ``has_d2t``...) set from the canonical tensor names present."""
+    registry = _registry()
+    return registry.config_with_tensors(kind, registry.config_from_hf(kind, hf_config), tensors)
+
+
+def prepare(src, *, format: str | None = None, dtype=None,
+            progress: Progress | None = None) -> Prepared:
+    """Read, normalize, validate and build params. Nothing is written anywhere."""
+    dtype = parse_dtype(dtype)
+    ckpt, norm = read_and_normalize(src, format)
+    registry = _registry()
+    try:
+        config = make_config(norm.kind, norm.hf_config, norm.tensors)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{ckpt.path}: invalid {norm.kind} config ({e})") from None
+    validate(norm.kind, config, norm.tensors, str(ckpt.path))
+    if dtype is None:
+        dtype = default_dtype(norm.tensors, norm.hf_config)
+    arrays, n_values, total = {}, 0, len(norm.tensors)
+    for i, key in enumerate(sorted(norm.tensors)):
+        a = norm.tensors[key].load()
+        if is_float(a.dtype) and a.dtype != dtype:
+            a = a.astype(dtype)
+        arrays[key] = a
+        n_values += a.size
+        if progress is not None:
+            progress(i + 1, total, key)
+    params = registry.params_from_tensors(norm.kind, config, arrays, dtype)
+    del arrays
+    return Prepared(norm.kind, norm.format, norm.hf_config, config, params, np.dtype(dtype),
+                    norm.notes, ckpt.files, total, n_values, str(ckpt.path))
+
+
+def save_prepared(prep: Prepared, out_dir: Path) -> None:
+    """Write ``prep`` into the (new, empty) directory ``out_dir``."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    out_dir = Path(out_dir).absolute()
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        ckptr.save(out_dir / PARAMS_DIR, prep.params)
+        ckptr.wait_until_finished()
+    finally:
+        ckptr.close()
+    meta = {
+        "specjax_checkpoint_version": METADATA_VERSION,
+        "kind": prep.kind,
+        "format": prep.format,
+        "dtype": dtype_name(prep.dtype),
+        "hf_config": prep.hf_config,
+        "config": _registry().config_to_dict(prep.config),
+        "source": prep.source,
+        "source_files": [os.path.basename(f) for f in prep.files],
+        "num_tensors": prep.n_tensors,
+        "num_values": prep.n_values,
+        "notes": prep.notes,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (out_dir / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+@dataclasses.dataclass
+class Summary:
+    kind: str
+    format: str
+    dtype: str
+    n_tensors: int
+    n_values: int
+    notes: list[str]
+    dst: str
+    seconds: float
+
+    def text(self) -> str:
+        lines = [f"converted {self.n_tensors} tensors ({self.n_values:,} values) from format "
+                 f"{self.format!r} to a {self.kind} model in {self.dtype} "
+                 f"({self.seconds:.1f}s)", f"  -> {self.dst}"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = False,
+            progress: Progress | None = None) -> Summary:
+    """Convert the checkpoint at ``src`` into ``dst`` (orbax params + ``specjax.json``).
+
+    ``dst`` must not exist unless ``force``. The output is written to a temporary
+    directory beside ``dst`` and renamed into place at the end, so a failed or interrupted
+    run leaves nothing at ``dst`` (and, with ``force``, the old ``dst`` untouched).
+    """
+    t0 = time.perf_counter()
+    dst = Path(dst).absolute()
+    if (dst.exists() or dst.is_symlink()) and not force:
+        raise DestinationExistsError(f"{dst} already exists (use --force to replace it)")
+    prep = prepare(src, format=format, dtype=dtype, progress=progress)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    old = None
+    try:
+        save_prepared(prep, tmp)
+        if dst.exists() or dst.is_symlink():
+            if not force:
+                raise DestinationExistsError(f"{dst} appeared during the conversion")
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.rename(dst, old / "x")
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and (old / "x").exists() and not dst.exists():
+            os.rename(old / "x", dst)  # put the previous output back
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return Summary(prep.kind, prep.format, dtype_name(prep.dtype), prep.n_tensors,
+                   prep.n_values, prep.notes, str(dst), time.perf_counter() - t0)
+
+
+# -- loading --------------------------------------------------------------------------------
+
+def is_converted(path) -> bool:
+    return (Path(path) / METADATA_FILE).is_file()
+
+
+def load_pretrained(path, dtype=None, *, format: str | None = None):
+    """``(kind, config, params)`` from a ``specjax-convert`` output directory, or straight
+    from an original checkpoint (HF layout, EAGLE, Medusa, DFlash...; ``format``
+    auto-detected when None). ``dtype`` (bf16 / fp16 / fp32) casts the float params;
+    None keeps the stored (or checkpoint) dtype."""
+    dt = parse_dtype(dtype)
+    path = Path(path).absolute()
+    if not is_converted(path):
+        prep = prepare(path, format=format, dtype=dt)
+        return prep.kind, prep.config, prep.params
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    meta = json.loads((path / METADATA_FILE).read_text())
+    if meta.get("specjax_checkpoint_version") != METADATA_VERSION:
+        raise CheckpointError(f"{path}/{METADATA_FILE}: unsupported version "
+                              f"{meta.get('specjax_checkpoint_version')!r}")
+    kind = meta["kind"]
+    registry = _registry()
+    config = config_from_metadata(meta)
+    stored = parse_dtype(meta["dtype"])
+    target = registry.abstract_params(kind, config, dt or stored)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        params = ckptr.restore(path / PARAMS_DIR, target)
+    finally:
+        ckptr.close()
+    return kind, config, params
+
+
+def config_from_metadata(meta: dict):
+    """The saved ``config_to_dict`` output (it round-trips through ``config_from_hf`` and
+    carries the optional-tensor flags that decide the params structure)."""
+    return _registry().config_from_hf(meta["kind"], meta["config"])
+
+
+def supported_formats() -> dict[str, str]:
+    return {name: f"{f.kind}: {f.description}" for name, f in FORMATS.items()}

@@ -1,0 +1,144 @@
+"""``ModelConfig``: the static description of every model kind (frozen, hashable).
+
+One flat dataclass serves every kind; fields a kind does not use keep their defaults. It
+is hashable, so a model built from it can be a static ``jax.jit`` argument. Built from a
+normalized HF config dict by :func:`specjax.models.registry.config_from_hf`, and written
+back by :func:`specjax.models.registry.config_to_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+#: Kinds with weights (the canonical checkpoint forms of models/CANONICAL.md).
+KINDS = ("llama", "qwen2", "qwen3", "eagle", "eagle3", "dflash", "medusa")
+
+#: Kinds that are a plain decoder LM (target or draft model).
+DECODER_KINDS = ("llama", "qwen2", "qwen3")
+
+#: RoPE scaling types implemented (``rope_scaling.rope_type``; None means plain RoPE).
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static configuration of one model kind.
+
+    Decoder geometry (``llama``/``qwen2``/``qwen3`` and the layers of every head):
+      vocab_size, hidden_size (H), intermediate_size, num_hidden_layers,
+      num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_theta,
+      rope_scaling (sorted ``(key, value)`` tuple or None), max_position_embeddings,
+      tie_word_embeddings, qkv_bias (q/k/v projections have a bias), o_bias, mlp_bias,
+      qk_norm (per-head RMSNorm on q and k before RoPE, Qwen3).
+
+    Heads:
+      fc_bias: EAGLE-1 ``fc.bias`` (config ``bias``); Medusa ResBlock bias
+        (``medusa_fc_bias``).
+      draft_vocab_size: EAGLE-3 / DFlash head vocabulary (``vocab_size`` = target vocab).
+      target_hidden_size: width of each target hidden state fed to ``fc``.
+      norm_before_residual: EAGLE-3 first layer residual is ``hidden_norm(g)``.
+      aux_layer_ids: target layers whose *input* (vLLM meaning) feeds ``fc``; EAGLE-3
+        default None = ``(2, L//2, L-3)`` of the target, three states.
+      block_size, mask_token_id, causal: DFlash.
+      num_heads, truncated_vocab_size, original_lm_head, logit_scale: Medusa
+        (``num_hidden_layers`` = ResBlocks per head).
+
+    Optional-tensor presence (only :func:`abstract_params` needs it; forward passes look
+    at the params themselves): has_embed_tokens, has_lm_head, has_d2t, has_token_map.
+    None means "not known" and is treated like False by ``abstract_params``.
+    """
+
+    kind: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int = 0
+    num_hidden_layers: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # heads
+    fc_bias: bool = False
+    draft_vocab_size: int = 0
+    target_hidden_size: int = 0
+    norm_before_residual: bool = False
+    aux_layer_ids: tuple[int, ...] | None = None
+    block_size: int = 0
+    mask_token_id: int = -1
+    causal: bool = False
+    num_heads: int = 0
+    truncated_vocab_size: int = 0
+    original_lm_head: bool = False
+    logit_scale: float = 1.0
+    # optional tensors
+    has_embed_tokens: bool | None = None
+    has_lm_head: bool | None = None
+    has_d2t: bool | None = None
+    has_token_map: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("vocab_size", "hidden_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.kind == "medusa":
+            if self.num_heads <= 0:
+                raise ValueError(f"num_heads must be a positive integer, got {self.num_heads}")
+            return
+        for name in ("intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        rt = self.rope_type
+        if rt not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {rt!r}")
+        if self.kind in ("eagle3", "dflash") and self.draft_vocab_size <= 0:
+            raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
+
+    # -- derived -------------------------------------------------------------------
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
+    def rope_type(self) -> str:
+        d = self.rope_scaling_dict
+        if not d:
+            return "default"
+        return str(d.get("rope_type", d.get("type", "default")))
+
+    @property
+    def num_aux(self) -> int:
+        """Number of target hidden states concatenated into ``fc`` (EAGLE-3, DFlash)."""
+        return 3 if self.aux_layer_ids is None else len(self.aux_layer_ids)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size not in (0, self.vocab_size)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def eagle3_default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
+    """vLLM's default EAGLE-3 aux layers ``(2, L//2, L-3)`` (inputs of those layers)."""
+    n = int(num_target_layers)
+    return (2, n // 2, n - 3)

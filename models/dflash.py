@@ -1,0 +1,103 @@
+"""DFlash block-diffusion head (z-lab ``DFlashDraftModel``; vLLM ``qwen3_dflash.py``).
+
+Context: ``ctx = hidden_norm(fc(cat(aux states)))`` for the newly accepted tokens; each
+layer's K/V of the context (``k_norm`` + RoPE on K) are computed for all layers at once and
+written into the layers' paged caches (:meth:`precompute_and_store_context_kv`). Then one
+non-causal forward over the query block ``[bonus, mask, ..., mask]`` (embedded by the
+target): each block query sees every cached context key and every block key. Final
+``norm``; the target lm_head (or the head's own over a reduced vocab) on the mask slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.models import base, rope
+from specjax.models.attention import KVCache, init_kv_caches, write_kv
+from specjax.models.config import ModelConfig
+from specjax.models.layers import DecoderLayer, RMSNorm, linear, rms_norm
+
+
+class DFlashBody(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        fc_in = cfg.num_aux * (cfg.target_hidden_size or cfg.hidden_size)
+        self.fc = linear(fc_in, cfg.hidden_size, False, rngs)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashHead:
+    config: ModelConfig
+
+    def _freq(self):
+        c = self.config
+        return rope.inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def combine_hidden_states(self, params: dict, aux_hidden_states: jax.Array) -> jax.Array:
+        """``[T, n_aux, Ht]`` or ``[T, n_aux * Ht]`` -> ``fc`` output ``[T, H]`` (no norm yet)."""
+        x = aux_hidden_states
+        if x.ndim == 3:
+            x = x.reshape(x.shape[0], -1)
+        return base.merge(DFlashBody, (self.config,), params).fc(x)
+
+    def precompute_and_store_context_kv(self, params: dict, context_states: jax.Array,
+                                        positions: jax.Array, slot_mapping: jax.Array,
+                                        kv_caches: list[KVCache]) -> list[KVCache]:
+        """Write every layer's context K/V: ``context_states [Tc, H]`` (the ``fc`` output),
+        ``positions``/``slot_mapping [Tc] int32`` (slot -1 dropped)."""
+        c = self.config
+        nl, nkv, hd = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        layers = base.normalize_keys(params)["layers"]
+        ctx = rms_norm(context_states, params["hidden_norm"]["weight"], c.rms_norm_eps)
+        att = [layers[i]["self_attn"] for i in range(nl)]
+        w = jnp.stack([jnp.concatenate([a["k_proj"]["kernel"], a["v_proj"]["kernel"]], axis=-1)
+                       for a in att])                                   # [L, H, 2*nkv*hd]
+        kv = jnp.einsum("th,lhd->ltd", ctx, w)
+        if c.qkv_bias:
+            b = jnp.stack([jnp.concatenate([a["k_proj"]["bias"], a["v_proj"]["bias"]]) for a in att])
+            kv = kv + b[:, None, :]
+        tc = context_states.shape[0]
+        k = kv[..., : nkv * hd].reshape(nl, tc, nkv, hd)
+        v = kv[..., nkv * hd:].reshape(nl, tc, nkv, hd)
+        if c.qk_norm:
+            kw = jnp.stack([a["k_norm"]["weight"] for a in att])       # [L, hd]
+            k = rms_norm(k, kw[:, None, None, :], c.rms_norm_eps)
+        cos, sin = rope.cos_sin(positions, self._freq())
+        return [write_kv(kv_caches[i], rope.apply_rope(k[i], cos, sin), v[i], slot_mapping)
+                for i in range(nl)]
+
+    def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
+                kv_caches: list[KVCache], attn_metadata: CommonAttentionMetadata):
+        """Query blocks ``input_ids``/``positions [T] int32`` (non-causal metadata whose
+        ``seq_lens`` count context + block) -> ``(hidden [T, H] post-norm, kv_caches)``."""
+        if bool(attn_metadata.causal) != self.config.causal:
+            raise ValueError(f"attn_metadata.causal must be {self.config.causal} for this DFlash "
+                             f"head (config causal={self.config.causal})")
+        body = base.merge(DFlashBody, (self.config,), params)
+        cos, sin = rope.cos_sin(positions, self._freq())
+        h = base.embed(params, input_ids)
+        caches = []
+        for i, layer in enumerate(body.layers):
+            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata)
+            caches.append(c)
+        return body.norm(h), caches
+
+    def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """``[N, H]`` -> ``[N, V]`` float32 (own reduced-vocab head: scattered via ``d2t``)."""
+        logits = base.lm_head_logits(base.need(params, "lm_head", "the target's lm_head"), hidden)
+        if "d2t" not in params:
+            return logits
+        ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+        return base.scatter_vocab(logits, ids + params["d2t"][ids], self.config.vocab_size)
+
+    def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
+        c = self.config
+        return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
+                              c.num_key_value_heads, c.head_dim, dtype)

@@ -1,0 +1,60 @@
+"""EAGLE-1/2 head (SafeAILab; vLLM ``llama_eagle.py``).
+
+``z = fc(cat(embed(x_{t+1}), h_t))`` (fc bias optional), then decoder layers where layer 0
+has no input norm (``z`` is both its attention input and its residual), **no final
+norm**: the output ``o`` feeds the target's lm_head and is the next step's hidden input.
+Embedding and lm_head are the target's (vLLM ignores the checkpoint's ``embed_tokens``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.models import base, rope
+from specjax.models.attention import KVCache, init_kv_caches
+from specjax.models.config import ModelConfig
+from specjax.models.layers import DecoderLayer, linear
+
+
+class EagleBody(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.fc = linear(2 * h, h, cfg.fc_bias, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, input_norm=i > 0)
+                                for i in range(cfg.num_hidden_layers)])
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHead:
+    config: ModelConfig
+
+    def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
+                hidden_states: jax.Array, kv_caches: list[KVCache],
+                attn_metadata: CommonAttentionMetadata):
+        """``input_ids``/``positions [T] int32``, ``hidden_states [T, H]`` (target post-norm
+        hidden, or this head's previous output) -> ``(out [T, H], out [T, H], kv_caches)``:
+        vLLM's ``(hidden for logits, hidden for the next step)``, the same array here."""
+        cfg = self.config
+        body = base.merge(EagleBody, (cfg,), params)
+        cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        e = base.embed(params, input_ids)
+        h = body.fc(jnp.concatenate([e, hidden_states.astype(e.dtype)], axis=-1))
+        caches = []
+        for i, layer in enumerate(body.layers):
+            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata)
+            caches.append(c)
+        return h, h, caches
+
+    def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """``[N, H]`` -> ``[N, V]`` float32 through the (target's) lm_head."""
+        return base.lm_head_logits(base.need(params, "lm_head", "the target's lm_head"), hidden)
+
+    def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
+        c = self.config
+        return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
+                              c.num_key_value_heads, c.head_dim, dtype)

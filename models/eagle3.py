@@ -1,0 +1,113 @@
+"""EAGLE-3 head (SafeAILab ``midlayer`` / speculators ``layers.0``; vLLM ``llama_eagle3.py``).
+
+``g = fc(cat(aux states))`` once per target step (:meth:`combine_hidden_states`); later
+draft steps feed the head's own pre-norm output (H wide) instead. First layer:
+``e = input_layernorm(embed(x))``, ``hn = hidden_norm(g)``, residual ``g`` (or ``hn`` with
+``norm_before_residual``), attention over ``cat(e, hn)`` (2H wide q/k/v input), + residual,
+then the usual post-norm MLP; further layers are ordinary decoder layers. ``pre`` = last
+residual sum, ``out = norm(pre)``; logits over the draft vocab, ``target id = draft id +
+d2t[draft id]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.models import base, rope
+from specjax.models.attention import KVCache, init_kv_caches
+from specjax.models.config import ModelConfig
+from specjax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, linear
+
+
+class Eagle3FirstLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * h, rngs)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias, rngs)
+        self.norm_before_residual = bool(cfg.norm_before_residual)
+
+    def __call__(self, e, g, cos, sin, cache: KVCache, md: CommonAttentionMetadata):
+        e = self.input_layernorm(e)
+        hn = self.hidden_norm(g)
+        residual = hn if self.norm_before_residual else g
+        a, cache = self.self_attn(jnp.concatenate([e, hn], axis=-1), cos, sin, cache, md)
+        h = residual + a
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, cache
+
+
+class Eagle3Body(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        fc_in = cfg.num_aux * (cfg.target_hidden_size or cfg.hidden_size)
+        self.fc = linear(fc_in, cfg.hidden_size, False, rngs)
+        self.layers = nnx.List([Eagle3FirstLayer(cfg, rngs)]
+                               + [DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers - 1)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Head:
+    config: ModelConfig
+
+    def _body(self, params):
+        return base.merge(Eagle3Body, (self.config,), params)
+
+    def combine_hidden_states(self, params: dict, aux_hidden_states: jax.Array) -> jax.Array:
+        """``[T, n_aux, Ht]`` or ``[T, n_aux * Ht]`` (low -> high layer) -> ``g [T, H]``."""
+        x = aux_hidden_states
+        if x.ndim == 3:
+            x = x.reshape(x.shape[0], -1)
+        return self._body(params).fc(x)
+
+    def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
+                hidden_states: jax.Array, kv_caches: list[KVCache],
+                attn_metadata: CommonAttentionMetadata):
+        """``hidden_states [T, H]`` (``g``, or the previous step's ``prenorm``; an
+        ``n_aux * Ht`` wide input goes through ``fc`` first) -> ``(normed [T, H],
+        prenorm [T, H], kv_caches)``."""
+        cfg = self.config
+        body = self._body(params)
+        if hidden_states.shape[-1] != cfg.hidden_size or hidden_states.ndim == 3:
+            x = hidden_states.reshape(hidden_states.shape[0], -1)
+            hidden_states = body.fc(x)
+        cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        e = base.embed(params, input_ids)
+        caches = []
+        h, c = body.layers[0](e, hidden_states.astype(e.dtype), cos, sin, kv_caches[0], attn_metadata)
+        caches.append(c)
+        for i in range(1, len(body.layers)):
+            h, c = body.layers[i](h, cos, sin, kv_caches[i], attn_metadata)
+            caches.append(c)
+        return body.norm(h), h, caches
+
+    def compute_draft_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """``normed [N, H]`` -> ``[N, Vd]`` float32 over the draft vocabulary."""
+        return base.lm_head_logits(base.need(params, "lm_head", "the draft lm_head"), hidden)
+
+    def draft_to_target_ids(self, params: dict, draft_ids: jax.Array) -> jax.Array:
+        """Draft-vocab ids -> target ids (``id + d2t[id]``; identity without ``d2t``)."""
+        if "d2t" not in params:
+            return draft_ids
+        return draft_ids + params["d2t"][draft_ids]
+
+    def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """``normed [N, H]`` -> ``[N, V]`` float32 over the target vocab (vLLM): draft logits
+        scattered to their target ids, ``-inf`` elsewhere."""
+        logits = self.compute_draft_logits(params, hidden)
+        if "d2t" not in params:
+            return logits
+        ids = self.draft_to_target_ids(params, jnp.arange(logits.shape[-1], dtype=jnp.int32))
+        return base.scatter_vocab(logits, ids, self.config.vocab_size)
+
+    def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
+        c = self.config
+        return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
+                              c.num_key_value_heads, c.head_dim, dtype)

@@ -1,0 +1,102 @@
+"""Building blocks shared by every model: RMSNorm, SwiGLU MLP, GQA attention, decoder layer.
+
+Flax NNX modules. Weights are ``nnx.Param``; linear kernels are ``[in, out]`` (the
+transpose of PyTorch's ``[out, in]``). The paged attention itself lives in
+:mod:`specjax.models.attention`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.models import attention as attn_lib
+from specjax.models.attention import KVCache
+from specjax.models.config import ModelConfig
+from specjax.models.rope import apply_rope
+
+
+def linear(in_features: int, out_features: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """HF RMSNorm: ``weight * (x * rsqrt(mean(x^2) + eps))``, the normalization in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = float(eps)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight * y.astype(x.dtype)).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, rngs: nnx.Rngs):
+        self.gate_proj = linear(hidden, inter, bias, rngs)
+        self.up_proj = linear(hidden, inter, bias, rngs)
+        self.down_proj = linear(inter, hidden, bias, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nnx.Module):
+    """GQA self-attention over the paged cache; q/k/v read ``in_features``-wide inputs."""
+
+    def __init__(self, cfg: ModelConfig, in_features: int, rngs: nnx.Rngs):
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = linear(in_features, nh * hd, cfg.qkv_bias, rngs)
+        self.k_proj = linear(in_features, nkv * hd, cfg.qkv_bias, rngs)
+        self.v_proj = linear(in_features, nkv * hd, cfg.qkv_bias, rngs)
+        self.o_proj = linear(nh * hd, cfg.hidden_size, cfg.o_bias, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache,
+                 md: CommonAttentionMetadata) -> tuple[jax.Array, KVCache]:
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        o, cache = attn_lib.attend(q, k, v, cache, md, scale=self.head_dim ** -0.5)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), cache
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm Llama/Qwen layer. ``input_norm=False``: EAGLE-1 layer 0 (no input norm)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, input_norm: bool = True):
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(cfg, h, rngs)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias, rngs)
+
+    def __call__(self, h: jax.Array, cos, sin, cache: KVCache,
+                 md: CommonAttentionMetadata) -> tuple[jax.Array, KVCache]:
+        """``h [T, H]``: the residual stream in; returns the stream out."""
+        x = h if self.input_layernorm is None else self.input_layernorm(h)
+        a, cache = self.self_attn(x, cos, sin, cache, md)
+        h = h + a
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, cache

@@ -1,0 +1,93 @@
+"""Llama-family decoder LM (Llama incl. llama3 RoPE scaling, Qwen2 q/k/v bias, Qwen3 q/k
+norms): the target model, or a draft model of the same vocabulary.
+
+``h_0 = embed(ids)``; layer k: ``h_{k+1} = h_k + attn(norm(h_k)); += mlp(norm(.))``;
+``hidden = norm(h_L)``; ``logits = lm_head(hidden)`` (the embedding when tied). The aux
+state at layer id ``k`` is ``h_k``, the *input* of layer k (vLLM's meaning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.models import base, rope
+from specjax.models.attention import KVCache, init_kv_caches
+from specjax.models.config import ModelConfig
+from specjax.models.layers import DecoderLayer, RMSNorm
+
+
+class DecoderBody(nnx.Module):
+    """``layers.{i}`` and the final ``norm`` (embedding and head are handled by the runner)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def check_aux_ids(aux_layer_ids, num_layers: int) -> tuple[int, ...]:
+    ids = tuple(int(i) for i in (aux_layer_ids or ()))
+    if any(not 0 <= i < num_layers for i in ids) or list(ids) != sorted(set(ids)):
+        raise ValueError(
+            f"aux_layer_ids must be strictly increasing layer ids in [0, {num_layers}) "
+            f"(the input of layer k), got {ids}"
+        )
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderLM:
+    """Static runner of a decoder LM (hashable; its methods jit with params as arguments).
+
+    Attributes:
+      config: a ``llama`` / ``qwen2`` / ``qwen3`` ModelConfig.
+      aux_layer_ids: layers whose *input* ``forward`` also returns (EAGLE-3 / DFlash /
+        extract-hidden-states targets); empty -> ``aux`` is None.
+    """
+
+    config: ModelConfig
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "aux_layer_ids",
+                           check_aux_ids(self.aux_layer_ids, self.config.num_hidden_layers))
+
+    def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
+                kv_caches: list[KVCache], attn_metadata: CommonAttentionMetadata):
+        """One step over a ragged batch.
+
+        Args:
+          params: the model's params dict.
+          input_ids, positions: ``[T_pad] int32``.
+          kv_caches: one ``KVCache`` per layer.
+          attn_metadata: the batch (slot mapping, block table, causal).
+
+        Returns:
+          ``(hidden [T_pad, H] post-norm, aux [T_pad, n_aux, H] or None, kv_caches)``.
+        """
+        cfg = self.config
+        body = base.merge(DecoderBody, (cfg,), params)
+        cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        h = base.embed(params, input_ids)
+        aux, caches = [], []
+        for i, layer in enumerate(body.layers):
+            if i in self.aux_layer_ids:
+                aux.append(h)
+            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata)
+            caches.append(c)
+        hidden = body.norm(h)
+        return hidden, (jnp.stack(aux, axis=1) if aux else None), caches
+
+    def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """``hidden [N, H]`` -> ``[N, V]`` float32 (tied: the embedding is the head)."""
+        head = params.get("lm_head") or {"embedding": base.embed_table(params)}
+        return base.lm_head_logits(head, hidden)
+
+    def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
+        c = self.config
+        return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
+                              c.num_key_value_heads, c.head_dim, dtype)

@@ -1,0 +1,388 @@
+"""(No tests here: helpers for test_converters.py.)
+
+Tiny checkpoints in every upstream layout, built from NumPy alone (no torch), for the
+converter tests. Key names and shapes follow research/checkpoint_formats.md, written out
+here independently of specjax.converters.
+
+``write_torch_zip`` writes a ``torch.save`` zip archive by hand, following torch's
+serialization layout: ``<prefix>/data.pkl`` (protocol 2; storages as persistent ids
+``('storage', torch.<T>Storage, key, 'cpu', numel)``, tensors as
+``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())``),
+``<prefix>/data/<key>`` (raw little-endian bytes), ``<prefix>/version``,
+``<prefix>/byteorder``, ``<prefix>/.data/version``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import json
+import pickle
+import zipfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+H, NH, NKV, HD, I, V, VD = 16, 4, 2, 4, 24, 48, 32
+STORAGE_TYPES = {
+    np.dtype(np.float32): "FloatStorage", np.dtype(np.float16): "HalfStorage",
+    np.dtype(ml_dtypes.bfloat16): "BFloat16Storage", np.dtype(np.int64): "LongStorage",
+    np.dtype(np.int32): "IntStorage", np.dtype(np.bool_): "BoolStorage",
+    np.dtype(np.float64): "DoubleStorage",
+}
+
+
+# -- a torch.save writer without torch -----------------------------------------------------
+
+class Global:
+    """A pickled reference to ``module.name`` (emitted as a GLOBAL opcode)."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __call__(self, *a):  # pickle checks that a reduce function is callable
+        raise AssertionError("never called")
+
+
+class Call:
+    """Pickles as ``module.name(*args)`` (GLOBAL + args + REDUCE)."""
+
+    def __init__(self, fn: Global, args: tuple):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@dataclasses.dataclass(eq=False)
+class Storage:
+    key: str
+    data: np.ndarray  # 1-D
+
+    def pid(self):
+        return ("storage", Global("torch", STORAGE_TYPES[self.data.dtype]), self.key, "cpu",
+                int(self.data.size))
+
+
+@dataclasses.dataclass
+class View:
+    """A tensor view of ``storage``: element offset, size, stride (torch semantics)."""
+
+    storage: Storage
+    offset: int
+    size: tuple
+    stride: tuple
+
+    def array(self) -> np.ndarray:
+        it = self.storage.data.itemsize
+        return np.lib.stride_tricks.as_strided(
+            self.storage.data[self.offset:], self.size, [s * it for s in self.stride]).copy()
+
+
+def rebuild(view: View) -> Call:
+    return Call(Global("torch._utils", "_rebuild_tensor_v2"),
+                (view.storage, view.offset, tuple(view.size), tuple(view.stride), False,
+                 Call(Global("collections", "OrderedDict"), ())))
+
+
+class _TorchPickler(pickle._Pickler):  # the pure-Python pickler, so save() can be extended
+    def persistent_id(self, obj):
+        return obj.pid() if isinstance(obj, Storage) else None
+
+    def save(self, obj, save_persistent_id=True):
+        if isinstance(obj, Global):
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            return
+        super().save(obj, save_persistent_id)
+
+
+def contiguous_view(arr: np.ndarray, key: str) -> View:
+    arr = np.ascontiguousarray(arr)
+    strides = tuple(s // arr.itemsize for s in arr.strides) if arr.ndim else ()
+    return View(Storage(key, arr.reshape(-1)), 0, arr.shape, strides)
+
+
+def torch_zip_bytes(obj, storages: list[Storage], prefix: str = "archive") -> bytes:
+    buf = io.BytesIO()
+    _TorchPickler(buf, protocol=2).dump(obj)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr(f"{prefix}/data.pkl", buf.getvalue())
+        zf.writestr(f"{prefix}/byteorder", "little")
+        for st in storages:
+            zf.writestr(f"{prefix}/data/{st.key}", st.data.astype(st.data.dtype.newbyteorder("<"))
+                        .tobytes())
+        zf.writestr(f"{prefix}/version", "3\n")
+        zf.writestr(f"{prefix}/.data/version", "3\n")
+    return out.getvalue()
+
+
+def write_torch_zip(path, tensors: dict, prefix: str | None = None) -> None:
+    """``torch.save(state_dict, path)`` without torch. Values are arrays or :class:`View`."""
+    path = Path(path)
+    sd, storages, seen = collections.OrderedDict(), [], {}
+    for i, (k, v) in enumerate(tensors.items()):
+        view = v if isinstance(v, View) else contiguous_view(np.asarray(v), str(i))
+        if id(view.storage) not in seen:
+            seen[id(view.storage)] = view.storage
+            storages.append(view.storage)
+        sd[k] = rebuild(view)
+    # nn.Module.state_dict() carries a _metadata attribute (pickled through BUILD).
+    sd._metadata = collections.OrderedDict({"": {"version": 1}})
+    path.write_bytes(torch_zip_bytes(sd, storages, prefix or path.stem))
+
+
+def malicious_pickle_zip(path, command: str) -> None:
+    """A torch-layout archive whose pickle calls ``os.system(command)`` when loaded."""
+    payload = (b"\x80\x02" + b"cos\nsystem\n" + pickle.BINUNICODE
+               + len(command.encode()).to_bytes(4, "little") + command.encode()
+               + b"\x85R.")  # TUPLE1, REDUCE, STOP
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", payload)
+        zf.writestr("archive/version", "3\n")
+
+
+# -- key tables (research/checkpoint_formats.md) ------------------------------------------
+
+def decoder_layer(prefix: str, *, width: int = H, hd: int = HD, input_norm: bool = True,
+                  qkv_bias: bool = False, qk_norm: bool = False,
+                  hidden_norm: bool = False) -> dict:
+    t = {
+        f"{prefix}self_attn.q_proj.weight": (NH * hd, width),
+        f"{prefix}self_attn.k_proj.weight": (NKV * hd, width),
+        f"{prefix}self_attn.v_proj.weight": (NKV * hd, width),
+        f"{prefix}self_attn.o_proj.weight": (H, NH * hd),
+        f"{prefix}mlp.gate_proj.weight": (I, H),
+        f"{prefix}mlp.up_proj.weight": (I, H),
+        f"{prefix}mlp.down_proj.weight": (H, I),
+        f"{prefix}post_attention_layernorm.weight": (H,),
+    }
+    if input_norm:
+        t[f"{prefix}input_layernorm.weight"] = (H,)
+    if hidden_norm:
+        t[f"{prefix}hidden_norm.weight"] = (H,)
+    if qkv_bias:
+        t[f"{prefix}self_attn.q_proj.bias"] = (NH * hd,)
+        t[f"{prefix}self_attn.k_proj.bias"] = (NKV * hd,)
+        t[f"{prefix}self_attn.v_proj.bias"] = (NKV * hd,)
+    if qk_norm:
+        t[f"{prefix}self_attn.q_norm.weight"] = (hd,)
+        t[f"{prefix}self_attn.k_norm.weight"] = (hd,)
+    return t
+
+
+def llama_config(**kw) -> dict:
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=H,
+               intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV,
+               num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=V,
+               max_position_embeddings=256, tie_word_embeddings=False, torch_dtype="float32",
+               hidden_act="silu")
+    cfg.update(kw)
+    return cfg
+
+
+@dataclasses.dataclass
+class Case:
+    """One checkpoint: ``config`` (None: no config.json), ``shapes`` (on-disk key -> shape
+    or (shape, dtype)), ``fmt`` (expected detection), ``kind``, ``canonical`` (on-disk key
+    -> canonical key, None: dropped), ``layout`` (how to write it)."""
+
+    name: str
+    fmt: str
+    kind: str
+    config: dict | None
+    shapes: dict
+    canonical: dict
+    layout: str = "safetensors"
+    dtype: object = np.float32
+    hf_checks: dict = dataclasses.field(default_factory=dict)
+
+    def arrays(self, seed: int = 0) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        out = {}
+        for k, spec in self.shapes.items():
+            shape, dtype = spec if isinstance(spec[0], tuple) else (spec, self.dtype)
+            dtype = np.dtype(dtype)
+            if k == "d2t":
+                out[k] = (rng.integers(0, V - VD, size=shape)).astype(dtype)
+            elif k == "token_map":
+                out[k] = np.sort(rng.choice(V, size=shape, replace=False)).astype(dtype)
+            elif dtype == np.bool_:
+                out[k] = rng.random(shape) < 0.5
+            else:
+                out[k] = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+        return out
+
+    def write(self, root: Path, seed: int = 0) -> tuple[Path, dict[str, np.ndarray]]:
+        d = root / self.name
+        d.mkdir(parents=True)
+        if self.config is not None:
+            (d / "config.json").write_text(json.dumps(self.config))
+        arrays = self.arrays(seed)
+        write_layout(d, arrays, self.layout)
+        return d, arrays
+
+
+def write_layout(d: Path, arrays: dict, layout: str) -> None:
+    keys = list(arrays)
+    if layout == "safetensors":
+        save_file(arrays, str(d / "model.safetensors"))
+    elif layout == "safetensors-sharded":
+        half = len(keys) // 2
+        shards = {"model-00001-of-00002.safetensors": keys[:half],
+                  "model-00002-of-00002.safetensors": keys[half:]}
+        for fname, ks in shards.items():
+            save_file({k: arrays[k] for k in ks}, str(d / fname))
+        (d / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    elif layout == "bin":
+        write_torch_zip(d / "pytorch_model.bin", arrays)
+    elif layout == "bin-sharded":
+        half = len(keys) // 2
+        shards = {"pytorch_model-00001-of-00002.bin": keys[:half],
+                  "pytorch_model-00002-of-00002.bin": keys[half:]}
+        for fname, ks in shards.items():
+            write_torch_zip(d / fname, {k: arrays[k] for k in ks})
+        (d / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    elif layout == "medusa-pt":
+        write_torch_zip(d / "medusa_lm_head.pt", arrays)
+    else:
+        raise ValueError(layout)
+
+
+def _identity(shapes: dict, drop=()) -> dict:
+    return {k: (None if k in drop else k) for k in shapes}
+
+
+def cases() -> list[Case]:
+    out = []
+    # HF Llama: sharded safetensors, untied, an old rotary_emb.inv_freq buffer.
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+              "lm_head.weight": (V, H),
+              "model.layers.0.self_attn.rotary_emb.inv_freq": (HD // 2,)}
+    for i in range(2):
+        shapes.update(decoder_layer(f"model.layers.{i}."))
+    out.append(Case("llama", "llama", "llama", llama_config(), shapes,
+                    _identity(shapes, drop=["model.layers.0.self_attn.rotary_emb.inv_freq"]),
+                    layout="safetensors-sharded",
+                    hf_checks={"rope_theta": 500000.0, "head_dim": HD,
+                               "tie_word_embeddings": False}))
+    # HF Qwen2: tied (lm_head.weight stored anyway: dropped), q/k/v bias, sharded .bin.
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+              "lm_head.weight": (V, H)}
+    for i in range(2):
+        shapes.update(decoder_layer(f"model.layers.{i}.", qkv_bias=True))
+    cfg = llama_config(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                       tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6)
+    out.append(Case("qwen2", "qwen2", "qwen2", cfg, shapes,
+                    _identity(shapes, drop=["lm_head.weight"]), layout="bin-sharded",
+                    hf_checks={"attention_bias": True, "tie_word_embeddings": True}))
+    # HF Qwen3: head_dim 8 != H/nH, q/k norms, transformers-v5 rope_parameters, bf16.
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+              "lm_head.weight": (V, H)}
+    for i in range(2):
+        shapes.update(decoder_layer(f"model.layers.{i}.", hd=8, qk_norm=True))
+    cfg = llama_config(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=8,
+                       rope_theta=None, rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 1e6},
+                       dtype="bfloat16")
+    cfg.pop("rope_theta")
+    cfg.pop("torch_dtype")
+    out.append(Case("qwen3", "qwen3", "qwen3", cfg, shapes, _identity(shapes),
+                    dtype=ml_dtypes.bfloat16,
+                    hf_checks={"rope_theta": 1e6, "head_dim": 8, "rope_scaling": None}))
+    # EAGLE-1 (SafeAILab): pytorch_model.bin, fp16, fc.bias, no `bias` in config, layer 0
+    # without input_layernorm, optional embed_tokens.
+    shapes = {"fc.weight": (H, 2 * H), "fc.bias": (H,), "embed_tokens.weight": (V, H)}
+    shapes.update(decoder_layer("layers.0.", input_norm=False))
+    cfg = llama_config(num_hidden_layers=1, torch_dtype="float16")
+    out.append(Case("eagle", "eagle", "eagle", cfg, shapes, _identity(shapes), layout="bin",
+                    dtype=np.float16, hf_checks={"bias": True}))
+    # EAGLE-3 (SafeAILab): midlayer.*, d2t int64 / t2d bool, no embedding, llama3 rope.
+    shapes = {"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (VD, H),
+              "d2t": ((VD,), np.int64), "t2d": ((V,), np.bool_)}
+    shapes.update(decoder_layer("midlayer.", width=2 * H, hidden_norm=True))
+    canonical = {k: k.replace("midlayer.", "layers.0.") for k in shapes}
+    canonical["t2d"] = None
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = llama_config(num_hidden_layers=1, draft_vocab_size=VD, rope_scaling=scaling)
+    out.append(Case("eagle3", "eagle3", "eagle3", cfg, shapes, canonical, layout="bin",
+                    hf_checks={"draft_vocab_size": VD, "target_hidden_size": H,
+                               "norm_before_residual": False,
+                               "eagle_aux_hidden_state_layer_ids": None}))
+    # EAGLE-3 (speculators): layers.0.*, nested transformer_layer_config, embed present.
+    shapes = {"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (VD, H),
+              "embed_tokens.weight": (V, H), "d2t": ((VD,), np.int64),
+              "t2d": ((V,), np.bool_)}
+    shapes.update(decoder_layer("layers.0.", width=2 * H, hidden_norm=True))
+    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+           "transformer_layer_config": llama_config(num_hidden_layers=1),
+           "draft_vocab_size": VD, "target_hidden_size": None, "norm_before_residual": True,
+           "eagle_aux_hidden_state_layer_ids": [1, 3, 5],
+           "speculators_config": {"algorithm": "eagle3"}}
+    out.append(Case("eagle3_spec", "eagle3-speculators", "eagle3", cfg, shapes,
+                    _identity(shapes, drop=["t2d"]), dtype=ml_dtypes.bfloat16,
+                    hf_checks={"norm_before_residual": True, "target_hidden_size": H,
+                               "eagle_aux_hidden_state_layer_ids": [1, 3, 5]}))
+    # DFlash (z-lab): no prefix, no embedding / lm_head, target_layer_ids shifted by +1.
+    shapes = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(2):
+        shapes.update(decoder_layer(f"layers.{i}.", qk_norm=True))
+    cfg = llama_config(architectures=["DFlashDraftModel"], model_type="qwen3",
+                       block_size=4, num_target_layers=8, head_dim=HD,
+                       dflash_config={"mask_token_id": V - 1, "target_layer_ids": [1, 3, 5]},
+                       auto_map={"AutoModel": "dflash.DFlashDraftModel"})
+    out.append(Case("dflash", "dflash", "dflash", cfg, shapes, _identity(shapes),
+                    dtype=ml_dtypes.bfloat16,
+                    hf_checks={"aux_hidden_state_layer_ids": [2, 4, 6], "block_size": 4,
+                               "mask_token_id": V - 1, "causal": False,
+                               "draft_vocab_size": V, "target_hidden_size": H}))
+    # DFlash (speculators): aux ids as given, reduced vocab with lm_head + d2t.
+    shapes = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+              "lm_head.weight": (VD, H), "d2t": ((VD,), np.int64), "t2d": ((V,), np.bool_)}
+    for i in range(2):
+        shapes.update(decoder_layer(f"layers.{i}.", qk_norm=True))
+    tl = llama_config(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=HD)
+    cfg = {"speculators_model_type": "dflash", "transformer_layer_config": tl,
+           "draft_vocab_size": VD, "block_size": 8, "aux_hidden_state_layer_ids": [2, 4, 6],
+           "mask_token_id": 5, "target_hidden_size": None}
+    out.append(Case("dflash_spec", "dflash-speculators", "dflash", cfg, shapes,
+                    _identity(shapes, drop=["t2d"]),
+                    hf_checks={"aux_hidden_state_layer_ids": [2, 4, 6], "block_size": 8,
+                               "draft_vocab_size": VD}))
+    # Medusa-1 (FasterDecoding): medusa_lm_head.pt; config undercounts heads.
+    shapes = {}
+    canonical = {}
+    for h in range(3):
+        shapes[f"{h}.0.linear.weight"] = (H, H)
+        shapes[f"{h}.0.linear.bias"] = (H,)
+        shapes[f"{h}.1.weight"] = (V, H)
+        canonical[f"{h}.0.linear.weight"] = f"blocks.{h}.layers.0.weight"
+        canonical[f"{h}.0.linear.bias"] = f"blocks.{h}.layers.0.bias"
+        canonical[f"{h}.1.weight"] = f"lm_heads.{h}.weight"
+    cfg = {"medusa_num_heads": 2, "medusa_num_layers": 1,
+           "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}
+    out.append(Case("medusa", "medusa", "medusa", cfg, shapes, canonical, layout="medusa-pt",
+                    dtype=np.float16,
+                    hf_checks={"num_heads": 3, "num_hidden_layers": 1, "medusa_fc_bias": True,
+                               "hidden_size": H, "vocab_size": V}))
+    # Medusa (vLLM): blocks.*, lm_heads.*, 2 ResBlock layers, no bias.
+    shapes = {}
+    for h in range(2):
+        for l in range(2):
+            shapes[f"blocks.{h}.layers.{l}.weight"] = (H, H)
+        shapes[f"lm_heads.{h}.weight"] = (V, H)
+    cfg = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": H,
+           "vocab_size": V, "medusa_num_heads": 2, "medusa_num_layers": 2}
+    out.append(Case("medusa_vllm", "medusa-vllm", "medusa", cfg, shapes, _identity(shapes),
+                    hf_checks={"num_heads": 2, "num_hidden_layers": 2,
+                               "medusa_fc_bias": False}))
+    return out
+
+
+CASES = {c.name: c for c in cases()}
