@@ -247,6 +247,7 @@ def eagle_prepare_next_token_padded(
     """
     backend = resolve_backend(backend)
     vocab_size = _positive_int("vocab_size", vocab_size)
+    check_index_range("vocab_size", vocab_size)
     sampled = _index_array("sampled_token_ids", sampled_token_ids, 2)
     discard = _bool_array("discard_request_mask", discard_request_mask, 1)
     backup = _index_array("backup_next_token_ids", backup_next_token_ids, 1)

@@ -103,3 +103,34 @@ def resolve_prompt_lookup(prompt_lookup_min: int | None, prompt_lookup_max: int 
             f"prompt_lookup_min ({min_n}) must be <= prompt_lookup_max ({max_n})"
         )
     return min_n, max_n
+
+
+class ProposerInputs(NamedTuple):
+    """What a device proposer receives after each target forward (vLLM ``propose``'s
+    arguments), as one pytree. Fields a method does not need may be None.
+
+    Attributes:
+      target_token_ids: ``[T_pad] int32``, the tokens the target just ran.
+      target_positions: ``[T_pad] int32``.
+      target_hidden_states: ``[T_pad, H]``, the target's final post-norm hidden states
+        (EAGLE, Medusa).
+      aux_hidden_states: ``[T_pad, n_aux, Ht]``, inputs of the target's aux layers
+        (EAGLE-3, DFlash, extract-hidden-states).
+      next_token_ids: ``[B_pad] int32``, the token each request sampled this step (the
+        bonus or recovered token; ``eagle_prepare_next_token_padded``).
+      token_indices_to_sample: ``[B_pad] int32`` or None (= ``query_start_loc[1:] - 1``),
+        the token of each request whose output is sampled (``eagle_prepare_inputs_padded``
+        in padded mode, ``prepare_inputs`` otherwise).
+      num_rejected_tokens: ``[B_pad] int32`` or None: padded-batch mode when given (the
+        rejected tokens stay in the batch as padding).
+      attn_metadata: the target step's ``CommonAttentionMetadata``.
+    """
+
+    target_token_ids: Any
+    target_positions: Any
+    target_hidden_states: Any
+    aux_hidden_states: Any
+    next_token_ids: Any
+    token_indices_to_sample: Any
+    num_rejected_tokens: Any
+    attn_metadata: Any

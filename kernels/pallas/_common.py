@@ -1,0 +1,135 @@
+"""Shared pieces of the Pallas (Mosaic GPU) kernels.
+
+Every kernel is a ``plgpu.kernel`` over a 1-D grid of programs named ``"blk"``; a
+program owns one *chunk* of ``LANES = 128`` consecutive output elements (one per thread of
+the warpgroup) and writes all of them with full-width vector stores, so no output element
+is left unwritten (interpret mode poisons those) and no masked store is needed (Mosaic GPU
+has none). Outputs are therefore allocated rounded up to whole chunks and sliced by the
+wrapper; inputs read as vector windows are padded the same way.
+
+Mosaic GPU has no vector gather on Hopper, so a value that lives at a data-dependent
+address is fetched with a scalar load inside a loop and merged into the lane vector with
+a select (see ``extract`` and the per-op modules).
+
+On CPU the kernels run in GPU interpret mode (``plgpu.InterpretGPUParams``), chosen
+automatically when ``jax.default_backend() != "gpu"``. Every ref access is one host
+callback there, so the kernels keep the number of loads and stores per chunk small.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Imported for its side effect: it defines a config option that is part of every jit cache
+# key. Interpret mode imports it lazily during the first kernel call, which would otherwise
+# make the first jitted op miss its cache once.
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401,E402
+
+#: Lanes of one chunk: one element per thread of a warpgroup.
+LANES = 128
+#: Warpgroup semantics (the Mosaic GPU default) infers layouts of values and loop carries.
+LOWERING_SEMANTICS = mgpu.LoweringSemantics.Warpgroup
+I32 = jnp.int32
+#: Larger than every int32 index the kernels compare against (a "no lane" sentinel).
+BIG = jnp.iinfo(jnp.int32).max
+
+
+def interpret_params():
+    """GPU interpret mode off the GPU, compiled Mosaic GPU on it."""
+    if jax.default_backend() != "gpu":
+        return plgpu.InterpretGPUParams()
+    return None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def run_kernel(body: Callable, out_type, num_programs: int, name: str):
+    """``plgpu.kernel`` with a 1-D grid of ``num_programs`` programs named ``"blk"``."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(num_programs,),
+        grid_names=("blk",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=LOWERING_SEMANTICS),
+        interpret=interpret_params(),
+        kernel_name=name,
+    )
+
+
+def program_id():
+    """Index of this program (``lax.axis_index``: ``pl.program_id`` interprets as 0)."""
+    return lax.axis_index("blk")
+
+
+def lanes():
+    """``[LANES] int32`` iota in the strided warpgroup layout (lane i holds i)."""
+    return plgpu.broadcasted_iota(
+        I32, (LANES,), 0, layout=plgpu.Layout.WG_STRIDED((LANES,), vec_size=1))
+
+
+def full(value, dtype=I32):
+    """A ``[LANES]`` vector of ``value``, in the strided layout like every loop carry."""
+    return lanes() * 0 + jnp.asarray(value, dtype)
+
+
+def extract(vec, i):
+    """Lane ``i`` of a ``[LANES] int32`` vector as a scalar (a warpgroup reduction)."""
+    return jnp.sum(jnp.where(lanes() == i, vec, 0))
+
+
+def chunk(start):
+    """``pl.ds(start, LANES)``: the slice of one chunk."""
+    return pl.ds(start, LANES)
+
+
+def num_real(n_ref, rows: int):
+    """``num_reqs`` read from its ``[1]`` ref, clipped to ``[0, rows]``."""
+    return jnp.clip(n_ref[0], 0, rows)
+
+
+def count_le(key: Callable, n, bound):
+    """Number of ``r`` in ``[0, n)`` with ``key(r) <= bound``, for non-decreasing keys.
+
+    A binary search of scalar loads (``key`` reads a ref): ``bit_length(n)`` probes.
+    """
+
+    def cond(state):
+        lo, hi = state
+        return lo < hi
+
+    def body(state):
+        lo, hi = state
+        mid = lax.div(lo + hi, 2)
+        ok = key(mid) <= bound
+        return jnp.where(ok, mid + 1, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = lax.while_loop(cond, body, (jnp.int32(0), n))
+    return lo
+
+
+def pad_rows(x: jax.Array, rows: int, before: int = 0) -> jax.Array:
+    """``x`` padded with zeros along axis 0 to ``rows`` rows, ``before`` of them in front."""
+    after = rows - before - x.shape[0]
+    if before == 0 and after == 0:
+        return x
+    widths = [(before, after)] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, widths)
+
+
+def head(x: jax.Array, n: int) -> jax.Array:
+    """The first ``n`` rows of ``x`` (no op when it has exactly ``n``)."""
+    return x if x.shape[0] == n else x[:n]
+
+
+def as_mask(x: jax.Array) -> jax.Array:
+    """Kernel-side masks are int8 (Mosaic GPU cannot vector-store i1); bool for callers."""
+    return x.astype(jnp.bool_)
