@@ -1,0 +1,123 @@
+"""Time one ``propose`` of the EAGLE-3 proposer with a Llama-3.1-8B-shaped head.
+
+Head: H 4096, I 14336, 32 / 8 heads (head_dim 128), 1 layer, target vocab 128256, draft
+vocab 32000, random bf16 weights (timing does not depend on values). Each request carries a
+1k-token context and a target batch of k + 1 = 4 tokens (one decode step verifying 3
+drafts); k = 3 drafts are proposed: the first pass over the 4B tokens then 2 single-token
+steps.
+
+Floor = bytes that must move / 4.3 TB/s: every draft forward reads the layer weights and the
+draft lm_head once (the first pass also reads fc), and each forward's attention reads each
+request's cached K/V (1 layer, 8 KV heads x 128, bf16).
+
+Usage: python benchmarks/proposers.py [--batches 1,8,64] [--k 3] [--context 1024] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.config import SpeculativeConfig
+from specjax.models import registry, share_target_weights
+from specjax.proposers.base import ProposerInputs
+from specjax.proposers.eagle import EagleProposer
+
+HBM_BPS = 4.3e12
+H, I, NH, NKV, HD, V, VD = 4096, 14336, 32, 8, 128, 128256, 32000
+BS = 16
+
+
+def random_params(abstract, key):
+    leaves, tree = jax.tree_util.tree_flatten(abstract)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, a in zip(keys, leaves):
+        if jnp.issubdtype(a.dtype, jnp.integer):
+            out.append(jnp.zeros(a.shape, a.dtype))
+        else:
+            out.append((jax.random.normal(k, a.shape, jnp.float32) * 0.02).astype(a.dtype))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    k, ctx = args.k, args.context
+    cfg = registry.config_from_hf("eagle3", dict(
+        hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV,
+        head_dim=HD, num_hidden_layers=1, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-5,
+        rope_theta=500000.0, has_d2t=True, eagle_aux_hidden_state_layer_ids=[2, 16, 29]))
+    dtype = jnp.bfloat16
+    own = random_params(registry.abstract_params("eagle3", cfg, dtype), jax.random.key(0))
+    target = {"embed_tokens": {"embedding": (jax.random.normal(jax.random.key(1), (V, H), jnp.float32)
+                                             * 0.02).astype(dtype)}}
+    params = share_target_weights(own, target)
+    model = registry.make_model("eagle3", cfg)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(own))
+    fc_bytes = own["fc"]["kernel"].size * 2
+    print(f"# jax {jax.__version__}, {jax.devices()[0].device_kind}; head weights {weight_bytes / 1e9:.3f} GB "
+          f"(fc {fc_bytes / 1e9:.3f} GB), k={k}, context {ctx}")
+    rows = []
+    for b in [int(s) for s in args.batches.split(",")]:
+        q = k + 1
+        width = -(-(ctx + k + 8) // BS)
+        width = 1 << (width - 1).bit_length()          # power-of-two context bucket
+        num_blocks = b * width
+        prop = EagleProposer(SpeculativeConfig(method="eagle3", num_speculative_tokens=k), model,
+                             block_size=BS, max_model_len=width * BS, kernel_backend="xla")
+        state = prop.init_state(num_blocks, dtype)
+        table = np.arange(num_blocks, dtype=np.int32).reshape(b, width)
+        md = CommonAttentionMetadata.from_query_lens([q] * b, [ctx] * b, table, block_size=BS)
+        pos = np.tile(np.arange(ctx - q, ctx, dtype=np.int32), b)
+        rng = np.random.default_rng(0)
+        inputs = ProposerInputs(
+            target_token_ids=jnp.asarray(rng.integers(0, V, b * q), jnp.int32),
+            target_positions=jnp.asarray(pos),
+            target_hidden_states=None,
+            aux_hidden_states=(jax.random.normal(jax.random.key(2), (b * q, 3, H), jnp.float32)
+                               .astype(dtype)),
+            next_token_ids=jnp.asarray(rng.integers(0, V, b), jnp.int32),
+            token_indices_to_sample=jnp.asarray(np.arange(1, b + 1) * q - 1, jnp.int32),
+            num_rejected_tokens=jnp.zeros(b, jnp.int32),
+            attn_metadata=md)
+        out, state = prop.propose(params, state, inputs)
+        jax.block_until_ready(out)
+        lat = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            out, state = prop.propose(params, state, inputs)
+            jax.block_until_ready(out)
+            lat.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(args.reps):
+            out, state = prop.propose(params, state, inputs)
+        jax.block_until_ready(out)
+        pipe = (time.perf_counter() - t0) / args.reps
+        kv_read = 2 * NKV * HD * 2                      # K and V, bf16, per token, one layer
+        kv_bytes = sum(b * (ctx + i) * kv_read for i in range(k))
+        floor = ((weight_bytes - fc_bytes) * k + fc_bytes + kv_bytes) / HBM_BPS
+        r = dict(batch=b, k=k, context=ctx, latency_ms=statistics.median(lat) * 1e3,
+                 pipelined_ms=pipe * 1e3, floor_ms=floor * 1e3)
+        rows.append(r)
+        print(f"B={b:4d}  latency {r['latency_ms']:.3f} ms  pipelined {r['pipelined_ms']:.3f} ms  "
+              f"floor {r['floor_ms']:.3f} ms  ({r['pipelined_ms'] / r['floor_ms']:.2f}x)")
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
