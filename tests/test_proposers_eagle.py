@@ -6,6 +6,7 @@ sequence), with a Python loop: no paging, no slot mapping kernels, no padded bat
 """
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -138,7 +139,7 @@ def _inputs(method, reqs, table, lo_hi, with_rejected, rng):
 @pytest.mark.parametrize("k, chunked, padded", [(3, False, True), (3, True, True), (1, False, False),
                                                 (4, True, False)])
 def test_propose_matches_naive_reference(method, k, chunked, padded):
-    rng = np.random.default_rng(hash((method, k, chunked, padded)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((method, k, chunked, padded)).encode()))
     cfg, model, params = head(method)
     prop = EagleProposer(SpeculativeConfig(method=method, num_speculative_tokens=k), model,
                          block_size=BS, max_model_len=MML, kernel_backend="xla")

@@ -1,0 +1,164 @@
+"""Extract-hidden-states "drafting" (vLLM ``extract_hidden_states.py``).
+
+Not a speculator: each step it stores the target's stacked aux hidden states
+``[T, n_aux, H]`` into its own paged cache through the target step's slot mapping (the
+``ExtractHiddenStates`` cache-only model), where a KV connector can read them, and returns
+the token the target just sampled as the single "draft", so verification always accepts
+it. ``num_speculative_tokens`` must be 1 and the padded drafter batch must stay on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import specjax.kernels as K
+from specjax.attention import CommonAttentionMetadata
+from specjax.config import SpeculativeConfig
+from specjax.constants import check_index_range
+from specjax.metadata import SpecDecodeMetadata
+from specjax.models.extract_hidden_states import ExtractHiddenStates
+from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+
+_I32 = jnp.int32
+
+
+class ExtractHiddenStatesState(NamedTuple):
+    """The hidden-state cache: a one-element list holding
+    ``[num_blocks, block_size, n_aux, H]``, addressed like the target's KV cache."""
+
+    kv_caches: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractHiddenStatesProposer:
+    """Caches the target's aux hidden states; drafts the sampled token.
+
+    Attributes:
+      config: a ``SpeculativeConfig`` with ``method="extract_hidden_states"`` (k == 1).
+      model: the ``ExtractHiddenStates`` cache-only model (``num_hidden_states`` =
+        ``len(eagle_aux_hidden_state_layer_ids)``, the target's ``hidden_size``).
+      block_size: of the target's KV cache (the hidden-state cache shares its layout).
+      kernel_backend: backend of the padded-batch helper kernel.
+    """
+
+    config: SpeculativeConfig
+    model: ExtractHiddenStates
+    block_size: int
+    kernel_backend: str = "auto"
+
+    #: What a serving loop must feed (see ``ProposerInputs``).
+    needs_hidden_states = False
+    needs_aux_hidden_states = True
+    runs_on = "device"
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        if not isinstance(cfg, SpeculativeConfig):
+            raise ValueError(f"config must be a SpeculativeConfig, got {type(cfg).__name__}")
+        if cfg.method != "extract_hidden_states":
+            raise ValueError("ExtractHiddenStatesProposer needs method 'extract_hidden_states', "
+                             f"got {cfg.method!r}")
+        if cfg.num_speculative_tokens != 1:   # SpeculativeConfig already refuses it
+            raise ValueError("num_speculative_tokens must be 1 for method='extract_hidden_states', "
+                             f"got {cfg.num_speculative_tokens}")
+        if cfg.disable_padded_drafter_batch:
+            raise ValueError("method='extract_hidden_states' needs the padded drafter batch: set "
+                             "disable_padded_drafter_batch=False")
+        if not isinstance(self.model, ExtractHiddenStates):
+            raise ValueError(f"model must be an ExtractHiddenStates, got {type(self.model).__name__}")
+        for name, v in (("model.num_hidden_states", self.model.num_hidden_states),
+                        ("model.hidden_size", self.model.hidden_size), ("block_size", self.block_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(
+                    f"{name} must be a positive int, got {v!r}"
+                    + (" (the draft config must set eagle_aux_hidden_state_layer_ids)"
+                       if name == "model.num_hidden_states" else ""))
+        K.resolve_backend(self.kernel_backend)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return 1
+
+    # -- state -----------------------------------------------------------------------
+
+    def init_state(self, num_blocks: int, dtype=jnp.float32) -> ExtractHiddenStatesState:
+        """Zero hidden-state cache with ``num_blocks`` blocks (the target's block pool size)."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        check_index_range("num_blocks * block_size", num_blocks * self.block_size)
+        return ExtractHiddenStatesState(self.model.init_kv_caches(num_blocks, self.block_size, dtype))
+
+    # -- padded-batch helpers --------------------------------------------------------
+
+    @functools.partial(jax.jit, static_argnums=0, static_argnames=("vocab_size",))
+    def prepare_next_token_ids_padded(self, sampled_token_ids, discard_request_mask,
+                                      backup_next_token_ids, *, vocab_size: int, num_reqs=None):
+        """This method's own variant of vLLM's ``prepare_next_token_ids_padded``.
+
+        Only ``sampled_token_ids[:, 0]`` counts (k == 1). ``valid = 0 <= s < vocab_size``;
+        ``valid_sampled_tokens_count = 1`` when valid, **whatever the discard flag** (EAGLE's
+        kernel gives 0 for discarded rows); ``next_token_ids = s`` when valid and not
+        discarded, else the backup (the last committed token).
+
+        Args:
+          sampled_token_ids: ``[B, S] int32``; discard_request_mask: ``[B] bool``;
+          backup_next_token_ids: ``[B] int32``; num_reqs: optional 0-d int32.
+
+        Returns:
+          ``(next_token_ids [B], valid_sampled_tokens_count [B])`` int32; rows past
+          ``num_reqs`` give 0 and 0.
+        """
+        sampled = jnp.asarray(sampled_token_ids, _I32)
+        if sampled.ndim != 2 or sampled.shape[1] < 1:
+            raise ValueError(f"sampled_token_ids must be [B, S] with S >= 1, got {sampled.shape}")
+        first = sampled[:, 0]
+        b = first.shape[0]
+        valid = (first >= 0) & (first < vocab_size)
+        nxt = jnp.where(valid & ~jnp.asarray(discard_request_mask, bool), first,
+                        jnp.asarray(backup_next_token_ids, _I32))
+        real = jnp.arange(b, dtype=_I32) < (b if num_reqs is None else num_reqs)
+        return jnp.where(real, nxt, 0), jnp.where(real & valid, 1, 0).astype(_I32)
+
+    def prepare_inputs_padded(self, spec_decode_metadata: SpecDecodeMetadata,
+                              valid_sampled_tokens_count, attn_metadata: CommonAttentionMetadata):
+        """``(token_indices_to_sample [B], num_rejected_tokens [B])`` (EAGLE's kernel 2);
+        ``propose`` itself needs neither."""
+        return K.eagle_prepare_inputs_padded(
+            spec_decode_metadata.cu_num_draft_tokens, valid_sampled_tokens_count,
+            attn_metadata.query_start_loc, num_reqs=attn_metadata.num_reqs,
+            backend=self.kernel_backend)
+
+    # -- propose ---------------------------------------------------------------------
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+    def propose(self, params: dict, state: ExtractHiddenStatesState, inputs: ProposerInputs
+                ) -> tuple[DraftOutput, ExtractHiddenStatesState]:
+        """Store ``inputs.aux_hidden_states [T_pad, n_aux, H]`` at
+        ``attn_metadata.slot_mapping`` (slot -1 skipped) and draft ``next_token_ids``.
+
+        Returns ``(DraftOutput(token_ids [B_pad, 1] int32, num_drafts [B_pad] int32),
+        state)``; padding rows (past ``num_reqs``) hold -1 and 0. ``params`` is ``{}``.
+        """
+        aux = inputs.aux_hidden_states
+        if aux is None:
+            raise ValueError("method='extract_hidden_states' needs inputs.aux_hidden_states "
+                             "[T, n_aux, H]")
+        want = (self.model.num_hidden_states, self.model.hidden_size)
+        if aux.ndim != 3 or tuple(aux.shape[1:]) != want:
+            raise ValueError(f"inputs.aux_hidden_states must be [T, {want[0]}, {want[1]}] "
+                             f"(n_aux, hidden_size of the model), got {tuple(aux.shape)}")
+        cad = inputs.attn_metadata
+        if cad.slot_mapping.shape[0] != aux.shape[0]:
+            raise ValueError(f"attn_metadata.slot_mapping has {cad.slot_mapping.shape[0]} entries "
+                             f"for {aux.shape[0]} aux hidden-state rows")
+        caches = self.model.forward(params, aux, state.kv_caches, cad)
+        b = cad.query_start_loc.shape[0] - 1
+        real = jnp.arange(b, dtype=_I32) < cad.num_reqs
+        token_ids = jnp.where(real, inputs.next_token_ids.astype(_I32), DRAFT_PADDING_ID)[:, None]
+        num_drafts = real.astype(_I32)
+        return DraftOutput(token_ids, num_drafts), ExtractHiddenStatesState(caches)
