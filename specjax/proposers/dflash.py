@@ -45,10 +45,15 @@ import jax.numpy as jnp
 
 import specjax.kernels as K
 from specjax.config import SpeculativeConfig
-from specjax.constants import PADDING_SLOT_ID, check_index_range
+from specjax.constants import PADDING_SLOT_ID
 from specjax.models.dflash import DFlashHead
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
-from specjax.proposers.eagle import EagleProposer
+from specjax.proposers.base import DraftOutput, ProposerInputs
+from specjax.proposers.common import (
+    PaddedBatchHelpers,
+    check_proposer,
+    draft_output,
+    init_kv_caches,
+)
 
 _I32 = jnp.int32
 
@@ -63,7 +68,7 @@ class DFlashState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashProposer:
+class DFlashProposer(PaddedBatchHelpers):
     """DFlash proposer: ``k`` drafts per request from one non-causal block forward.
 
     Attributes:
@@ -93,14 +98,7 @@ class DFlashProposer:
     runs_on = "device"
 
     def __post_init__(self) -> None:
-        cfg = self.config
-        if not isinstance(cfg, SpeculativeConfig):
-            raise ValueError(f"config must be a SpeculativeConfig, got {type(cfg).__name__}")
-        if cfg.method != "dflash":
-            raise ValueError(f"DFlashProposer needs method 'dflash', got {cfg.method!r}")
-        if not isinstance(self.model, DFlashHead):
-            raise ValueError(f"model must be a DFlashHead for method='dflash', "
-                             f"got {type(self.model).__name__}")
+        check_proposer(self, "dflash", DFlashHead)
         mc = self.model.config
         if not 0 <= mc.mask_token_id < mc.vocab_size:
             raise ValueError(
@@ -112,12 +110,6 @@ class DFlashProposer:
             raise ValueError("the DFlash head's config sets causal=True (dflash_config.causal / "
                              "is_causal); specjax drafts with non-causal attention as vLLM v0.20.0 "
                              "does: use a head with causal=False")
-        for name in ("block_size", "max_model_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        check_index_range("max_model_len", self.max_model_len)
-        K.resolve_backend(self.kernel_backend)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -131,15 +123,10 @@ class DFlashProposer:
 
     def init_state(self, num_blocks: int, dtype=jnp.float32) -> DFlashState:
         """Zero draft KV cache with ``num_blocks`` blocks (the target's block pool size)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        check_index_range("num_blocks * block_size", num_blocks * self.block_size)
-        return DFlashState(self.model.init_kv_caches(num_blocks, self.block_size, dtype))
+        return DFlashState(init_kv_caches(self.model, num_blocks, self.block_size, dtype))
 
     # -- host/device input preparation: the base proposer's, as in vLLM --------------
 
-    prepare_next_token_ids_padded = EagleProposer.prepare_next_token_ids_padded
-    prepare_inputs_padded = EagleProposer.prepare_inputs_padded
 
     # -- propose ---------------------------------------------------------------------
 
@@ -194,6 +181,4 @@ class DFlashProposer:
 
         logits = model.compute_logits(params, hidden[sample_idx])
         drafts = jnp.argmax(logits, axis=-1).astype(_I32).reshape(b, k)
-        token_ids = jnp.where(real[:, None], drafts, DRAFT_PADDING_ID)
-        num_drafts = jnp.where(real, k, 0).astype(_I32)
-        return DraftOutput(token_ids, num_drafts), DFlashState(caches)
+        return draft_output(drafts, n), DFlashState(caches)

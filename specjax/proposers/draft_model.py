@@ -35,12 +35,16 @@ import jax
 import jax.numpy as jnp
 
 import specjax.kernels as K
-from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
-from specjax.constants import check_index_range
-from specjax.metadata import SpecDecodeMetadata
 from specjax.models.llama import DecoderLM
 from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+from specjax.proposers.common import (
+    PaddedBatchHelpers,
+    chain_steps,
+    check_proposer,
+    draft_output,
+    init_kv_caches,
+)
 
 _I32 = jnp.int32
 
@@ -53,7 +57,7 @@ class DraftModelState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelProposer:
+class DraftModelProposer(PaddedBatchHelpers):
     """Chain (or parallel) drafting with an independent draft LM.
 
     Attributes:
@@ -84,18 +88,8 @@ class DraftModelProposer:
     runs_on = "device"
 
     def __post_init__(self) -> None:
-        cfg = self.config
-        if not isinstance(cfg, SpeculativeConfig):
-            raise ValueError(f"config must be a SpeculativeConfig, got {type(cfg).__name__}")
-        if cfg.method != "draft_model":
-            raise ValueError(f"DraftModelProposer needs method 'draft_model', got {cfg.method!r}")
-        if not isinstance(self.model, DecoderLM):
-            raise ValueError(f"model must be a DecoderLM (a Llama / Qwen2 / Qwen3 draft LM), "
-                             f"got {type(self.model).__name__}")
-        for name in ("target_vocab_size", "block_size", "max_model_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        cfg = check_proposer(self, "draft_model", DecoderLM,
+                             ("target_vocab_size", "block_size", "max_model_len"))
         draft_vocab = self.model.config.vocab_size
         if draft_vocab != self.target_vocab_size:
             raise ValueError(
@@ -120,8 +114,6 @@ class DraftModelProposer:
             if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < draft_vocab:
                 raise ValueError(f"parallel_drafting_token_id must be an int in [0, {draft_vocab}), "
                                  f"got {pid!r}")
-        check_index_range("max_model_len", self.max_model_len)
-        K.resolve_backend(self.kernel_backend)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -136,29 +128,7 @@ class DraftModelProposer:
 
     def init_state(self, num_blocks: int, dtype=jnp.float32) -> DraftModelState:
         """Zero draft KV cache with ``num_blocks`` blocks (the target's block pool size)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        check_index_range("num_blocks * block_size", num_blocks * self.block_size)
-        return DraftModelState(self.model.init_kv_caches(num_blocks, self.block_size, dtype))
-
-    # -- padded-batch helpers (vLLM's base-class methods) ----------------------------
-
-    def prepare_next_token_ids_padded(self, sampled_token_ids, discard_request_mask,
-                                      backup_next_token_ids, *, vocab_size: int, num_reqs=None):
-        """``(next_token_ids [B], valid_sampled_tokens_count [B])`` from the verifier's
-        ``[B, k+1]`` output; the backup is each request's last committed token."""
-        return K.eagle_prepare_next_token_padded(
-            sampled_token_ids, discard_request_mask, backup_next_token_ids, vocab_size=vocab_size,
-            num_reqs=num_reqs, backend=self.kernel_backend)
-
-    def prepare_inputs_padded(self, spec_decode_metadata: SpecDecodeMetadata,
-                              valid_sampled_tokens_count, attn_metadata: CommonAttentionMetadata):
-        """``(token_indices_to_sample [B], num_rejected_tokens [B])``; the batch keeps every
-        token (rejected ones become padding), so ``attn_metadata`` is used unchanged."""
-        return K.eagle_prepare_inputs_padded(
-            spec_decode_metadata.cu_num_draft_tokens, valid_sampled_tokens_count,
-            attn_metadata.query_start_loc, num_reqs=attn_metadata.num_reqs,
-            backend=self.kernel_backend)
+        return DraftModelState(init_kv_caches(self.model, num_blocks, self.block_size, dtype))
 
     # -- propose ---------------------------------------------------------------------
 
@@ -207,33 +177,16 @@ class DraftModelProposer:
             drafts = first
         else:
             drafts = jnp.full((b, k), DRAFT_PADDING_ID, _I32).at[:, 0].set(first[:, 0])
-            positions = positions[new_token_indices[:, 0]]
-            seq_lens = md.seq_lens
-            if rejected is not None:
-                seq_lens = seq_lens - rejected
-            step_qsl = jnp.minimum(jnp.arange(b + 1, dtype=_I32), n)
+            seq_lens = md.seq_lens if rejected is None else md.seq_lens - rejected
+            drafts, caches = chain_steps(
+                self._step, params, drafts, positions[new_token_indices[:, 0]], None, seq_lens,
+                cad.replace(max_seq_len=md.max_seq_len), caches, block_size=self.block_size,
+                max_model_len=self.max_model_len, backend=self.kernel_backend)
+        return draft_output(drafts, n), DraftModelState(caches)
 
-            def step(i, carry):
-                drafts, positions, seq_lens, max_seq_len, caches = carry
-                positions, slots, seq_lens = K.eagle_step_update_slot_mapping_and_metadata(
-                    positions, cad.block_table, seq_lens, block_size=self.block_size,
-                    max_model_len=self.max_model_len, num_reqs=n, backend=self.kernel_backend)
-                max_seq_len = jnp.minimum(max_seq_len + 1, self.max_model_len)
-                step_md = cad.replace(query_start_loc=step_qsl, seq_lens=seq_lens,
-                                      slot_mapping=slots, num_actual_tokens=n,
-                                      max_seq_len=max_seq_len, max_query_len=1, causal=True)
-                prev = jax.lax.dynamic_index_in_dim(drafts, i - 1, axis=1, keepdims=False)
-                h, _, caches = model.forward(params, prev, positions, caches, step_md)
-                drafts = jax.lax.dynamic_update_index_in_dim(drafts, self._greedy(params, h), i,
-                                                             axis=1)
-                return drafts, positions, seq_lens, max_seq_len, caches
-
-            drafts, *_, caches = jax.lax.fori_loop(
-                1, k, step, (drafts, positions, seq_lens, md.max_seq_len, caches))
-
-        token_ids = jnp.where(real[:, None], drafts, DRAFT_PADDING_ID)
-        num_drafts = jnp.where(real, k, 0).astype(_I32)
-        return DraftOutput(token_ids, num_drafts), DraftModelState(caches)
+    def _step(self, params, prev, positions, hidden, caches, md):
+        h, _, caches = self.model.forward(params, prev, positions, caches, md)
+        return self._greedy(params, h), hidden, caches
 
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token of each row of ``hidden [N, H]`` (the draft's own lm_head)."""

@@ -24,14 +24,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import specjax.kernels as K
 from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
-from specjax.constants import check_index_range
-from specjax.metadata import SpecDecodeMetadata
 from specjax.models.eagle import EagleHead
 from specjax.models.eagle3 import Eagle3Head
 from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+from specjax.proposers.common import (
+    PaddedBatchHelpers,
+    chain_steps,
+    check_proposer,
+    draft_output,
+    init_kv_caches,
+)
 
 _I32 = jnp.int32
 
@@ -45,7 +49,7 @@ class EagleState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleProposer:
+class EagleProposer(PaddedBatchHelpers):
     """EAGLE-1/2 or EAGLE-3 chain proposer.
 
     Attributes:
@@ -68,28 +72,15 @@ class EagleProposer:
     runs_on = "device"
 
     def __post_init__(self) -> None:
-        cfg = self.config
-        if not isinstance(cfg, SpeculativeConfig):
-            raise ValueError(f"config must be a SpeculativeConfig, got {type(cfg).__name__}")
-        if cfg.method not in ("eagle", "eagle3"):
-            raise ValueError(f"EagleProposer needs method 'eagle' or 'eagle3', got {cfg.method!r}")
-        want = EagleHead if cfg.method == "eagle" else Eagle3Head
-        if not isinstance(self.model, want):
-            raise ValueError(f"model must be an {want.__name__} for method={cfg.method!r}, "
-                             f"got {type(self.model).__name__}")
+        method = getattr(self.config, "method", None)
+        head = Eagle3Head if method == "eagle3" else EagleHead
+        cfg = check_proposer(self, method if method in ("eagle", "eagle3") else "eagle", head)
         if cfg.parallel_drafting:
             raise ValueError("parallel_drafting=True is not implemented for EAGLE in specjax yet; "
                              "use parallel_drafting=False")
-        tree = cfg.token_tree
-        if tree != tuple((0,) * i for i in range(1, cfg.num_speculative_tokens + 1)):
+        if cfg.token_tree != tuple((0,) * i for i in range(1, cfg.num_speculative_tokens + 1)):
             raise ValueError("a branching speculative_token_tree is not implemented in specjax yet; "
                              "leave speculative_token_tree unset (chain drafting)")
-        for name in ("block_size", "max_model_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        check_index_range("max_model_len", self.max_model_len)
-        K.resolve_backend(self.kernel_backend)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -99,33 +90,9 @@ class EagleProposer:
     def needs_aux_hidden_states(self) -> bool:
         return self.config.method == "eagle3"
 
-    # -- state -----------------------------------------------------------------------
-
     def init_state(self, num_blocks: int, dtype=jnp.float32) -> EagleState:
         """Zero draft KV cache with ``num_blocks`` blocks (the target's block pool size)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        check_index_range("num_blocks * block_size", num_blocks * self.block_size)
-        return EagleState(self.model.init_kv_caches(num_blocks, self.block_size, dtype))
-
-    # -- host/device input preparation (vLLM's prepare_* methods) --------------------
-
-    def prepare_next_token_ids_padded(self, sampled_token_ids, discard_request_mask,
-                                      backup_next_token_ids, *, vocab_size: int, num_reqs=None):
-        """``(next_token_ids [B], valid_sampled_tokens_count [B])`` from the verifier's
-        ``[B, k+1]`` output; the backup is each request's last committed token."""
-        return K.eagle_prepare_next_token_padded(
-            sampled_token_ids, discard_request_mask, backup_next_token_ids, vocab_size=vocab_size,
-            num_reqs=num_reqs, backend=self.kernel_backend)
-
-    def prepare_inputs_padded(self, spec_decode_metadata: SpecDecodeMetadata,
-                              valid_sampled_tokens_count, attn_metadata: CommonAttentionMetadata):
-        """``(token_indices_to_sample [B], num_rejected_tokens [B])``; the batch keeps every
-        token (rejected ones become padding), so ``attn_metadata`` is used unchanged."""
-        return K.eagle_prepare_inputs_padded(
-            spec_decode_metadata.cu_num_draft_tokens, valid_sampled_tokens_count,
-            attn_metadata.query_start_loc, num_reqs=attn_metadata.num_reqs,
-            backend=self.kernel_backend)
+        return EagleState(init_kv_caches(self.model, num_blocks, self.block_size, dtype))
 
     # -- propose ---------------------------------------------------------------------
 
@@ -143,7 +110,6 @@ class EagleProposer:
         b = cad.query_start_loc.shape[0] - 1
         n = cad.num_reqs
         real = jnp.arange(b, dtype=_I32) < n
-        qsl = cad.query_start_loc
 
         if self.config.method == "eagle3":
             if inputs.aux_hidden_states is None:
@@ -156,49 +122,33 @@ class EagleProposer:
 
         sample_idx = inputs.token_indices_to_sample
         if sample_idx is None:
-            sample_idx = qsl[1:] - 1
+            sample_idx = cad.query_start_loc[1:] - 1
         sample_idx = jnp.clip(sample_idx, 0, inputs.target_token_ids.shape[0] - 1)
 
         # First pass: ids shifted left by one, the sampled token written at each request's
-        # sampled index; positions and hidden states as the target had them.
+        # sampled index (padding rows write nowhere); positions and hidden states as the
+        # target had them.
         t = inputs.target_token_ids.shape[0]
         ids = jnp.roll(inputs.target_token_ids, -1)
         ids = ids.at[jnp.where(real, sample_idx, t)].set(inputs.next_token_ids, mode="drop")
         logits_h, next_h, caches = model.forward(params, ids, inputs.target_positions, hidden,
                                                  state.kv_caches, cad)
-        draft = self._greedy(params, logits_h[sample_idx])
-        drafts = jnp.full((b, k), DRAFT_PADDING_ID, _I32).at[:, 0].set(draft)
+        drafts = jnp.full((b, k), DRAFT_PADDING_ID, _I32).at[:, 0].set(
+            self._greedy(params, logits_h[sample_idx]))
 
         if k > 1:
-            positions = inputs.target_positions[sample_idx]
-            hidden = next_h[sample_idx]
             seq_lens = cad.seq_lens
             if inputs.num_rejected_tokens is not None:
                 seq_lens = jnp.where(real, seq_lens - inputs.num_rejected_tokens, seq_lens)
-            rows = jnp.arange(b + 1, dtype=_I32)
-            step_qsl = jnp.minimum(rows, n)
+            drafts, caches = chain_steps(
+                self._step, params, drafts, inputs.target_positions[sample_idx],
+                next_h[sample_idx], seq_lens, cad, caches, block_size=self.block_size,
+                max_model_len=self.max_model_len, backend=self.kernel_backend)
+        return draft_output(drafts, n), EagleState(caches)
 
-            def step(i, carry):
-                drafts, positions, hidden, seq_lens, max_seq_len, caches = carry
-                positions, slots, seq_lens = K.eagle_step_update_slot_mapping_and_metadata(
-                    positions, cad.block_table, seq_lens, block_size=self.block_size,
-                    max_model_len=self.max_model_len, num_reqs=n, backend=self.kernel_backend)
-                max_seq_len = jnp.minimum(max_seq_len + 1, self.max_model_len)
-                md = cad.replace(query_start_loc=step_qsl, seq_lens=seq_lens, slot_mapping=slots,
-                                 num_actual_tokens=n, max_seq_len=max_seq_len, max_query_len=1,
-                                 causal=True)
-                prev = jax.lax.dynamic_index_in_dim(drafts, i - 1, axis=1, keepdims=False)
-                lh, hidden, caches = model.forward(params, prev, positions, hidden, caches, md)
-                tok = self._greedy(params, lh)
-                drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, i, axis=1)
-                return drafts, positions, hidden, seq_lens, max_seq_len, caches
-
-            drafts, *_, caches = jax.lax.fori_loop(
-                1, k, step, (drafts, positions, hidden, seq_lens, cad.max_seq_len, caches))
-
-        token_ids = jnp.where(real[:, None], drafts, DRAFT_PADDING_ID)
-        num_drafts = jnp.where(real, k, 0).astype(_I32)
-        return DraftOutput(token_ids, num_drafts), EagleState(caches)
+    def _step(self, params, prev, positions, hidden, caches, md):
+        logits_h, hidden, caches = self.model.forward(params, prev, positions, hidden, caches, md)
+        return self._greedy(params, logits_h), hidden, caches
 
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token (target vocabulary) of each row of ``hidden [N, H]``."""

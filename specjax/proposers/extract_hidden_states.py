@@ -16,12 +16,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-import specjax.kernels as K
-from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
-from specjax.constants import check_index_range
-from specjax.metadata import SpecDecodeMetadata
 from specjax.models.extract_hidden_states import ExtractHiddenStates
+from specjax.proposers.common import PaddedBatchHelpers, check_proposer, init_kv_caches
 from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
 
 _I32 = jnp.int32
@@ -35,7 +32,7 @@ class ExtractHiddenStatesState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ExtractHiddenStatesProposer:
+class ExtractHiddenStatesProposer(PaddedBatchHelpers):
     """Caches the target's aux hidden states; drafts the sampled token.
 
     Attributes:
@@ -57,20 +54,13 @@ class ExtractHiddenStatesProposer:
     runs_on = "device"
 
     def __post_init__(self) -> None:
-        cfg = self.config
-        if not isinstance(cfg, SpeculativeConfig):
-            raise ValueError(f"config must be a SpeculativeConfig, got {type(cfg).__name__}")
-        if cfg.method != "extract_hidden_states":
-            raise ValueError("ExtractHiddenStatesProposer needs method 'extract_hidden_states', "
-                             f"got {cfg.method!r}")
+        cfg = check_proposer(self, "extract_hidden_states", ExtractHiddenStates, positive=())
         if cfg.num_speculative_tokens != 1:   # SpeculativeConfig already refuses it
             raise ValueError("num_speculative_tokens must be 1 for method='extract_hidden_states', "
                              f"got {cfg.num_speculative_tokens}")
         if cfg.disable_padded_drafter_batch:
             raise ValueError("method='extract_hidden_states' needs the padded drafter batch: set "
                              "disable_padded_drafter_batch=False")
-        if not isinstance(self.model, ExtractHiddenStates):
-            raise ValueError(f"model must be an ExtractHiddenStates, got {type(self.model).__name__}")
         for name, v in (("model.num_hidden_states", self.model.num_hidden_states),
                         ("model.hidden_size", self.model.hidden_size), ("block_size", self.block_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -78,7 +68,6 @@ class ExtractHiddenStatesProposer:
                     f"{name} must be a positive int, got {v!r}"
                     + (" (the draft config must set eagle_aux_hidden_state_layer_ids)"
                        if name == "model.num_hidden_states" else ""))
-        K.resolve_backend(self.kernel_backend)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -88,10 +77,7 @@ class ExtractHiddenStatesProposer:
 
     def init_state(self, num_blocks: int, dtype=jnp.float32) -> ExtractHiddenStatesState:
         """Zero hidden-state cache with ``num_blocks`` blocks (the target's block pool size)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        check_index_range("num_blocks * block_size", num_blocks * self.block_size)
-        return ExtractHiddenStatesState(self.model.init_kv_caches(num_blocks, self.block_size, dtype))
+        return ExtractHiddenStatesState(init_kv_caches(self.model, num_blocks, self.block_size, dtype))
 
     # -- padded-batch helpers --------------------------------------------------------
 
@@ -123,15 +109,6 @@ class ExtractHiddenStatesProposer:
                         jnp.asarray(backup_next_token_ids, _I32))
         real = jnp.arange(b, dtype=_I32) < (b if num_reqs is None else num_reqs)
         return jnp.where(real, nxt, 0), jnp.where(real & valid, 1, 0).astype(_I32)
-
-    def prepare_inputs_padded(self, spec_decode_metadata: SpecDecodeMetadata,
-                              valid_sampled_tokens_count, attn_metadata: CommonAttentionMetadata):
-        """``(token_indices_to_sample [B], num_rejected_tokens [B])`` (EAGLE's kernel 2);
-        ``propose`` itself needs neither."""
-        return K.eagle_prepare_inputs_padded(
-            spec_decode_metadata.cu_num_draft_tokens, valid_sampled_tokens_count,
-            attn_metadata.query_start_loc, num_reqs=attn_metadata.num_reqs,
-            backend=self.kernel_backend)
 
     # -- propose ---------------------------------------------------------------------
 

@@ -21,13 +21,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-import specjax.kernels as K
-from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
-from specjax.metadata import SpecDecodeMetadata
 from specjax.models import base
 from specjax.models.medusa import MedusaHeads
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+from specjax.proposers.common import PaddedBatchHelpers, check_proposer, draft_output
+from specjax.proposers.base import DraftOutput, ProposerInputs
 
 _I32 = jnp.int32
 
@@ -37,7 +35,7 @@ class MedusaState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaProposer:
+class MedusaProposer(PaddedBatchHelpers):
     """Medusa chain proposer.
 
     Attributes:
@@ -58,20 +56,12 @@ class MedusaProposer:
     runs_on = "device"
 
     def __post_init__(self) -> None:
-        cfg = self.config
-        if not isinstance(cfg, SpeculativeConfig):
-            raise ValueError(f"config must be a SpeculativeConfig, got {type(cfg).__name__}")
-        if cfg.method != "medusa":
-            raise ValueError(f"MedusaProposer needs method 'medusa', got {cfg.method!r}")
-        if not isinstance(self.model, MedusaHeads):
-            raise ValueError(f"model must be a MedusaHeads for method='medusa', "
-                             f"got {type(self.model).__name__}")
+        cfg = check_proposer(self, "medusa", MedusaHeads, positive=())
         heads = self.model.config.num_heads
         if cfg.num_speculative_tokens > heads:
             raise ValueError(
                 f"num_speculative_tokens={cfg.num_speculative_tokens} exceeds the number of Medusa "
                 f"heads ({heads}): each head drafts one token, so k must be in [1, {heads}]")
-        K.resolve_backend(self.kernel_backend)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -83,24 +73,6 @@ class MedusaProposer:
         """The empty state (the arguments are accepted for a uniform interface)."""
         del num_blocks, dtype
         return MedusaState()
-
-    # -- padded-batch helpers (the same kernels as EAGLE) ----------------------------
-
-    def prepare_next_token_ids_padded(self, sampled_token_ids, discard_request_mask,
-                                      backup_next_token_ids, *, vocab_size: int, num_reqs=None):
-        """``(next_token_ids [B], valid_sampled_tokens_count [B])`` (EAGLE's kernel 3)."""
-        return K.eagle_prepare_next_token_padded(
-            sampled_token_ids, discard_request_mask, backup_next_token_ids, vocab_size=vocab_size,
-            num_reqs=num_reqs, backend=self.kernel_backend)
-
-    def prepare_inputs_padded(self, spec_decode_metadata: SpecDecodeMetadata,
-                              valid_sampled_tokens_count, attn_metadata: CommonAttentionMetadata):
-        """``(token_indices_to_sample [B], num_rejected_tokens [B])``: the hidden state of
-        each request's last accepted token is the one its heads read."""
-        return K.eagle_prepare_inputs_padded(
-            spec_decode_metadata.cu_num_draft_tokens, valid_sampled_tokens_count,
-            attn_metadata.query_start_loc, num_reqs=attn_metadata.num_reqs,
-            backend=self.kernel_backend)
 
     # -- propose ---------------------------------------------------------------------
 
@@ -120,8 +92,6 @@ class MedusaProposer:
             raise ValueError("method='medusa' needs inputs.target_hidden_states [T, H]")
         cad = inputs.attn_metadata
         k = self.config.num_speculative_tokens
-        b = cad.query_start_loc.shape[0] - 1
-        real = jnp.arange(b, dtype=_I32) < cad.num_reqs
         hidden = inputs.target_hidden_states
         sample_idx = inputs.token_indices_to_sample
         if sample_idx is None:
@@ -134,9 +104,7 @@ class MedusaProposer:
         drafts = jnp.argmax(logits, axis=-1).astype(_I32).T            # [B, k]
         if token_map is not None:   # truncated head: map its argmax to target ids
             drafts = token_map.astype(_I32)[drafts]
-        token_ids = jnp.where(real[:, None], drafts, DRAFT_PADDING_ID)
-        num_drafts = jnp.where(real, k, 0).astype(_I32)
-        return DraftOutput(token_ids, num_drafts), state
+        return draft_output(drafts, cad.num_reqs), state
 
     def _first_heads(self, params: dict, k: int):
         """The runner and params of heads ``0 .. k-1`` only, and the token map (or None).
