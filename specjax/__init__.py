@@ -1,8 +1,27 @@
 """specjax: speculative decoding for JAX (a port of vLLM v1's spec_decode module)."""
 
 from specjax.constants import PADDING_SLOT_ID, next_power_of_2
-from specjax.converters import _specjax_getattr as __getattr__  # lazy specjax.load_pretrained
+from specjax.converters import _specjax_getattr as _converters_getattr  # lazy load_pretrained
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["PADDING_SLOT_ID", "next_power_of_2", "__version__"]
+__all__ = ["PADDING_SLOT_ID", "next_power_of_2", "__version__", "generate", "make_proposer",
+           "SamplingParams", "SpeculativeConfig", "TargetModel"]
+
+# Lazy: ``import specjax`` stays light (no models, no numba) until these are used.
+_LAZY = {
+    "generate": "specjax.engine",
+    "SamplingParams": "specjax.engine",
+    "TargetModel": "specjax.engine",
+    "Engine": "specjax.engine",
+    "make_proposer": "specjax.proposers",
+    "SpeculativeConfig": "specjax.config",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    return _converters_getattr(name)

@@ -1,0 +1,450 @@
+"""Proposers, one module per method, and the uniform interface a decoding loop drives.
+
+``make_proposer(config, ...)`` builds any method of a ``SpeculativeConfig`` and returns a
+:class:`Proposer`: the method's own proposer object (``impl``) plus a declaration of what
+the serving loop must feed it and where it runs. The loop branches on these declarations
+only, never on the method name:
+
+==========================  =============================================================
+attribute                   meaning
+==========================  =============================================================
+``runs_on``                 ``"device"`` (jit-compiled XLA) or ``"host"`` (numba, C++)
+``needs_token_history``     True: call ``propose_from_history(TokenHistory)`` after each
+                            verification (n-gram CPU / GPU, suffix decoding)
+``needs_hidden_states``     the final post-norm target hidden states ``[T, H]``
+``needs_aux_hidden_states`` the aux-layer inputs ``[T, n_aux, H]`` of the target layers
+                            ``aux_layer_ids`` (build the target with them)
+``params`` / ``impl``       device model proposers: ``impl.propose(params, state,
+                            ProposerInputs)`` inside the jitted step (``impl`` is static)
+``vocab_size``              vocabulary the drafts are in (None: any, n-gram / suffix)
+``max_new_slots``           extra KV slots a request may use while drafting (draft model,
+                            parallel drafting); the loop allocates that much lookahead
+``padded_drafter_batch``    True: padded-batch mode (``prepare_*_padded`` on device, no
+                            host round trip); False: vLLM's non-padded ``prepare_inputs``
+==========================  =============================================================
+
+Model-free proposers (``ngram``, ``ngram_gpu``, ``suffix``) each keep their own vLLM-shaped
+API in their module; :class:`NgramProposerAdapter`, :class:`NgramGPUProposerAdapter` and
+:class:`SuffixProposerAdapter` map a :class:`TokenHistory` onto it and return a
+``DraftOutput``.
+
+Imports of the method modules are lazy: importing ``specjax.proposers`` pulls in neither
+numba nor the models.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Hashable, NamedTuple, Sequence
+
+import numpy as np
+
+from specjax.config import SpeculativeConfig
+from specjax.constants import next_power_of_2
+from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+
+__all__ = [
+    "DRAFT_PADDING_ID", "DraftOutput", "ProposerInputs", "TokenHistory", "Proposer",
+    "ModelProposer", "NgramProposerAdapter", "NgramGPUProposerAdapter",
+    "SuffixProposerAdapter", "make_proposer", "available_methods",
+    "prepare_next_token_ids_padded", "prepare_inputs_padded",
+]
+
+#: Module of each model-based method under ``specjax.proposers`` and its proposer class.
+_MODEL_METHODS = {
+    "eagle": ("eagle", "EagleProposer"),
+    "eagle3": ("eagle", "EagleProposer"),
+    "dflash": ("dflash", "DFlashProposer"),
+    "medusa": ("medusa", "MedusaProposer"),
+    "draft_model": ("draft_model", "DraftModelProposer"),
+    "extract_hidden_states": ("extract_hidden_states", "ExtractHiddenStatesProposer"),
+}
+
+
+class TokenHistory(NamedTuple):
+    """What a token-history proposer sees after a verification step (host arrays).
+
+    Attributes:
+      req_ids: ``B`` distinct hashable request ids (stable over a request's life).
+      token_ids: ``[B, W] int32``; row ``b`` holds request ``b``'s context (prompt and every
+        output token, this step's included) in its first ``num_tokens[b]`` columns.
+      num_tokens: ``[B] int32`` context lengths.
+      num_prompt_tokens: ``[B] int32``.
+      sampled_token_ids: ``B`` lists, the tokens each request gained this step (accepted
+        drafts plus the bonus / recovered token); empty -> no draft for that request.
+      rows_pad: the loop's padded batch size for this step (>= B) or None; device
+        proposers pad to it so they compile once per batch bucket, like the step.
+    """
+
+    req_ids: Sequence[Hashable]
+    token_ids: np.ndarray
+    num_tokens: np.ndarray
+    num_prompt_tokens: np.ndarray
+    sampled_token_ids: Sequence[Sequence[int]]
+    rows_pad: int | None = None
+
+
+class Proposer:
+    """A proposer as the decoding loop sees it (see the module docstring).
+
+    Subclasses fill the declarations and implement either ``init_state`` / ``impl.propose``
+    (device model proposers) or ``propose_from_history`` (token-history proposers).
+    """
+
+    config: SpeculativeConfig
+    impl: Any = None
+    params: Any = None
+    runs_on: str = "device"
+    needs_token_history: bool = False
+    needs_hidden_states: bool = False
+    needs_aux_hidden_states: bool = False
+    aux_layer_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    @property
+    def max_new_slots(self) -> int:
+        return self.config.max_num_new_slots_for_drafting()
+
+    @property
+    def padded_drafter_batch(self) -> bool:
+        return not self.config.disable_padded_drafter_batch
+
+    def init_state(self, num_blocks: int, dtype=None) -> Any:
+        """Device state pytree (draft KV cache and buffers) for a pool of ``num_blocks``
+        KV blocks laid out by the target's block table; None when there is none."""
+        return None
+
+    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
+        raise NotImplementedError(f"method={self.method!r} does not draft from token history")
+
+    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
+        """The loop calls this when requests leave for good (per-request host state)."""
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(method={self.method!r}, k={self.num_speculative_tokens}, "
+                f"runs_on={self.runs_on!r})")
+
+
+# ---------------------------------------------------------------------------------------
+# device model proposers
+
+
+class ModelProposer(Proposer):
+    """A model-based device proposer (EAGLE / EAGLE-3 / DFlash / Medusa / draft model /
+    extract-hidden-states): ``impl`` is the method's frozen, hashable proposer whose
+    ``propose(params, state, ProposerInputs)`` the loop calls inside its jitted step."""
+
+    runs_on = "device"
+
+    def __init__(self, config: SpeculativeConfig, impl: Any, params: Any, *, vocab_size: int | None,
+                 aux_layer_ids: Sequence[int] = ()) -> None:
+        self.config = config
+        self.impl = impl
+        self.params = params
+        self.vocab_size = vocab_size
+        self.needs_hidden_states = bool(getattr(impl, "needs_hidden_states", False))
+        self.needs_aux_hidden_states = bool(getattr(impl, "needs_aux_hidden_states", False))
+        self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids) if self.needs_aux_hidden_states else ()
+        if self.needs_aux_hidden_states and not self.aux_layer_ids:
+            raise ValueError(f"method={config.method!r} needs aux hidden states: give aux_layer_ids "
+                             "(the target layers whose inputs it reads)")
+        self.block_size = getattr(impl, "block_size", None)
+        self.max_model_len = getattr(impl, "max_model_len", None)
+        self.runs_on = getattr(impl, "runs_on", "device")
+
+    def init_state(self, num_blocks: int, dtype=None) -> Any:
+        import jax.numpy as jnp
+
+        return self.impl.init_state(num_blocks, jnp.float32 if dtype is None else dtype)
+
+
+def prepare_next_token_ids_padded(impl: Any, sampled_token_ids, discard_request_mask,
+                                  backup_next_token_ids, *, vocab_size: int, num_reqs=None,
+                                  kernel_backend: str = "auto"):
+    """``(next_token_ids [B], valid_sampled_tokens_count [B])`` int32: the proposer's own
+    ``prepare_next_token_ids_padded`` when it has one (extract-hidden-states differs from
+    EAGLE), else the ``eagle_prepare_next_token_padded`` kernel. Traceable."""
+    fn = getattr(impl, "prepare_next_token_ids_padded", None)
+    if fn is not None:
+        return fn(sampled_token_ids, discard_request_mask, backup_next_token_ids,
+                  vocab_size=vocab_size, num_reqs=num_reqs)
+    import specjax.kernels as K
+
+    return K.eagle_prepare_next_token_padded(sampled_token_ids, discard_request_mask,
+                                             backup_next_token_ids, vocab_size=vocab_size,
+                                             num_reqs=num_reqs, backend=kernel_backend)
+
+
+def prepare_inputs_padded(impl: Any, spec_decode_metadata, valid_sampled_tokens_count,
+                          attn_metadata, *, kernel_backend: str = "auto"):
+    """``(token_indices_to_sample [B], num_rejected_tokens [B])`` int32 (padded-batch
+    mode): the proposer's ``prepare_inputs_padded`` or the kernel. Traceable."""
+    fn = getattr(impl, "prepare_inputs_padded", None)
+    if fn is not None:
+        out = fn(spec_decode_metadata, valid_sampled_tokens_count, attn_metadata)
+        return out[-2], out[-1]      # vLLM's form returns (cad, indices, rejected)
+    import specjax.kernels as K
+
+    return K.eagle_prepare_inputs_padded(spec_decode_metadata.cu_num_draft_tokens,
+                                         valid_sampled_tokens_count,
+                                         attn_metadata.query_start_loc,
+                                         num_reqs=attn_metadata.num_reqs, backend=kernel_backend)
+
+
+# ---------------------------------------------------------------------------------------
+# token-history adapters
+
+
+def _valid_mask(history: TokenHistory) -> np.ndarray:
+    return np.fromiter((len(s) > 0 for s in history.sampled_token_ids), dtype=np.bool_,
+                       count=len(history.sampled_token_ids))
+
+
+class NgramProposerAdapter(Proposer):
+    """``method="ngram"``: vLLM's CPU n-gram proposer (numba) on the token history."""
+
+    runs_on = "host"
+    needs_token_history = True
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
+        from specjax.proposers.ngram_cpu import NgramProposer
+
+        self.config = config
+        self.max_model_len = max_model_len
+        self.impl = NgramProposer(num_speculative_tokens=config.num_speculative_tokens,
+                                  max_model_len=max_model_len,
+                                  prompt_lookup_min=config.prompt_lookup_min,
+                                  prompt_lookup_max=config.prompt_lookup_max)
+
+    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
+        return self.impl.propose_arrays(history.num_tokens, history.token_ids, _valid_mask(history))
+
+
+class NgramGPUProposerAdapter(Proposer):
+    """``method="ngram_gpu"``: the jit-compiled n-gram search on the accelerator, over the
+    token history uploaded each step (rows padded to ``history.rows_pad``, else a power of
+    two, so the search compiles once per batch bucket)."""
+
+    runs_on = "device"
+    needs_token_history = True
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
+        from specjax.proposers.ngram_gpu import NgramGPUProposer
+
+        self.config = config
+        self.max_model_len = max_model_len
+        self.impl = NgramGPUProposer(num_speculative_tokens=config.num_speculative_tokens,
+                                     max_model_len=max_model_len,
+                                     prompt_lookup_min=config.prompt_lookup_min,
+                                     prompt_lookup_max=config.prompt_lookup_max)
+
+    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
+        import jax.numpy as jnp
+
+        b = len(history.sampled_token_ids)
+        rows = history.rows_pad if (history.rows_pad or 0) >= b else next_power_of_2(max(b, 1))
+        tok = np.zeros((rows, history.token_ids.shape[1]), np.int32)
+        tok[:b] = history.token_ids[:b]
+        num = np.zeros(rows, np.int32)
+        num[:b] = history.num_tokens
+        valid = np.zeros(rows, np.bool_)
+        valid[:b] = _valid_mask(history)
+        out = self.impl.propose_arrays(jnp.asarray(tok), jnp.asarray(num), jnp.asarray(valid))
+        return DraftOutput(np.asarray(out.token_ids)[:b], np.asarray(out.num_drafts)[:b])
+
+
+class SuffixProposerAdapter(Proposer):
+    """``method="suffix"``: suffix decoding over Arctic Inference (host C++). The request
+    lifecycle (start, append, stop) follows the ids in the history; ``finish_requests``
+    stops requests so their responses join the global cache."""
+
+    runs_on = "host"
+    needs_token_history = True
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
+        from specjax.proposers.suffix import SuffixDecodingProposer
+
+        self.config = config
+        self.max_model_len = max_model_len
+        self.impl = SuffixDecodingProposer(
+            max_model_len=max_model_len,
+            num_speculative_tokens=config.num_speculative_tokens,
+            suffix_decoding_max_tree_depth=config.suffix_decoding_max_tree_depth,
+            suffix_decoding_max_cached_requests=config.suffix_decoding_max_cached_requests,
+            suffix_decoding_max_spec_factor=config.suffix_decoding_max_spec_factor,
+            suffix_decoding_min_token_prob=config.suffix_decoding_min_token_prob)
+
+    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
+        return self.impl.propose_arrays(history.req_ids, history.sampled_token_ids,
+                                        history.num_tokens, history.token_ids,
+                                        history.num_prompt_tokens)
+
+    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
+        cache = self.impl.suffix_cache
+        for r in req_ids:
+            if r in cache.active_requests:
+                cache.stop_request(r)
+
+
+# ---------------------------------------------------------------------------------------
+# factory
+
+
+def available_methods() -> tuple[str, ...]:
+    """Methods ``make_proposer`` can build in this install (the proposer module exists
+    and its optional dependency imports: arctic-inference for ``suffix``)."""
+    out = []
+    for m in ("ngram", "ngram_gpu", "suffix", "eagle", "eagle3", "draft_model", "dflash",
+              "medusa", "extract_hidden_states"):
+        try:
+            if m == "suffix":
+                importlib.import_module("arctic_inference.suffix_decoding")
+            elif m in _MODEL_METHODS:
+                mod, cls = _MODEL_METHODS[m]
+                getattr(importlib.import_module(f"specjax.proposers.{mod}"), cls)
+        except (ImportError, AttributeError):
+            continue
+        out.append(m)
+    return tuple(out)
+
+
+def _load_impl_class(method: str):
+    mod, cls = _MODEL_METHODS[method]
+    try:
+        module = importlib.import_module(f"specjax.proposers.{mod}")
+    except ModuleNotFoundError as err:
+        if err.name != f"specjax.proposers.{mod}":
+            raise
+        raise NotImplementedError(
+            f"method={method!r} is not implemented in this specjax yet: its proposer module "
+            f"specjax.proposers.{mod} does not exist") from None
+    try:
+        return getattr(module, cls)
+    except AttributeError:
+        raise NotImplementedError(
+            f"method={method!r} is not implemented in this specjax yet: "
+            f"specjax.proposers.{mod} has no {cls}") from None
+
+
+def make_proposer(config: SpeculativeConfig, *, target: Any = None, target_params: dict | None = None,
+                  draft: Any = None, draft_params: dict | None = None, block_size: int = 16,
+                  max_model_len: int | None = None, aux_layer_ids: Sequence[int] | None = None,
+                  kernel_backend: str = "auto", **options: Any) -> Proposer:
+    """Build the proposer of ``config.method``.
+
+    Args:
+      config: the ``SpeculativeConfig`` (method, k, n-gram / suffix / tree options).
+      target: the target runner (``specjax.models.DecoderLM``); used to check the draft's
+        vocabulary and for the EAGLE-3 default aux layers.
+      target_params: the target's params; heads without their own embedding / lm_head
+        get the target's (``share_target_weights``, as vLLM shares them).
+      draft: the draft runner (``EagleHead``, ``Eagle3Head``, ``DFlashHead``,
+        ``MedusaHeads``, a ``DecoderLM`` for ``draft_model``) or its ``ModelConfig``;
+        model-free methods take none.
+      draft_params: the draft's params dict.
+      block_size: KV-cache block size the loop uses (draft caches share the target's
+        block table).
+      max_model_len: context cap (default ``config.max_model_len``; required).
+      aux_layer_ids: target layers whose inputs the method reads (EAGLE-3, DFlash,
+        extract-hidden-states); default from the draft's config.
+      kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ``"pallas"``,
+        ``"triton"``).
+      options: further fields of the method's proposer class, passed through (e.g.
+        ``parallel_drafting_token_id=`` / ``target_tensor_parallel_size=`` for
+        ``draft_model``); a field the class lacks is a ValueError.
+
+    Raises:
+      ValueError: bad arguments (missing draft, vocabulary mismatch, ...), before anything
+        is built. NotImplementedError: the method's proposer module does not exist yet.
+    """
+    if not isinstance(config, SpeculativeConfig):
+        raise ValueError(f"config must be a SpeculativeConfig, got {type(config).__name__}")
+    if max_model_len is None:
+        max_model_len = config.max_model_len
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+        raise ValueError(f"max_model_len must be an int >= 2 (argument or config.max_model_len), "
+                         f"got {max_model_len!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    method = config.method
+    if options and method in ("ngram", "ngram_gpu", "suffix"):
+        raise ValueError(f"method={method!r} takes no extra options, got {sorted(options)} (its "
+                         "settings live in the SpeculativeConfig)")
+    if method == "ngram":
+        return NgramProposerAdapter(config, max_model_len=max_model_len)
+    if method == "ngram_gpu":
+        return NgramGPUProposerAdapter(config, max_model_len=max_model_len)
+    if method == "suffix":
+        return SuffixProposerAdapter(config, max_model_len=max_model_len)
+    if method not in _MODEL_METHODS:
+        raise ValueError(f"method={method!r} has no proposer; known: {sorted(_MODEL_METHODS)}")
+    cls = _load_impl_class(method)
+    return _make_model_proposer(cls, config, target=target, target_params=target_params,
+                                draft=draft, draft_params=draft_params, block_size=block_size,
+                                max_model_len=max_model_len, aux_layer_ids=aux_layer_ids,
+                                kernel_backend=kernel_backend, options=options)
+
+
+def _make_model_proposer(cls, config, *, target, target_params, draft, draft_params, block_size,
+                         max_model_len, aux_layer_ids, kernel_backend, options) -> ModelProposer:
+    import dataclasses
+
+    from specjax.models import ModelConfig, registry, share_target_weights
+    from specjax.models.config import eagle3_default_aux_layer_ids
+
+    method = config.method
+    target_cfg = getattr(target, "config", None)
+    if method == "extract_hidden_states":
+        from specjax.models import ExtractHiddenStates
+
+        if draft is None:
+            if aux_layer_ids is None or target_cfg is None:
+                raise ValueError("method='extract_hidden_states' needs aux_layer_ids= (the target "
+                                 "layers whose inputs it stores) and target= (for the hidden size), "
+                                 "or draft= an ExtractHiddenStates model")
+            draft = ExtractHiddenStates(num_hidden_states=len(tuple(aux_layer_ids)),
+                                        hidden_size=target_cfg.hidden_size)
+        elif aux_layer_ids is None:
+            raise ValueError("method='extract_hidden_states' needs aux_layer_ids= (the target layers "
+                             "whose inputs it stores)")
+        model, dcfg, params = draft, None, ({} if draft_params is None else draft_params)
+    else:
+        if draft is None:
+            raise ValueError(f"method={method!r} needs draft= (the draft runner or its ModelConfig)")
+        if draft_params is None:
+            raise ValueError(f"method={method!r} needs draft_params= (the draft's params dict)")
+        model = registry.make_model(draft.kind, draft) if isinstance(draft, ModelConfig) else draft
+        dcfg = getattr(model, "config", None)
+        params = draft_params
+        if target_params is not None and method in ("eagle", "eagle3", "dflash"):
+            params = share_target_weights(params, target_params, kind=method)
+    vocab = getattr(dcfg, "vocab_size", None)
+    if target_cfg is not None and vocab is not None and vocab != target_cfg.vocab_size:
+        raise ValueError(f"method={method!r}: the draft's vocabulary ({vocab}) does not match the "
+                         f"target's ({target_cfg.vocab_size})")
+    if aux_layer_ids is None:
+        aux_layer_ids = getattr(dcfg, "aux_layer_ids", None)
+        if aux_layer_ids is None and method == "eagle3" and target_cfg is not None:
+            aux_layer_ids = eagle3_default_aux_layer_ids(target_cfg.num_hidden_layers)
+    # Each proposer takes the subset of these its dataclass declares.
+    offered = dict(block_size=block_size, max_model_len=max_model_len, kernel_backend=kernel_backend,
+                   target_vocab_size=(target_cfg.vocab_size if target_cfg is not None else vocab))
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - names - {"config", "model"})
+    if unknown:
+        raise ValueError(f"method={method!r}: {cls.__name__} has no option(s) {unknown}; "
+                         f"its fields: {sorted(names - {'config', 'model'})}")
+    kwargs = {k: v for k, v in offered.items() if k in names and v is not None}
+    kwargs.update(options)
+    impl = cls(config, model, **kwargs)
+    return ModelProposer(config, impl, params, vocab_size=vocab, aux_layer_ids=aux_layer_ids or ())

@@ -1,0 +1,234 @@
+"""End-to-end speculative decoding step cost: one speculative step (verify + draft) against
+one plain decoding step, per method and batch size, and the speed-up that implies.
+
+For each batch size B, every request holds ``--context`` tokens in the paged KV cache and
+(speculative) ``k`` drafts to verify. Timed is the reference loop's jitted step
+(``specjax.engine.Engine.time_decode_step``): target forward over the ``B * (k + 1)`` tokens,
+rejection sampling, and for device proposers the padded-batch input preparation and the
+proposer's ``propose`` (the fused step); for token-history proposers (n-gram, suffix) the
+host drafting time is measured separately and added. Each call is synced on the sampled
+tokens as the loop is. Weights are random (timing does not depend on values).
+
+    ratio    = t_spec / t_plain   (also the break-even mean acceptance length)
+    speed-up = tau / ratio        (tau: mean acceptance length, bonus token included)
+
+``tau`` is measured on the demo models (``specjax demo``: random weights until trained
+demo weights ship, so heads give tau ~ 1); the table also gives the speed-up at
+``--assume-tau`` for a trained head.
+
+Usage::
+
+    python benchmarks/e2e.py                          # GPU: 8B-shaped target; CPU: demo model
+    python benchmarks/e2e.py --target 8b --batch 1,8,32 --context 1024 --k 3 --json out.json
+    python benchmarks/e2e.py --target demo --methods ngram eagle --batch 1,8
+
+Targets: ``8b`` (Llama-3.1-8B shape; draft model Llama-3.2-1B shape; EAGLE-3 draft vocab
+32000), ``1b`` (Llama-3.2-1B shape; draft model 2 layers of it), ``demo`` (the embedded
+demo model). Runs on any JAX backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from specjax import demo  # noqa: E402
+from specjax.config import SpeculativeConfig  # noqa: E402
+from specjax.engine import Engine, SamplingParams, TargetModel, generate  # noqa: E402
+from specjax.models import registry  # noqa: E402
+from specjax.models.config import eagle3_default_aux_layer_ids  # noqa: E402
+from specjax.proposers import available_methods, make_proposer  # noqa: E402
+
+BS = 16
+TARGETS = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+               rms_norm_eps=1e-5),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=True),
+}
+
+
+def random_params(kind, cfg, dtype, key):
+    """Random params built on the device (norm scales 1, integer maps 0)."""
+    abstract = registry.abstract_params(kind, cfg, dtype)
+    flat, tree = jax.tree_util.tree_flatten_with_path(abstract)
+    keys = jax.random.split(key, len(flat))
+    out = []
+    for k, (path, a) in zip(keys, flat):
+        name = jax.tree_util.keystr(path)
+        if jnp.issubdtype(a.dtype, jnp.integer):
+            out.append(jnp.zeros(a.shape, a.dtype))
+        elif "norm" in name:
+            out.append(jnp.ones(a.shape, a.dtype))
+        else:
+            fan_in = a.shape[0] if len(a.shape) == 2 else 1
+            scale = 1.0 if "embed" in name else 1.0 / np.sqrt(fan_in)
+            out.append((jax.random.normal(k, a.shape, jnp.float32) * scale).astype(a.dtype))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+class Models:
+    """Target and drafts of one size (params made on demand, dropped after use)."""
+
+    def __init__(self, size: str, dtype):
+        self.size, self.dtype = size, dtype
+        if size == "demo":
+            self.target = demo.demo_target()
+            if dtype != jnp.float32:
+                self.target = TargetModel(self.target.model, jax.tree.map(lambda x: x.astype(dtype)
+                                          if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                          self.target.params))
+            self.geo = dict(demo.GEOMETRY, num_hidden_layers=demo.TARGET_LAYERS)
+            self.aux = demo.AUX_LAYER_IDS
+        else:
+            self.geo = TARGETS[size]
+            cfg = registry.config_from_hf("llama", self.geo)
+            self.target = TargetModel(registry.make_model("llama", cfg),
+                                      random_params("llama", cfg, dtype, jax.random.key(0)))
+            self.aux = eagle3_default_aux_layer_ids(self.geo["num_hidden_layers"])
+
+    def proposer(self, method: str, k: int, max_model_len: int):
+        common = dict(max_model_len=max_model_len, block_size=BS)
+        if method in ("ngram", "ngram_gpu"):
+            return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                                   prompt_lookup_min=2, prompt_lookup_max=5), **common)
+        if method == "suffix":
+            return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k), **common)
+        tm, tp = self.target
+        common.update(target=tm, target_params=tp)
+        if method == "extract_hidden_states":
+            return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=1),
+                                 aux_layer_ids=self.aux, **common)
+        g = {key: v for key, v in self.geo.items() if key != "tie_word_embeddings"}
+        h = g["hidden_size"]
+        if method == "draft_model":
+            kind = "llama"
+            if self.size == "8b":    # Llama-3.2-1B shape, the usual draft of Llama-3.1-8B
+                hf = dict(TARGETS["1b"])
+            else:
+                hf = dict(self.geo, num_hidden_layers=max(1, g["num_hidden_layers"] // 8))
+        else:
+            kind = method
+            hf = {
+                "eagle": dict(g, num_hidden_layers=1, bias=True),
+                "eagle3": dict(g, num_hidden_layers=1, target_hidden_size=h,
+                               eagle_aux_hidden_state_layer_ids=list(self.aux),
+                               **({"draft_vocab_size": 32000, "has_d2t": True} if self.size == "8b" else {})),
+                "dflash": dict(g, num_hidden_layers=1, target_hidden_size=h,
+                               aux_hidden_state_layer_ids=list(self.aux), mask_token_id=0),
+                "medusa": dict(num_heads=max(k, 4), num_hidden_layers=1, hidden_size=h,
+                               vocab_size=g["vocab_size"]),
+            }[method]
+        cfg = registry.config_from_hf(kind, hf)
+        params = random_params(kind, cfg, self.dtype, jax.random.key(1))
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                 **({"model": "draft"} if method == "draft_model" else {}))
+        return make_proposer(spec, draft=cfg, draft_params=params, **common)
+
+
+def demo_acceptance(methods, k: int) -> dict[str, float]:
+    """Mean acceptance length of each method on the demo models (greedy, 48 tokens)."""
+    target = demo.demo_target()
+    prompts = [list(p) for p in demo.PROMPTS]
+    out = {}
+    for m in methods:
+        prop = demo.demo_proposer(m, 1 if m == "extract_hidden_states" else k, target)
+        res = generate(target, prop, prompts, SamplingParams(max_tokens=48),
+                       max_model_len=demo.MAX_MODEL_LEN, block_size=demo.BLOCK_SIZE)
+        out[m] = res.mean_acceptance_length
+    return out
+
+
+def main(argv=None) -> int:
+    gpu = jax.default_backend() == "gpu"
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=("8b", "1b", "demo"), default="8b" if gpu else "demo")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--methods", nargs="+", default=None, help="default: every available method")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--assume-tau", type=float, default=2.5,
+                    help="mean acceptance length of a trained head, for the last column")
+    ap.add_argument("--json", default=None, help="write every row as JSON lines here")
+    ap.add_argument("--no-demo-tau", action="store_true",
+                    help="skip measuring acceptance on the demo models (tau columns become nan)")
+    args = ap.parse_args(argv)
+    dtype = jnp.dtype(args.dtype)
+    batches = [int(b) for b in args.batch.split(",")]
+    methods = args.methods or [m for m in demo.ALL_METHODS if m in available_methods()]
+    k = args.k
+    mml = -(-(args.context + 2 * k + 8) // BS) * BS
+    dev = jax.devices()[0]
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
+          f"{dev.platform} {dev.device_kind}; target {args.target} {args.dtype}; context {args.context}; "
+          f"k={k}; block {BS}; iters {args.iters}", flush=True)
+    t0 = time.perf_counter()
+    if args.no_demo_tau:
+        tau = {m: float("nan") for m in methods}
+    else:
+        tau = demo_acceptance(methods, k)
+        print(f"# demo-model acceptance (random weights until issue 7) in {time.perf_counter() - t0:.0f} s: "
+              + ", ".join(f"{m} {t:.2f}" for m, t in tau.items()), flush=True)
+    models = Models(args.target, dtype)
+    sink = open(args.json, "w") if args.json else None
+    head = (f"{'method':<22} {'B':>3} {'k':>2} {'plain ms':>9} {'spec ms':>9} {'host ms':>8} "
+            f"{'ratio':>6} {'tau(demo)':>9} {'speed-up':>8} {f'@tau={args.assume_tau}':>9} {'compile s':>9}")
+    print(head)
+    print("-" * len(head), flush=True)
+    for b in batches:
+        plain = Engine(models.target, None, max_model_len=mml, block_size=BS, max_num_seqs=b,
+                       batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype)
+        tp = plain.time_decode_step(b, args.context, iters=args.iters)
+        del plain
+        row = dict(method="plain", batch=b, k=0, plain_ms=tp["step_s"] * 1e3, compile_s=tp["compile_s"])
+        print(f"{'plain':<22} {b:>3} {'-':>2} {tp['step_s'] * 1e3:>9.3f} {'':>9} {'':>8} {'':>6} {'':>9} "
+              f"{'':>8} {'':>9} {tp['compile_s']:>9.1f}", flush=True)
+        if sink:
+            sink.write(json.dumps(row) + "\n")
+        for m in methods:
+            mk = 1 if m == "extract_hidden_states" else k
+            try:
+                prop = models.proposer(m, mk, mml)
+                eng = Engine(models.target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
+                             batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype)
+                ts = eng.time_decode_step(b, args.context, iters=args.iters)
+            except Exception as e:  # keep the other rows
+                print(f"{m:<22} {b:>3} failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            finally:
+                eng = prop = None
+                gc.collect()
+            spec = ts["step_s"] + ts["host_propose_s"]
+            ratio = spec / tp["step_s"]
+            assumed = min(args.assume_tau, mk + 1) / ratio
+            row = dict(method=m, batch=b, k=mk, plain_ms=tp["step_s"] * 1e3, spec_ms=ts["step_s"] * 1e3,
+                       host_ms=ts["host_propose_s"] * 1e3, ratio=ratio, tau_demo=tau[m],
+                       speedup_demo=tau[m] / ratio, speedup_assumed=assumed,
+                       compile_s=ts["compile_s"])
+            print(f"{m:<22} {b:>3} {mk:>2} {tp['step_s'] * 1e3:>9.3f} {ts['step_s'] * 1e3:>9.3f} "
+                  f"{ts['host_propose_s'] * 1e3:>8.3f} {ratio:>6.2f} {tau[m]:>9.2f} {tau[m] / ratio:>7.2f}x "
+                  f"{assumed:>8.2f}x {ts['compile_s']:>9.1f}", flush=True)
+            if sink:
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+    if sink:
+        sink.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,861 @@
+"""Reference decoding loop: batched speculative decoding with any proposer.
+
+``generate(target, proposer, prompts, sampling_params)`` runs the loop a serving engine
+runs (vLLM v1's scheduler + GPU model runner, reduced to what speculative decoding needs):
+
+1. **Schedule (host).** Admit waiting requests while there is a free row and enough KV
+   blocks; every running request is scheduled each step: its uncomputed tokens (the whole
+   prompt at prefill, else the last sampled token) followed by its drafts. Blocks of the
+   paged KV cache are allocated as the request grows (block 0 is a never-allocated null
+   block that padding entries of the block table point at) and freed when it finishes.
+2. **Step (device, one ``jax.jit``).** Target forward over the ragged batch (paged KV
+   cache written through the slot mapping), logits at every draft and bonus position,
+   ``specjax.sampler.rejection_sample``; in padded-batch mode also
+   ``prepare_next_token_ids_padded`` / ``prepare_inputs_padded`` and the proposer's
+   ``propose`` on the target's hidden states, all in the same compiled step with the KV
+   caches and the proposer state donated. Shapes are padded to buckets (requests, query
+   length, context blocks), so the step compiles once per bucket.
+3. **Commit (host).** Accepted tokens and the bonus / recovered token are appended;
+   requests stop on a stop token, ``max_tokens`` or ``max_model_len``. Token-history
+   proposers (n-gram, suffix) draft now, from the updated histories. In the non-padded
+   mode the host runs vLLM's ``prepare_inputs`` and a second jitted call drafts.
+
+Plain (non-speculative) decoding is the same loop with ``proposer=None``: one token per
+request per step, sampled by the same sampler. Greedy speculative decoding emits exactly
+the tokens of plain greedy decoding (``tests/test_engine.py`` proves it for every method).
+
+Not supported (yet): chunked prefill, preemption (admission reserves each request's
+worst-case block count instead), tree drafts, logprobs, penalties and other logits
+processors (see ``specjax.sampler``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import time
+from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.constants import next_power_of_2
+from specjax.metadata import SpecDecodeMetadata
+from specjax.metrics import SpecDecodingStats
+from specjax.proposers import (DraftOutput, Proposer, ProposerInputs, TokenHistory,
+                               prepare_inputs_padded, prepare_next_token_ids_padded)
+from specjax.sampler import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_sample,
+                             unconditional_to_conditional_rates)
+
+__all__ = ["SamplingParams", "RequestOutput", "GenerateResult", "TargetModel", "Engine",
+           "generate", "attn_metadata_np", "spec_metadata_np"]
+
+_NULL_BLOCK = 0
+_I32 = np.int32
+_req_counter = itertools.count()
+
+
+# ---------------------------------------------------------------------------------------
+# public types
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters (vLLM's names).
+
+    Attributes:
+      max_tokens: most tokens to generate (>= 1).
+      temperature: 0 is greedy; > 0 samples.
+      top_k: 0 disables; top_p: 1 disables.
+      seed: per-request seed; None draws one from ``generate``'s ``seed``. A seeded request
+        gives the same tokens whatever else is in the batch.
+      stop_token_ids: generation stops after emitting any of these (the token is kept).
+      ignore_eos: do not stop on ``generate``'s ``eos_token_id``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def is_int(v):
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 disables), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        stops = tuple(self.stop_token_ids)
+        if not all(is_int(s) and s >= 0 for s in stops):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+
+
+class RequestOutput(NamedTuple):
+    """One request's result: ``token_ids`` generated (prompt excluded), ``finish_reason``
+    ``"stop"`` (stop / EOS token, kept in ``token_ids``) or ``"length"`` (``max_tokens`` or
+    ``max_model_len``), and its draft counts."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """Outputs in prompt order plus the run's speculative-decoding metrics.
+
+    ``spec_stats`` sums every step's ``SpecDecodingStats`` (vLLM's counters);
+    ``elapsed_s`` is the wall time of the loop (compilation included unless warmed up).
+    """
+
+    outputs: list[RequestOutput]
+    spec_stats: SpecDecodingStats
+    num_steps: int
+    elapsed_s: float
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [o.token_ids for o in self.outputs]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """``1 + accepted / drafts`` (vLLM's; the bonus token counts); nan without drafts."""
+        s = self.spec_stats
+        return 1 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else math.nan
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        s = self.spec_stats
+        return [a / s.num_drafts if s.num_drafts else math.nan for a in s.num_accepted_tokens_per_pos]
+
+
+class TargetModel(NamedTuple):
+    """The target: a ``specjax.models.DecoderLM`` runner and its params dict."""
+
+    model: Any
+    params: dict
+
+
+# ---------------------------------------------------------------------------------------
+# the jitted step
+
+
+class _Spec(NamedTuple):
+    """Static part of a step (hashable; the jit cache key besides the shapes)."""
+
+    target: Any                 # DecoderLM
+    impl: Any                   # device proposer (static) or None
+    k: int                      # drafts per request (0: plain decoding)
+    vocab_size: int
+    all_greedy: bool
+    synthetic_rates: tuple[float, ...] | None
+    mode: str                   # "none" | "padded" | "split"
+    needs_hidden: bool
+    needs_aux: bool
+    kernel_backend: str
+
+
+class _Batch(NamedTuple):
+    """Device inputs of one step, padded to ``B`` rows, ``T = B * Q`` tokens."""
+
+    input_ids: Any              # [T] int32
+    positions: Any              # [T] int32
+    attn: CommonAttentionMetadata
+    sdm: SpecDecodeMetadata
+    temperature: Any            # [B] float32
+    top_k: Any                  # [B] int32
+    top_p: Any                  # [B] float32
+    seeds: Any                  # [B] uint32
+    counters: Any               # [B] int32, tokens generated so far (folded into the key)
+    backup_next: Any            # [B] int32, last committed token
+    discard: Any                # [B] bool
+
+
+def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch):
+    cad = b.attn
+    hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv, cad)
+    logits = spec.target.compute_logits(tparams, hidden[b.sdm.logits_indices])
+    keys = jax.vmap(lambda s, c: jax.random.key_data(jax.random.fold_in(jax.random.key(s), c)))(
+        b.seeds, b.counters)
+    sampling = SamplingMetadata(b.temperature, b.top_k, b.top_p, keys, all_greedy=spec.all_greedy)
+    rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates, jnp.float32)
+    sampled = rejection_sample(b.sdm, None, logits, sampling, rates)
+    drafts, extra = None, None
+    h = hidden if spec.needs_hidden else None
+    a = aux if spec.needs_aux else None
+    if spec.mode == "padded":
+        next_ids, valid = prepare_next_token_ids_padded(
+            spec.impl, sampled, b.discard, b.backup_next, vocab_size=spec.vocab_size,
+            num_reqs=cad.num_reqs, kernel_backend=spec.kernel_backend)
+        tis, nrej = prepare_inputs_padded(spec.impl, b.sdm, valid, cad,
+                                          kernel_backend=spec.kernel_backend)
+        inputs = ProposerInputs(b.input_ids, b.positions, h, a, next_ids, tis, nrej, cad)
+        drafts, draft_state = spec.impl.propose(dparams, draft_state, inputs)
+    elif spec.mode == "split":
+        extra = (h, a)
+    return sampled, drafts, target_kv, draft_state, extra
+
+
+_step_jit = jax.jit(_step, static_argnums=0, donate_argnums=(3, 4))
+
+
+def _split_propose(impl, dparams, draft_state, input_ids, positions, hidden, aux, token_indices,
+                   next_token_ids, attn):
+    """Non-padded mode, after the host's ``prepare_inputs``: keep the accepted tokens."""
+    take = lambda x: None if x is None else x[token_indices]  # noqa: E731
+    inputs = ProposerInputs(take(input_ids), take(positions), take(hidden), take(aux),
+                            next_token_ids, None, None, attn)
+    return impl.propose(dparams, draft_state, inputs)
+
+
+_split_propose_jit = jax.jit(_split_propose, static_argnums=0, donate_argnums=2)
+
+
+def step_cache_size() -> int:
+    """Number of compiled variants of the decoding step (for recompilation checks)."""
+    return _step_jit._cache_size()
+
+
+# ---------------------------------------------------------------------------------------
+# requests and blocks
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    req_id: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset
+    output: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    reserve: int = 0            # worst-case block count over the request's life
+    row: int = -1               # row of the token-history buffer
+    finish_reason: str | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token(self, i: int) -> int:
+        p = len(self.prompt)
+        return self.prompt[i] if i < p else self.output[i - p]
+
+
+def _pick(buckets: Sequence[int] | None, n: int, cap: int | None = None) -> int:
+    """Smallest bucket >= n (powers of two when ``buckets`` is None), at most ``cap``."""
+    if buckets is None:
+        b = next_power_of_2(n)
+    else:
+        fits = [x for x in buckets if x >= n]
+        if not fits:
+            raise ValueError(f"no bucket in {tuple(buckets)} holds {n}")
+        b = min(fits)
+    return b if cap is None else min(max(b, n), cap)
+
+
+# ---------------------------------------------------------------------------------------
+# the engine
+
+
+class Engine:
+    """A target, a proposer (or None), a paged KV cache, and the decoding loop.
+
+    Args:
+      target: ``TargetModel(model, params)`` or a ``(model, params)`` tuple; ``model`` is a
+        ``specjax.models.DecoderLM``. When the proposer needs aux hidden states, the runner
+        is rebuilt with the proposer's ``aux_layer_ids``.
+      proposer: from ``specjax.make_proposer``, or None for plain decoding.
+      max_model_len: context cap (prompt + output).
+      block_size: tokens per KV block.
+      max_num_seqs: most requests running at once (the rest wait).
+      num_blocks: size of the KV block pool (default: enough for ``max_num_seqs`` requests
+        at ``max_model_len``, plus the null block).
+      kernel_backend: index-kernel backend for the padded-mode input preparation.
+      batch_buckets / query_buckets / context_buckets: padded sizes the jitted step is
+        compiled for: rows, tokens per request (``T = rows * query``), block-table width in
+        blocks. None: powers of two (context capped at ``max_model_len``). Fewer buckets,
+        fewer compilations.
+      kv_dtype: dtype of the KV caches (default float32).
+    """
+
+    def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
+                 block_size: int = 16, max_num_seqs: int = 8, num_blocks: int | None = None,
+                 kernel_backend: str = "auto", batch_buckets: Sequence[int] | None = None,
+                 query_buckets: Sequence[int] | None = None,
+                 context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32) -> None:
+        from specjax.models import DecoderLM
+
+        if isinstance(target, tuple) and not isinstance(target, TargetModel):
+            if len(target) != 2:
+                raise ValueError("target must be TargetModel(model, params) or a (model, params) pair")
+            target = TargetModel(*target)
+        if not isinstance(target, TargetModel) or not isinstance(target.model, DecoderLM):
+            raise ValueError("target must be TargetModel(model, params) with a specjax.models.DecoderLM "
+                             f"model, got {type(getattr(target, 'model', target)).__name__}")
+        if proposer is not None and not isinstance(proposer, Proposer):
+            raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be None, "
+                             f"got {type(proposer).__name__}")
+        for name, v, lo in (("max_model_len", max_model_len, 2), ("block_size", block_size, 1),
+                            ("max_num_seqs", max_num_seqs, 1)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        model = target.model
+        vocab = model.config.vocab_size
+        self.proposer = proposer
+        self.k = 0 if proposer is None else proposer.num_speculative_tokens
+        if proposer is not None:
+            if proposer.vocab_size is not None and proposer.vocab_size != vocab:
+                raise ValueError(f"the proposer's vocabulary ({proposer.vocab_size}) does not match "
+                                 f"the target's ({vocab})")
+            if proposer.needs_aux_hidden_states and tuple(model.aux_layer_ids) != proposer.aux_layer_ids:
+                model = dataclasses.replace(model, aux_layer_ids=proposer.aux_layer_ids)
+            for name, want in (("block_size", block_size), ("max_model_len", max_model_len)):
+                got = getattr(proposer, name, None)
+                if got is not None and got != want:
+                    raise ValueError(f"the proposer was built with {name}={got}, the engine uses {want}")
+        self.target = TargetModel(model, target.params)
+        self.vocab_size = vocab
+        self.max_model_len = int(max_model_len)
+        self.block_size = int(block_size)
+        self.max_num_seqs = int(max_num_seqs)
+        self.kernel_backend = kernel_backend
+        self.batch_buckets = None if batch_buckets is None else tuple(sorted(batch_buckets))
+        self.query_buckets = None if query_buckets is None else tuple(sorted(query_buckets))
+        self.context_buckets = None if context_buckets is None else tuple(sorted(context_buckets))
+        # Lookahead: KV slots the proposer writes past the verified tokens (the draft chain,
+        # extra slots of draft-model / parallel drafting), allocated ahead like vLLM's
+        # num_lookahead_tokens.
+        self.lookahead = 0 if proposer is None else self.k + proposer.max_new_slots + 1
+        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        if num_blocks is None:
+            num_blocks = 1 + self.max_num_seqs * self.max_blocks_per_req
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), "
+                             f"got {num_blocks!r}")
+        self.num_blocks = int(num_blocks)
+        self.kv_dtype = kv_dtype
+        self.mode = ("none" if proposer is None or proposer.needs_token_history
+                     else "padded" if proposer.padded_drafter_batch else "split")
+        cfg = None if proposer is None else proposer.config
+        self.synthetic_rates = None
+        if cfg is not None and cfg.rejection_sample_method == "synthetic":
+            if cfg.synthetic_acceptance_rates is None:
+                raise ValueError("rejection_sample_method='synthetic' needs synthetic_acceptance_rates "
+                                 "in the reference loop (synthetic_acceptance_length is not supported)")
+            self.synthetic_rates = tuple(unconditional_to_conditional_rates(cfg.synthetic_acceptance_rates))
+        self._reset_cache()
+
+    # -- state ---------------------------------------------------------------------
+
+    def _reset_cache(self) -> None:
+        m = self.target.model
+        self.target_kv = m.init_kv_caches(self.num_blocks, self.block_size, self.kv_dtype)
+        self.draft_state = (None if self.proposer is None
+                            else self.proposer.init_state(self.num_blocks, self.kv_dtype))
+        self.free_blocks = list(range(self.num_blocks - 1, _NULL_BLOCK, -1))   # pop() -> 1, 2, ...
+        self.tok_buf = np.zeros((self.max_num_seqs, self.max_model_len), _I32)
+        self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
+
+    # -- validation ----------------------------------------------------------------
+
+    def _check_inputs(self, prompts, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        out = []
+        for i, p in enumerate(prompts):
+            arr = np.asarray(p)
+            if arr.ndim != 1 or arr.size == 0 or not (np.issubdtype(arr.dtype, np.integer)):
+                raise ValueError(f"prompts[{i}] must be a non-empty list of int token ids")
+            if arr.min() < 0 or arr.max() >= self.vocab_size:
+                bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
+                raise ValueError(f"prompts[{i}] holds token id {bad}, outside the target's vocabulary "
+                                 f"[0, {self.vocab_size})")
+            if arr.size >= self.max_model_len:
+                raise ValueError(f"prompts[{i}] has {arr.size} tokens; max_model_len={self.max_model_len} "
+                                 "leaves no room to generate")
+            out.append([int(t) for t in arr])
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sps = [sampling_params] * len(out)
+        else:
+            sps = list(sampling_params)
+            if len(sps) != len(out):
+                raise ValueError(f"sampling_params has {len(sps)} entries for {len(out)} prompts")
+            if not all(isinstance(s, SamplingParams) for s in sps):
+                raise ValueError("sampling_params must be a SamplingParams or a list of them")
+        for i, (p, s) in enumerate(zip(out, sps)):
+            if self._worst_blocks(len(p), s.max_tokens) > self.num_blocks - 1:
+                raise ValueError(f"prompts[{i}] may need {self._worst_blocks(len(p), s.max_tokens)} KV "
+                                 f"blocks, more than the pool's {self.num_blocks - 1}")
+        return out, sps
+
+    def _worst_blocks(self, prompt_len: int, max_tokens: int) -> int:
+        n = min(self.max_model_len, prompt_len + max_tokens + self.lookahead)
+        return -(-n // self.block_size)
+
+    # -- public --------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 eos_token_id: int | None = None, seed: int = 0,
+                 stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
+                 progress: Callable[[int, int, int], None] | None = None) -> GenerateResult:
+        """Generate for every prompt; see :func:`generate`."""
+        prompts, sps = self._check_inputs(prompts, sampling_params)
+        if eos_token_id is not None and not (0 <= int(eos_token_id) < self.vocab_size):
+            raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        stat_loggers = list(stat_loggers)
+        rng = np.random.default_rng(seed)
+        waiting = collections.deque()
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            stops = set(sp.stop_token_ids)
+            if eos_token_id is not None and not sp.ignore_eos:
+                stops.add(int(eos_token_id))
+            r = _Request(index=i, req_id=f"req-{next(_req_counter)}", prompt=p, params=sp,
+                         seed=int(sp.seed if sp.seed is not None else rng.integers(0, 2**31 - 1)) % 2**32,
+                         stop_ids=frozenset(stops))
+            r.reserve = self._worst_blocks(len(p), sp.max_tokens)
+            reqs.append(r)
+            waiting.append(r)
+        running: list[_Request] = []
+        total = SpecDecodingStats.new(self.k)
+        steps, done = 0, 0
+        t0 = time.perf_counter()
+        try:
+            while waiting or running:
+                self._admit(waiting, running)
+                stats, finished = self._step(running)
+                steps += 1
+                if stats is not None:
+                    for f in stat_loggers:
+                        f(stats)
+                    _accumulate(total, stats)
+                for r in finished:
+                    running.remove(r)
+                    self._release(r)
+                done += len(finished)
+                if progress is not None:
+                    progress(done, len(reqs), sum(len(r.output) for r in reqs))
+        finally:
+            if self.proposer is not None:
+                self.proposer.finish_requests([r.req_id for r in reqs])
+            for r in running:
+                self._release(r)
+        elapsed = time.perf_counter() - t0
+        outs = [RequestOutput(r.prompt, r.output, r.finish_reason, r.num_drafted, r.num_accepted)
+                for r in reqs]
+        return GenerateResult(outs, total, steps, elapsed)
+
+    def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
+               context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,)
+               ) -> int:
+        """Compile the step for every combination of the given buckets ahead of time (a
+        dummy step with no real request, which writes nothing). Returns the number of
+        variants compiled. ``context_blocks`` None: the widest (``max_model_len``)."""
+        if context_blocks is None:
+            context_blocks = [self.max_blocks_per_req]
+        before = step_cache_size()
+        for b, q, c, g in itertools.product(batch_sizes, query_lens, context_blocks, all_greedy):
+            batch = self._dummy_batch(int(b), int(q), int(c))
+            out = self._run(batch, all_greedy=bool(g))
+            jax.block_until_ready(out)
+        return step_cache_size() - before
+
+    def time_decode_step(self, num_reqs: int, context_len: int, *, iters: int = 20, seed: int = 0
+                         ) -> dict[str, float]:
+        """Cost of one steady-state decode step (benchmarks).
+
+        ``num_reqs`` requests, each with ``context_len`` tokens in the KV cache and ``k``
+        random drafts to verify (none for plain decoding), run through the jitted step
+        (target forward + verification + device drafting) ``iters`` times, each synced
+        on the sampled tokens as the loop does. Token-history proposers also draft on the
+        host each time. Returns seconds: ``step_s`` (median), ``host_propose_s``
+        (median, 0 for device proposers) and ``compile_s`` (first call).
+        """
+        if not 1 <= num_reqs <= self.max_num_seqs:
+            raise ValueError(f"num_reqs must be in [1, max_num_seqs={self.max_num_seqs}], got {num_reqs}")
+        if not 2 <= context_len <= self.max_model_len - self.k - 1:
+            raise ValueError(f"context_len must be in [2, max_model_len - k - 1 = "
+                             f"{self.max_model_len - self.k - 1}], got {context_len}")
+        rng = np.random.default_rng(seed)
+        reqs = []
+        for i in range(num_reqs):
+            toks = rng.integers(0, self.vocab_size, context_len).tolist()
+            r = _Request(index=i, req_id=f"bench-{next(_req_counter)}", prompt=toks[:-1],
+                         params=SamplingParams(max_tokens=self.max_model_len), seed=i,
+                         stop_ids=frozenset(), output=toks[-1:], num_computed=context_len - 1,
+                         drafts=rng.integers(0, self.vocab_size, self.k).tolist())
+            r.row = self.free_rows.pop()
+            self.tok_buf[r.row, :context_len] = toks
+            reqs.append(r)
+        try:
+            batch, _, b_pad = self._build_batch(reqs)
+            t0 = time.perf_counter()
+            np.asarray(self._run(batch, all_greedy=True)[0])
+            compile_s = time.perf_counter() - t0
+            step, host = [], []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                sampled, drafts, _ = self._run(batch, all_greedy=True)
+                np.asarray(sampled)
+                if drafts is not None:
+                    np.asarray(drafts.token_ids)
+                step.append(time.perf_counter() - t0)
+                if self.proposer is not None and self.proposer.needs_token_history:
+                    hist = TokenHistory([r.req_id for r in reqs], self.tok_buf[[r.row for r in reqs]],
+                                        np.full(num_reqs, context_len, _I32),
+                                        np.full(num_reqs, context_len - 1, _I32),
+                                        [[r.output[-1]] for r in reqs], rows_pad=b_pad)
+                    t0 = time.perf_counter()
+                    self.proposer.propose_from_history(hist)
+                    host.append(time.perf_counter() - t0)
+        finally:
+            if self.proposer is not None:
+                self.proposer.finish_requests([r.req_id for r in reqs])
+            for r in reqs:
+                self._release(r)
+        return {"step_s": float(np.median(step)), "host_propose_s": float(np.median(host)) if host else 0.0,
+                "compile_s": compile_s}
+
+    # -- scheduling ----------------------------------------------------------------
+
+    def _admit(self, waiting, running) -> None:
+        while waiting and len(running) < self.max_num_seqs:
+            r = waiting[0]
+            owed = sum(x.reserve - len(x.blocks) for x in running)
+            if len(self.free_blocks) - owed < r.reserve:
+                if not running:   # cannot happen: _check_inputs bounds every request
+                    raise RuntimeError("KV block pool too small for a single request")
+                break
+            waiting.popleft()
+            r.row = self.free_rows.pop()
+            self.tok_buf[r.row, : len(r.prompt)] = r.prompt
+            running.append(r)
+
+    def _release(self, r: _Request) -> None:
+        self.free_blocks.extend(reversed(r.blocks))
+        r.blocks = []
+        if r.row >= 0:
+            self.free_rows.append(r.row)
+            r.row = -1
+
+    def _ensure_blocks(self, r: _Request, upto: int) -> None:
+        need = -(-min(upto, self.max_model_len) // self.block_size)
+        while len(r.blocks) < need:
+            r.blocks.append(self.free_blocks.pop())
+
+    def _buckets(self, n: int, max_q: int, max_blocks: int) -> tuple[int, int, int]:
+        b = _pick(self.batch_buckets, n)
+        q = _pick(self.query_buckets, max(max_q, self.k + 1))
+        c = _pick(self.context_buckets, max_blocks, cap=self.max_blocks_per_req)
+        return b, q, c
+
+    def _build_batch(self, running: list[_Request]) -> tuple[_Batch, list[int], int]:
+        n = len(running)
+        sched, qlens, seqs = [], [], []
+        for r in running:
+            toks = [r.token(i) for i in range(r.num_computed, r.num_tokens)] + r.drafts
+            sched.append(toks)
+            qlens.append(len(toks))
+            seqs.append(r.num_computed + len(toks))
+            self._ensure_blocks(r, seqs[-1] + self.lookahead)
+        B, Q, C = self._buckets(n, max(qlens), max(len(r.blocks) for r in running))
+        table = np.full((B, C), _NULL_BLOCK, _I32)
+        for i, r in enumerate(running):
+            m = min(len(r.blocks), C)
+            table[i, :m] = r.blocks[:m]
+        q = np.array(qlens, np.int64)
+        s = np.array(seqs, np.int64)
+        attn = attn_metadata_np(q, s, table, block_size=self.block_size, num_tokens_pad=B * Q,
+                                max_query_len=Q)
+        ids = np.zeros(B * Q, _I32)
+        ids[: int(q.sum())] = [t for toks in sched for t in toks]
+        pos = np.zeros(B * Q, _I32)
+        pos[: int(q.sum())] = np.repeat(s - q, q) + _ragged_arange(q)
+        sdm = spec_metadata_np([r.drafts for r in running], q, num_reqs_pad=B, max_spec_len=self.k)
+        temp = np.zeros(B, np.float32)
+        topk = np.zeros(B, _I32)
+        topp = np.ones(B, np.float32)
+        seeds = np.zeros(B, np.uint32)
+        ctr = np.zeros(B, _I32)
+        backup = np.zeros(B, _I32)
+        for i, r in enumerate(running):
+            sp = r.params
+            temp[i], topk[i], topp[i] = sp.temperature, sp.top_k, sp.top_p
+            seeds[i] = r.seed
+            ctr[i] = len(r.output)
+            backup[i] = r.token(r.num_tokens - 1)
+        batch = _Batch(ids, pos, attn, sdm, temp, topk, topp, seeds, ctr, backup, np.zeros(B, np.bool_))
+        return batch, qlens, B
+
+    def _dummy_batch(self, B: int, Q: int, C: int) -> _Batch:
+        z = np.zeros(0, np.int64)
+        attn = attn_metadata_np(z, z, np.zeros((B, C), _I32), block_size=self.block_size,
+                                num_tokens_pad=B * Q, max_query_len=Q)
+        sdm = spec_metadata_np([], z, num_reqs_pad=B, max_spec_len=self.k)
+        zb = np.zeros(B, _I32)
+        return _Batch(np.zeros(B * Q, _I32), np.zeros(B * Q, _I32), attn, sdm,
+                      np.zeros(B, np.float32), zb, np.ones(B, np.float32), np.zeros(B, np.uint32),
+                      zb, zb, np.zeros(B, np.bool_))
+
+    def _spec(self, all_greedy: bool) -> _Spec:
+        p = self.proposer
+        fused = self.mode in ("padded", "split")
+        return _Spec(
+            target=self.target.model, impl=p.impl if fused else None, k=self.k,
+            vocab_size=self.vocab_size, all_greedy=all_greedy, synthetic_rates=self.synthetic_rates,
+            mode=self.mode, needs_hidden=fused and p.needs_hidden_states,
+            needs_aux=fused and p.needs_aux_hidden_states, kernel_backend=self.kernel_backend)
+
+    def _run(self, batch: _Batch, *, all_greedy: bool):
+        spec = self._spec(all_greedy)
+        dparams = None if spec.impl is None else self.proposer.params
+        sampled, drafts, self.target_kv, self.draft_state, extra = _step_jit(
+            spec, self.target.params, dparams, self.target_kv, self.draft_state, batch)
+        return sampled, drafts, extra
+
+    # -- one step ------------------------------------------------------------------
+
+    def _step(self, running: list[_Request]) -> tuple[SpecDecodingStats | None, list[_Request]]:
+        batch, qlens, b_pad = self._build_batch(running)
+        all_greedy = all(r.params.temperature == 0 for r in running)
+        sampled, drafts, extra = self._run(batch, all_greedy=all_greedy)
+        sampled = np.asarray(sampled)
+        if self.mode == "split":
+            drafts = self._split_propose(batch, running, sampled, extra)
+        drafts_np = None if drafts is None else (np.asarray(drafts.token_ids), np.asarray(drafts.num_drafts))
+
+        stats = SpecDecodingStats.new(self.k) if self.proposer is not None else None
+        finished, gained = [], []
+        for i, r in enumerate(running):
+            row = sampled[i]
+            new = [int(t) for t in row if t != PLACEHOLDER_TOKEN_ID]
+            nd = len(r.drafts)
+            n_acc = len(new) - 1
+            if nd:
+                stats.observe_draft(nd, n_acc)
+                r.num_drafted += nd
+                r.num_accepted += n_acc
+            r.num_computed += qlens[i] - (nd - n_acc)
+            kept = []
+            for tok in new:
+                kept.append(tok)
+                r.output.append(tok)
+                if tok in r.stop_ids:
+                    r.finish_reason = "stop"
+                elif len(r.output) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                    r.finish_reason = "length"
+                if r.finish_reason:
+                    break
+            if r.row >= 0:
+                start = r.num_tokens - len(kept)
+                self.tok_buf[r.row, start : r.num_tokens] = kept
+            r.drafts = []
+            if r.finish_reason:
+                finished.append(r)
+            elif drafts_np is not None:
+                tok, cnt = drafts_np
+                r.drafts = tok[i, : int(cnt[i])].tolist()
+            gained.append(kept)
+
+        alive = [i for i, r in enumerate(running) if not r.finish_reason]
+        if self.proposer is not None and self.proposer.needs_token_history and alive:
+            rows = [running[i].row for i in alive]
+            hist = TokenHistory(
+                req_ids=[running[i].req_id for i in alive],
+                token_ids=self.tok_buf[rows],
+                num_tokens=np.array([running[i].num_tokens for i in alive], _I32),
+                num_prompt_tokens=np.array([len(running[i].prompt) for i in alive], _I32),
+                sampled_token_ids=[gained[i] for i in alive], rows_pad=b_pad)
+            out = self.proposer.propose_from_history(hist)
+            tok, cnt = np.asarray(out.token_ids), np.asarray(out.num_drafts)
+            for j, i in enumerate(alive):
+                running[i].drafts = tok[j, : int(cnt[j])].tolist()
+        for i in alive:
+            r = running[i]
+            # Never verify past max_model_len or beyond what max_tokens can still use; a
+            # token outside the vocabulary (a buggy proposer) ends the draft, as the target
+            # would embed it as garbage.
+            room = min(self.max_model_len - r.num_tokens, r.params.max_tokens - len(r.output)) - 1
+            d = r.drafts[: max(0, min(room, self.k))]
+            bad = [j for j, t in enumerate(d) if not 0 <= t < self.vocab_size]
+            r.drafts = d[: bad[0]] if bad else d
+        return stats, finished
+
+    def _split_propose(self, batch: _Batch, running, sampled: np.ndarray, extra) -> DraftOutput:
+        """Non-padded mode: vLLM's host ``prepare_inputs`` drops the rejected tokens, then
+        the proposer drafts from the kept ones (second jitted call)."""
+        from specjax.proposers.eagle import prepare_inputs
+
+        n = len(running)
+        lists = [[int(t) for t in sampled[i] if t != PLACEHOLDER_TOKEN_ID] for i in range(n)]
+        md, idx = prepare_inputs(batch.attn, lists, [len(r.drafts) for r in running])
+        nxt = np.zeros(batch.backup_next.shape[0], _I32)
+        nxt[:n] = [lst[-1] for lst in lists]
+        hidden, aux = extra
+        drafts, self.draft_state = _split_propose_jit(
+            self.proposer.impl, self.proposer.params, self.draft_state, batch.input_ids,
+            batch.positions, hidden, aux, idx, nxt, md)
+        return drafts
+
+
+# ---------------------------------------------------------------------------------------
+# host-side metadata (NumPy leaves: the jitted step uploads them in one go)
+
+
+def _ragged_arange(lens: np.ndarray) -> np.ndarray:
+    """``concat(arange(l) for l in lens)``."""
+    lens = np.asarray(lens, np.int64)
+    total = int(lens.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+
+
+def attn_metadata_np(query_lens, seq_lens, block_table, *, block_size: int, num_tokens_pad: int,
+                     max_query_len: int) -> CommonAttentionMetadata:
+    """``CommonAttentionMetadata.from_query_lens`` with NumPy leaves, vectorized.
+
+    ``query_lens``, ``seq_lens``: ``[n]``; ``block_table``: ``[B_pad, C]`` (rows past n
+    ignored and zeroed). Token slots: ``table[r, pos // block_size] * block_size + pos %
+    block_size`` for each request's last ``query_len`` positions, -1 on padding.
+    """
+    q = np.asarray(query_lens, np.int64)
+    s = np.asarray(seq_lens, np.int64)
+    n = q.shape[0]
+    table = np.array(block_table, _I32)
+    b_pad = table.shape[0]
+    table[n:] = _NULL_BLOCK
+    t = int(q.sum())
+    qsl = np.full(b_pad + 1, t, _I32)
+    qsl[0] = 0
+    qsl[1 : n + 1] = np.cumsum(q)
+    seq = np.zeros(b_pad, _I32)
+    seq[:n] = s
+    slots = np.full(num_tokens_pad, -1, _I32)
+    if t:
+        req = np.repeat(np.arange(n), q)
+        pos = np.repeat(s - q, q) + _ragged_arange(q)
+        slots[:t] = table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    i32 = lambda v: np.asarray(v, _I32)  # noqa: E731
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, seq_lens=seq, block_table=table, slot_mapping=slots, num_reqs=i32(n),
+        num_actual_tokens=i32(t), max_seq_len=i32(int(s.max(initial=0))),
+        max_query_len=int(max_query_len), causal=True)
+
+
+def spec_metadata_np(drafts: Sequence[Sequence[int]], query_lens, *, num_reqs_pad: int,
+                     max_spec_len: int) -> SpecDecodeMetadata:
+    """``SpecDecodeMetadata.from_draft_lists(drafts, cumsum(query_lens), max_spec_len=K,
+    num_reqs_pad=B, num_drafts_pad=B*K)`` with NumPy leaves, vectorized: each request's
+    drafts are the last ``len(drafts)`` of its ``query_len`` scheduled tokens."""
+    nd = np.array([len(d) for d in drafts], np.int64)
+    n, b, k = nd.shape[0], num_reqs_pad, max_spec_len
+    cu_sched = np.cumsum(np.asarray(query_lens, np.int64))
+    cu_draft = np.cumsum(nd)
+    cu_sampled = np.cumsum(nd + 1)
+    total, sampled = int(nd.sum()), int((nd + 1).sum())
+
+    def pad(a, size, fill, repeat_last=False):
+        out = np.full(size, fill, _I32)
+        out[: len(a)] = a
+        if repeat_last and len(a) and size > len(a):
+            out[len(a):] = a[-1]
+        return out
+
+    flat = np.array([t for d in drafts for t in d], np.int64)
+    target_idx = np.repeat(cu_sampled - nd - 1, nd) + _ragged_arange(nd)
+    logits_idx = np.repeat(cu_sched - nd - 1, nd + 1) + _ragged_arange(nd + 1)
+    assert total <= b * k and sampled <= b * (k + 1)
+    return SpecDecodeMetadata(
+        draft_token_ids=pad(flat, b * k, -1), num_draft_tokens=pad(nd, b, 0),
+        cu_num_draft_tokens=pad(cu_draft, b, 0, True), cu_num_sampled_tokens=pad(cu_sampled, b, 0, True),
+        target_logits_indices=pad(target_idx, b * k, 0), bonus_logits_indices=pad(cu_sampled - 1, b, 0),
+        logits_indices=pad(logits_idx, b * (k + 1), 0), num_reqs=np.asarray(n, _I32),
+        max_spec_len=int(k))
+
+
+def _accumulate(total: SpecDecodingStats, s: SpecDecodingStats) -> None:
+    total.num_drafts += s.num_drafts
+    total.num_draft_tokens += s.num_draft_tokens
+    total.num_accepted_tokens += s.num_accepted_tokens
+    for p, a in enumerate(s.num_accepted_tokens_per_pos):
+        total.num_accepted_tokens_per_pos[p] += a
+
+
+def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             max_model_len: int | None = None, block_size: int | None = None,
+             max_num_seqs: int | None = None, num_blocks: int | None = None,
+             eos_token_id: int | None = None, seed: int = 0, kernel_backend: str = "auto",
+             batch_buckets: Sequence[int] | None = None, query_buckets: Sequence[int] | None = None,
+             context_buckets: Sequence[int] | None = None,
+             stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
+             progress: Callable[[int, int, int], None] | None = None) -> GenerateResult:
+    """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
+
+    Args:
+      target: ``TargetModel(model, params)`` or ``(model, params)``; ``model`` a
+        ``specjax.models.DecoderLM``.
+      proposer: ``specjax.make_proposer(...)`` or None.
+      prompts: token-id lists (non-empty, ids in the target's vocabulary).
+      sampling_params: one ``SamplingParams`` for all or one per prompt.
+      max_model_len, block_size: default to the proposer's (else 2048 and 16).
+      max_num_seqs: most running requests (default: all prompts at once, at most 256).
+      eos_token_id: a stop token for every request without ``ignore_eos``.
+      seed: draws the seeds of requests whose ``SamplingParams.seed`` is None.
+      stat_loggers: called with each step's ``SpecDecodingStats`` (e.g.
+        ``SpecDecodingLogging().observe``, ``SpecDecodingProm(...).observe``).
+      progress: called after each step with ``(finished, total, generated_tokens)``.
+      Other arguments: see :class:`Engine`.
+
+    Returns:
+      ``GenerateResult`` (outputs in prompt order, summed metrics, steps, wall time).
+
+    Raises:
+      ValueError: empty prompt list, token ids outside the vocabulary, ``max_tokens < 1``,
+        a proposer whose vocabulary differs from the target's, ... before generation.
+    """
+    if max_model_len is None:
+        max_model_len = getattr(proposer, "max_model_len", None) or 2048
+    if block_size is None:
+        block_size = getattr(proposer, "block_size", None) or 16
+    if max_num_seqs is None:   # all at once, up to 256
+        max_num_seqs = min(256, max(1, len(prompts))) if hasattr(prompts, "__len__") else 1
+    engine = Engine(target, proposer, max_model_len=max_model_len, block_size=block_size,
+                    max_num_seqs=max_num_seqs, num_blocks=num_blocks, kernel_backend=kernel_backend,
+                    batch_buckets=batch_buckets, query_buckets=query_buckets,
+                    context_buckets=context_buckets)
+    return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
+                           stat_loggers=stat_loggers, progress=progress)

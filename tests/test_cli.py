@@ -1,0 +1,62 @@
+"""``specjax demo``: the console script runs, checks every method against plain decoding and
+prints the table (a quick version: two methods, few tokens)."""
+
+import io
+import shutil
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from specjax import cli, demo
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compiles():
+    old = bool(jax.config.values.get("jax_disable_most_optimizations", False))
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+def test_demo_quick(capsys):
+    rc = cli.main(["demo", "--method", "ngram", "eagle", "--max-tokens", "6", "--k", "2",
+                   "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert "RANDOM weights" in out and "issue 7" in out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("method"))
+    rows = {line.split()[0]: line.split() for line in lines[head + 2 : head + 5]}
+    assert set(rows) == {"plain", "ngram", "eagle"}
+    for name in ("ngram", "eagle"):
+        assert rows[name][1] == "2" and rows[name][-1] == "OK"
+        assert rows[name][-2].endswith("x")                 # speed-up
+    assert "all methods reproduce plain greedy decoding: OK" in out
+    assert "[3/3] eagle" in err                              # progress on stderr
+
+
+def test_run_demo_rows():
+    out, err = io.StringIO(), io.StringIO()
+    rows = demo.run_demo(["extract_hidden_states"], k=4, max_tokens=4, out=out, err=err)
+    assert [r.method for r in rows] == ["plain", "extract_hidden_states"]
+    assert rows[1].k == 1 and rows[1].ok and len(rows[1].per_position) == 1
+    with pytest.raises(ValueError, match="unknown"):
+        demo.run_demo(["nope"], out=out, err=err)
+
+
+def test_bad_arguments_exit_2(capsys):
+    for argv in (["demo", "--k", "0"], ["demo", "--method", "nope"], ["demo", "--device", "tpu"], []):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+    capsys.readouterr()
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("specjax", path=str(__import__("pathlib").Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("the specjax console script is not installed (pip install -e .)")
+    res = subprocess.run([exe, "demo", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--max-tokens" in res.stdout and "--method" in res.stdout
