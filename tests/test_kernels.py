@@ -30,18 +30,7 @@ except ImportError:  # tests/ made a package
     from tests import kernel_oracle as oracle
 
 CPU_BACKENDS = ("xla", "pallas")
-OUTPUT_NAMES = {
-    "eagle_step_update_slot_mapping_and_metadata": (
-        "clamped_positions", "slot_mapping", "seq_lens"),
-    "eagle_prepare_inputs_padded": ("token_indices_to_sample", "num_rejected_tokens"),
-    "eagle_prepare_next_token_padded": ("next_token_ids", "valid_sampled_tokens_count"),
-    "copy_and_expand_eagle_inputs": (
-        "input_ids", "positions", "is_rejected_token_mask", "is_masked_token_mask",
-        "new_token_indices", "hidden_state_mapping"),
-    "copy_and_expand_dflash_inputs": (
-        "input_ids", "context_positions", "query_positions", "context_slot_mapping",
-        "query_slot_mapping", "token_indices_to_sample"),
-}
+OUTPUT_NAMES = cases.OUTPUT_NAMES
 # Hypothesis examples per (op, backend): Pallas runs in interpret mode on CPU (slow), so it
 # gets fewer examples and smaller batches.
 EXAMPLES = {"xla": 100, "pallas": 16}

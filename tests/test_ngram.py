@@ -17,7 +17,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from specjax.proposers.base import DraftOutput
 from specjax.proposers.ngram_cpu import NgramProposer
-from specjax.proposers.ngram_gpu import NgramGPUProposer, NgramGPUState, ngram_search
+from specjax.proposers.ngram_gpu import NgramGPUProposer, ngram_search
 
 
 # ---------------------------------------------------------------------- oracle

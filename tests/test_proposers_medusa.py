@@ -7,7 +7,6 @@ head slicing, no padded rows.
 """
 
 import functools
-import logging
 import zlib
 
 import jax
@@ -20,6 +19,11 @@ from specjax.config import SpeculativeConfig
 from specjax.models import registry
 from specjax.proposers.base import ProposerInputs
 from specjax.proposers.medusa import MedusaProposer
+
+try:
+    from compile_check import assert_no_recompile
+except ImportError:  # tests/ made a package
+    from tests.compile_check import assert_no_recompile
 
 H = 32
 V = 72
@@ -147,13 +151,7 @@ def test_no_recompile_inside_a_bucket(caplog):
         out, state = prop.propose(params, state, _inputs(reqs, [(0, r["L"]) for r in reqs], True, rng))
         return np.asarray(out.token_ids)
 
-    run(2)
-    before = prop.propose._cache_size()
-    with jax.log_compiles(), caplog.at_level(logging.DEBUG, logger="jax"):
-        for n in (1, 4, 3):
-            run(n)
-    assert prop.propose._cache_size() == before
-    assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert_no_recompile(prop.propose, run, (2, 1, 4, 3), caplog)
 
 
 @pytest.mark.parametrize("kwargs, match", [

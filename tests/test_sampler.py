@@ -1,6 +1,5 @@
 """Rejection sampler against a NumPy oracle (greedy) and the target distribution (random)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
