@@ -1,0 +1,1 @@
+"""Training draft heads and small LMs in JAX (see submodules)."""
