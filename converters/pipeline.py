@@ -222,6 +222,35 @@ class Summary:
         return "\n".join(lines)
 
 
+def write_dir_atomically(dst: Path, fill: Callable[[Path], None], *,
+                         replace: Callable[[Path], bool], what: str) -> None:
+    """Build directory ``dst`` atomically: ``fill(tmp)`` writes into a temporary sibling
+    directory, which is then renamed to ``dst``. An existing ``dst`` is replaced only when
+    ``replace(dst)`` is True (else ``DestinationExistsError``). On any failure (or Ctrl-C)
+    the temporary directory is removed and a replaced ``dst`` is put back: nothing
+    half-written is ever left at ``dst``."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    old = None
+    try:
+        fill(tmp)
+        if dst.exists() or dst.is_symlink():
+            if not replace(dst):
+                raise DestinationExistsError(f"{dst} appeared during {what}")
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.rename(dst, old / "x")
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and (old / "x").exists() and not dst.exists():
+            os.rename(old / "x", dst)  # put the previous directory back
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = False,
             progress: Progress | None = None) -> Summary:
     """Convert the checkpoint at ``src`` into ``dst`` (orbax params + ``specjax.json``).
@@ -235,26 +264,8 @@ def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = Fa
     if (dst.exists() or dst.is_symlink()) and not force:
         raise DestinationExistsError(f"{dst} already exists (use --force to replace it)")
     prep = prepare(src, format=format, dtype=dtype, progress=progress)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    old = None
-    try:
-        save_prepared(prep, tmp)
-        if dst.exists() or dst.is_symlink():
-            if not force:
-                raise DestinationExistsError(f"{dst} appeared during the conversion")
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.rename(dst, old / "x")
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "x").exists() and not dst.exists():
-            os.rename(old / "x", dst)  # put the previous output back
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    write_dir_atomically(dst, lambda tmp: save_prepared(prep, tmp), replace=lambda _: force,
+                         what="the conversion")
     return Summary(prep.kind, prep.format, dtype_name(prep.dtype), prep.n_tensors,
                    prep.n_values, prep.notes, str(dst), time.perf_counter() - t0)
 

@@ -57,6 +57,7 @@ from specjax.models.registry import (
     init_params,
     make_model,
     params_from_tensors,
+    tensors_from_params,
 )
 
 
@@ -78,5 +79,6 @@ __all__ = [
     "KINDS", "ModelConfig", "KVCache", "init_kv_caches", "paged_attention", "write_kv",
     "DecoderLM", "EagleHead", "Eagle3Head", "DFlashHead", "MedusaHeads", "ExtractHiddenStates",
     "config_from_hf", "config_to_dict", "expected_tensors", "params_from_tensors",
+    "tensors_from_params",
     "abstract_params", "init_params", "make_model", "share_target_weights",
 ]

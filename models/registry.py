@@ -26,8 +26,8 @@ from specjax.models.config import DECODER_KINDS, KINDS, ModelConfig, ROPE_TYPES
 
 __all__ = [
     "KINDS", "ModelConfig", "config_from_hf", "config_to_dict", "config_with_tensors",
-    "expected_tensors", "params_from_tensors", "abstract_params", "random_tensors",
-    "init_params", "make_model", "tensor_table",
+    "expected_tensors", "params_from_tensors", "tensors_from_params", "abstract_params",
+    "random_tensors", "init_params", "make_model", "tensor_table",
 ]
 
 _PRESENCE = ("has_embed_tokens", "has_lm_head", "has_d2t", "has_token_map")
@@ -433,6 +433,76 @@ def params_from_tensors(kind: str, config: ModelConfig, tensors: Mapping[str, np
             if x.conv == "linear":
                 w = np.ascontiguousarray(w.T)
         _set(out, x.path, jnp.asarray(w))
+    return out
+
+
+#: Top-level params entries a head may borrow from its target (``share_target_weights``).
+_SHARED = ("embed_tokens", "lm_head")
+
+
+def _leaf_paths(tree, prefix: tuple = ()) -> dict[tuple, Any]:
+    """Flatten a params dict to ``{path: leaf}``; digit-string keys (an orbax restore
+    without a target) become ints, as in the tensor table."""
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    out: dict[tuple, Any] = {}
+    for k, v in tree.items():
+        k = int(k) if isinstance(k, str) and k.isdigit() else k
+        out.update(_leaf_paths(v, prefix + (k,)))
+    return out
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def tensors_from_params(kind: str, config: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
+    """Params dict -> canonical tensors (PyTorch layout): the inverse of
+    :func:`params_from_tensors`.
+
+    Linear kernels ``[in, out]`` are transposed back to ``[out, in]``; vectors and
+    embeddings are copied; integer maps (``d2t``, ``token_map``) become int32. Float tensors
+    keep the params' dtype (no cast), so ``params_from_tensors(kind, config,
+    tensors_from_params(kind, config, params), dtype=None)`` rebuilds ``params`` exactly.
+
+    Which tensors are emitted (the rule): exactly the entries :func:`abstract_params`
+    expects, i.e. every required tensor plus each optional one whose ``has_*`` flag is True
+    (None counts as absent). Tensors a checkpoint has but specjax never keeps (a tied
+    decoder's ``lm_head.weight``, an EAGLE-1 ``embed_tokens.weight``) are not emitted. A
+    top-level ``embed_tokens`` / ``lm_head`` entry that the head does not own by this rule
+    (the target's arrays added by ``share_target_weights``) is skipped, not exported. Any
+    other missing, unexpected, mis-shaped or mis-typed leaf raises ValueError naming it.
+    """
+    table = tensor_table(kind, config)
+    owned = [x for x in table if _included(x, config)]
+    owned_roots = {x.path[0] for x in owned}
+    leaves = _leaf_paths(params)
+    missing = [_dotted(x.path) for x in owned if x.path not in leaves]
+    wanted = {x.path for x in owned}
+    unexpected = sorted(_dotted(p) for p in leaves
+                        if p not in wanted and not (p and p[0] in _SHARED and p[0] not in owned_roots))
+    if missing or unexpected:
+        parts = ([f"missing {missing}"] if missing else []) + ([f"unexpected {unexpected}"] if unexpected else [])
+        raise ValueError(f"params do not match the {kind} config: " + "; ".join(parts))
+    out: dict[str, np.ndarray] = {}
+    for x in owned:
+        w = np.asarray(leaves[x.path])
+        want = x.shape[::-1] if x.conv == "linear" else x.shape
+        if tuple(w.shape) != tuple(want):
+            raise ValueError(f"param {_dotted(x.path)!r} has shape {tuple(w.shape)}, expected {want} "
+                             f"(tensor {x.key!r})")
+        is_int = np.issubdtype(w.dtype, np.integer)
+        if (x.conv == "int") != is_int or w.dtype == np.bool_:
+            raise ValueError(f"param {_dotted(x.path)!r} has dtype {w.dtype}, expected "
+                             f"{'an integer' if x.conv == 'int' else 'a float'} dtype")
+        if x.conv == "int":
+            if w.size and (w.max() > np.iinfo(np.int32).max or w.min() < np.iinfo(np.int32).min):
+                raise ValueError(f"param {_dotted(x.path)!r}: values do not fit in int32")
+            out[x.key] = w.astype(np.int32)
+        elif x.conv == "linear":
+            out[x.key] = np.ascontiguousarray(w.T)
+        else:
+            out[x.key] = np.ascontiguousarray(w)
     return out
 
 

@@ -1,0 +1,471 @@
+"""Export trained params to the upstream checkpoint layouts: the inverse of the converters.
+
+``export_checkpoint(kind, config, params, out_dir, format=...)`` writes a directory in the
+exact layout a user downloads from the Hub (``config.json`` + safetensors weights, upstream
+file and key names, ``research/checkpoint_formats.md`` is the authority), so that
+``specjax.load_pretrained(out_dir)`` (format auto-detected), ``specjax-convert`` and the
+upstream loaders read it back.
+
+=======================  =======  ==========================================================
+format                   kind     layout written
+=======================  =======  ==========================================================
+``llama`` / ``qwen2`` /  decoder  HF: ``config.json`` (``*ForCausalLM``) + ``model.safetensors``
+``qwen3``                         with ``model.*`` names; no ``lm_head.weight`` when tied
+``eagle``                eagle    SafeAILab EAGLE-1: LlamaConfig + ``bias``; ``fc.*``,
+                                  ``layers.{i}.*`` (layer 0 without ``input_layernorm``)
+``eagle3``               eagle3   SafeAILab EAGLE-3: LlamaConfig + ``draft_vocab_size``;
+                                  ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` (int64),
+                                  ``t2d`` (bool)
+``eagle3-speculators``   eagle3   speculators: ``transformer_layer_config`` nested;
+                                  ``layers.0.*`` names
+``dflash``               dflash   z-lab: ``DFlashDraftModel`` Qwen3 config, top-level
+                                  ``block_size``, ``dflash_config.{mask_token_id,
+                                  target_layer_ids}`` (z-lab ids = vLLM aux ids - 1)
+``dflash-speculators``   dflash   speculators: ``aux_hidden_state_layer_ids`` as is
+``medusa``               medusa   FasterDecoding Medusa-1: ``medusa_num_heads`` /
+                                  ``medusa_num_layers`` config, ``medusa_lm_head.safetensors``
+                                  with ``{h}.{l}.linear.*`` and ``{h}.{L}.weight``
+``medusa-vllm``          medusa   vLLM ``MedusaModel``: ``blocks.*``, ``lm_heads.*``,
+                                  ``token_map`` (int64)
+=======================  =======  ==========================================================
+
+Before anything is written, the layout is read back in memory by the converters
+(``detect_format`` must name the same format, and the normalized config must equal
+``config``); a config the format cannot express (e.g. Qwen2 without q/k/v bias, a
+two-layer SafeAILab EAGLE-3, Medusa-1 without ResBlock bias) raises ValueError naming the
+fields. Then everything goes into a temporary sibling directory that is renamed into place.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file as _save_file
+
+from specjax.converters.errors import DestinationExistsError
+from specjax.converters.pipeline import write_dir_atomically
+from specjax.converters.formats import FORMATS, detect_format, normalize
+from specjax.converters.tensor_ref import TensorRef
+
+__all__ = ["export_checkpoint", "EXPORT_FORMATS", "EXPORT_DTYPES"]
+
+#: Export dtypes: name -> (NumPy dtype, the config's ``torch_dtype`` string).
+EXPORT_DTYPES = {
+    "bf16": (np.dtype(ml_dtypes.bfloat16), "bfloat16"),
+    "fp16": (np.dtype(np.float16), "float16"),
+    "fp32": (np.dtype(np.float32), "float32"),
+}
+#: Integer maps: int32 in specjax, int64 on disk (as upstream stores them).
+_INT_MAPS = ("d2t", "token_map")
+#: safetensors metadata that transformers' loader checks for.
+_ST_METADATA = {"format": "pt"}
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+Files = dict[str, dict[str, np.ndarray]]
+Writer = Callable[[Any, dict, str], tuple[dict, Files]]
+
+
+def _registry():
+    from specjax.models import registry  # noqa: PLC0415 (imports jax)
+    return registry
+
+
+# -- config pieces ----------------------------------------------------------------------------
+
+def _decoder_fields(c, *, head_dim: bool = True, rope_type_key: bool = False) -> dict:
+    """The HF decoder fields of ``c`` (LlamaConfig / Qwen*Config names)."""
+    d = _registry().config_to_dict(c)
+    out = {
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "hidden_act": "silu", "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "rope_scaling": d["rope_scaling"],
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+    }
+    if head_dim:
+        out["head_dim"] = c.head_dim
+    if rope_type_key and out["rope_scaling"]:
+        # transformers < 4.45 (SafeAILab's code) reads rope_scaling["type"].
+        out["rope_scaling"] = {**out["rope_scaling"], "type": out["rope_scaling"]["rope_type"]}
+    return out
+
+
+def _speculators_config(algorithm: str, tokens: int, verifier_arch: str) -> dict:
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                              "speculative_tokens": tokens, "verifier_accept_k": 1}],
+        "verifier": {"architectures": [verifier_arch], "name_or_path": None},
+    }
+
+
+def _t2d(d2t: np.ndarray, vocab: int) -> np.ndarray:
+    """SafeAILab's ``t2d`` [V] bool: True where a target id is in the draft vocab."""
+    t2d = np.zeros(vocab, dtype=np.bool_)
+    t2d[np.arange(d2t.shape[0]) + d2t] = True
+    return t2d
+
+
+def _with_t2d(t: dict, c) -> dict:
+    if "d2t" in t:
+        t["t2d"] = _t2d(t["d2t"], c.vocab_size)
+    return t
+
+
+# -- one writer per format: (config, canonical tensors, torch_dtype) -> (config.json, files) ----
+
+def _hf_writer(kind: str) -> Writer:
+    def write(c, t, torch_dtype):
+        cfg = {"architectures": [_HF_ARCH[kind]], "model_type": kind, **_decoder_fields(c),
+               "tie_word_embeddings": c.tie_word_embeddings, "torch_dtype": torch_dtype}
+        if kind == "llama":
+            cfg.update(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias, pretraining_tp=1)
+        else:  # Qwen2 always has q/k/v bias (no field); Qwen3 has attention_bias
+            if kind == "qwen3":
+                cfg["attention_bias"] = c.qkv_bias
+            cfg.update(use_sliding_window=False, sliding_window=None,
+                       max_window_layers=c.num_hidden_layers,
+                       layer_types=["full_attention"] * c.num_hidden_layers)
+        return cfg, {"model.safetensors": t}
+    return write
+
+
+def _eagle(c, t, torch_dtype):
+    # SafeAILab cnets1.py: head_dim = H / nH (no field), q/k/v bias only via ``qkv_bias``,
+    # o_proj and the MLP without bias, fc bias from ``bias``.
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           **_decoder_fields(c, head_dim=False, rope_type_key=True),
+           "bias": c.fc_bias, "pretraining_tp": 1, "tie_word_embeddings": False,
+           "torch_dtype": torch_dtype}
+    if c.qkv_bias:
+        cfg["qkv_bias"] = True
+    return cfg, {"model.safetensors": t}
+
+
+def _eagle3_common(c) -> dict:
+    return {"draft_vocab_size": c.draft_vocab_size,
+            "norm_before_residual": c.norm_before_residual}
+
+
+def _eagle3(c, t, torch_dtype):
+    if c.num_hidden_layers != 1:
+        raise ValueError(f"format 'eagle3' (SafeAILab) has exactly one decoder layer "
+                         f"(midlayer); config has num_hidden_layers={c.num_hidden_layers} "
+                         "(use format 'eagle3-speculators')")
+    if c.qk_norm:
+        raise ValueError("format 'eagle3' (SafeAILab) has Llama layers without q/k norms; "
+                         "config has qk_norm=True (use format 'eagle3-speculators')")
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           **_decoder_fields(c, head_dim=False, rope_type_key=True), **_eagle3_common(c),
+           "tie_word_embeddings": False, "torch_dtype": torch_dtype}
+    if c.qkv_bias:
+        cfg["qkv_bias"] = True
+    if c.target_hidden_size and c.target_hidden_size != c.hidden_size:
+        cfg["target_hidden_size"] = c.target_hidden_size
+    if c.aux_layer_ids is not None:
+        # Not a SafeAILab field: vLLM reads the aux layers (input of layer k) from it.
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(c.aux_layer_ids)
+    t = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+         for k, v in t.items()}
+    return cfg, {"model.safetensors": _with_t2d(t, c)}
+
+
+def _eagle3_speculators(c, t, torch_dtype):
+    mt = "qwen3" if c.qk_norm else "llama"
+    tlc = {"model_type": mt, **_decoder_fields(c), "attention_bias": c.qkv_bias,
+           "tie_word_embeddings": False}
+    if mt == "llama":
+        tlc.update(mlp_bias=c.mlp_bias, pretraining_tp=1)
+    ths = c.target_hidden_size
+    cfg = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+           **_eagle3_common(c),
+           "target_hidden_size": ths if ths and ths != c.hidden_size else None,
+           "eagle_aux_hidden_state_layer_ids": (list(c.aux_layer_ids)
+                                                if c.aux_layer_ids is not None else None),
+           "embed_requires_grad": False, "fc_norm": False, "norm_before_fc": False,
+           "norm_output": False, "tie_word_embeddings": False, "dtype": torch_dtype,
+           "speculators_config": _speculators_config("eagle3", 3, _HF_ARCH[mt]),
+           "transformer_layer_config": tlc}
+    return cfg, {"model.safetensors": _with_t2d(dict(t), c)}
+
+
+def _dflash_decoder(c) -> dict:
+    return {"model_type": "qwen3", **_decoder_fields(c), "attention_bias": c.qkv_bias,
+            "layer_types": ["full_attention"] * c.num_hidden_layers,
+            "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": c.num_hidden_layers, "tie_word_embeddings": False}
+
+
+def _dflash(c, t, torch_dtype):
+    # z-lab target_layer_ids mean "output of layer id" = vLLM aux id (input of layer k) - 1.
+    dcfg = {"mask_token_id": c.mask_token_id,
+            "target_layer_ids": [int(i) - 1 for i in c.aux_layer_ids]}
+    cfg = {"architectures": ["DFlashDraftModel"],
+           "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+           **_dflash_decoder(c), "block_size": c.block_size, "dflash_config": dcfg,
+           "torch_dtype": torch_dtype}
+    if c.causal:
+        dcfg["causal"] = True
+        cfg["is_causal"] = True  # what z-lab's attention reads
+    if c.target_hidden_size and c.target_hidden_size != c.hidden_size:
+        cfg["target_hidden_size"] = c.target_hidden_size
+    if c.draft_vocab_size != c.vocab_size:
+        cfg["draft_vocab_size"] = c.draft_vocab_size
+    return cfg, {"model.safetensors": _with_t2d(dict(t), c)}
+
+
+def _dflash_speculators(c, t, torch_dtype):
+    tlc = _dflash_decoder(c)
+    if c.causal:
+        tlc["is_causal"] = True
+    ths = c.target_hidden_size
+    cfg = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+           "draft_vocab_size": c.draft_vocab_size, "block_size": c.block_size,
+           "target_hidden_size": ths if ths and ths != c.hidden_size else None,
+           "aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+           "mask_token_id": c.mask_token_id, "sliding_window_non_causal": False,
+           "projector_type": "dflash", "tie_word_embeddings": False, "dtype": torch_dtype,
+           "speculators_config": _speculators_config("dflash", max(c.block_size - 1, 1),
+                                                     "Qwen3ForCausalLM"),
+           "transformer_layer_config": tlc}
+    return cfg, {"model.safetensors": _with_t2d(dict(t), c)}
+
+
+def _medusa(c, t, torch_dtype):
+    vllm_only = [f"{f}={v!r}" for f, v, ok in (
+        ("fc_bias", c.fc_bias, c.fc_bias or c.num_hidden_layers == 0),
+        ("original_lm_head", c.original_lm_head, not c.original_lm_head),
+        ("truncated_vocab_size", c.truncated_vocab_size,
+         c.truncated_vocab_size in (0, c.vocab_size)),
+        ("has_token_map", c.has_token_map, not c.has_token_map),
+        ("logit_scale", c.logit_scale, c.logit_scale == 1.0)) if not ok]
+    if vllm_only:
+        raise ValueError("format 'medusa' (FasterDecoding Medusa-1: ResBlocks with bias, one "
+                         "full-vocab lm head per head) cannot express "
+                         f"{', '.join(vllm_only)} (use format 'medusa-vllm')")
+    L = c.num_hidden_layers
+    out = {}
+    for h in range(c.num_heads):
+        for l in range(L):
+            for w in ("weight", "bias"):
+                a = t[f"blocks.{h}.layers.{l}.{w}"]
+                if l and not np.array_equal(a.view(np.uint8), t[f"blocks.{h}.layers.0.{w}"]
+                                            .view(np.uint8)):
+                    raise ValueError(
+                        f"format 'medusa' (FasterDecoding Medusa-1) shares one ResBlock across "
+                        f"the {L} layers of a head ([ResBlock] * n), but head {h} has "
+                        f"different {w}s in layers 0 and {l} (use format 'medusa-vllm')")
+                out[f"{h}.{l}.linear.{w}"] = a
+        out[f"{h}.{L}.weight"] = t[f"lm_heads.{h}.weight"]
+    cfg = {"medusa_num_heads": c.num_heads, "medusa_num_layers": L,
+           "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
+    return cfg, {"medusa_lm_head.safetensors": out}
+
+
+def _medusa_vllm(c, t, torch_dtype):
+    cfg = {"architectures": ["MedusaModel"], "model_type": "medusa",
+           "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+           "num_heads": c.num_heads, "num_hidden_layers": c.num_hidden_layers,
+           "medusa_fc_bias": c.fc_bias, "original_lm_head": c.original_lm_head,
+           "logit_scale": c.logit_scale, "torch_dtype": torch_dtype}
+    if c.truncated_vocab_size:
+        cfg["truncated_vocab_size"] = c.truncated_vocab_size
+    t = dict(t)
+    if "lm_head.weight" in t:  # vLLM files keep the shared head as lm_heads.0.weight
+        t["lm_heads.0.weight"] = t.pop("lm_head.weight")
+    return cfg, {"model.safetensors": t}
+
+
+EXPORT_FORMATS: dict[str, Writer] = {
+    "llama": _hf_writer("llama"), "qwen2": _hf_writer("qwen2"), "qwen3": _hf_writer("qwen3"),
+    "eagle": _eagle, "eagle3": _eagle3, "eagle3-speculators": _eagle3_speculators,
+    "dflash": _dflash, "dflash-speculators": _dflash_speculators,
+    "medusa": _medusa, "medusa-vllm": _medusa_vllm,
+}
+
+
+# -- validation -------------------------------------------------------------------------------
+
+def _format_kind(fmt: str) -> str:
+    return FORMATS[fmt].kind
+
+
+def _check_args(kind, config, fmt, dtype, overwrite, extra_config) -> None:
+    registry = _registry()
+    if kind not in registry.KINDS:
+        raise ValueError(f"kind {kind!r} is not supported (allowed: {', '.join(registry.KINDS)})")
+    if not isinstance(config, registry.ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if config.kind != kind:
+        raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"format {fmt!r} is not an export format (allowed: "
+                         f"{', '.join(EXPORT_FORMATS)})")
+    if _format_kind(fmt) != kind:
+        ok = [f for f in EXPORT_FORMATS if _format_kind(f) == kind]
+        raise ValueError(f"format {fmt!r} is for kind {_format_kind(fmt)!r}, not {kind!r} "
+                         f"(formats for {kind}: {', '.join(ok)})")
+    if not isinstance(dtype, str) or dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (allowed: "
+                         f"{', '.join(EXPORT_DTYPES)})")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    if extra_config is not None:
+        if not isinstance(extra_config, Mapping):
+            raise TypeError(f"extra_config must be a dict, got {type(extra_config).__name__}")
+        try:
+            json.dumps(extra_config, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"extra_config is not JSON-serializable ({e})") from None
+
+
+def _check_params(kind, config, params) -> None:
+    """``params`` must have the structure of ``abstract_params(kind, config)`` (shared
+    ``embed_tokens`` / ``lm_head`` entries the head does not own are allowed and skipped)."""
+    registry = _registry()
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict, got {type(params).__name__}")
+    want = registry._leaf_paths(registry.abstract_params(kind, config))
+    got = registry._leaf_paths(params)
+    owned_roots = {p[0] for p in want}
+    missing = sorted(registry._dotted(p) for p in want if p not in got)
+    unexpected = sorted(registry._dotted(p) for p in got if p not in want
+                        and not (p and p[0] in registry._SHARED and p[0] not in owned_roots))
+    if missing or unexpected:
+        parts = ([f"missing keys: {', '.join(missing)}"] if missing else []) + \
+                ([f"unexpected keys: {', '.join(unexpected)}"] if unexpected else [])
+        raise ValueError(f"params do not have the structure of abstract_params({kind!r}, "
+                         f"config): {'; '.join(parts)}")
+
+
+def _comparable(c) -> dict:
+    """``config_to_dict`` without the optional-tensor flags (compared through the params
+    structure instead) and with equivalent spellings made equal."""
+    registry = _registry()
+    d = registry.config_to_dict(c)
+    for f in ("has_embed_tokens", "has_lm_head", "has_d2t", "has_token_map"):
+        d.pop(f, None)
+    if c.kind in ("eagle3", "dflash") and not d.get("target_hidden_size"):
+        d["target_hidden_size"] = c.hidden_size  # 0 means "= hidden_size"
+    if c.kind == "medusa" and d.get("truncated_vocab_size") in (0, c.vocab_size):
+        d.pop("truncated_vocab_size", None)  # 0 or vocab_size: no truncation
+    return d
+
+
+def _read_back(fmt: str, kind: str, config, cfg_json: dict, files: Files) -> None:
+    """Run the converters on the layout (in memory): it must be detected as ``fmt`` and
+    normalize back to ``config`` with the same params structure."""
+    from specjax.converters.pipeline import make_config, validate  # noqa: PLC0415
+
+    registry = _registry()
+    refs = {k: TensorRef.from_array(a, f"{name}:{k}") for name, ts in files.items()
+            for k, a in ts.items()}
+    where = f"format {fmt!r} cannot express this {kind} config"
+    try:
+        detected = detect_format(cfg_json, refs, list(files))
+        if detected != fmt:
+            raise ValueError(f"the layout written would be detected as {detected!r}")
+        norm = normalize(fmt, cfg_json, refs)
+        back = make_config(kind, norm.hf_config, norm.tensors)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    a, b = _comparable(config), _comparable(back)
+    diff = [f"{k}={a.get(k)!r} (would load back as {b.get(k)!r})"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if diff:
+        raise ValueError(f"{where}: {', '.join(diff)}")
+    try:
+        validate(kind, back, norm.tensors)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    sa = set(registry._leaf_paths(registry.abstract_params(kind, config)))
+    sb = set(registry._leaf_paths(registry.abstract_params(kind, back)))
+    if sa != sb:
+        raise ValueError(f"{where}: params {sorted(map(registry._dotted, sa ^ sb))} would not "
+                         "load back")
+
+
+def _merge(base: dict, extra: Mapping) -> dict:
+    """``extra`` merged into ``base`` (nested dicts merged key by key; anything else replaced)."""
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _is_nonempty(p: Path) -> bool:
+    if p.is_dir() and not p.is_symlink():
+        return any(p.iterdir())
+    return p.exists() or p.is_symlink()
+
+
+# -- the entry point --------------------------------------------------------------------------
+
+def export_checkpoint(kind: str, config, params, out_dir, *, format: str, dtype: str = "bf16",
+                      overwrite: bool = False, extra_config: dict | None = None) -> Path:
+    """Write ``params`` of ``kind`` in the upstream layout ``format`` into ``out_dir``.
+
+    ``format``: a key of :data:`EXPORT_FORMATS` (the converters' format names) for ``kind``.
+    ``dtype``: ``"bf16"``, ``"fp16"`` or ``"fp32"``; every float tensor is cast to it and the
+    config's ``torch_dtype`` (``dtype`` for speculators) says so. Integer maps are int64 on
+    disk, ``t2d`` bool. Tensors follow ``registry.tensors_from_params`` (which optional
+    tensors are emitted, shared target arrays skipped).
+    ``extra_config``: merged into config.json (nested dicts merged), e.g. a ``"specjax"``
+    provenance block, ``base_model_name_or_path`` (Medusa-1), ``num_target_layers`` (z-lab
+    DFlash; its older loader reads it even when ``target_layer_ids`` is set).
+    ``out_dir`` must not exist or be an empty directory unless ``overwrite``, in which case
+    it is replaced atomically. Everything is validated, and the layout read back in memory
+    by the converters, before anything is written; the files go to a temporary sibling
+    directory renamed into place at the end, so a failure leaves nothing behind (and an
+    overwritten ``out_dir`` untouched). Returns the absolute ``out_dir``.
+    """
+    _check_args(kind, config, format, dtype, overwrite, extra_config)
+    out_dir = Path(out_dir).absolute()
+    if (out_dir.exists() or out_dir.is_symlink()) and not (out_dir.is_dir()
+                                                          and not out_dir.is_symlink()):
+        raise DestinationExistsError(f"{out_dir} exists and is not a directory")
+    if _is_nonempty(out_dir) and not overwrite:
+        raise DestinationExistsError(f"{out_dir} exists and is not empty "
+                                     "(pass overwrite=True to replace it)")
+    _check_params(kind, config, params)
+    registry = _registry()
+    np_dtype, torch_dtype = EXPORT_DTYPES[dtype]
+    tensors = {}
+    for k, a in registry.tensors_from_params(kind, config, params).items():
+        tensors[k] = a.astype(np.int64) if k in _INT_MAPS else a.astype(np_dtype)
+    cfg_json, files = EXPORT_FORMATS[format](config, tensors, torch_dtype)
+    if extra_config:
+        cfg_json = _merge(cfg_json, extra_config)
+    _read_back(format, kind, config, cfg_json, files)
+    text = json.dumps(cfg_json, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    _write_atomically(out_dir, text, files, overwrite)
+    return out_dir
+
+
+def _write_atomically(out_dir: Path, config_text: str, files: Files, overwrite: bool) -> None:
+    def fill(tmp: Path) -> None:
+        (tmp / "config.json").write_text(config_text)
+        for name, tensors in files.items():
+            _save_file(tensors, str(tmp / name), metadata=dict(_ST_METADATA))
+        # mkdtemp makes 0700; a checkpoint is ordinary data (0755 dir, 0644 files)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~umask)
+        tmp.chmod(0o777 & ~umask)
+
+    write_dir_atomically(out_dir, fill, replace=lambda d: overwrite or not _is_nonempty(d),
+                         what="the export")
