@@ -1,0 +1,194 @@
+"""Losses of every model kind: the target LM (next-token cross-entropy) and the draft heads
+(self-distillation: the frozen target's own next-token distributions are the labels,
+teacher-forced on the target's hidden states).
+
+Every objective has the signature ``loss(params, frozen, tokens, key) -> (loss, metrics)``:
+``params`` is what is trained, ``frozen`` a dict of everything fixed (the target's params
+and static arrays), ``tokens [B, T] int32`` a batch of corpus windows, ``key`` a PRNG key.
+``metrics`` are scalars; ``top1`` is the fraction of positions where the draft's argmax
+equals the target's (what greedy verification accepts, position by position).
+
+Alignment (``f_t`` = target hidden at position ``t``, which predicts ``x_{t+1}``; ``L_t`` =
+target logits at ``t``):
+
+* EAGLE-1 / EAGLE-3, unroll step ``d``: input token ``x_{t+1}`` and feature ``f_t`` (step
+  0) or the head's own output of step ``d-1`` at ``t-1``; label ``L_{t+1}``.
+* Medusa head ``k``: input ``f_t``; label ``L_{t+1+k}`` (it proposes ``x_{t+2+k}``).
+* Draft model: a causal LM on ``x``; label ``L_t``.
+* DFlash: block at anchor ``p`` = ``[x_p, mask, ...]``; slot ``j >= 1`` label ``L_{p+j-1}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.config import ModelConfig
+from specjax.training import forward as F
+
+Array = jax.Array
+Objective = Callable[[dict, dict, Array, Array], tuple[Array, dict]]
+
+
+def masked_mean(x: Array, mask: Array) -> Array:
+    mask = jnp.broadcast_to(mask, x.shape).astype(jnp.float32)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def soft_cross_entropy(logits: Array, target_logits: Array, mask: Array) -> tuple[Array, Array]:
+    """Mean over ``mask`` of ``-sum_v p_target(v) log q(v)`` and of top-1 agreement."""
+    logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    p = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
+    ce = -jnp.sum(p * logq, axis=-1)
+    agree = (jnp.argmax(logits, axis=-1) == jnp.argmax(target_logits, axis=-1)).astype(jnp.float32)
+    return masked_mean(ce, mask), masked_mean(agree, mask)
+
+
+def next_token_loss(logits: Array, labels: Array) -> Array:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSetup:
+    """The frozen target as the heads' objectives see it (hashable, static)."""
+
+    config: ModelConfig
+    aux_layer_ids: tuple[int, ...] = ()
+    compute_dtype: str = "bfloat16"
+
+    def run(self, frozen: dict, tokens: Array) -> tuple[Array, Array | None, Array]:
+        """``(hidden [B, T, H], aux [B, T, n_aux * H] or None, logits [B, T, V] f32)``, no gradient."""
+        tp = F.cast(frozen["target"], self.compute_dtype)
+        hidden, aux = F.decoder_forward(tp, self.config, tokens, self.aux_layer_ids)
+        logits = F.decoder_logits(tp, hidden)
+        if aux is not None:
+            aux = aux.reshape(aux.shape[0], aux.shape[1], -1)
+        return jax.lax.stop_gradient((hidden, aux, logits))
+
+
+def target_lm(config: ModelConfig, compute_dtype: str = "bfloat16") -> Objective:
+    """Next-token cross-entropy of a decoder LM (the target itself); ``frozen`` unused."""
+
+    def loss(params, frozen, tokens, key):
+        p = F.cast(params, compute_dtype)
+        hidden, _ = F.decoder_forward(p, config, tokens[:, :-1])
+        ce = next_token_loss(F.decoder_logits(p, hidden), tokens[:, 1:])
+        return ce, {"loss": ce, "bits_per_token": ce / jnp.log(2.0)}
+
+    return loss
+
+
+def _with_shared(params: dict, frozen: dict) -> dict:
+    """Head params plus the target's embedding / lm_head where the head has none."""
+    out = dict(params)
+    tp = frozen["target"]
+    out.setdefault("embed_tokens", tp["embed_tokens"])
+    if "lm_head" not in out:
+        out["lm_head"] = tp.get("lm_head") or {"embedding": tp["embed_tokens"]["embedding"]}
+    return out
+
+
+def eagle(kind: str, config: ModelConfig, target: TargetSetup, *, depth: int = 4,
+          step_weight: float = 0.8) -> Objective:
+    """EAGLE-1 (``kind="eagle"``) / EAGLE-3 with a ``depth``-step training-time-test unroll;
+    step ``d`` weighted ``step_weight ** d``. EAGLE-3 with a reduced draft vocabulary
+    (``frozen["draft_ids"] [Vd]``, the target ids of the draft vocab) learns the target's
+    distribution renormalized over the draft vocab."""
+    cdt = target.compute_dtype
+
+    def loss(params, frozen, tokens, key):
+        hidden, aux, tl = target.run(frozen, tokens)
+        feats = (hidden if kind == "eagle" else aux)[:, :-1]
+        labels = tl[:, 1:]                                       # L_{t+1}
+        if kind == "eagle3" and "draft_ids" in frozen:
+            labels = labels[..., frozen["draft_ids"]]
+        p = F.cast(_with_shared(params, frozen), cdt)
+        outs = F.eagle_ttt(kind, p, config, tokens[:, 1:], feats, depth)
+        t = labels.shape[1]
+        pos = jnp.arange(t)
+        total, wsum, metrics = 0.0, 0.0, {}
+        for d, (out, _) in enumerate(outs):
+            logits = F.base.lm_head_logits(p["lm_head"], out)
+            ce, top1 = soft_cross_entropy(logits, labels, (pos >= d)[None, :])
+            w = step_weight ** d
+            total, wsum = total + w * ce, wsum + w
+            metrics[f"ce{d}"], metrics[f"top1_{d}"] = ce, top1
+        total = total / wsum
+        metrics["loss"] = total
+        return total, metrics
+
+    return loss
+
+
+def medusa(config: ModelConfig, target: TargetSetup) -> Objective:
+    """Medusa heads: head ``k`` at ``t`` learns ``L_{t+1+k}``."""
+    cdt = target.compute_dtype
+
+    def loss(params, frozen, tokens, key):
+        hidden, _, tl = target.run(frozen, tokens)
+        p = F.cast(params, cdt)
+        z = F.medusa_forward(p, config, hidden)
+        t = tokens.shape[1]
+        total, metrics = 0.0, {}
+        for k in range(config.num_heads):
+            n = t - 1 - k
+            logits = F.base.lm_head_logits(F.base.normalize_keys(p)["lm_heads"][k], z[k, :, :n])
+            ce, top1 = soft_cross_entropy(logits, tl[:, 1 + k:], jnp.ones((1, n), bool))
+            total = total + ce
+            metrics[f"ce{k}"], metrics[f"top1_{k}"] = ce, top1
+        total = total / config.num_heads
+        metrics["loss"] = total
+        return total, metrics
+
+    return loss
+
+
+def draft_model(config: ModelConfig, target: TargetSetup) -> Objective:
+    """A small decoder LM distilled from the target's distributions."""
+    cdt = target.compute_dtype
+
+    def loss(params, frozen, tokens, key):
+        _, _, tl = target.run(frozen, tokens)
+        p = F.cast(params, cdt)
+        hidden, _ = F.decoder_forward(p, config, tokens)
+        ce, top1 = soft_cross_entropy(F.decoder_logits(p, hidden), tl, jnp.ones((1, tokens.shape[1]), bool))
+        return ce, {"loss": ce, "top1": top1}
+
+    return loss
+
+
+def dflash(config: ModelConfig, target: TargetSetup, *, anchors_per_seq: int = 32) -> Objective:
+    """DFlash: random anchors and random block lengths ``2..block_size`` per block."""
+    cdt = target.compute_dtype
+    kb = config.block_size
+
+    def loss(params, frozen, tokens, key):
+        _, aux, tl = target.run(frozen, tokens)
+        b, t = tokens.shape
+        ka, kl = jax.random.split(key)
+        anchors = jax.random.randint(ka, (b, anchors_per_seq), 1, t - kb + 1, dtype=jnp.int32)
+        lens = jax.random.randint(kl, (b, anchors_per_seq), 2, kb + 1, dtype=jnp.int32)
+        anchor_ids = jnp.take_along_axis(tokens, anchors, axis=1)
+        p = F.cast(_with_shared(params, frozen), cdt)
+        h = F.dflash_blocks(p, config, aux, anchors, anchor_ids, lens)      # [B, M, K, H]
+        logits = F.base.lm_head_logits(p["lm_head"], h[:, :, 1:])        # slots 1..K-1
+        j = jnp.arange(1, kb, dtype=jnp.int32)
+        lab_pos = anchors[:, :, None] + j - 1                               # [B, M, K-1]
+        labels = jax.vmap(lambda row, idx: row[idx])(tl, lab_pos)          # [B, M, K-1, V]
+        valid = j[None, None, :] < lens[:, :, None]
+        ce, top1 = soft_cross_entropy(logits, labels, valid)
+        metrics = {"loss": ce, "top1": top1}
+        for jj in range(1, min(kb, 5)):
+            _, metrics[f"top1_{jj}"] = soft_cross_entropy(logits[:, :, jj - 1], labels[:, :, jj - 1],
+                                                          valid[:, :, jj - 1])
+        return ce, metrics
+
+    return loss
+
+
+__all__ = ["TargetSetup", "target_lm", "eagle", "medusa", "draft_model", "dflash",
+           "soft_cross_entropy", "next_token_loss", "masked_mean"]
