@@ -1,14 +1,13 @@
-"""``specjax demo``: every available method on an embedded default model, checked against
+"""``specjax demo``: every available method on the embedded demo models, checked against
 plain decoding, with a table of acceptance and speed.
 
-The embedded model is a byte-level (vocabulary 256) Llama-shaped decoder, 2 layers of
-width 64, **built from a fixed seed**: until trained demo weights ship (issue 7) it is
-random, so the draft heads (random too) accept almost nothing, while n-gram / suffix
-decoding accept on the repetitive prompts (a random model's greedy output falls into
-loops) and the draft model (the target's first layer with the target's embedding and head,
-LayerSkip-style self-speculation) accepts some. The point of the demo is that every
-method runs end to end and is lossless; the speed column is honest about the tiny model,
-where each step costs mostly host time.
+The embedded models ship with the package (:mod:`specjax.demo_models`): a byte-level Llama
+target (4 layers, width 256) trained on CPython's standard-library sources, and one draft
+of every kind trained against it (EAGLE-1, EAGLE-3, Medusa, a small draft model, DFlash),
+each stored in its real upstream checkpoint layout and loaded through
+``specjax.load_pretrained``, the path a user's checkpoint takes. The prompts are Python
+code, the text the models know. n-gram and suffix decoding need no weights; extract-hidden-
+states is not a drafter (its draft is the token just sampled).
 """
 
 from __future__ import annotations
@@ -20,33 +19,28 @@ import time
 from typing import Sequence, TextIO
 
 from specjax.config import SpeculativeConfig
+from specjax.tokenizer import BOS_ID, VOCAB_SIZE
 
-SEED = 0
-VOCAB = 256
-GEOMETRY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB)
-TARGET_LAYERS = 2
-AUX_LAYER_IDS = (0, 1)
+VOCAB = VOCAB_SIZE
 BLOCK_SIZE = 16
-MAX_MODEL_LEN = 256
-MASK_TOKEN_ID = 0        # DFlash's parallel-drafting token (the NUL byte)
+MAX_MODEL_LEN = 512
 
+#: The demo's prompts: starts of Python files (BOS first, as in training).
 PROMPTS = (
-    b"the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy",
-    b"def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
-    b"1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,",
-    b"To be, or not to be, that is the question. To be, or not to be, that is",
+    b'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n',
+    b"import os\nimport sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n",
+    b"class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    b'"""Utilities for reading configuration files."""\n\nimport re\n\n__all__ = ["read_config", ',
 )
 
 #: Every method, in table order.
 ALL_METHODS = ("ngram", "ngram_gpu", "suffix", "eagle", "eagle3", "dflash", "medusa",
                "draft_model", "extract_hidden_states")
 
-NOTE = ("NOTE: the embedded demo model and every draft head have RANDOM weights, built from "
-        f"seed {SEED}; trained demo weights are not shipped yet (issue 7). Random heads accept "
-        "~nothing; n-gram / suffix decoding accept on the repetitive prompts; the draft model "
-        "is the target's first layer (self-speculation). Every method must still reproduce plain "
-        "greedy decoding exactly (the check column).")
+NOTE = ("Models: the shipped demo weights (specjax/demo_models: a byte-level Llama target trained "
+        "on CPython's stdlib sources and one trained draft of each kind, loaded from their upstream "
+        "checkpoint layouts). extract_hidden_states is not a drafter: its draft is the token just "
+        "sampled, accepted only when a byte repeats. Every method must reproduce plain greedy decoding exactly (the check column).")
 
 
 @dataclasses.dataclass
@@ -62,20 +56,22 @@ class Row:
 
 
 def demo_target():
-    """The embedded target: ``TargetModel`` of a random byte-level 2-layer Llama."""
+    """The embedded target: ``TargetModel`` of the shipped byte-level Llama (fp32)."""
+    from specjax import demo_models
     from specjax.engine import TargetModel
     from specjax.models import registry
 
-    cfg = registry.config_from_hf("llama", dict(GEOMETRY, num_hidden_layers=TARGET_LAYERS))
-    return TargetModel(registry.make_model("llama", cfg), registry.init_params("llama", cfg, SEED))
+    _, cfg, params = demo_models.load("target")
+    return TargetModel(registry.make_model("llama", cfg), params)
 
 
-def demo_proposer(method: str, k: int, target):
-    """The demo's proposer of ``method`` (random heads from fixed seeds)."""
-    from specjax.models import registry
+def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL_LEN,
+                  block_size: int = BLOCK_SIZE):
+    """The demo's proposer of ``method`` with ``k`` speculative tokens (shipped weights)."""
+    from specjax import demo_models
     from specjax.proposers import make_proposer
 
-    common = dict(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
+    common = dict(max_model_len=max_model_len, block_size=block_size)
     if method in ("ngram", "ngram_gpu"):
         cfg = SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=2,
                                 prompt_lookup_max=5)
@@ -85,31 +81,20 @@ def demo_proposer(method: str, k: int, target):
     tm, tp = target
     common.update(target=tm, target_params=tp)
     if method == "extract_hidden_states":
+        from specjax.training.recipe import AUX_LAYER_IDS
+
         return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=1),
                              aux_layer_ids=AUX_LAYER_IDS, **common)
-    if method == "draft_model":
-        cfg = registry.config_from_hf("llama", dict(GEOMETRY, num_hidden_layers=1))
-        params = {"embed_tokens": tp["embed_tokens"], "layers": {0: tp["layers"][0]},
-                  "norm": tp["norm"], "lm_head": tp["lm_head"]}
-        spec = SpeculativeConfig(method=method, model="demo-target-layer-0", num_speculative_tokens=k)
-        return make_proposer(spec, draft=cfg, draft_params=params, **common)
-    head = {
-        "eagle": dict(GEOMETRY, num_hidden_layers=1, bias=True),
-        "eagle3": dict(GEOMETRY, num_hidden_layers=1, target_hidden_size=GEOMETRY["hidden_size"],
-                       eagle_aux_hidden_state_layer_ids=list(AUX_LAYER_IDS)),
-        "dflash": dict(GEOMETRY, num_hidden_layers=1, target_hidden_size=GEOMETRY["hidden_size"],
-                       aux_hidden_state_layer_ids=list(AUX_LAYER_IDS), mask_token_id=MASK_TOKEN_ID),
-        "medusa": dict(num_heads=max(k, 4), num_hidden_layers=1,
-                       hidden_size=GEOMETRY["hidden_size"], vocab_size=VOCAB),
-    }[method]
-    cfg = registry.config_from_hf(method, head)
-    params = registry.init_params(method, cfg, SEED + 1)
-    return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k), draft=cfg,
-                         draft_params=params, **common)
+    if method not in demo_models.NAMES:
+        raise ValueError(f"method must be one of {ALL_METHODS}, got {method!r}")
+    _, cfg, params = demo_models.load(method)
+    extra = {"model": "specjax/demo_models/draft_model"} if method == "draft_model" else {}
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, **extra)
+    return make_proposer(spec, draft=cfg, draft_params=params, **common)
 
 
 def _prompts() -> list[list[int]]:
-    return [list(p) for p in PROMPTS]
+    return [[BOS_ID] + list(p) for p in PROMPTS]
 
 
 class _Progress:
@@ -190,8 +175,8 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
     prompts = _prompts()
     dev = device if device is not None else jax.devices()[0]
     print(NOTE, file=out)
-    print(f"target: byte-level Llama, {TARGET_LAYERS} layers, hidden {GEOMETRY['hidden_size']}, "
-          f"vocab {VOCAB}; {len(prompts)} prompts, {max_tokens} new tokens each, k={k}, greedy; "
+    print(f"target: byte-level Llama, 4 layers, hidden 256, vocab {VOCAB}; {len(prompts)} "
+          f"prompts, {max_tokens} new tokens each, k={k}, greedy; "
           f"device: {dev.platform} ({dev.device_kind})", file=out)
     for m in skipped:
         hint = ' (pip install "specjax[suffix]")' if m == "suffix" else ""

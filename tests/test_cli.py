@@ -21,11 +21,11 @@ def _fast_compiles():
 
 
 def test_demo_quick(capsys):
-    rc = cli.main(["demo", "--method", "ngram", "eagle", "--max-tokens", "6", "--k", "2",
+    rc = cli.main(["demo", "--method", "ngram", "eagle", "--max-tokens", "12", "--k", "2",
                    "--device", "cpu"])
     out, err = capsys.readouterr()
     assert rc == 0, out + err
-    assert "RANDOM weights" in out and "issue 7" in out
+    assert "shipped demo weights" in out
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("method"))
     rows = {line.split()[0]: line.split() for line in lines[head + 2 : head + 5]}
@@ -33,6 +33,7 @@ def test_demo_quick(capsys):
     for name in ("ngram", "eagle"):
         assert rows[name][1] == "2" and rows[name][-1] == "OK"
         assert rows[name][-2].endswith("x")                 # speed-up
+    assert float(rows["eagle"][2]) > 1.5                    # a trained head accepts
     assert "all methods reproduce plain greedy decoding: OK" in out
     assert "[3/3] eagle" in err                              # progress on stderr
 

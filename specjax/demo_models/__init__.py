@@ -1,0 +1,55 @@
+"""The trained demo models shipped with specjax (package data).
+
+A byte-level Llama target trained on CPython's standard-library sources and one draft of
+every kind trained against it, each in its real upstream checkpoint layout, fp16:
+
+========== ================================ =====================================
+name       layout                           loads as
+========== ================================ =====================================
+target     HF LlamaForCausalLM              ``llama`` (the target)
+eagle      SafeAILab EAGLE-1                ``eagle``
+eagle3     SafeAILab EAGLE-3 (draft vocab)  ``eagle3``
+medusa     FasterDecoding Medusa-1          ``medusa``
+draft_model HF LlamaForCausalLM (small)     ``llama`` (a draft model)
+dflash     z-lab DFlash                     ``dflash``
+========== ================================ =====================================
+
+Reproduce them with ``python -m specjax.training.recipe --out DIR`` (one H200, see
+``benchmarks/RESULTS.md``); ``specjax.demo_models.load(name)`` reads one through
+``specjax.load_pretrained``, the path any user checkpoint takes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Every shipped model, target first.
+NAMES = ("target", "eagle", "eagle3", "medusa", "draft_model", "dflash")
+
+ROOT = Path(__file__).resolve().parent
+
+
+def path(name: str) -> Path:
+    """The directory of the shipped model ``name`` (one of :data:`NAMES`)."""
+    if name not in NAMES:
+        raise ValueError(f"name must be one of {NAMES}, got {name!r}")
+    return ROOT / name
+
+
+def available() -> tuple[str, ...]:
+    """The names whose checkpoint is present in this install."""
+    return tuple(n for n in NAMES if (ROOT / n / "config.json").is_file())
+
+
+def load(name: str, dtype="fp32"):
+    """``(kind, config, params)`` of the shipped model ``name`` via ``load_pretrained``
+    (``dtype`` cast; the files are fp16)."""
+    from specjax.converters import load_pretrained
+
+    p = path(name)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"demo model {name!r} is not shipped in this install ({p})")
+    return load_pretrained(p, dtype)
+
+
+__all__ = ["NAMES", "ROOT", "path", "available", "load"]
