@@ -392,6 +392,60 @@ def test_state_add_remove_move_and_donation():
     assert (np.asarray(state.num_tokens) == before[1]).all()
 
 
+def test_propose_rows_and_packed_match_the_condensed_batch():
+    """Requests in arbitrary buffer rows (a slot allocator) draft exactly as in a condensed
+    batch; padding rows (-1) and rows not named are left alone; grow_state keeps rows."""
+    k, mml = 3, 32
+    gpu = gpu_proposer(k, 1, 3, mml)
+    rng = np.random.default_rng(5)
+    contexts = [make_context(rng, n, 4, "periodic") for n in (9, 14, 3)] + [np.array([2, 2], np.int32)]
+    num_new = [2, 4, 1, 0]
+    want = gpu_stateful(gpu, [c.tolist() for c in contexts], num_new, mml)
+    assert want == [oracle_draft(c, 1, 3, k, mml) if n else [] for c, n in zip(contexts, num_new)]
+
+    where = [5, 1, 6, 2]
+    state = gpu.init_state(4)
+    state = gpu.grow_state(state, 8)
+    assert state.token_ids.shape == (8, mml)
+    prefixes = [c[: len(c) - n] for c, n in zip(contexts, num_new)]
+    buf, lengths = pad_batch(prefixes, mml, rows=4)
+    state = gpu.add_requests(state, jnp.asarray(np.array(where, np.int32)), jnp.asarray(buf),
+                             jnp.asarray(lengths[:4]))
+    sampled = np.full((6, k + 1), -1, np.int32)
+    counts = np.zeros(6, np.int32)
+    for i, (c, n) in enumerate(zip(contexts, num_new)):
+        sampled[i, :n] = c[len(c) - n :]
+        counts[i] = n
+    rows = np.array(where + [-1, -1], np.int32)
+    counts[4] = 3                          # a padding row's count is ignored
+    before = state
+    out, state = gpu.propose_rows(state, jnp.asarray(rows), jnp.asarray(sampled), jnp.asarray(counts))
+    assert before.token_ids.is_deleted()   # donated
+    got = DraftOutput(np.asarray(out.token_ids), np.asarray(out.num_drafts)).to_lists()
+    assert got[:4] == want and got[4:] == [[], []]
+    lens = np.asarray(state.num_tokens)
+    assert [int(lens[r]) for r in where] == [len(c) for c in contexts]
+    assert [int(lens[r]) for r in (0, 3, 4, 7)] == [0, 0, 0, 0]
+    for r, c in zip(where, contexts):
+        assert np.asarray(state.token_ids)[r, : len(c)].tolist() == c.tolist()
+
+    # The packed form (one array each way) on a copy of the state before that step.
+    state2 = gpu.grow_state(gpu.init_state(4), 8)
+    state2 = gpu.add_requests(state2, jnp.asarray(np.array(where, np.int32)), jnp.asarray(buf),
+                              jnp.asarray(lengths[:4]))
+    packed = np.concatenate([rows[:, None], counts[:, None], sampled], axis=1)
+    out2, state2 = gpu.propose_packed(state2, jnp.asarray(packed))
+    out2 = np.asarray(out2)
+    assert out2.shape == (6, k + 1)
+    np.testing.assert_array_equal(out2[:, :k], np.asarray(out.token_ids))
+    np.testing.assert_array_equal(out2[:, k], np.asarray(out.num_drafts))
+    np.testing.assert_array_equal(np.asarray(state2.num_tokens), lens)
+    with pytest.raises(ValueError, match="packed"):
+        gpu.propose_packed(state2, jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        gpu.grow_state(state2, 4)
+
+
 def test_propose_step_has_no_host_callbacks_and_int32_indices():
     gpu = gpu_proposer(3, 1, 3, 32)
     state = gpu.init_state(4)

@@ -1,20 +1,26 @@
 """Machinery shared by the device proposers, as small pieces (vLLM keeps it in
 ``SpecDecodeBaseProposer``): construction checks, the draft KV state, the padded-batch
-helpers, the autoregressive chain of single-token steps, and the output padding."""
+helpers, the autoregressive chain of single-token steps, greedy draft selection (with
+vLLM's local argmax reduction under a vocab-sharded mesh), the output padding, and
+ahead-of-time compilation of ``propose`` for every shape bucket (``warmup``)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 import specjax.kernels as K
 from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.constants import check_index_range
 from specjax.metadata import SpecDecodeMetadata
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput
+from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs, check_int
 
 _I32 = jnp.int32
 
@@ -117,3 +123,252 @@ def draft_output(drafts: jax.Array, num_reqs: jax.Array) -> DraftOutput:
     real = jnp.arange(b, dtype=_I32) < num_reqs
     return DraftOutput(jnp.where(real[:, None], drafts, DRAFT_PADDING_ID).astype(_I32),
                        jnp.where(real, k, 0).astype(_I32))
+
+
+# ---------------------------------------------------------------------------------------
+# greedy draft selection
+
+
+def check_vocab_sharding(proposer: Any, vocab_size: int, what: str = "vocab_size") -> None:
+    """Construction checks of the ``mesh`` / ``vocab_axis`` options.
+
+    ``mesh`` must be None or a ``jax.sharding.Mesh``. With
+    ``config.use_local_argmax_reduction`` and a mesh, ``vocab_axis`` must name one of its
+    axes and ``vocab_size`` (the width of the logits the argmax runs over, called ``what``
+    in the message) must be divisible by that axis' size.
+    """
+    mesh, axis = getattr(proposer, "mesh", None), getattr(proposer, "vocab_axis", None)
+    if mesh is None:
+        return
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be None or a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not proposer.config.use_local_argmax_reduction:
+        return
+    if not isinstance(axis, str) or axis not in mesh.axis_names:
+        raise ValueError(f"vocab_axis must be one of the mesh's axis names {tuple(mesh.axis_names)} "
+                         f"(use_local_argmax_reduction=True), got {axis!r}")
+    shards = mesh.shape[axis]
+    if vocab_size % shards:
+        raise ValueError(
+            f"use_local_argmax_reduction=True: {what} ({vocab_size}) must be divisible by the "
+            f"number of shards of mesh axis {axis!r} ({shards}) to shard the vocabulary evenly")
+
+
+def greedy_argmax(logits: jax.Array, *, mesh: Mesh | None = None, vocab_axis: str | None = None,
+                  local_reduction: bool = False) -> jax.Array:
+    """``argmax(logits [..., V], axis=-1)`` as ``[...] int32``, identical to ``jnp.argmax``
+    (ties and NaN: the smallest index; all ``-inf``: 0).
+
+    With ``local_reduction`` and a ``mesh`` whose axis ``vocab_axis`` has more than one
+    device, the vocabulary dimension is split over that axis (``jax.shard_map``): each
+    shard takes its own argmax and only the ``(value, global index)`` pairs are reduced
+    across the axis (``pmax`` of the value, then ``pmin`` of the index among the shards
+    holding it) instead of gathering ``[..., V]`` logits: vLLM's
+    ``use_local_argmax_reduction`` / ``get_top_tokens``. Otherwise a plain ``jnp.argmax``.
+    ``V`` must be divisible by the axis size (ValueError).
+    """
+    if not local_reduction or mesh is None:
+        return jnp.argmax(logits, axis=-1).astype(_I32)
+    if vocab_axis not in mesh.axis_names:
+        raise ValueError(f"vocab_axis must be one of the mesh's axis names {tuple(mesh.axis_names)}, "
+                         f"got {vocab_axis!r}")
+    shards = mesh.shape[vocab_axis]
+    vocab = logits.shape[-1]
+    if shards == 1:
+        return jnp.argmax(logits, axis=-1).astype(_I32)
+    if vocab % shards:
+        raise ValueError(f"the logits' vocabulary ({vocab}) must be divisible by the number of "
+                         f"shards of mesh axis {vocab_axis!r} ({shards})")
+
+    def local(x):
+        idx = jnp.argmax(x, axis=-1).astype(_I32)
+        val = jnp.take_along_axis(x, idx[..., None], axis=-1)[..., 0]
+        gidx = idx + jax.lax.axis_index(vocab_axis).astype(_I32) * x.shape[-1]
+        # jnp.argmax ranks NaN above everything: a shard with a NaN wins over any value.
+        nan = jnp.isnan(val)
+        any_nan = jax.lax.pmax(nan.astype(_I32), vocab_axis) > 0
+        best = jax.lax.pmax(jnp.where(nan, -jnp.inf, val), vocab_axis)
+        holds = jnp.where(any_nan, nan, val == best)
+        return jax.lax.pmin(jnp.where(holds, gidx, jnp.iinfo(np.int32).max), vocab_axis)
+
+    spec = PartitionSpec(*([None] * (logits.ndim - 1)), vocab_axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=PartitionSpec())(logits)
+
+
+def proposer_argmax(proposer: Any, logits: jax.Array) -> jax.Array:
+    """``greedy_argmax`` with the proposer's ``mesh`` / ``vocab_axis`` options and its
+    config's ``use_local_argmax_reduction``."""
+    return greedy_argmax(logits, mesh=getattr(proposer, "mesh", None),
+                         vocab_axis=getattr(proposer, "vocab_axis", None),
+                         local_reduction=proposer.config.use_local_argmax_reduction)
+
+
+# ---------------------------------------------------------------------------------------
+# ahead-of-time compilation
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposeBucket:
+    """One padded shape a serving loop calls ``propose`` with: every static dimension the
+    compiled step depends on (besides the params and state, which are fixed).
+
+    ``warmup`` takes these, or plain tuples ``(num_reqs_pad, num_tokens_pad[,
+    max_blocks_per_req[, max_query_len]])``.
+
+    Attributes:
+      num_reqs_pad: ``B_pad`` >= 1: ``next_token_ids [B_pad]``, ``query_start_loc
+        [B_pad + 1]``, ``seq_lens [B_pad]``, ...
+      num_tokens_pad: ``T_pad`` >= 1: ``target_token_ids [T_pad]``, ``slot_mapping
+        [T_pad]``, the hidden states ``[T_pad, ...]``.
+      max_blocks_per_req: width ``C`` >= 1 of ``attn_metadata.block_table [B_pad, C]``.
+        None: ``cdiv(max_model_len, block_size)`` of the proposer (required for
+        proposers without both, Medusa and extract-hidden-states).
+      max_query_len: the static ``attn_metadata.max_query_len`` bucket, in
+        ``[1, num_tokens_pad]``. None: ``num_tokens_pad``.
+      padded_batch: True when ``token_indices_to_sample`` and ``num_rejected_tokens``
+        are given (padded drafter batch), False when both are None. None: ``not
+        config.disable_padded_drafter_batch``.
+
+    The rest of the inputs' layout follows the proposer's declarations (as
+    ``specjax.Engine`` feeds them): ``target_hidden_states [T_pad, H]`` iff
+    ``needs_hidden_states``, ``aux_hidden_states [T_pad, n_aux, Ht]`` iff
+    ``needs_aux_hidden_states``, otherwise None; ``attn_metadata.causal`` is True.
+    """
+
+    num_reqs_pad: int
+    num_tokens_pad: int
+    max_blocks_per_req: int | None = None
+    max_query_len: int | None = None
+    padded_batch: bool | None = None
+
+
+def resolve_buckets(proposer: Any, buckets: Iterable[Any]) -> tuple[ProposeBucket, ...]:
+    """Validate ``buckets`` and fill every None field from the proposer; raises ValueError
+    naming the bad argument (``buckets[i].field``). Duplicates are dropped, order kept."""
+    if isinstance(buckets, (str, bytes, ProposeBucket)) or not isinstance(buckets, Iterable):
+        raise ValueError("buckets must be an iterable of ProposeBucket or (num_reqs_pad, "
+                         f"num_tokens_pad[, max_blocks_per_req[, max_query_len]]) tuples, got {buckets!r}")
+    out: list[ProposeBucket] = []
+    for i, b in enumerate(buckets):
+        where = f"buckets[{i}]"
+        if isinstance(b, ProposeBucket):
+            pass
+        elif isinstance(b, (tuple, list)) and 2 <= len(b) <= 4:
+            b = ProposeBucket(*b)
+        else:
+            raise ValueError(f"{where} must be a ProposeBucket or a tuple (num_reqs_pad, num_tokens_pad"
+                             f"[, max_blocks_per_req[, max_query_len]]) of 2 to 4 ints, got {b!r}")
+        B = check_int(f"{where}.num_reqs_pad", b.num_reqs_pad, minimum=1)
+        T = check_int(f"{where}.num_tokens_pad", b.num_tokens_pad, minimum=1)
+        C = b.max_blocks_per_req
+        if C is None:
+            bs, mml = getattr(proposer, "block_size", None), getattr(proposer, "max_model_len", None)
+            if bs is None or mml is None:
+                raise ValueError(f"{where}.max_blocks_per_req is required for {type(proposer).__name__} "
+                                 "(it lacks the block_size and max_model_len to derive the "
+                                 "block-table width from): give (num_reqs_pad, num_tokens_pad, "
+                                 "max_blocks_per_req)")
+            C = -(-mml // bs)
+        C = check_int(f"{where}.max_blocks_per_req", C, minimum=1)
+        Q = check_int(f"{where}.max_query_len", T if b.max_query_len is None else b.max_query_len,
+                      minimum=1, maximum=T)
+        padded = b.padded_batch
+        if padded is None:
+            padded = not proposer.config.disable_padded_drafter_batch
+        if not isinstance(padded, (bool, np.bool_)):
+            raise ValueError(f"{where}.padded_batch must be None or a bool, got {padded!r}")
+        r = ProposeBucket(B, T, C, Q, bool(padded))
+        if r not in out:
+            out.append(r)
+    if not out:
+        raise ValueError("buckets must name at least one bucket, got none")
+    return tuple(out)
+
+
+def _hidden_widths(proposer: Any) -> tuple[int | None, tuple[int, int] | None]:
+    """``(H of target_hidden_states or None, (n_aux, Ht) of aux_hidden_states or None)``
+    as the proposer's model reads them."""
+    model = proposer.model
+    cfg = getattr(model, "config", None)
+    needs_hidden = bool(getattr(proposer, "needs_hidden_states", False))
+    needs_aux = bool(getattr(proposer, "needs_aux_hidden_states", False))
+    if cfg is None:     # ExtractHiddenStates: stores [T, n_aux, H] of the target
+        return None, ((model.num_hidden_states, model.hidden_size) if needs_aux else None)
+    target_h = cfg.target_hidden_size or cfg.hidden_size
+    if needs_aux:       # EAGLE-3 / DFlash: the target's width, n_aux of them into fc
+        return (target_h if needs_hidden else None), (cfg.num_aux, target_h)
+    return (cfg.hidden_size if needs_hidden else None), None
+
+
+def abstract_inputs(proposer: Any, bucket: ProposeBucket, hidden_dtype=jnp.float32) -> ProposerInputs:
+    """``ProposerInputs`` of ``jax.ShapeDtypeStruct`` leaves with the shapes of a resolved
+    ``bucket`` (see ``ProposeBucket`` for the layout): what ``propose`` is lowered with."""
+    B, T, C, Q = bucket.num_reqs_pad, bucket.num_tokens_pad, bucket.max_blocks_per_req, \
+        bucket.max_query_len
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, _I32)  # noqa: E731
+    h, aux = _hidden_widths(proposer)
+    md = CommonAttentionMetadata(
+        query_start_loc=i32(B + 1), seq_lens=i32(B), block_table=i32(B, C), slot_mapping=i32(T),
+        num_reqs=i32(), num_actual_tokens=i32(), max_seq_len=i32(), max_query_len=Q, causal=True)
+    return ProposerInputs(
+        target_token_ids=i32(T), target_positions=i32(T),
+        target_hidden_states=None if h is None else jax.ShapeDtypeStruct((T, h), hidden_dtype),
+        aux_hidden_states=None if aux is None else jax.ShapeDtypeStruct((T, *aux), hidden_dtype),
+        next_token_ids=i32(B),
+        token_indices_to_sample=i32(B) if bucket.padded_batch else None,
+        num_rejected_tokens=i32(B) if bucket.padded_batch else None,
+        attn_metadata=md)
+
+
+def _first_float_dtype(tree: Any):
+    for leaf in jax.tree.leaves(tree):
+        dt = getattr(leaf, "dtype", None)
+        if dt is not None and jnp.issubdtype(dt, jnp.floating):
+            return dt
+    return None
+
+
+class AheadOfTimeCompile:
+    """``warmup``: compile ``propose`` for every bucket ahead of time (vLLM's
+    ``dummy_run`` under CUDA-graph capture). Needs ``self.propose`` (a ``jax.jit`` with
+    the proposer static), ``self.init_state``, ``self.config`` and ``self.model``."""
+
+    def warmup(self, buckets: Iterable[Any], params: Any, state: Any = None, *,
+               num_blocks: int | None = None, dtype=jnp.float32,
+               hidden_dtype=None) -> tuple[ProposeBucket, ...]:
+        """Lower and compile ``propose(params, state, inputs)`` for each bucket, so that
+        calls whose real request / token counts vary inside those buckets compile nothing.
+
+        Nothing runs and nothing is donated: ``state`` is only looked at (its shapes,
+        dtypes and shardings), inputs are abstract (``abstract_inputs``).
+
+        Args:
+          buckets: ``ProposeBucket``s or tuples ``(num_reqs_pad, num_tokens_pad[,
+            max_blocks_per_req[, max_query_len]])``; all validated before anything compiles.
+          params: the params later passed to ``propose`` (their shapes, dtypes, shardings).
+          state: the state later passed to ``propose``, or an abstract one
+            (``jax.eval_shape(proposer.init_state, ...)``); None: built abstractly from
+            ``num_blocks`` and ``dtype`` as ``init_state`` would.
+          num_blocks, dtype: the KV pool size and cache dtype when ``state`` is None.
+          hidden_dtype: dtype of the hidden-state inputs; None: the state's floating dtype
+            (the cache's), else float32.
+
+        Returns:
+          The resolved buckets compiled (every None field filled in), in order.
+
+        Raises:
+          ValueError: a bad bucket (naming ``buckets[i].field``), or neither ``state`` nor
+            ``num_blocks`` for a proposer with a cache; before anything is compiled.
+        """
+        resolved = resolve_buckets(self, buckets)
+        if state is None:
+            if num_blocks is None and getattr(self, "block_size", None) is not None:
+                raise ValueError(f"{type(self).__name__}.warmup needs state= (the state propose will "
+                                 "get) or num_blocks= (the KV pool size) to know the cache shapes")
+            state = jax.eval_shape(lambda: self.init_state(num_blocks, dtype))
+        if hidden_dtype is None:
+            hidden_dtype = _first_float_dtype(state) or jnp.float32
+        jitted = type(self).propose   # the jax.jit object: bound access would bind self as params
+        for b in resolved:
+            jitted.lower(self, params, state, abstract_inputs(self, b, hidden_dtype)).compile()
+        return resolved

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 import specjax.kernels as K
 from specjax.config import SpeculativeConfig
@@ -49,10 +50,13 @@ from specjax.constants import PADDING_SLOT_ID
 from specjax.models.dflash import DFlashHead
 from specjax.proposers.base import DraftOutput, ProposerInputs
 from specjax.proposers.common import (
+    AheadOfTimeCompile,
     PaddedBatchHelpers,
     check_proposer,
+    check_vocab_sharding,
     draft_output,
     init_kv_caches,
+    proposer_argmax,
 )
 
 _I32 = jnp.int32
@@ -68,7 +72,7 @@ class DFlashState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashProposer(PaddedBatchHelpers):
+class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """DFlash proposer: ``k`` drafts per request from one non-causal block forward.
 
     Attributes:
@@ -80,6 +84,14 @@ class DFlashProposer(PaddedBatchHelpers):
         parallel-drafting token.
       block_size, max_model_len: of the KV cache / the model.
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ...).
+      mesh, vocab_axis: with ``config.use_local_argmax_reduction``, greedy drafting takes
+        the argmax of each shard of the vocabulary over mesh axis ``vocab_axis`` and
+        reduces the (value, index) pairs (``common.greedy_argmax``) instead of gathering
+        the logits (target vocabulary; a reduced head's are scattered through ``d2t``);
+        the vocabulary must divide evenly. Mesh None (default): plain argmax.
+
+    ``warmup(buckets, params, state)`` compiles ``propose`` for every shape bucket ahead of
+    time (``common.AheadOfTimeCompile``).
 
     The block table passed in ``attn_metadata`` should cover each request's query block,
     ``min(seq_len - rejected + 1 + k, max_model_len)`` positions: block positions past its
@@ -91,6 +103,8 @@ class DFlashProposer(PaddedBatchHelpers):
     block_size: int
     max_model_len: int
     kernel_backend: str = "auto"
+    mesh: Mesh | None = None
+    vocab_axis: str = "tp"
 
     #: What a serving loop must feed (see ``ProposerInputs``): the aux hidden states.
     needs_hidden_states = True
@@ -110,6 +124,9 @@ class DFlashProposer(PaddedBatchHelpers):
             raise ValueError("the DFlash head's config sets causal=True (dflash_config.causal / "
                              "is_causal); specjax drafts with non-causal attention as vLLM v0.20.0 "
                              "does: use a head with causal=False")
+        # compute_logits: the target vocabulary, unless a reduced head comes without d2t
+        width = mc.draft_vocab_size if (mc.reduced_vocab and mc.has_d2t is False) else mc.vocab_size
+        check_vocab_sharding(self, width, "vocab_size")
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -180,5 +197,5 @@ class DFlashProposer(PaddedBatchHelpers):
         hidden, caches = model.forward(params, ids, q_pos, caches, md)
 
         logits = model.compute_logits(params, hidden[sample_idx])
-        drafts = jnp.argmax(logits, axis=-1).astype(_I32).reshape(b, k)
+        drafts = proposer_argmax(self, logits).reshape(b, k)
         return draft_output(drafts, n), DFlashState(caches)

@@ -33,17 +33,21 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 import specjax.kernels as K
 from specjax.config import SpeculativeConfig
 from specjax.models.llama import DecoderLM
 from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
 from specjax.proposers.common import (
+    AheadOfTimeCompile,
     PaddedBatchHelpers,
     chain_steps,
     check_proposer,
+    check_vocab_sharding,
     draft_output,
     init_kv_caches,
+    proposer_argmax,
 )
 
 _I32 = jnp.int32
@@ -57,7 +61,7 @@ class DraftModelState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelProposer(PaddedBatchHelpers):
+class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """Chain (or parallel) drafting with an independent draft LM.
 
     Attributes:
@@ -71,6 +75,13 @@ class DraftModelProposer(PaddedBatchHelpers):
       parallel_drafting_token_id: the draft's mask token (vLLM reads ``pard_token`` /
         ``ptd_token_id`` from the draft config); required with ``parallel_drafting``.
       kernel_backend: backend of the index kernels.
+      mesh, vocab_axis: with ``config.use_local_argmax_reduction``, greedy drafting takes
+        the argmax of each shard of the vocabulary over mesh axis ``vocab_axis`` and
+        reduces the (value, index) pairs (``common.greedy_argmax``) instead of gathering
+        the logits; the vocabulary must divide evenly. Mesh None (default): plain argmax.
+
+    ``warmup(buckets, params, state)`` compiles ``propose`` for every shape bucket ahead of
+    time (``common.AheadOfTimeCompile``).
     """
 
     config: SpeculativeConfig
@@ -81,6 +92,8 @@ class DraftModelProposer(PaddedBatchHelpers):
     target_tensor_parallel_size: int | None = None
     parallel_drafting_token_id: int | None = None
     kernel_backend: str = "auto"
+    mesh: Mesh | None = None
+    vocab_axis: str = "tp"
 
     #: What a serving loop must feed (see ``ProposerInputs``): token ids only.
     needs_hidden_states = False
@@ -96,6 +109,7 @@ class DraftModelProposer(PaddedBatchHelpers):
                 f"the draft model's vocab_size ({draft_vocab}) must equal the target model's "
                 f"vocab_size ({self.target_vocab_size}) for method='draft_model': its token ids "
                 "are verified by the target as they are")
+        check_vocab_sharding(self, draft_vocab, "vocab_size")
         tgt_tp, draft_tp = self.target_tensor_parallel_size, cfg.draft_tensor_parallel_size
         if tgt_tp is not None and (isinstance(tgt_tp, bool) or not isinstance(tgt_tp, int) or tgt_tp < 1):
             raise ValueError(f"target_tensor_parallel_size must be None or an int >= 1, got {tgt_tp!r}")
@@ -190,4 +204,4 @@ class DraftModelProposer(PaddedBatchHelpers):
 
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token of each row of ``hidden [N, H]`` (the draft's own lm_head)."""
-        return jnp.argmax(self.model.compute_logits(params, hidden), axis=-1).astype(_I32)
+        return proposer_argmax(self, self.model.compute_logits(params, hidden))

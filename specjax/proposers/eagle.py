@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
@@ -30,11 +31,14 @@ from specjax.models.eagle import EagleHead
 from specjax.models.eagle3 import Eagle3Head
 from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
 from specjax.proposers.common import (
+    AheadOfTimeCompile,
     PaddedBatchHelpers,
     chain_steps,
     check_proposer,
+    check_vocab_sharding,
     draft_output,
     init_kv_caches,
+    proposer_argmax,
 )
 
 _I32 = jnp.int32
@@ -49,7 +53,7 @@ class EagleState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleProposer(PaddedBatchHelpers):
+class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """EAGLE-1/2 or EAGLE-3 chain proposer.
 
     Attributes:
@@ -59,6 +63,13 @@ class EagleProposer(PaddedBatchHelpers):
         (``specjax.models.share_target_weights``).
       block_size, max_model_len: of the KV cache / the model.
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ...).
+      mesh, vocab_axis: with ``config.use_local_argmax_reduction``, greedy drafting takes
+        the argmax of each shard of the vocabulary over mesh axis ``vocab_axis`` and
+        reduces the (value, index) pairs (``common.greedy_argmax``) instead of gathering
+        the logits; the vocabulary must divide evenly. Mesh None (default): plain argmax.
+
+    ``warmup(buckets, params, state)`` compiles ``propose`` for every shape bucket ahead of
+    time (``common.AheadOfTimeCompile``).
     """
 
     config: SpeculativeConfig
@@ -66,6 +77,8 @@ class EagleProposer(PaddedBatchHelpers):
     block_size: int
     max_model_len: int
     kernel_backend: str = "auto"
+    mesh: Mesh | None = None
+    vocab_axis: str = "tp"
 
     #: What a serving loop must feed (see ``ProposerInputs``).
     needs_hidden_states = True
@@ -81,6 +94,11 @@ class EagleProposer(PaddedBatchHelpers):
         if cfg.token_tree != tuple((0,) * i for i in range(1, cfg.num_speculative_tokens + 1)):
             raise ValueError("a branching speculative_token_tree is not implemented in specjax yet; "
                              "leave speculative_token_tree unset (chain drafting)")
+        mc = self.model.config
+        if cfg.method == "eagle3":   # the argmax runs over the draft vocabulary, then d2t
+            check_vocab_sharding(self, mc.draft_vocab_size or mc.vocab_size, "draft_vocab_size")
+        else:
+            check_vocab_sharding(self, mc.vocab_size, "vocab_size")
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -153,9 +171,9 @@ class EagleProposer(PaddedBatchHelpers):
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token (target vocabulary) of each row of ``hidden [N, H]``."""
         if self.config.method == "eagle3":
-            d = jnp.argmax(self.model.compute_draft_logits(params, hidden), axis=-1).astype(_I32)
+            d = proposer_argmax(self, self.model.compute_draft_logits(params, hidden))
             return self.model.draft_to_target_ids(params, d).astype(_I32)
-        return jnp.argmax(self.model.compute_logits(params, hidden), axis=-1).astype(_I32)
+        return proposer_argmax(self, self.model.compute_logits(params, hidden))
 
 
 def prepare_inputs(attn_metadata: CommonAttentionMetadata, sampled_token_ids: Sequence[Sequence[int]],

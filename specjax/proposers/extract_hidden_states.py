@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from specjax.config import SpeculativeConfig
 from specjax.models.extract_hidden_states import ExtractHiddenStates
-from specjax.proposers.common import PaddedBatchHelpers, check_proposer, init_kv_caches
+from specjax.proposers.common import (AheadOfTimeCompile, PaddedBatchHelpers, check_proposer,
+                                      init_kv_caches)
 from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
 
 _I32 = jnp.int32
@@ -32,7 +33,7 @@ class ExtractHiddenStatesState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ExtractHiddenStatesProposer(PaddedBatchHelpers):
+class ExtractHiddenStatesProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """Caches the target's aux hidden states; drafts the sampled token.
 
     Attributes:
@@ -41,6 +42,10 @@ class ExtractHiddenStatesProposer(PaddedBatchHelpers):
         ``len(eagle_aux_hidden_state_layer_ids)``, the target's ``hidden_size``).
       block_size: of the target's KV cache (the hidden-state cache shares its layout).
       kernel_backend: backend of the padded-batch helper kernel.
+
+    ``warmup(buckets, params, state)`` compiles ``propose`` for every shape bucket ahead of
+    time (``common.AheadOfTimeCompile``; buckets must give ``max_blocks_per_req``, the
+    width of the block table the loop passes, since there is no ``max_model_len``).
     """
 
     config: SpeculativeConfig

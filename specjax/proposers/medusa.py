@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from specjax.config import SpeculativeConfig
 from specjax.models import base
 from specjax.models.medusa import MedusaHeads
-from specjax.proposers.common import PaddedBatchHelpers, check_proposer, draft_output
+from specjax.proposers.common import (AheadOfTimeCompile, PaddedBatchHelpers, check_proposer,
+                                      draft_output)
 from specjax.proposers.base import DraftOutput, ProposerInputs
 
 _I32 = jnp.int32
@@ -35,7 +36,7 @@ class MedusaState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaProposer(PaddedBatchHelpers):
+class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """Medusa chain proposer.
 
     Attributes:
@@ -44,6 +45,10 @@ class MedusaProposer(PaddedBatchHelpers):
         first k and never runs the others).
       model: the ``MedusaHeads`` runner; its params are passed to ``propose``.
       kernel_backend: backend of the padded-batch helper kernels.
+
+    ``warmup(buckets, params)`` compiles ``propose`` for every shape bucket ahead of time
+    (``common.AheadOfTimeCompile``; buckets must give ``max_blocks_per_req``, the width of
+    the block table the loop passes, since Medusa has no ``max_model_len`` to derive it).
     """
 
     config: SpeculativeConfig

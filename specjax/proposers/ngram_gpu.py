@@ -18,8 +18,11 @@ compares and the reduction into one pass over the buffer.
 
 The device token buffer lives in ``NgramGPUState``; ``propose`` scatters the newly sampled
 tokens into it and drafts in one step, and ``add_requests`` / ``remove_requests`` /
-``move_requests`` keep it in sync with a persistent batch. All of them are pure functions of
-the state, jit-compiled with the state donated so XLA updates the buffer in place.
+``move_requests`` keep it in sync with a persistent batch. ``propose_rows`` /
+``propose_packed`` do the same for requests kept in fixed rows (a slot allocator instead of a
+condensed batch; what ``specjax.make_proposer``'s ``ngram_gpu`` adapter uses, uploading only
+each step's new tokens). All of them are pure functions of the state, jit-compiled with the
+state donated so XLA updates the buffer in place.
 """
 
 from __future__ import annotations
@@ -204,6 +207,47 @@ class NgramGPUProposer:
             raise ValueError(f"valid must be a [{num_tokens.shape[0]}] bool array, got {valid.shape} {valid.dtype}")
         return _propose_arrays(self, token_ids, num_tokens, valid)
 
+    def propose_rows(
+        self, state: NgramGPUState, rows: jax.Array, sampled_token_ids: jax.Array, num_sampled: jax.Array
+    ) -> tuple[DraftOutput, NgramGPUState]:
+        """``propose`` for requests living in arbitrary buffer rows (``state`` donated).
+
+        Batch row ``b`` is buffer row ``rows[b]``, so a loop that keeps each request in a
+        fixed row (its own slot allocator) needs no ``move_requests`` when others finish.
+
+        Args:
+          rows: ``[B]`` int32 buffer rows, distinct; -1 (``PADDING_SLOT_ID``) marks a padding
+            row: nothing is written and it gets no draft.
+          sampled_token_ids, num_sampled: as in ``propose``.
+
+        Returns:
+          ``(DraftOutput [B, k] / [B], new state)``; only the rows named are touched.
+        """
+        _check_batch(state, sampled_token_ids, num_sampled)
+        _check_int_dtype("rows", rows)
+        if rows.shape != num_sampled.shape:
+            raise ValueError(f"rows must be [{num_sampled.shape[0]}], got {rows.shape}")
+        return _propose_rows_jit(self, state, rows, sampled_token_ids, num_sampled)
+
+    def propose_packed(self, state: NgramGPUState, packed: jax.Array) -> tuple[jax.Array, NgramGPUState]:
+        """``propose_rows`` with one input and one output array, so that a step costs one
+        host->device and one device->host transfer (``state`` donated).
+
+        Args:
+          packed: ``[B, 2 + S]`` int32: column 0 the buffer row (-1: padding), column 1
+            ``num_sampled``, columns ``2 ..`` the sampled tokens.
+
+        Returns:
+          ``([B, k + 1] int32: the drafts (-1 padded) then the draft count, new state)``.
+        """
+        _check_state(state)
+        _check_int_dtype("packed", packed)
+        if packed.ndim != 2 or packed.shape[1] < 3:
+            raise ValueError(f"packed must be [B, 2 + S] with S >= 1, got {packed.shape}")
+        if packed.shape[0] > state.num_tokens.shape[0]:
+            raise ValueError(f"batch size {packed.shape[0]} exceeds the buffer's {state.num_tokens.shape[0]} rows")
+        return _propose_packed_jit(self, state, packed)
+
     # ------------------------------------------------------------------ persistent batch
 
     def add_requests(
@@ -251,6 +295,18 @@ class NgramGPUProposer:
         if src.ndim != 1 or src.shape != dst.shape:
             raise ValueError(f"src and dst must both be [M]; got {src.shape} and {dst.shape}")
         return _move_requests(state, src, dst)
+
+    def grow_state(self, state: NgramGPUState, max_num_seqs: int) -> NgramGPUState:
+        """A buffer of ``max_num_seqs`` rows (at least the current count): ``state``'s rows
+        copied into the first ones, the new rows empty. Use it instead of ``state``."""
+        _check_state(state)
+        old = state.num_tokens.shape[0]
+        rows = check_int("max_num_seqs", max_num_seqs, minimum=old)
+        if rows == old:
+            return state
+        if rows * state.token_ids.shape[1] >= INT32_LIMIT:
+            raise ValueError(f"max_num_seqs * width = {rows * state.token_ids.shape[1]} must be < 2**31")
+        return _grow_jit(state, rows)
 
     def warmup(self, state: NgramGPUState, batch_sizes: Sequence[int], max_sampled: int | None = None) -> NgramGPUState:
         """Compile ``propose`` for each batch bucket ahead of time (vLLM's dummy run).
@@ -308,6 +364,50 @@ def _propose_step(cfg: NgramGPUProposer, state: NgramGPUState, sampled, num_samp
     valid = (num_sampled > 0) & (new_len >= cfg.prompt_lookup_min) & (new_len < cfg.max_model_len)
     drafts = _search(cfg, token_ids[:batch], new_len, valid)
     return drafts, NgramGPUState(token_ids, num_tokens)
+
+
+def _propose_rows(cfg: NgramGPUProposer, state: NgramGPUState, rows, sampled, num_sampled):
+    limit, width = state.token_ids.shape
+    max_new = sampled.shape[1]
+    rows = rows.astype(jnp.int32)
+    sampled = sampled.astype(jnp.int32)
+    real = (rows >= 0) & (rows < limit)
+    read_row = jnp.where(real, rows, 0)
+    write_row = jnp.where(real, rows, limit)            # padding rows: writes dropped
+    num_sampled = jnp.where(real, num_sampled.astype(jnp.int32), 0)
+    old_len = state.num_tokens[read_row]
+
+    column = jnp.arange(max_new, dtype=jnp.int32)[None, :]
+    write_pos = old_len[:, None] + column
+    write = (column < num_sampled[:, None]) & (sampled != DRAFT_PADDING_ID) & (write_pos < width)
+    write_pos = jnp.where(write, write_pos, width)      # masked writes go out of bounds
+    row_index = jnp.broadcast_to(write_row[:, None], write_pos.shape)
+    token_ids = state.token_ids.at[row_index, write_pos].set(sampled, mode="drop")
+
+    new_len = jnp.minimum(old_len + num_sampled, width)
+    num_tokens = state.num_tokens.at[write_row].set(new_len, mode="drop")
+    valid = real & (num_sampled > 0) & (new_len >= cfg.prompt_lookup_min) & (new_len < cfg.max_model_len)
+    drafts = _search(cfg, token_ids[read_row], new_len, valid)
+    return drafts, NgramGPUState(token_ids, num_tokens)
+
+
+_propose_rows_jit = jax.jit(_propose_rows, static_argnums=0, donate_argnums=1)
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _propose_packed_jit(cfg: NgramGPUProposer, state: NgramGPUState, packed):
+    packed = packed.astype(jnp.int32)
+    drafts, state = _propose_rows(cfg, state, packed[:, 0], packed[:, 2:], packed[:, 1])
+    out = jnp.concatenate([drafts.token_ids, drafts.num_drafts[:, None]], axis=1)
+    return out, state
+
+
+@partial(jax.jit, static_argnums=1)   # no donation: the shapes differ
+def _grow_jit(state: NgramGPUState, rows: int) -> NgramGPUState:
+    old, width = state.token_ids.shape
+    token_ids = jnp.zeros((rows, width), jnp.int32).at[:old].set(state.token_ids)
+    num_tokens = jnp.zeros((rows,), jnp.int32).at[:old].set(state.num_tokens)
+    return NgramGPUState(token_ids, num_tokens)
 
 
 def _drop_padding(rows, limit):
