@@ -6,15 +6,23 @@ For each batch size B, every request holds ``--context`` tokens in the paged KV 
 (``specjax.engine.Engine.time_decode_step``): target forward over the ``B * (k + 1)`` tokens,
 rejection sampling, and for device proposers the padded-batch input preparation and the
 proposer's ``propose`` (the fused step); for token-history proposers (n-gram, suffix) the
-host drafting time is measured separately and added. Each call is synced on the sampled
-tokens as the loop is. Weights are random (timing does not depend on values).
+drafting time is measured separately (steady state: one new token per request a call) and
+added. Each call is synced on the sampled tokens as the loop is. Weights are random
+(timing does not depend on values).
+
+Every row also gives the step's padded token count ``T_pad`` and ``kv copies``: the
+instructions of its compiled HLO that copy a whole KV-cache buffer (0 when the donated
+caches are updated in place). The engine pads a one-token step to two tokens
+(``min_tokens_per_step=2``: a one-row matmul step is much slower on the H200); at B=1 the
+unpadded one-token step is timed too (``plain (T=1, unpadded)``, skip with
+``--no-t1-check``). ``plain (again)``
+re-times the plain step after the methods (no compilation) as a drift check.
 
     ratio    = t_spec / t_plain   (also the break-even mean acceptance length)
     speed-up = tau / ratio        (tau: mean acceptance length, bonus token included)
 
-``tau`` is measured on the demo models (``specjax demo``: random weights until trained
-demo weights ship, so heads give tau ~ 1); the table also gives the speed-up at
-``--assume-tau`` for a trained head.
+``tau`` is measured on the trained demo models (``specjax demo``'s prompts and weights);
+the table also gives the speed-up at ``--assume-tau``.
 
 Usage::
 
@@ -90,8 +98,8 @@ class Models:
                 self.target = TargetModel(self.target.model, jax.tree.map(lambda x: x.astype(dtype)
                                           if jnp.issubdtype(x.dtype, jnp.floating) else x,
                                           self.target.params))
-            self.geo = dict(demo.GEOMETRY, num_hidden_layers=demo.TARGET_LAYERS)
-            self.aux = demo.AUX_LAYER_IDS
+            self.geo = None                  # the shipped demo drafts (demo.demo_proposer)
+            self.aux = None
         else:
             self.geo = TARGETS[size]
             cfg = registry.config_from_hf("llama", self.geo)
@@ -100,6 +108,9 @@ class Models:
             self.aux = eagle3_default_aux_layer_ids(self.geo["num_hidden_layers"])
 
     def proposer(self, method: str, k: int, max_model_len: int):
+        if self.size == "demo":
+            return demo.demo_proposer(method, k, self.target, max_model_len=max_model_len,
+                                      block_size=BS)
         common = dict(max_model_len=max_model_len, block_size=BS)
         if method in ("ngram", "ngram_gpu"):
             return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k,
@@ -141,7 +152,7 @@ class Models:
 def demo_acceptance(methods, k: int) -> dict[str, float]:
     """Mean acceptance length of each method on the demo models (greedy, 48 tokens)."""
     target = demo.demo_target()
-    prompts = [list(p) for p in demo.PROMPTS]
+    prompts = demo._prompts()
     out = {}
     for m in methods:
         prop = demo.demo_proposer(m, 1 if m == "extract_hidden_states" else k, target)
@@ -166,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write every row as JSON lines here")
     ap.add_argument("--no-demo-tau", action="store_true",
                     help="skip measuring acceptance on the demo models (tau columns become nan)")
+    ap.add_argument("--no-t1-check", dest="t1_check", action="store_false",
+                    help="at B=1, skip timing the unpadded one-token plain step as well")
     args = ap.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
     batches = [int(b) for b in args.batch.split(",")]
@@ -181,36 +194,51 @@ def main(argv=None) -> int:
         tau = {m: float("nan") for m in methods}
     else:
         tau = demo_acceptance(methods, k)
-        print(f"# demo-model acceptance (random weights until issue 7) in {time.perf_counter() - t0:.0f} s: "
+        print(f"# demo-model acceptance (trained demo drafts) in {time.perf_counter() - t0:.0f} s: "
               + ", ".join(f"{m} {t:.2f}" for m, t in tau.items()), flush=True)
     models = Models(args.target, dtype)
     sink = open(args.json, "w") if args.json else None
     head = (f"{'method':<22} {'B':>3} {'k':>2} {'plain ms':>9} {'spec ms':>9} {'host ms':>8} "
-            f"{'ratio':>6} {'tau(demo)':>9} {'speed-up':>8} {f'@tau={args.assume_tau}':>9} {'compile s':>9}")
+            f"{'ratio':>6} {'tau(demo)':>9} {'speed-up':>8} {f'@tau={args.assume_tau}':>9} {'compile s':>9} "
+            f"{'T_pad':>5} {'kv copies':>9}")
     print(head)
     print("-" * len(head), flush=True)
-    for b in batches:
-        plain = Engine(models.target, None, max_model_len=mml, block_size=BS, max_num_seqs=b,
-                       batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype)
-        tp = plain.time_decode_step(b, args.context, iters=args.iters)
-        del plain
-        row = dict(method="plain", batch=b, k=0, plain_ms=tp["step_s"] * 1e3, compile_s=tp["compile_s"])
-        print(f"{'plain':<22} {b:>3} {'-':>2} {tp['step_s'] * 1e3:>9.3f} {'':>9} {'':>8} {'':>6} {'':>9} "
-              f"{'':>8} {'':>9} {tp['compile_s']:>9.1f}", flush=True)
+
+    def timed(prop, b, **extra):
+        """(time_decode_step dict, padded tokens of the step, KV-cache copies in its HLO)."""
+        eng = Engine(models.target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
+                     batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype, **extra)
+        t = eng.time_decode_step(b, args.context, iters=args.iters)
+        low = eng.lower_decode_step(b, args.context)     # compiled already: a cache hit
+        t_pad = low.args_info[0][-1].input_ids.shape[0]
+        return t, t_pad, eng.kv_cache_copies(low.compile().as_text())
+
+    def plain_row(label, b, tp, t_pad, copies, **more):
+        print(f"{label:<22} {b:>3} {'-':>2} {tp['step_s'] * 1e3:>9.3f} {'':>9} {'':>8} {'':>6} {'':>9} "
+              f"{'':>8} {'':>9} {tp['compile_s']:>9.1f} {t_pad:>5} {copies:>9}", flush=True)
         if sink:
-            sink.write(json.dumps(row) + "\n")
+            sink.write(json.dumps(dict(method=label, batch=b, k=0, plain_ms=tp["step_s"] * 1e3,
+                                       compile_s=tp["compile_s"], t_pad=t_pad, kv_copies=copies,
+                                       **more)) + "\n")
+
+    for b in batches:
+        tp, t_pad, copies = timed(None, b)
+        gc.collect()
+        plain_row("plain", b, tp, t_pad, copies)
+        if b == 1 and args.t1_check:
+            # The unpadded one-token step: 12.7 ms against 6.9 ms padded to two tokens on
+            # the H200 (2026-11-29), with no KV-cache copy in either.
+            t1, t1_pad, c1 = timed(None, b, min_tokens_per_step=1)
+            gc.collect()
+            plain_row("plain (T=1, unpadded)", b, t1, t1_pad, c1)
         for m in methods:
             mk = 1 if m == "extract_hidden_states" else k
             try:
-                prop = models.proposer(m, mk, mml)
-                eng = Engine(models.target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
-                             batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype)
-                ts = eng.time_decode_step(b, args.context, iters=args.iters)
+                ts, ts_pad, sc = timed(models.proposer(m, mk, mml), b)
             except Exception as e:  # keep the other rows
                 print(f"{m:<22} {b:>3} failed: {type(e).__name__}: {e}", flush=True)
                 continue
             finally:
-                eng = prop = None
                 gc.collect()
             spec = ts["step_s"] + ts["host_propose_s"]
             ratio = spec / tp["step_s"]
@@ -218,13 +246,18 @@ def main(argv=None) -> int:
             row = dict(method=m, batch=b, k=mk, plain_ms=tp["step_s"] * 1e3, spec_ms=ts["step_s"] * 1e3,
                        host_ms=ts["host_propose_s"] * 1e3, ratio=ratio, tau_demo=tau[m],
                        speedup_demo=tau[m] / ratio, speedup_assumed=assumed,
-                       compile_s=ts["compile_s"])
+                       compile_s=ts["compile_s"], t_pad=ts_pad, kv_copies=sc)
             print(f"{m:<22} {b:>3} {mk:>2} {tp['step_s'] * 1e3:>9.3f} {ts['step_s'] * 1e3:>9.3f} "
                   f"{ts['host_propose_s'] * 1e3:>8.3f} {ratio:>6.2f} {tau[m]:>9.2f} {tau[m] / ratio:>7.2f}x "
-                  f"{assumed:>8.2f}x {ts['compile_s']:>9.1f}", flush=True)
+                  f"{assumed:>8.2f}x {ts['compile_s']:>9.1f} {ts_pad:>5} {sc:>9}", flush=True)
             if sink:
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
+        # The same plain step again after the methods (compiled already): drift / order check.
+        again, _, _ = timed(None, b)
+        gc.collect()
+        plain_row("plain (again)", b, again, t_pad, copies,
+                  drift=again["step_s"] / tp["step_s"] - 1)
     if sink:
         sink.close()
     return 0

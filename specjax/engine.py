@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import re
 import time
 from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence
 
@@ -216,7 +217,12 @@ def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch):
         drafts, draft_state = spec.impl.propose(dparams, draft_state, inputs)
     elif spec.mode == "split":
         extra = (h, a)
-    return sampled, drafts, target_kv, draft_state, extra
+    if drafts is not None:
+        # one array, so the host fetches the step's results in a single device->host copy:
+        # [sampled (k+1) | drafts (k) | draft count (1)]
+        sampled = jnp.concatenate([sampled, drafts.token_ids.astype(jnp.int32),
+                                   drafts.num_drafts.astype(jnp.int32)[:, None]], axis=1)
+    return sampled, target_kv, draft_state, extra
 
 
 _step_jit = jax.jit(_step, static_argnums=0, donate_argnums=(3, 4))
@@ -305,13 +311,22 @@ class Engine:
         blocks. None: powers of two (context capped at ``max_model_len``). Fewer buckets,
         fewer compilations.
       kv_dtype: dtype of the KV caches (default float32).
+      min_tokens_per_step: pad every step to at least this many tokens (``B_pad *
+        query_len >= min_tokens_per_step``, the query bucket rising as needed; default 2).
+        On the H200 an 8B-shaped plain step at B=1 takes 12.7 ms with one token and 6.9 ms
+        padded to two (``benchmarks/RESULTS.md``): XLA's code for one-row matrix products
+        is far slower than for two rows. (A one-row KV-cache write also used to become a
+        dynamic-update-slice that copied the donated caches every step; the cache write,
+        ``models.attention.scatter_slots``, now keeps it in place whatever the padding.)
+        The padding token writes nothing (slot -1) and is not sampled.
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
                  block_size: int = 16, max_num_seqs: int = 8, num_blocks: int | None = None,
                  kernel_backend: str = "auto", batch_buckets: Sequence[int] | None = None,
                  query_buckets: Sequence[int] | None = None,
-                 context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32) -> None:
+                 context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
+                 min_tokens_per_step: int = 2) -> None:
         from specjax.models import DecoderLM
 
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
@@ -325,7 +340,8 @@ class Engine:
             raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be None, "
                              f"got {type(proposer).__name__}")
         for name, v, lo in (("max_model_len", max_model_len, 2), ("block_size", block_size, 1),
-                            ("max_num_seqs", max_num_seqs, 1)):
+                            ("max_num_seqs", max_num_seqs, 1),
+                            ("min_tokens_per_step", min_tokens_per_step, 1)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         model = target.model
@@ -347,6 +363,7 @@ class Engine:
         self.max_model_len = int(max_model_len)
         self.block_size = int(block_size)
         self.max_num_seqs = int(max_num_seqs)
+        self.min_tokens_per_step = int(min_tokens_per_step)
         self.kernel_backend = kernel_backend
         self.batch_buckets = None if batch_buckets is None else tuple(sorted(batch_buckets))
         self.query_buckets = None if query_buckets is None else tuple(sorted(query_buckets))
@@ -489,6 +506,8 @@ class Engine:
             context_blocks = [self.max_blocks_per_req]
         before = step_cache_size()
         for b, q, c, g in itertools.product(batch_sizes, query_lens, context_blocks, all_greedy):
+            if int(b) * int(q) < self.min_tokens_per_step:      # as _buckets pads it
+                q = _pick(self.query_buckets, -(-self.min_tokens_per_step // int(b)))
             batch = self._dummy_batch(int(b), int(q), int(c))
             out = self._run(batch, all_greedy=bool(g))
             jax.block_until_ready(out)
@@ -501,10 +520,90 @@ class Engine:
         ``num_reqs`` requests, each with ``context_len`` tokens in the KV cache and ``k``
         random drafts to verify (none for plain decoding), run through the jitted step
         (target forward + verification + device drafting) ``iters`` times, each synced
-        on the sampled tokens as the loop does. Token-history proposers also draft on the
-        host each time. Returns seconds: ``step_s`` (median), ``host_propose_s``
-        (median, 0 for device proposers) and ``compile_s`` (first call).
+        on the sampled tokens as the loop does. Token-history proposers also draft after
+        each step, from histories that grow by one token a call as the loop's do (lengths
+        ``context_len - iters + 1 .. context_len``, after an untimed first call at
+        ``context_len - iters`` that hands the proposer the whole contexts), so stateful
+        ones (``ngram_gpu``, suffix) are timed in their steady state. Returns seconds:
+        ``step_s`` (median), ``host_propose_s`` (median of the drafting calls, 0 for device
+        proposers) and ``compile_s`` (first call).
         """
+        reqs = self._bench_requests(num_reqs, context_len, seed)
+        try:
+            batch, _, b_pad = self._build_batch(reqs)
+            t0 = time.perf_counter()
+            np.asarray(self._run(batch, all_greedy=True)[0])   # compiles
+            compile_s = time.perf_counter() - t0
+            drafting = self.proposer is not None and self.proposer.needs_token_history
+            if drafting:
+                ids = [r.req_id for r in reqs]
+                rows = self.tok_buf[[r.row for r in reqs]]
+                first = max(1, context_len - iters)
+
+                def history(i: int) -> TokenHistory:
+                    n = min(first + i, context_len)
+                    return TokenHistory(ids, rows, np.full(num_reqs, n, _I32),
+                                        np.full(num_reqs, first - 1, _I32),
+                                        [[int(rows[j, n - 1])] for j in range(num_reqs)],
+                                        rows_pad=b_pad)
+
+                self.proposer.propose_from_history(history(0))
+            step, host = [], []
+            for i in range(1, iters + 1):
+                t0 = time.perf_counter()
+                out, _ = self._run(batch, all_greedy=True)
+                np.asarray(out)          # sampled tokens (and drafts): what the loop fetches
+                step.append(time.perf_counter() - t0)
+                if drafting:
+                    hist = history(i)
+                    t0 = time.perf_counter()
+                    self.proposer.propose_from_history(hist)
+                    host.append(time.perf_counter() - t0)
+        finally:
+            if self.proposer is not None:
+                self.proposer.finish_requests([r.req_id for r in reqs])
+            for r in reqs:
+                self._release(r)
+        return {"step_s": float(np.median(step)), "host_propose_s": float(np.median(host)) if host else 0.0,
+                "compile_s": compile_s}
+
+    def lower_decode_step(self, num_reqs: int, context_len: int, *, seed: int = 0):
+        """The ``jax.stages.Lowered`` of the step ``time_decode_step`` times (same buckets),
+        for inspecting what XLA makes of it: ``.as_text()`` (donation shows as
+        ``tf.aliasing_output``), ``.compile().as_text()`` (see ``kv_cache_copies``)."""
+        reqs = self._bench_requests(num_reqs, context_len, seed)
+        try:
+            batch, _, _ = self._build_batch(reqs)
+            spec = self._spec(True)
+            return _step_jit.lower(spec, self.target.params,
+                                   None if spec.impl is None else self.proposer.params,
+                                   self.target_kv, self.draft_state, batch)
+        finally:
+            for r in reqs:
+                self._release(r)
+
+    def kv_cache_copies(self, compiled_hlo: str) -> int:
+        """How many instructions of a compiled step's HLO text copy a whole KV-cache-shaped
+        buffer (target or draft; ``copy`` ops and copy fusions). 0 when the donated caches
+        are updated in place."""
+        shapes = set()
+        for x in jax.tree.leaves((self.target_kv, self.draft_state)):
+            if getattr(x, "ndim", 0) == 4:        # [num_blocks, block_size, heads, head_dim]
+                for dims in (x.shape, (x.shape[0] * x.shape[1],) + x.shape[2:]):
+                    shapes.add(f"{jnp.dtype(x.dtype).name}[{','.join(map(str, dims))}]"
+                               .replace("float32", "f32").replace("bfloat16", "bf16")
+                               .replace("float16", "f16"))
+        n = 0
+        for line in compiled_hlo.splitlines():
+            m = re.match(r"\s*(?:ROOT\s+)?%(\S+)\s*=\s*([a-z0-9]+\[[0-9,]*\])\S*\s+([a-z-]+)\(", line)
+            if m and m.group(2) in shapes and (m.group(3) == "copy" or
+                                               (m.group(3) == "fusion" and "copy" in m.group(1))):
+                n += 1
+        return n
+
+    def _bench_requests(self, num_reqs: int, context_len: int, seed: int) -> list[_Request]:
+        """Requests in the steady decode state: ``context_len`` tokens (all but the last in
+        the KV cache) and ``k`` random drafts; each holds a token-history row."""
         if not 1 <= num_reqs <= self.max_num_seqs:
             raise ValueError(f"num_reqs must be in [1, max_num_seqs={self.max_num_seqs}], got {num_reqs}")
         if not 2 <= context_len <= self.max_model_len - self.k - 1:
@@ -521,34 +620,7 @@ class Engine:
             r.row = self.free_rows.pop()
             self.tok_buf[r.row, :context_len] = toks
             reqs.append(r)
-        try:
-            batch, _, b_pad = self._build_batch(reqs)
-            t0 = time.perf_counter()
-            np.asarray(self._run(batch, all_greedy=True)[0])
-            compile_s = time.perf_counter() - t0
-            step, host = [], []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                sampled, drafts, _ = self._run(batch, all_greedy=True)
-                np.asarray(sampled)
-                if drafts is not None:
-                    np.asarray(drafts.token_ids)
-                step.append(time.perf_counter() - t0)
-                if self.proposer is not None and self.proposer.needs_token_history:
-                    hist = TokenHistory([r.req_id for r in reqs], self.tok_buf[[r.row for r in reqs]],
-                                        np.full(num_reqs, context_len, _I32),
-                                        np.full(num_reqs, context_len - 1, _I32),
-                                        [[r.output[-1]] for r in reqs], rows_pad=b_pad)
-                    t0 = time.perf_counter()
-                    self.proposer.propose_from_history(hist)
-                    host.append(time.perf_counter() - t0)
-        finally:
-            if self.proposer is not None:
-                self.proposer.finish_requests([r.req_id for r in reqs])
-            for r in reqs:
-                self._release(r)
-        return {"step_s": float(np.median(step)), "host_propose_s": float(np.median(host)) if host else 0.0,
-                "compile_s": compile_s}
+        return reqs
 
     # -- scheduling ----------------------------------------------------------------
 
@@ -579,7 +651,7 @@ class Engine:
 
     def _buckets(self, n: int, max_q: int, max_blocks: int) -> tuple[int, int, int]:
         b = _pick(self.batch_buckets, n)
-        q = _pick(self.query_buckets, max(max_q, self.k + 1))
+        q = _pick(self.query_buckets, max(max_q, self.k + 1, -(-self.min_tokens_per_step // b)))
         c = _pick(self.context_buckets, max_blocks, cap=self.max_blocks_per_req)
         return b, q, c
 
@@ -641,22 +713,31 @@ class Engine:
             needs_aux=fused and p.needs_aux_hidden_states, kernel_backend=self.kernel_backend)
 
     def _run(self, batch: _Batch, *, all_greedy: bool):
+        """Run the jitted step: ``(out, extra)``, ``out`` the ``[B, k+1]`` sampled tokens,
+        followed in padded mode by the ``k`` drafts and the draft count (``_unpack``)."""
         spec = self._spec(all_greedy)
         dparams = None if spec.impl is None else self.proposer.params
-        sampled, drafts, self.target_kv, self.draft_state, extra = _step_jit(
+        out, self.target_kv, self.draft_state, extra = _step_jit(
             spec, self.target.params, dparams, self.target_kv, self.draft_state, batch)
-        return sampled, drafts, extra
+        return out, extra
+
+    def _unpack(self, out: np.ndarray):
+        """``(sampled [B, k+1], (drafts [B, k], counts [B]) or None)`` of a step's output."""
+        s = self.k + 1
+        if out.shape[1] == s:
+            return out, None
+        return out[:, :s], (out[:, s:-1], out[:, -1])
 
     # -- one step ------------------------------------------------------------------
 
     def _step(self, running: list[_Request]) -> tuple[SpecDecodingStats | None, list[_Request]]:
         batch, qlens, b_pad = self._build_batch(running)
         all_greedy = all(r.params.temperature == 0 for r in running)
-        sampled, drafts, extra = self._run(batch, all_greedy=all_greedy)
-        sampled = np.asarray(sampled)
+        out, extra = self._run(batch, all_greedy=all_greedy)
+        sampled, drafts_np = self._unpack(np.asarray(out))
         if self.mode == "split":
             drafts = self._split_propose(batch, running, sampled, extra)
-        drafts_np = None if drafts is None else (np.asarray(drafts.token_ids), np.asarray(drafts.num_drafts))
+            drafts_np = (np.asarray(drafts.token_ids), np.asarray(drafts.num_drafts))
 
         stats = SpecDecodingStats.new(self.k) if self.proposer is not None else None
         finished, gained = [], []
@@ -820,7 +901,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              max_num_seqs: int | None = None, num_blocks: int | None = None,
              eos_token_id: int | None = None, seed: int = 0, kernel_backend: str = "auto",
              batch_buckets: Sequence[int] | None = None, query_buckets: Sequence[int] | None = None,
-             context_buckets: Sequence[int] | None = None,
+             context_buckets: Sequence[int] | None = None, min_tokens_per_step: int = 2,
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
@@ -856,6 +937,6 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
     engine = Engine(target, proposer, max_model_len=max_model_len, block_size=block_size,
                     max_num_seqs=max_num_seqs, num_blocks=num_blocks, kernel_backend=kernel_backend,
                     batch_buckets=batch_buckets, query_buckets=query_buckets,
-                    context_buckets=context_buckets)
+                    context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)
