@@ -118,7 +118,8 @@ def train(objective: Objective, params: dict, frozen: dict, tokens: np.ndarray |
         lr = lr_at(tc, i, total)
         updates = jax.tree.map(lambda u: lr * u, updates)
         params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads), lr=lr)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+        metrics = dict(metrics, grad_norm=grad_norm, lr=lr)
         return params, opt_state, metrics
 
     step = jax.jit(step, donate_argnums=(0, 1))
