@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|models]
+# (models: proposer, end-to-end and training-step costs; not part of `all`, it needs ~6 min)
 # Each part runs under its own time limit (BENCH_S, NGRAM_S, TESTS_S seconds) so one slow
 # part cannot starve the others inside a device lease. Logs and JSON go to $OUT.
 set -uo pipefail
@@ -21,6 +22,12 @@ rc=0
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_S:-240}" python benchmarks/kernels.py --iters "${ITERS:-100}" --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -80
   timeout "${NGRAM_S:-90}" python benchmarks/ngram.py --gpu --quick --json "$OUT/ngram.json" 2>&1 | tee "$OUT/ngram.log" | tail -30
+fi
+if [ "$what" = models ]; then
+  timeout "${PROP_S:-120}" python benchmarks/proposers.py --batches 1,8,64 --json "$OUT/proposers.json" 2>&1 | tee "$OUT/proposers.log" | tail -10
+  timeout "${E2E_S:-300}" python benchmarks/e2e.py --target 8b --batch 1,8,32 --context 1024 --k 3 \
+    --methods ngram eagle3 dflash --json "$OUT/e2e.jsonl" 2>&1 | tee "$OUT/e2e.log" | tail -25
+  timeout "${TRAIN_S:-240}" python benchmarks/train_step.py --steps 30 2>&1 | tee "$OUT/train_step.log" | tail -6
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-240}" python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
