@@ -26,6 +26,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from specjax.models import share_target_weights
 from specjax.models.config import ModelConfig
 from specjax.training import forward as F
 
@@ -82,16 +83,6 @@ def target_lm(config: ModelConfig, compute_dtype: str = "bfloat16") -> Objective
     return loss
 
 
-def _with_shared(params: dict, frozen: dict) -> dict:
-    """Head params plus the target's embedding / lm_head where the head has none."""
-    out = dict(params)
-    tp = frozen["target"]
-    out.setdefault("embed_tokens", tp["embed_tokens"])
-    if "lm_head" not in out:
-        out["lm_head"] = tp.get("lm_head") or {"embedding": tp["embed_tokens"]["embedding"]}
-    return out
-
-
 def eagle(kind: str, config: ModelConfig, target: TargetSetup, *, depth: int = 4,
           step_weight: float = 0.8) -> Objective:
     """EAGLE-1 (``kind="eagle"``) / EAGLE-3 with a ``depth``-step training-time-test unroll;
@@ -106,7 +97,7 @@ def eagle(kind: str, config: ModelConfig, target: TargetSetup, *, depth: int = 4
         labels = tl[:, 1:]                                       # L_{t+1}
         if kind == "eagle3" and "draft_ids" in frozen:
             labels = labels[..., frozen["draft_ids"]]
-        p = F.cast(_with_shared(params, frozen), cdt)
+        p = F.cast(share_target_weights(params, frozen["target"], kind=kind), cdt)
         outs = F.eagle_ttt(kind, p, config, tokens[:, 1:], feats, depth)
         t = labels.shape[1]
         pos = jnp.arange(t)
@@ -173,7 +164,7 @@ def dflash(config: ModelConfig, target: TargetSetup, *, anchors_per_seq: int = 3
         anchors = jax.random.randint(ka, (b, anchors_per_seq), 1, t - kb + 1, dtype=jnp.int32)
         lens = jax.random.randint(kl, (b, anchors_per_seq), 2, kb + 1, dtype=jnp.int32)
         anchor_ids = jnp.take_along_axis(tokens, anchors, axis=1)
-        p = F.cast(_with_shared(params, frozen), cdt)
+        p = F.cast(share_target_weights(params, frozen["target"]), cdt)
         h = F.dflash_blocks(p, config, aux, anchors, anchor_ids, lens)      # [B, M, K, H]
         logits = F.base.lm_head_logits(p["lm_head"], h[:, :, 1:])        # slots 1..K-1
         j = jnp.arange(1, kb, dtype=jnp.int32)

@@ -35,6 +35,7 @@ import numpy as np
 
 from specjax.models import registry
 from specjax.tokenizer import BOS_ID, EOS_ID, MASK_ID, VOCAB_SIZE
+from specjax.training import forward as F
 from specjax.training import objectives as O
 from specjax.training.trainer import TrainConfig, evaluate, init_params, train
 
@@ -103,11 +104,6 @@ def _versions() -> dict:
     return {"python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__,
             "optax": optax.__version__, "device": str(jax.devices()[0].device_kind),
             "platform": jax.default_backend()}
-
-
-def _to_f32(params):
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
-                        else x, params)
 
 
 def draft_vocab(tokens: np.ndarray, size: int) -> np.ndarray:
@@ -221,7 +217,7 @@ def load_target(path: Path):
     kind, cfg, params = load_pretrained(path)
     if kind != "llama":
         raise ValueError(f"--target must be a llama checkpoint, got kind {kind!r} at {path}")
-    return cfg, _to_f32(params)
+    return cfg, F.cast(params, jnp.float32)
 
 
 def run(out: Path, *, stage: str = "all", target: Path | None = None, scale: str = "full",
