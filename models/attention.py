@@ -11,22 +11,139 @@ Attention semantics (vLLM): request ``r`` owns query tokens ``query_start_loc[r]
 query_start_loc[r+1]-1`` and keys at positions ``0 .. seq_lens[r]-1``, read through
 ``block_table[r]``. Causal: query ``i`` of a request of query length ``q`` sits at position
 ``seq_len - q + i`` and sees keys at positions ``<=`` it. Non-causal: every query sees
-every key of its request. Tokens past ``query_start_loc[-1]`` (padding) get zeros.
+every key of its request. Tree attention (``md.tree_mask``, static ``Q x Q``): query
+``i`` sees every key before its request's query block and the key of query ``j`` of the
+block iff ``tree_mask[i][j]``. Tokens past ``query_start_loc[-1]`` (padding) get zeros.
 
 Memory: K/V are gathered per request up to the block table's width (``[B_pad,
 max_blocks * block_size]``), so the block table's width is the static context bucket:
 callers pass a table sliced to the bucket they need. Queries are laid out per request
 up to ``attn_metadata.max_query_len`` (static).
+
+Backends. :func:`paged_attention` runs one of two implementations of the same function:
+
+- ``"xla"``: the pure jax.numpy reference below (:func:`paged_attention_xla`).
+- ``"pallas"``: :func:`specjax.kernels.pallas.paged_attention.paged_attention`, a Pallas
+  kernel lowered through Triton that reads only each request's live pages (online softmax,
+  split-K for small batches); interpret mode off the GPU. Not bit-identical: float32 results
+  agree to ~1e-6, bfloat16 to bfloat16 rounding (see that module). Shapes it cannot take
+  (:func:`~specjax.kernels.pallas.paged_attention.unsupported_reason`: head_dim not a power
+  of two >= 16, ``max_query_len * group > 128`` rows, trees over 31 nodes) fall back to
+  ``"xla"``.
+- ``"auto"`` (default): ``"pallas"`` when JAX's default backend is the GPU, the process
+  sees one device (under GSPMD tensor parallelism the partitioner cannot split the kernel's
+  custom call and would gather the whole cache), ``max_query_len <= AUTO_MAX_QUERY_LEN`` (the
+  decode-shaped steps the kernel is built for) and the shapes are supported; else ``"xla"``.
+  On CPU this is always ``"xla"``.
+
+Choose with :func:`set_attention_backend` (global), :func:`attention_backend` (a context
+manager) or the environment variable ``SPECJAX_ATTENTION_BACKEND`` (read at import). The
+choice is **trace-time static**: it is read when a function that calls
+:func:`paged_attention` is traced. It is a JAX configuration option
+(``jax.config.specjax_attention_backend``) that is part of the ``jax.jit`` cache key, so
+changing it makes jitted callers retrace instead of silently reusing the other backend's
+compilation.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+import os
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.attention import CommonAttentionMetadata
+
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+#: ``"auto"`` picks the Pallas kernel only up to this ``max_query_len`` (decode-shaped steps).
+AUTO_MAX_QUERY_LEN = 16
+_OPTION = "specjax_attention_backend"
+_ENV = "SPECJAX_ATTENTION_BACKEND"
+
+
+def _make_backend_state():
+    """A JAX config option (so the choice keys ``jax.jit``'s cache), or a plain holder when
+    this JAX has no such private API (then the choice is read at trace time only)."""
+    try:
+        from jax._src import config as jax_config
+
+        if _OPTION in jax_config.config_states:       # module re-imported
+            return jax_config.config_states[_OPTION]
+        return jax_config.enum_state(
+            _OPTION, list(ATTENTION_BACKENDS), "auto",
+            help="paged attention backend of specjax.models.attention: auto | xla | pallas "
+                 "(trace-time static; environment variable SPECJAX_ATTENTION_BACKEND)",
+            include_in_jit_key=True, include_in_trace_context=True)
+    except Exception:  # pragma: no cover - a JAX without enum_state / its keywords
+        return None
+
+
+def _check_backend(backend) -> str:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    return backend
+
+
+_STATE = _make_backend_state()
+_fallback_backend = [_check_backend(os.environ.get(_ENV, "auto"))] if _STATE is None else None
+
+
+def get_attention_backend() -> str:
+    """The configured backend (``"auto"``, ``"xla"`` or ``"pallas"``), as read at trace time."""
+    return _STATE.value if _STATE is not None else _fallback_backend[0]
+
+
+def set_attention_backend(backend: str) -> None:
+    """Set the paged-attention backend globally: ``"auto"``, ``"xla"`` or ``"pallas"``.
+
+    Trace-time static: functions traced afterwards use it (jitted callers retrace).
+    """
+    _check_backend(backend)
+    if _STATE is not None:
+        jax.config.update(_OPTION, backend)
+    else:  # pragma: no cover
+        _fallback_backend[0] = backend
+
+
+@contextlib.contextmanager
+def attention_backend(backend: str) -> Iterator[None]:
+    """Context manager: use ``backend`` for the functions traced inside the block."""
+    _check_backend(backend)
+    if _STATE is not None:
+        with _STATE(backend):
+            yield
+    else:  # pragma: no cover
+        prev, _fallback_backend[0] = _fallback_backend[0], backend
+        try:
+            yield
+        finally:
+            _fallback_backend[0] = prev
+
+
+def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata, dtype=None,
+                              backend: str | None = None) -> str:
+    """The backend ``"xla"`` or ``"pallas"`` that :func:`paged_attention` uses for these
+    static shapes under the configured (or given) backend choice."""
+    backend = _check_backend(get_attention_backend() if backend is None else backend)
+    if backend == "xla":
+        return "xla"
+    from specjax.kernels.pallas.paged_attention import unsupported_reason
+
+    _, nh, hd = q_shape
+    reason = unsupported_reason(num_heads=nh, num_kv_heads=cache_shape[2], head_dim=hd,
+                                max_query_len=md.max_query_len, tree_mask=md.tree_mask,
+                                dtype=dtype)
+    if reason is not None:
+        return "xla"
+    if backend == "pallas":
+        return "pallas"
+    if (jax.default_backend() != "gpu" or jax.device_count() != 1
+            or md.max_query_len > AUTO_MAX_QUERY_LEN):
+        return "xla"
+    return "pallas"
 
 
 class KVCache(NamedTuple):
@@ -72,8 +189,22 @@ def paged_attention(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *
     """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads, head_dim]``.
 
     GQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``. Scores and
-    softmax in float32; the output has ``q.dtype``.
+    softmax in float32; the output has ``q.dtype``. Runs the backend chosen by
+    :func:`resolve_attention_backend` (see the module docstring).
     """
+    if resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype) == "pallas":
+        from specjax.kernels.pallas.paged_attention import paged_attention as pallas_paged
+
+        return pallas_paged(
+            q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_table,
+            scale=float(scale), max_query_len=int(md.max_query_len), causal=bool(md.causal),
+            tree_mask=md.tree_mask)
+    return paged_attention_xla(q, cache, md, scale=scale)
+
+
+def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *,
+                        scale: float) -> jax.Array:
+    """The pure jax.numpy reference of :func:`paged_attention` (the ``"xla"`` backend)."""
     t_pad, nh, hd = q.shape
     nb, bs, nkv, _ = cache.k.shape
     group = nh // nkv
@@ -99,7 +230,14 @@ def paged_attention(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *
 
     kj = jnp.arange(ctx, dtype=jnp.int32)
     mask = q_valid[:, :, None] & (kj[None, None, :] < seq[:, None, None])
-    if md.causal:
+    if md.tree_mask is not None:
+        tm = jnp.asarray(np.asarray(md.tree_mask, dtype=bool))   # [Qt, Qt]
+        qt = tm.shape[0]
+        rel = kj[None, :] - (seq - qlen)[:, None]                # [B, C]: index in the block
+        allowed = tm[jnp.clip(qi, 0, qt - 1)[None, :, None],
+                     jnp.clip(rel, 0, qt - 1)[:, None, :]]           # [B, Q, C]
+        mask = mask & ((rel < 0)[:, None, :] | ((rel < qt)[:, None, :] & allowed))
+    elif md.causal:
         qpos = seq[:, None] - qlen[:, None] + qi[None, :]       # [B, Q]
         mask = mask & (kj[None, None, :] <= qpos[:, :, None])
 

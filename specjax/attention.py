@@ -25,7 +25,7 @@ _ARRAY_FIELDS = (
     "num_actual_tokens",
     "max_seq_len",
 )
-_STATIC_FIELDS = ("max_query_len", "causal")
+_STATIC_FIELDS = ("max_query_len", "causal", "tree_mask")
 
 
 def _shape_of(x: Any) -> tuple[int, ...] | None:
@@ -45,6 +45,11 @@ class CommonAttentionMetadata:
       num_reqs, num_actual_tokens, max_seq_len: 0-d int32 device scalars.
       max_query_len: static int, the query-length bucket (an upper bound).
       causal: static bool.
+      tree_mask: static ``None`` or a ``Q x Q`` tuple of tuples of bools (tree attention,
+        vLLM's ``tree_attn_bias``): query ``i`` of a request with query length ``q <= Q``
+        sees every key before its query block (positions ``< seq_len - q``) and the key of
+        query ``j`` of its block iff ``tree_mask[i][j]``; ``causal`` is then ignored.
+        Every request's query length must be at most ``Q``.
     """
 
     query_start_loc: jax.Array
@@ -56,6 +61,7 @@ class CommonAttentionMetadata:
     max_seq_len: jax.Array
     max_query_len: int
     causal: bool = True
+    tree_mask: tuple[tuple[bool, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         qsl = _shape_of(self.query_start_loc)
@@ -85,6 +91,14 @@ class CommonAttentionMetadata:
             raise ValueError(f"max_query_len must be a non-negative int, got {self.max_query_len!r}")
         if not isinstance(self.causal, (bool, np.bool_)):
             raise ValueError(f"causal must be a bool, got {self.causal!r}")
+        tm = self.tree_mask
+        if tm is not None:
+            ok = isinstance(tm, tuple) and len(tm) > 0 and all(
+                isinstance(r, tuple) and len(r) == len(tm)
+                and all(isinstance(x, (bool, np.bool_)) for x in r) for r in tm)
+            if not ok:
+                raise ValueError("tree_mask must be None or a non-empty square tuple of tuples of "
+                                 f"bools, got {tm!r}")
 
     # -- construction --------------------------------------------------------------
 

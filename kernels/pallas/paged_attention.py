@@ -1,0 +1,303 @@
+"""Paged attention over ragged batches: a Pallas kernel lowered through Triton.
+
+The specification is :func:`specjax.models.attention.paged_attention` (pure jax.numpy); this
+kernel computes the same function without gathering every request's whole context.
+
+Layout: ``q [T, num_heads, head_dim]``; ``k_cache``, ``v_cache`` ``[num_blocks, block_size,
+num_kv_heads, head_dim]``; ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_table [B,
+max_blocks]`` int32 (see :class:`specjax.attention.CommonAttentionMetadata`).
+
+Grid ``(B, num_kv_heads, num_splits)``. Program ``(r, h, s)`` owns request ``r``'s queries
+for the ``G = num_heads // num_kv_heads`` query heads that read kv head ``h``: one tile of
+``ROWS`` rows, row ``m`` = query ``m // G`` of the request, query head ``h * G + m % G``;
+``ROWS`` is ``max_query_len * G`` rounded up to a power of two, at least 16 (``tl.dot``
+wants M >= 16; the Triton lowering wants power-of-two loads). It walks the request's keys
+``BLOCK_K`` at a time (several pages per step when ``block_size < BLOCK_K``): key ``j`` is
+read at page ``block_table[r, j // block_size]``, offset ``j % block_size`` (one gathered
+load of ``BLOCK_K`` rows of ``head_dim`` contiguous elements), with an online softmax in
+float32. Masks, as in the reference: key ``< seq_len``; row's query ``< query_len``;
+causal (key ``<= seq_len - query_len + i``) or the static ``tree_mask`` (baked into the
+kernel as one int32 bitmask per query row). Only tiles below ``seq_len`` are read, and
+requests with no queries (padding rows) read nothing.
+
+Split-K (flash-decoding): with few programs (small batches), the tiles of each request are
+divided among ``num_splits`` programs (by the request's actual length); each writes its
+unnormalized float32 accumulator with its running max and sum, and a small jax.numpy
+epilogue merges the splits, normalizes and scatters rows back to token order. Tokens past
+``query_start_loc[-1]`` get zeros.
+
+Numerics: scores, softmax and accumulation in float32 (dots take ``q.dtype`` inputs with
+float32 accumulation, ``Precision.HIGHEST`` so float32 dots are IEEE, not TF32); the
+probabilities enter the second dot in the cache dtype, like the reference. The result is
+not bit-identical to the reference: the online softmax sums in a different order and
+rescales the accumulator per tile (float32: ~1e-6 relative), and in bfloat16 the
+probabilities are rounded before, not after, normalization. A query row with no visible key
+(not produced by valid metadata) gives zeros here and a uniform average in the reference.
+
+On the GPU this is a Triton-lowered ``pl.pallas_call`` (the Pallas Triton backend, which
+JAX deprecates since 0.11 and warns about once per compilation); elsewhere it runs in
+Pallas interpret mode (``interpret=True``), which does not check Triton's rules (power-of-two
+shapes), so :func:`unsupported_reason` checks them up front.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+#: Masked scores; finite so that ``max - max`` of a fully masked tile is 0, not NaN.
+_NEG = -0.7 * float(np.finfo(np.float32).max)
+#: Largest row tile (``max_query_len * G`` rounded up): the float32 accumulator is
+#: ``ROWS x head_dim`` registers per program.
+MAX_ROWS = 128
+#: Largest tree: one int32 bitmask per query row.
+MAX_TREE = 31
+#: Cap on the context splits per request.
+MAX_SPLITS = 16
+#: Streaming multiprocessors assumed when the device does not say (H200: 132).
+DEFAULT_NUM_SMS = 132
+
+
+def _pow2_at_least(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def num_rows(max_query_len: int, group: int) -> int:
+    """Rows of one program's query tile: ``max_query_len * group`` as a power of two >= 16."""
+    return _pow2_at_least(max(int(max_query_len), 1) * group, 16)
+
+
+def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
+                       tree_mask=None, dtype=None) -> str | None:
+    """Why the kernel cannot take these shapes, or ``None`` if it can."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim={head_dim} is not a power of two >= 16"
+    rows = num_rows(max_query_len, num_heads // num_kv_heads)
+    if rows > MAX_ROWS:
+        return (f"max_query_len={max_query_len} x group={num_heads // num_kv_heads} needs "
+                f"{rows} rows per program (> {MAX_ROWS})")
+    if tree_mask is not None and len(tree_mask) > MAX_TREE:
+        return f"tree_mask has {len(tree_mask)} rows (> {MAX_TREE})"
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.float32),
+                                                      jnp.dtype(jnp.bfloat16),
+                                                      jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype)} is not float32, bfloat16 or float16"
+    return None
+
+
+def _num_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", DEFAULT_NUM_SMS) or DEFAULT_NUM_SMS)
+    except Exception:  # pragma: no cover - no device info
+        pass
+    return DEFAULT_NUM_SMS
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int,
+                       num_sms: int | None = None) -> int:
+    """Context splits per request: the smallest power of two that gives every SM of the GPU
+    a program (``batch * num_kv_heads * splits >= num_sms``), at most ``MAX_SPLITS`` and at
+    most half the tiles of a full-width request (at least two tiles a split at capacity).
+    """
+    target = num_sms or _num_sms()
+    cap = max(1, min(MAX_SPLITS, max_tiles // 2))
+    s = 1
+    while batch * num_kv_heads * s < target and s * 2 <= cap:
+        s *= 2
+    return s
+
+
+def _tree_bits(tree_mask) -> tuple[int, ...]:
+    """Row ``i`` of the mask as an int: bit ``j`` set iff query ``i`` sees block query ``j``."""
+    return tuple(sum(1 << j for j, x in enumerate(row) if x) for row in tree_mask)
+
+
+def _kernel(qsl_ref, seq_ref, bt_ref, q_ref, k_ref, v_ref,    # inputs (whole arrays)
+            o_ref, m_ref, l_ref,                               # outputs: this program's tile
+            *, scale: float, group: int, rows: int, block_k: int, block_size: int,
+            max_blocks: int, num_blocks: int, num_splits: int, num_tokens: int, causal: bool,
+            tree_bits: tuple[int, ...] | None, precision):
+    r = pl.program_id(0)
+    h = pl.program_id(1)
+    s = pl.program_id(2)
+    start = qsl_ref[r]
+    qlen = qsl_ref[r + 1] - start
+    seq = seq_ref[r]
+
+    m_idx = jnp.arange(rows, dtype=jnp.int32)
+    qi = lax.div(m_idx, jnp.int32(group))                     # query index in the request
+    row_ok = qi < qlen
+    tok = jnp.minimum(start + qi, num_tokens - 1)
+    head = h * group + lax.rem(m_idx, jnp.int32(group))
+    # every dimension indexed by an int array (interpret mode cannot mix gathers and slices;
+    # the Triton lowering builds the same pointer tensor either way)
+    hd = q_ref.shape[-1]
+    col = jnp.arange(hd, dtype=jnp.int32)[None, :]
+    q = pltr.load(q_ref.at[tok[:, None], head[:, None], col], mask=row_ok[:, None],
+                  other=0)                                     # [ROWS, hd]
+
+    if tree_bits is not None:
+        qt = len(tree_bits)
+        # the reference clamps the query index to the mask's last row
+        bits = jnp.full((rows,), tree_bits[-1], jnp.int32)
+        for i, b in enumerate(tree_bits[:-1]):
+            bits = jnp.where(qi == i, jnp.int32(b), bits)
+        block_start = seq - qlen                               # first key of the query block
+    elif causal:
+        qpos = seq - qlen + qi                                 # [ROWS] position of each row
+
+    n_tiles = jnp.where(qlen > 0, _cdiv(seq, block_k), 0)
+    per = _cdiv(n_tiles, num_splits)
+    lo = jnp.minimum(s * per, n_tiles)
+    hi = jnp.minimum(lo + per, n_tiles)
+    kk0 = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(t, carry):
+        acc, m_prev, l_prev = carry
+        kk = t * block_k + kk0                                 # [BK] key positions
+        kv_ok = kk < seq
+        page = bt_ref[r, jnp.minimum(lax.div(kk, jnp.int32(block_size)), max_blocks - 1)]
+        page = jnp.clip(page, 0, num_blocks - 1)
+        off = lax.rem(kk, jnp.int32(block_size))
+        k = pltr.load(k_ref.at[page[:, None], off[:, None], h, col], mask=kv_ok[:, None],
+                      other=0)                                 # [BK, hd]
+        v = pltr.load(v_ref.at[page[:, None], off[:, None], h, col], mask=kv_ok[:, None],
+                      other=0)
+
+        sc = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32) * scale    # [ROWS, BK]
+        mask = row_ok[:, None] & kv_ok[None, :]
+        if tree_bits is not None:
+            rel = kk - block_start                             # index in the query block
+            relc = jnp.clip(rel, 0, qt - 1)
+            seen = lax.shift_right_logical(bits[:, None], relc[None, :]) & 1
+            mask = mask & ((rel < 0)[None, :] | ((rel < qt)[None, :] & (seen != 0)))
+        elif causal:
+            mask = mask & (kk[None, :] <= qpos[:, None])
+        sc = jnp.where(mask, sc, _NEG)
+        m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1))
+        corr = jnp.exp(m_prev - m_new)
+        p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
+        l_new = corr * l_prev + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)            # [ROWS, hd]
+        return corr[:, None] * acc + pv, m_new, l_new
+
+    init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "max_query_len", "causal", "tree_mask", "block_k", "num_splits", "num_warps",
+    "num_stages", "interpret"))
+def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    query_start_loc: jax.Array, seq_lens: jax.Array, block_table: jax.Array, *,
+                    scale: float, max_query_len: int, causal: bool = True,
+                    tree_mask: tuple[tuple[bool, ...], ...] | None = None,
+                    block_k: int | None = None, num_splits: int | None = None,
+                    num_warps: int | None = None, num_stages: int = 2,
+                    interpret: bool | None = None) -> jax.Array:
+    """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads,
+    head_dim]`` in ``q.dtype`` (semantics: :func:`specjax.models.attention.paged_attention`).
+
+    ``max_query_len`` (static) bounds every request's query length; ``tree_mask`` (static
+    ``Q x Q`` bools or ``None``) replaces the causal mask when given. Tuning knobs (static):
+    ``block_k`` keys per step (default 64, a power of two >= 16), ``num_splits`` context
+    splits per request (default: :func:`default_num_splits`), ``num_warps`` (default 4, 8
+    for tiles of more than 32 rows), ``num_stages``. ``interpret`` (default: off the GPU)
+    runs the kernel in Pallas interpret mode.
+    """
+    t_pad, nh, hd = q.shape
+    nb, bs, nkv, hd_k = k_cache.shape
+    if v_cache.shape != k_cache.shape or hd_k != hd:
+        raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
+    reason = unsupported_reason(num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+                                max_query_len=max_query_len, tree_mask=tree_mask, dtype=q.dtype)
+    if reason:
+        raise ValueError(f"paged_attention (pallas): unsupported shapes: {reason}")
+    b_pad = query_start_loc.shape[0] - 1
+    max_blocks = block_table.shape[1]
+    group = nh // nkv
+    rows = num_rows(max_query_len, group)
+    if block_k is None:
+        block_k = 64
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power of two >= 16")
+    max_tiles = _cdiv(max_blocks * bs, block_k)
+    if num_splits is None:
+        num_splits = default_num_splits(b_pad, nkv, max_tiles)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if num_warps is None:
+        num_warps = 4 if rows <= 32 else 8
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if b_pad == 0 or t_pad == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    # the first dot in the promoted dtype (as the reference's einsum), the second in the
+    # cache dtype (the reference casts the probabilities to it)
+    q_in = q.astype(jnp.promote_types(q.dtype, k_cache.dtype))
+
+    kernel = functools.partial(
+        _kernel, scale=float(scale), group=group, rows=rows, block_k=block_k, block_size=bs,
+        max_blocks=max_blocks, num_blocks=nb, num_splits=num_splits, num_tokens=t_pad,
+        causal=bool(causal), tree_bits=None if tree_mask is None else _tree_bits(tree_mask),
+        precision=lax.Precision.HIGHEST)
+    grid = (b_pad, nkv, num_splits)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, hd), lambda r, h, s: (r, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows, hd), jnp.float32),
+            jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
+        ],
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention_r{rows}_k{block_k}_s{num_splits}",
+    )(query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
+      block_table.astype(jnp.int32), q_in, k_cache, v_cache)
+
+    # merge the splits (flash-decoding) and normalize
+    if num_splits == 1:
+        acc, den = o[:, :, 0], l[:, :, 0]
+    else:
+        m_all = jnp.max(m, axis=2, keepdims=True)
+        w = jnp.exp(m - m_all)                                  # [B, nkv, S, ROWS]
+        acc = jnp.sum(o * w[..., None], axis=2)
+        den = jnp.sum(l * w, axis=2)
+    out = acc / jnp.where(den > 0, den, 1.0)[..., None]         # [B, nkv, ROWS, hd]
+
+    # rows -> [B, Q, num_heads, hd] -> token order
+    qmax = max(int(max_query_len), 1)
+    out = out[:, :, : qmax * group].reshape(b_pad, nkv, qmax, group, hd)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(b_pad, qmax, nh, hd)
+    qsl = query_start_loc.astype(jnp.int32)
+    t = jnp.arange(t_pad, dtype=jnp.int32)
+    r_t = jnp.minimum(jnp.sum(qsl[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32), b_pad - 1)
+    i_t = jnp.clip(t - qsl[r_t], 0, qmax - 1)
+    res = out[r_t, i_t]
+    return jnp.where((t < qsl[-1])[:, None, None], res, 0).astype(q.dtype)

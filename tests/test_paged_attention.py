@@ -1,0 +1,528 @@
+"""The Pallas paged-attention kernel (kernels/pallas/paged_attention.py) against the jnp
+reference (models/attention.py) and a NumPy brute-force oracle, plus the backend switch.
+
+CPU: the kernel runs in Pallas interpret mode on small random ragged batches (empty
+requests, padding rows, GQA groups 1/2/4, causal, non-causal and tree masks, contexts at the
+block table's capacity, scattered and out-of-range block-table entries, block sizes below,
+at and above the kernel's key tile, split-K). Each configuration compiles once (~5 s on
+CPU) and runs several batches of the same shapes. The kernel is not bit-identical to the
+reference (its online softmax sums in another order and rescales per tile), so float32 is
+compared to 1e-5 and bfloat16 to bfloat16 rounding.
+
+GPU (``-m gpu``): the compiled Triton kernel on H200-sized shapes, and an EAGLE-3 propose
+(Llama-3.1-8B-shaped head) with backend pallas vs xla.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.kernels.pallas import paged_attention as pk
+from specjax.models import attention as attn
+from specjax.models.attention import KVCache
+
+ON_GPU = jax.default_backend() == "gpu"
+skip_without_gpu = pytest.mark.skipif(
+    not ON_GPU, reason=f"needs a GPU; jax.default_backend() is {jax.default_backend()!r}")
+
+
+@pytest.fixture(autouse=True)
+def _ieee_float32_matmuls(request):
+    """Float32 dots in IEEE precision for the reference (on the GPU XLA's default is TF32,
+    while the kernel's float32 dots are IEEE), so the CPU tests also pass there, compiled.
+    The GPU tests set precision themselves."""
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+# ----------------------------------------------------------------------------------------
+# random ragged batches
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    nh: int
+    nkv: int
+    hd: int
+    bs: int                 # cache block (page) size
+    width: int              # block-table width (context capacity = width * bs)
+    qmax: int               # max_query_len
+    b_pad: int
+    t_pad: int
+    causal: bool = True
+    tree: bool = False
+    dtype: str = "float32"
+    block_k: int | None = 16
+    num_splits: int | None = 1
+
+    @property
+    def num_blocks(self):   # room for scattered tables
+        return self.b_pad * self.width + 7
+
+
+def random_tree(rng, q):
+    """A random tree over ``q`` nodes in topological order: node ``i > 0`` has a parent
+    ``< i``; the mask row of a node is itself plus its ancestors."""
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, q)]
+    rows = []
+    for i in range(q):
+        seen, j = set(), i
+        while j >= 0:
+            seen.add(j)
+            j = parent[j]
+        rows.append(tuple(j in seen for j in range(q)))
+    return tuple(rows)
+
+
+def make_case(cfg: Cfg, seed: int, tree_mask=None):
+    """Random metadata, cache and queries for ``cfg`` (same shapes for every seed)."""
+    rng = np.random.default_rng(seed)
+    cap = cfg.width * cfg.bs
+    n = int(rng.integers(1, cfg.b_pad + 1))
+    while True:
+        qlens = rng.integers(0, cfg.qmax + 1, size=n)
+        qlens[rng.integers(0, n)] = cfg.qmax if seed % 2 else max(1, cfg.qmax - 1)
+        if qlens.sum() <= cfg.t_pad:
+            break
+    seqs = qlens + rng.integers(0, cap - qlens + 1)
+    seqs[rng.integers(0, n)] = cap                         # one request at the capacity
+    perm = rng.permutation(cfg.num_blocks)[: n * cfg.width].reshape(n, cfg.width)
+    md = CommonAttentionMetadata.from_query_lens(
+        qlens, seqs, perm, block_size=cfg.bs, num_reqs_pad=cfg.b_pad, num_tokens_pad=cfg.t_pad,
+        max_query_len=cfg.qmax, causal=cfg.causal)
+    # entries past each request's pages, and padding rows, hold junk (both sides clamp)
+    table = np.asarray(md.block_table).copy()
+    used = -(-np.asarray(md.seq_lens) // cfg.bs)
+    junk = rng.integers(-3, cfg.num_blocks + 5, size=table.shape)
+    cols = np.arange(cfg.width)[None, :]
+    table = np.where(cols < used[:, None], table, junk).astype(np.int32)
+    md = md.replace(block_table=jnp.asarray(table))
+    if tree_mask is not None:
+        md = md.replace(tree_mask=tree_mask)
+    dt = jnp.dtype(cfg.dtype)
+    shape = (cfg.num_blocks, cfg.bs, cfg.nkv, cfg.hd)
+    k = jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt)
+    v = jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt)
+    q = jnp.asarray(rng.standard_normal((cfg.t_pad, cfg.nh, cfg.hd)), jnp.float32).astype(dt)
+    return q, KVCache(k, v), md
+
+
+def oracle(q, cache, md, scale):
+    """NumPy brute force in float64, written from the specification, one query at a time."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(cache.k, np.float64)
+    v = np.asarray(cache.v, np.float64)
+    nb, bs, nkv, hd = k.shape
+    t_pad, nh, _ = q.shape
+    g = nh // nkv
+    qsl, seq, bt = (np.asarray(x) for x in (md.query_start_loc, md.seq_lens, md.block_table))
+    out = np.zeros_like(q)
+    for r in range(len(seq)):
+        qlen = qsl[r + 1] - qsl[r]
+        for i in range(qlen):
+            pos = seq[r] - qlen + i
+            keys = []
+            for j in range(seq[r]):
+                rel = j - (seq[r] - qlen)
+                if md.tree_mask is not None:
+                    ok = rel < 0 or md.tree_mask[i][rel]
+                elif md.causal:
+                    ok = j <= pos
+                else:
+                    ok = True
+                if ok:
+                    keys.append(j)
+            slots = [(bt[r, j // bs], j % bs) for j in keys]
+            for h in range(nh):
+                kk = np.stack([k[b, o, h // g] for b, o in slots])
+                vv = np.stack([v[b, o, h // g] for b, o in slots])
+                s = kk @ q[qsl[r] + i, h] * scale
+                p = np.exp(s - s.max())
+                out[qsl[r] + i, h] = (p / p.sum()) @ vv
+    return out
+
+
+def run_kernel(cfg: Cfg, q, cache, md, scale, **kw):
+    kw = dict(dict(block_k=cfg.block_k, num_splits=cfg.num_splits), **kw)
+    return pk.paged_attention(q, cache.k, cache.v, md.query_start_loc, md.seq_lens,
+                              md.block_table, scale=scale, max_query_len=md.max_query_len,
+                              causal=md.causal, tree_mask=md.tree_mask, **kw)
+
+
+def tolerance(dtype):
+    return 1e-5 if jnp.dtype(dtype) == jnp.float32 else 2e-2
+
+
+def assert_close(got, want, tol, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = np.max(np.abs(got - want)) if got.size else 0.0
+    assert err <= tol, f"{what}: max abs error {err:.3g} > {tol}"
+
+
+# ----------------------------------------------------------------------------------------
+# kernel == reference (interpret mode on CPU)
+
+CPU_CFGS = {
+    # GQA 1, causal, block 4 (4 pages per 16-key tile), no split
+    "f32-g1-causal": Cfg(nh=2, nkv=2, hd=16, bs=4, width=6, qmax=4, b_pad=5, t_pad=14),
+    # GQA 2, non-causal, block 32 > key tile 16, 2 splits
+    "f32-g2-noncausal-split2": Cfg(nh=4, nkv=2, hd=32, bs=32, width=2, qmax=3, b_pad=4,
+                                   t_pad=10, causal=False, num_splits=2),
+    # GQA 4, causal, block 16 == key tile, 3 splits (not a power of two)
+    "f32-g4-causal-split3": Cfg(nh=8, nkv=2, hd=16, bs=16, width=4, qmax=2, b_pad=4, t_pad=8,
+                                num_splits=3),
+    # GQA 2, tree mask, 2 splits
+    "f32-g2-tree": Cfg(nh=4, nkv=2, hd=16, bs=4, width=8, qmax=4, b_pad=3, t_pad=12, tree=True,
+                       num_splits=2),
+    # decode (query length 1), GQA 4, the default split count and key tile
+    "f32-g4-decode-default": Cfg(nh=8, nkv=2, hd=16, bs=8, width=32, qmax=1, b_pad=3, t_pad=4,
+                                 block_k=None, num_splits=None),
+    "bf16-g4-causal": Cfg(nh=8, nkv=2, hd=32, bs=8, width=8, qmax=4, b_pad=4, t_pad=16,
+                          dtype="bfloat16", block_k=32),
+    "bf16-g2-tree-split4": Cfg(nh=4, nkv=2, hd=16, bs=4, width=8, qmax=3, b_pad=3, t_pad=9,
+                               tree=True, dtype="bfloat16", num_splits=4),
+}
+
+
+@pytest.mark.parametrize("name", list(CPU_CFGS))
+def test_kernel_matches_reference(name):
+    cfg = CPU_CFGS[name]
+    scale = cfg.hd ** -0.5
+    tree = random_tree(np.random.default_rng(7), cfg.qmax) if cfg.tree else None
+    if cfg.num_splits is None:
+        assert pk.default_num_splits(cfg.b_pad, cfg.nkv, cfg.width * cfg.bs // 64) > 1
+    ref = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=scale))
+    for seed in range(3):
+        q, cache, md = make_case(cfg, 100 * seed + len(name), tree)
+        got = run_kernel(cfg, q, cache, md, scale)
+        want = ref(q, cache, md)
+        assert got.shape == q.shape and got.dtype == q.dtype
+        assert_close(got, want, tolerance(cfg.dtype), f"{name} seed {seed} vs reference")
+        end = int(md.query_start_loc[-1])
+        assert np.all(np.asarray(got[end:], np.float32) == 0), "padding tokens must be zeros"
+        if seed == 0 and cfg.dtype == "float32":
+            assert_close(got, oracle(q, cache, md, scale), 1e-5, f"{name} vs NumPy oracle")
+
+
+def test_oracle_matches_reference_on_a_tree():
+    """The oracle itself against the reference (so the tree semantics are pinned twice)."""
+    cfg = CPU_CFGS["f32-g2-tree"]
+    q, cache, md = make_case(cfg, 5, random_tree(np.random.default_rng(3), cfg.qmax))
+    want = oracle(q, cache, md, 0.3)
+    got = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=0.3))(q, cache, md)
+    assert_close(got, want, 1e-5, "reference")
+
+
+def test_splits_agree():
+    """Split-K gives the no-split result (the merge is exact up to rounding), also with more
+    splits than a request has tiles (empty splits)."""
+    cfg = dataclasses.replace(CPU_CFGS["f32-g1-causal"], num_splits=1)
+    q, cache, md = make_case(cfg, 11)
+    base = run_kernel(cfg, q, cache, md, 0.25)
+    for s in (8,):         # 8 splits > the 2 tiles of a full request
+        assert_close(run_kernel(cfg, q, cache, md, 0.25, num_splits=s), base, 1e-5, f"splits={s}")
+
+
+def test_empty_batch_and_all_padding():
+    cfg = CPU_CFGS["f32-g1-causal"]
+    q, cache, md = make_case(cfg, 1)
+    md0 = CommonAttentionMetadata.from_query_lens(
+        [], [], np.zeros((0, cfg.width), np.int32), block_size=cfg.bs, num_reqs_pad=cfg.b_pad,
+        num_tokens_pad=cfg.t_pad, max_query_len=cfg.qmax)
+    out = run_kernel(cfg, q, cache, md0, 0.25)
+    assert np.all(np.asarray(out) == 0)
+
+
+def test_default_num_splits():
+    assert pk.default_num_splits(64, 8, 32, num_sms=132) == 1
+    assert pk.default_num_splits(8, 8, 32, num_sms=132) == 4
+    assert pk.default_num_splits(1, 8, 32, num_sms=132) == 16
+    assert pk.default_num_splits(1, 8, 4, num_sms=132) == 2     # at least two tiles a split
+    assert pk.default_num_splits(1, 8, 1, num_sms=132) == 1
+
+
+def test_unsupported_shapes():
+    ok = dict(num_heads=32, num_kv_heads=8, head_dim=128, max_query_len=4)
+    assert pk.unsupported_reason(**ok) is None
+    assert "head_dim" in pk.unsupported_reason(**dict(ok, head_dim=80))
+    assert "rows" in pk.unsupported_reason(**dict(ok, max_query_len=64))
+    assert "tree_mask" in pk.unsupported_reason(**ok, tree_mask=((True,),) * 40)
+    cfg = CPU_CFGS["f32-g1-causal"]
+    q, cache, md = make_case(cfg, 1)
+    with pytest.raises(ValueError, match="head_dim"):
+        pk.paged_attention(q[..., :8], cache.k[..., :8], cache.v[..., :8], md.query_start_loc,
+                           md.seq_lens, md.block_table, scale=1.0, max_query_len=cfg.qmax)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_triton_lowering_on_cpu(monkeypatch):
+    """Lower the non-interpreted kernel to Triton IR for an H200 on the CPU (no PTX): catches
+    what interpret mode does not check (power-of-two tensors, unsupported primitives)."""
+    try:
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+        h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+        monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: h200)
+    except (ImportError, AttributeError) as e:  # pragma: no cover - JAX internals moved
+        pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
+    sds = jax.ShapeDtypeStruct
+    for b, qmax, nh, tree, dt in [(64, 4, 32, None, jnp.bfloat16), (1, 1, 32, None, jnp.bfloat16),
+                                  (8, 3, 8, ((True, False, False), (True, True, False),
+                                             (True, False, True)), jnp.float32)]:
+        i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
+        fn = pk.paged_attention.trace(
+            sds((b * qmax, nh, 128), dt), sds((b * 128, 16, 8, 128), dt),
+            sds((b * 128, 16, 8, 128), dt), i32(b + 1), i32(b), i32(b, 128), scale=0.1,
+            max_query_len=qmax, tree_mask=tree, interpret=False)
+        text = fn.lower(lowering_platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text
+
+
+# ----------------------------------------------------------------------------------------
+# the backend switch in models/attention.py
+
+
+def test_default_backend_on_cpu_is_xla():
+    cfg = CPU_CFGS["f32-g1-causal"]
+    q, cache, md = make_case(cfg, 2)
+    with attn.attention_backend("auto"):
+        assert attn.get_attention_backend() == "auto"
+        if not ON_GPU:
+            assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "xla"
+    with attn.attention_backend("pallas"):
+        assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "pallas"
+        # unsupported shapes fall back to the reference
+        assert attn.resolve_attention_backend((4, 2, 8), (9, 4, 2, 8), md) == "xla"
+        big = md.replace(max_query_len=200)
+        assert attn.resolve_attention_backend(q.shape, cache.k.shape, big) == "xla"
+    with attn.attention_backend("xla"):
+        assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "xla"
+    with pytest.raises(ValueError, match="attention backend"):
+        attn.set_attention_backend("triton")
+
+
+def test_switch_retraces_jitted_callers():
+    """``attend`` (what the model layers call) under one ``jax.jit``: the backend is part of
+    the jit cache key, so switching it retraces and each backend gives its own result."""
+    cfg = CPU_CFGS["f32-g1-causal"]
+    q, cache, md = make_case(cfg, 3)
+    rng = np.random.default_rng(0)
+    k_new = jnp.asarray(rng.standard_normal((cfg.t_pad, cfg.nkv, cfg.hd)), jnp.float32)
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, cache, md):
+        traces.append(attn.resolve_attention_backend(q.shape, cache.k.shape, md))
+        return attn.attend(q, k, v, cache, md, scale=0.25)
+
+    with attn.attention_backend("xla"):
+        want, c_want = step(q, k_new, k_new, cache, md)
+    with attn.attention_backend("pallas"):
+        got, c_got = step(q, k_new, k_new, cache, md)
+        step(q, k_new, k_new, cache, md)
+    assert traces == ["xla", "pallas"]
+    np.testing.assert_array_equal(np.asarray(c_got.k), np.asarray(c_want.k))
+    assert_close(got, want, 1e-5, "attend pallas vs xla")
+
+
+def test_set_attention_backend_and_env_var():
+    prev = attn.get_attention_backend()
+    try:
+        attn.set_attention_backend("pallas")
+        assert attn.get_attention_backend() == "pallas"
+        attn.set_attention_backend("xla")
+        assert attn.get_attention_backend() == "xla"
+    finally:
+        attn.set_attention_backend(prev)
+    code = ("from specjax.models import attention as a; print(a.get_attention_backend())")
+    env = dict(os.environ, SPECJAX_ATTENTION_BACKEND="pallas", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip().splitlines()[-1] == "pallas"
+
+
+def test_decoder_forward_pallas_equals_xla():
+    """A small Qwen3-style decoder (head_dim 16, GQA 2) through the unchanged model call
+    sites: a prefill chunk then a decode step, every attention through each backend."""
+    from specjax.models import registry
+
+    cfg = registry.config_from_hf("qwen3", dict(
+        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=2, vocab_size=64, rms_norm_eps=1e-5))
+    params = registry.params_from_tensors("qwen3", cfg, registry.random_tensors("qwen3", cfg, seed=1),
+                                          jnp.float32)
+    model = registry.make_model("qwen3", cfg)
+    fwd = jax.jit(model.forward)
+    rng = np.random.default_rng(0)
+    table = rng.permutation(24)[:12].reshape(3, 4)
+    steps = [([4, 3, 6], [4, 3, 6]), ([1, 1, 0], [5, 4, 6])]
+    ids = [jnp.asarray(rng.integers(0, 64, 16), jnp.int32) for _ in steps]
+    outs = {}
+    for backend in ("xla", "pallas"):
+        caches = model.init_kv_caches(24, 4)
+        hs = []
+        with attn.attention_backend(backend):
+            for (qlens, seqs), ids_s in zip(steps, ids):
+                md = CommonAttentionMetadata.from_query_lens(
+                    qlens, seqs, table, block_size=4, num_reqs_pad=4, num_tokens_pad=16,
+                    max_query_len=8)
+                assert attn.resolve_attention_backend((16, 4, 16), (24, 4, 2, 16), md) == backend
+                pos = np.zeros(16, np.int32)
+                pos[: sum(qlens)] = np.concatenate([np.arange(s - q, s) for q, s in zip(qlens, seqs)])
+                hidden, _, caches = fwd(params, ids_s, jnp.asarray(pos), caches, md)
+                hs.append(np.asarray(hidden[: sum(qlens)]))
+        outs[backend] = hs
+    for i, (got, want) in enumerate(zip(outs["pallas"], outs["xla"])):
+        assert_close(got, want, 2e-5 * max(1.0, float(np.abs(want).max())), f"step {i} hidden")
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: the compiled Triton kernel on H200-sized shapes
+
+
+def _gpu_case(b, qlen, ctx, seed, dtype=jnp.bfloat16, causal=True, tree=None, width=128,
+              ragged=True):
+    rng = np.random.default_rng(seed)
+    nh, nkv, hd, bs = 32, 8, 128, 16
+    qlens = np.full(b, qlen)
+    if ragged and b > 1:
+        qlens[rng.integers(0, b)] = 0                          # an empty request
+        seqs = np.clip(ctx + rng.integers(-ctx // 2, ctx // 2 + 1, b), qlens, width * bs)
+        seqs[0] = width * bs                                   # one at the capacity
+    else:
+        seqs = np.full(b, ctx)
+    nb = b * width + 3
+    table = rng.permutation(nb)[: b * width].reshape(b, width)
+    md = CommonAttentionMetadata.from_query_lens(
+        qlens, seqs, table, block_size=bs, num_reqs_pad=b + (b > 1), num_tokens_pad=b * qlen + 2,
+        max_query_len=qlen, causal=causal)
+    if tree is not None:
+        md = md.replace(tree_mask=tree)
+    k = jax.random.normal(jax.random.key(seed), (nb, bs, nkv, hd), jnp.float32).astype(dtype)
+    v = jax.random.normal(jax.random.key(seed + 1), (nb, bs, nkv, hd), jnp.float32).astype(dtype)
+    q = jax.random.normal(jax.random.key(seed + 2), (b * qlen + 2, nh, hd), jnp.float32).astype(dtype)
+    return q, KVCache(k, v), md
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("b", [1, 8, 64])
+@pytest.mark.parametrize("qlen", [1, 4])
+@pytest.mark.parametrize("mask", ["causal", "noncausal", "tree"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_kernel_matches_reference(b, qlen, mask, dtype):
+    if mask == "tree" and qlen == 1:
+        pytest.skip("a one-node tree is the causal case")
+    tree = random_tree(np.random.default_rng(b), qlen) if mask == "tree" else None
+    q, cache, md = _gpu_case(b, qlen, 1024, seed=b + qlen, dtype=jnp.dtype(dtype),
+                             causal=mask != "noncausal", tree=tree)
+    scale = 128 ** -0.5
+    with jax.default_matmul_precision("highest"):       # an IEEE float32 reference
+        want = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=scale))(q, cache, md)
+    got = jax.jit(lambda q, c, m: pk.paged_attention(
+        q, c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table, scale=scale,
+        max_query_len=m.max_query_len, causal=m.causal, tree_mask=m.tree_mask))(q, cache, md)
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    assert_close(got, want, tol, f"B={b} q={qlen} {mask} {dtype}")
+    end = int(md.query_start_loc[-1])
+    assert np.all(np.asarray(got[end:], np.float32) == 0)
+
+
+#: Llama-3.1-8B-shaped EAGLE-3 head (as benchmarks/proposers.py): H, I, heads, kv heads,
+#: head_dim, target vocab, draft vocab, block size.
+EAGLE3_8B = (4096, 14336, 32, 8, 128, 128256, 32000, 16)
+
+
+@functools.lru_cache(maxsize=None)
+def _eagle3_setup(dtype, geo):
+    """Model, config and random params of the EAGLE-3 head (cached across batch sizes)."""
+    from specjax.models import registry, share_target_weights
+
+    H, I, NH, NKV, HD, V, VD, BS = geo
+    cfg = registry.config_from_hf("eagle3", dict(
+        hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV,
+        head_dim=HD, num_hidden_layers=1, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-5,
+        rope_theta=500000.0, has_d2t=True, eagle_aux_hidden_state_layer_ids=[2, 16, 29]))
+    abstract = registry.abstract_params("eagle3", cfg, dtype)
+    leaves, tree = jax.tree_util.tree_flatten(abstract)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    own = jax.tree_util.tree_unflatten(tree, [
+        jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.integer)
+        else (jax.random.normal(kk, a.shape, jnp.float32) * 0.02).astype(a.dtype)
+        for kk, a in zip(keys, leaves)])
+    target = {"embed_tokens": {"embedding": (jax.random.normal(jax.random.key(1), (V, H))
+                                             * 0.02).astype(dtype)}}
+    return registry.make_model("eagle3", cfg), share_target_weights(own, target)
+
+
+def _eagle3_drafts(b, dtype, backend, k=3, ctx=1024, geo=EAGLE3_8B):
+    """Drafts of one EAGLE-3 propose with a Llama-3.1-8B-shaped head (benchmarks/proposers.py's
+    setup, random weights), every attention through ``backend``."""
+    from specjax.config import SpeculativeConfig
+    from specjax.proposers.base import ProposerInputs
+    from specjax.proposers.eagle import EagleProposer
+
+    H, I, NH, NKV, HD, V, VD, BS = geo
+    model, params = _eagle3_setup(jnp.dtype(dtype), geo)
+    q = k + 1
+    width = -(-(ctx + k + 8) // BS)
+    width = 1 << (width - 1).bit_length()
+    prop = EagleProposer(SpeculativeConfig(method="eagle3", num_speculative_tokens=k), model,
+                         block_size=BS, max_model_len=width * BS, kernel_backend="xla")
+    rng = np.random.default_rng(0)
+    # a random context in the draft cache, so that the attention reads real values
+    state = prop.init_state(b * width, dtype)
+    def rand(a, seed):
+        return (jax.random.normal(jax.random.key(seed), a.shape) * 0.5).astype(a.dtype)
+
+    state = state._replace(kv_caches=[KVCache(rand(c.k, 10 + i), rand(c.v, 20 + i))
+                                      for i, c in enumerate(state.kv_caches)])
+    table = np.arange(b * width, dtype=np.int32).reshape(b, width)
+    md = CommonAttentionMetadata.from_query_lens([q] * b, [ctx] * b, table, block_size=BS)
+    inputs = ProposerInputs(
+        target_token_ids=jnp.asarray(rng.integers(0, V, b * q), jnp.int32),
+        target_positions=jnp.asarray(np.tile(np.arange(ctx - q, ctx, dtype=np.int32), b)),
+        target_hidden_states=None,
+        aux_hidden_states=(jax.random.normal(jax.random.key(2), (b * q, 3, H)).astype(dtype)),
+        next_token_ids=jnp.asarray(rng.integers(0, V, b), jnp.int32),
+        token_indices_to_sample=jnp.asarray(np.arange(1, b + 1) * q - 1, jnp.int32),
+        num_rejected_tokens=jnp.zeros(b, jnp.int32),
+        attn_metadata=md)
+    with attn.attention_backend(backend):
+        used = attn.resolve_attention_backend((b * q, NH, HD), (b * width, BS, NKV, HD), md, dtype)
+        out, _ = prop.propose(params, state, inputs)
+    return np.asarray(out.token_ids), used
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("b", [1, 8, 64])
+def test_gpu_eagle3_propose_pallas_equals_xla(b):
+    # float32 with IEEE matmuls everywhere: the backends agree to ~1e-6, so the greedy drafts
+    # must be identical
+    with jax.default_matmul_precision("highest"):
+        want, used_x = _eagle3_drafts(b, jnp.float32, "xla")
+        got, used_p = _eagle3_drafts(b, jnp.float32, "pallas")
+    assert (used_x, used_p) == ("xla", "pallas")
+    np.testing.assert_array_equal(got, want)
+    # bfloat16: the attention outputs differ by bf16 rounding, which can flip a near-tied
+    # argmax of random weights now and then
+    want16, _ = _eagle3_drafts(b, jnp.bfloat16, "xla")
+    got16, _ = _eagle3_drafts(b, jnp.bfloat16, "pallas")
+    agree = float(np.mean(got16 == want16))
+    print(f"B={b}: bf16 drafts agree on {agree:.1%} of {got16.size}")
+    assert agree >= 0.9, f"bf16 drafts agree on only {agree:.1%}"
