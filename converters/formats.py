@@ -4,6 +4,13 @@
 Facts per format: ``research/checkpoint_formats.md`` (section numbers below refer to it).
 Normalizers rename, drop and derive tensors lazily (no weight bytes are read here) and
 record each non-obvious step in ``notes`` for the conversion summary.
+
+Parallel drafting (P-EAGLE): an EAGLE / EAGLE-3 checkpoint may carry ``mask_hidden``, the
+hidden input of the parallel-drafting slots (``[1, 1, n_aux * Ht]`` / ``[1, fc_input_size]``
+for EAGLE-3, ``H`` values for EAGLE-1). It lies outside the canonical tensor table: it is
+moved to :attr:`Normalized.extra_params` (flattened, size checked), which the pipeline puts
+into the params as the top-level entry ``params["mask_hidden"]``. The parallel-drafting
+(mask) token id of a draft config is read by :func:`parallel_drafting_token_id`.
 """
 
 from __future__ import annotations
@@ -23,11 +30,16 @@ Tensors = dict[str, TensorRef]
 
 @dataclasses.dataclass
 class Normalized:
+    """``tensors``: the canonical tensors (``models/CANONICAL.md``). ``extra_params``:
+    top-level params entries outside the canonical tensor table, already in their params
+    shape (``mask_hidden`` of a P-EAGLE checkpoint)."""
+
     kind: str
     format: str
     hf_config: dict
     tensors: Tensors
     notes: list[str] = dataclasses.field(default_factory=list)
+    extra_params: Tensors = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +219,9 @@ def _eagle3_fields(cfg: dict, flat: dict, notes: list[str]) -> dict:
     flat["norm_before_residual"] = bool(cfg.get("norm_before_residual", False))
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     flat["eagle_aux_hidden_state_layer_ids"] = list(ids) if ids is not None else None
+    for f in _PARALLEL_TOKEN_FIELDS[1:]:    # speculators: the outer config holds them
+        if cfg.get(f) is not None and flat.get(f) is None:
+            flat[f] = cfg[f]
     return flat
 
 
@@ -452,6 +467,56 @@ def _medusa_vllm(cfg: dict, tensors: Tensors, notes: list[str]):
     return flat, tensors
 
 
+# -- parallel drafting (P-EAGLE) -------------------------------------------------------------
+
+#: Where vLLM looks for the parallel-drafting (mask) token of a draft config, in order.
+_PARALLEL_TOKEN_FIELDS = ("dflash_config.mask_token_id", "pard_token", "ptd_token_id")
+
+
+def parallel_drafting_token_id(hf_config: dict | None) -> int | None:
+    """The draft's parallel-drafting (mask) token id as vLLM finds it in the draft config:
+    ``dflash_config.mask_token_id``, else ``pard_token``, else ``ptd_token_id``; None when
+    none is set. A value that is not an integer raises :class:`CheckpointError`."""
+    cfg = hf_config or {}
+    dcfg = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    for field, v in zip(_PARALLEL_TOKEN_FIELDS, (dcfg.get("mask_token_id"), cfg.get("pard_token"),
+                                                cfg.get("ptd_token_id"))):
+        if v is None:
+            continue
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise CheckpointError(f"config: {field}={v!r} must be a non-negative integer token id")
+        return int(v)
+    return None
+
+
+def _mask_hidden_size(kind: str, cfg: dict) -> tuple[int, str]:
+    """Values ``mask_hidden`` must hold for a normalized ``cfg`` of ``kind``, and how."""
+    if kind == "eagle3":
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+        n_aux = 3 if ids is None else len(ids)
+        ht = cfg.get("target_hidden_size") or cfg["hidden_size"]
+        return n_aux * ht, f"fc input size = {n_aux} aux states x target_hidden_size {ht}"
+    return cfg["hidden_size"], "hidden_size"
+
+
+def _take_mask_hidden(kind: str, cfg: dict, tensors: Tensors, notes: list[str]) -> Tensors:
+    """Move a P-EAGLE ``mask_hidden`` tensor out of ``tensors``, flattened to ``[size]``."""
+    ref = tensors.pop("mask_hidden", None)
+    if ref is None:
+        return {}
+    size, what = _mask_hidden_size(kind, cfg)
+    if ref.size != size:
+        raise CheckpointError(f"mask_hidden has shape {list(ref.shape)} ({ref.size} values); the "
+                              f"{kind} head needs {size} values ({what}), e.g. shape [1, 1, {size}]")
+    if not np.issubdtype(ref.dtype, np.floating) and ref.dtype.name != "bfloat16":
+        raise CheckpointError(f"mask_hidden: expected a float tensor, found {ref.dtype}")
+    notes.append(f"mask_hidden {list(ref.shape)} -> params['mask_hidden'] [{size}] "
+                 "(the parallel-drafting hidden state)")
+    return {"mask_hidden": ref.map(lambda a: a.reshape(-1), shape=(size,))}
+
+
 # -- the table -----------------------------------------------------------------------------
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
@@ -483,7 +548,8 @@ def normalize(fmt: str, config: dict, tensors: Tensors) -> Normalized:
     f = FORMATS[fmt]
     notes: list[str] = []
     cfg, out = f.normalize(dict(config or {}), dict(tensors), notes)
-    return Normalized(f.kind, fmt, cfg, out, notes)
+    extra = _take_mask_hidden(f.kind, cfg, out, notes) if f.kind in ("eagle", "eagle3") else {}
+    return Normalized(f.kind, fmt, cfg, out, notes, extra)
 
 
 # -- detection --------------------------------------------------------------------------

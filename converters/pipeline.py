@@ -2,7 +2,9 @@
 
 Output directory layout (``specjax-convert SRC DST``)::
 
-    DST/specjax.json   kind, format, normalized hf_config, config, dtype, notes
+    DST/specjax.json   kind, format, normalized hf_config, config, dtype, notes (and
+                       ``extra_params``: name -> shape of params entries outside the
+                       tensor table, e.g. a P-EAGLE ``mask_hidden``)
     DST/params/        the params pytree, written by orbax's StandardCheckpointer
 
 The directory appears only when complete: everything is written to a temporary
@@ -28,7 +30,13 @@ from specjax.converters.errors import (
     DestinationExistsError,
     TensorMismatchError,
 )
-from specjax.converters.formats import FORMATS, Normalized, detect_format, normalize
+from specjax.converters.formats import (
+    FORMATS,
+    Normalized,
+    detect_format,
+    normalize,
+    parallel_drafting_token_id,
+)
 from specjax.converters.readers import Checkpoint, read_checkpoint
 
 METADATA_FILE = "specjax.json"
@@ -42,6 +50,8 @@ DTYPES = {
 }
 #: Canonical keys holding integer id maps; every other tensor holds floats.
 INT_MAP_KEYS = frozenset({"d2t", "token_map"})
+#: Top-level params entries outside the canonical tensor table (``Normalized.extra_params``).
+EXTRA_PARAM_KEYS = ("mask_hidden",)
 #: Progress callback: ``(done, total, key)``.
 Progress = Callable[[int, int, str], None]
 
@@ -138,11 +148,28 @@ def default_dtype(tensors: dict, hf_config: dict) -> np.dtype:
     return np.dtype(np.float32)
 
 
+#: Kinds whose ``config.mask_token_id`` is filled from the draft config's parallel-drafting
+#: token (``formats.parallel_drafting_token_id``); DFlash reads its own ``mask_token_id``.
+PARALLEL_TOKEN_KINDS = frozenset({"eagle", "eagle3", "llama", "qwen2", "qwen3"})
+
+
+def with_parallel_drafting_token(kind: str, config, hf_config: dict):
+    """``config`` with ``mask_token_id`` set to the draft config's parallel-drafting token
+    (vLLM: ``dflash_config.mask_token_id``, ``pard_token``, ``ptd_token_id``) for EAGLE /
+    EAGLE-3 heads and draft LMs; unchanged when the config names none."""
+    if kind not in PARALLEL_TOKEN_KINDS:
+        return config
+    tok = parallel_drafting_token_id(hf_config)
+    return config if tok is None else config.replace(mask_token_id=tok)
+
+
 def make_config(kind: str, hf_config: dict, tensors: dict):
     """``registry.config_from_hf``, with the optional-tensor flags (``has_embed_tokens``,
-    ``has_d2t``...) set from the canonical tensor names present."""
+    ``has_d2t``...) set from the canonical tensor names present, and the parallel-drafting
+    token in ``mask_token_id`` (:func:`with_parallel_drafting_token`)."""
     registry = _registry()
-    return registry.config_with_tensors(kind, registry.config_from_hf(kind, hf_config), tensors)
+    config = registry.config_with_tensors(kind, registry.config_from_hf(kind, hf_config), tensors)
+    return with_parallel_drafting_token(kind, config, hf_config)
 
 
 def prepare(src, *, format: str | None = None, dtype=None,
@@ -160,7 +187,7 @@ def prepare(src, *, format: str | None = None, dtype=None,
     validate(norm.kind, config, norm.tensors, str(ckpt.path))
     if dtype is None:
         dtype = default_dtype(norm.tensors, norm.hf_config)
-    arrays, n_values, total = {}, 0, len(norm.tensors)
+    arrays, n_values, total = {}, 0, len(norm.tensors) + len(norm.extra_params)
     for i, key in enumerate(sorted(norm.tensors)):
         a = norm.tensors[key].load()
         if is_float(a.dtype) and a.dtype != dtype:
@@ -171,6 +198,17 @@ def prepare(src, *, format: str | None = None, dtype=None,
             progress(i + 1, total, key)
     params = registry.params_from_tensors(norm.kind, config, arrays, dtype)
     del arrays
+    if norm.extra_params:
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        for i, key in enumerate(sorted(norm.extra_params), start=len(norm.tensors)):
+            a = norm.extra_params[key].load()
+            if not is_float(a.dtype):
+                raise CheckpointError(f"{ckpt.path}: {key}: expected a float tensor, found {a.dtype}")
+            params[key] = jnp.asarray(a.astype(dtype))
+            n_values += a.size
+            if progress is not None:
+                progress(i + 1, total, key)
     return Prepared(norm.kind, norm.format, norm.hf_config, config, params, np.dtype(dtype),
                     norm.notes, ckpt.files, total, n_values, str(ckpt.path))
 
@@ -200,6 +238,9 @@ def save_prepared(prep: Prepared, out_dir: Path) -> None:
         "notes": prep.notes,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    extra = _extra_param_shapes(prep.params)
+    if extra:
+        meta["extra_params"] = extra
     (out_dir / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
@@ -297,6 +338,12 @@ def load_pretrained(path, dtype=None, *, format: str | None = None):
     config = config_from_metadata(meta)
     stored = parse_dtype(meta["dtype"])
     target = registry.abstract_params(kind, config, dt or stored)
+    extra = meta.get("extra_params") or {}
+    if extra:
+        import jax  # noqa: PLC0415
+
+        for name, shape in extra.items():
+            target[name] = jax.ShapeDtypeStruct(tuple(int(d) for d in shape), dt or stored)
     ckptr = ocp.StandardCheckpointer()
     try:
         params = ckptr.restore(path / PARAMS_DIR, target)
@@ -307,8 +354,19 @@ def load_pretrained(path, dtype=None, *, format: str | None = None):
 
 def config_from_metadata(meta: dict):
     """The saved ``config_to_dict`` output (it round-trips through ``config_from_hf`` and
-    carries the optional-tensor flags that decide the params structure)."""
-    return _registry().config_from_hf(meta["kind"], meta["config"])
+    carries the optional-tensor flags that decide the params structure), with the
+    parallel-drafting token of the saved ``hf_config`` (``with_parallel_drafting_token``)."""
+    config = _registry().config_from_hf(meta["kind"], meta["config"])
+    return with_parallel_drafting_token(meta["kind"], config, meta.get("hf_config") or {})
+
+
+def _extra_param_shapes(params) -> dict[str, list[int]]:
+    """Params entries outside the tensor table (:data:`EXTRA_PARAM_KEYS`) present in
+    ``params``: name -> shape, recorded in ``specjax.json`` so that a load can rebuild the
+    restore target."""
+    if not isinstance(params, dict):
+        return {}
+    return {k: [int(d) for d in np.shape(params[k])] for k in EXTRA_PARAM_KEYS if k in params}
 
 
 def supported_formats() -> dict[str, str]:

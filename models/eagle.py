@@ -4,6 +4,11 @@
 has no input norm (``z`` is both its attention input and its residual), **no final
 norm**: the output ``o`` feeds the target's lm_head and is the next step's hidden input.
 Embedding and lm_head are the target's (vLLM ignores the checkpoint's ``embed_tokens``).
+
+Parallel drafting (P-EAGLE): a checkpoint may carry ``mask_hidden`` (``params["mask_hidden"]``,
+``H`` values), the hidden input of the parallel-drafting slots
+(:meth:`EagleHead.parallel_drafting_hidden_state`; zeros without it). It is not part of the
+NNX body.
 """
 
 from __future__ import annotations
@@ -19,6 +24,33 @@ from specjax.models import base, rope
 from specjax.models.attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, linear
+
+
+#: The top-level params entry of a P-EAGLE checkpoint's parallel-drafting hidden state.
+MASK_HIDDEN = "mask_hidden"
+
+
+def without_mask_hidden(params: dict) -> dict:
+    """``params`` without its ``mask_hidden`` entry (not part of a head's NNX body)."""
+    if MASK_HIDDEN not in params:
+        return params
+    return {k: v for k, v in params.items() if k != MASK_HIDDEN}
+
+
+def mask_hidden_values(params: dict, size: int, what: str, dtype=jnp.float32) -> jax.Array:
+    """``params["mask_hidden"]`` flattened to ``[size]`` (any shape holding ``size`` values:
+    ``[size]``, ``[1, size]``, ``[1, 1, size]``), zeros without it; ValueError naming
+    ``what`` when the size differs."""
+    mask = params.get(MASK_HIDDEN) if hasattr(params, "get") else None
+    if mask is None:
+        return jnp.zeros((size,), dtype)
+    got = 1
+    for d in mask.shape:
+        got *= int(d)
+    if got != size:
+        raise ValueError(f'params["mask_hidden"] has shape {tuple(mask.shape)}; the head needs '
+                         f"{size} values ({what})")
+    return jnp.reshape(mask, (size,)).astype(dtype)
 
 
 class EagleBody(nnx.Module):
@@ -40,7 +72,7 @@ class EagleHead:
         hidden, or this head's previous output) -> ``(out [T, H], out [T, H], kv_caches)``:
         vLLM's ``(hidden for logits, hidden for the next step)``, the same array here."""
         cfg = self.config
-        body = base.merge(EagleBody, (cfg,), params)
+        body = base.merge(EagleBody, (cfg,), without_mask_hidden(params))
         cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         e = base.embed(params, input_ids)
         h = body.fc(jnp.concatenate([e, hidden_states.astype(e.dtype)], axis=-1))
@@ -49,6 +81,13 @@ class EagleHead:
             h, c = layer(h, cos, sin, kv_caches[i], attn_metadata)
             caches.append(c)
         return h, h, caches
+
+    def parallel_drafting_hidden_state(self, params: dict, dtype=jnp.float32) -> jax.Array:
+        """``[H]``: the hidden input of the parallel-drafting (mask) slots, vLLM's
+        ``mask_hidden.view(H)``; zeros when ``params`` has no ``"mask_hidden"`` (vLLM keeps a
+        zero buffer). ValueError when it does not hold ``H`` values."""
+        h = self.config.hidden_size
+        return mask_hidden_values(params, h, "hidden_size", dtype)
 
     def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """``[N, H]`` -> ``[N, V]`` float32 through the (target's) lm_head."""

@@ -7,6 +7,11 @@ draft steps feed the head's own pre-norm output (H wide) instead. First layer:
 then the usual post-norm MLP; further layers are ordinary decoder layers. ``pre`` = last
 residual sum, ``out = norm(pre)``; logits over the draft vocab, ``target id = draft id +
 d2t[draft id]``.
+
+Parallel drafting (P-EAGLE): a checkpoint may carry ``mask_hidden`` (``params["mask_hidden"]``,
+``n_aux * Ht`` values: the aux states of a mask slot), whose ``fc`` projection is the hidden
+input of the parallel-drafting slots (:meth:`Eagle3Head.parallel_drafting_hidden_state`;
+zeros without it). It is not part of the NNX body.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from specjax.attention import CommonAttentionMetadata
 from specjax.models import base, rope
 from specjax.models.attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig
+from specjax.models.eagle import mask_hidden_values, without_mask_hidden
 from specjax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, linear
 
 
@@ -58,7 +64,20 @@ class Eagle3Head:
     config: ModelConfig
 
     def _body(self, params):
-        return base.merge(Eagle3Body, (self.config,), params)
+        return base.merge(Eagle3Body, (self.config,), without_mask_hidden(params))
+
+    def parallel_drafting_hidden_state(self, params: dict, dtype=jnp.float32) -> jax.Array:
+        """``[H]``: the hidden input of the parallel-drafting (mask) slots, vLLM's
+        ``combine_hidden_states(mask_hidden.view(n_aux * Ht))``; zeros when ``params`` has no
+        ``"mask_hidden"`` (vLLM keeps a zero buffer). ValueError when it does not hold
+        ``n_aux * Ht`` values."""
+        c = self.config
+        ht = c.target_hidden_size or c.hidden_size
+        if "mask_hidden" not in params:
+            return jnp.zeros((c.hidden_size,), dtype)
+        flat = mask_hidden_values(params, c.num_aux * ht,
+                                  f"fc input size: {c.num_aux} aux states x {ht}", dtype)
+        return self.combine_hidden_states(params, flat[None, :])[0].astype(dtype)
 
     def combine_hidden_states(self, params: dict, aux_hidden_states: jax.Array) -> jax.Array:
         """``[T, n_aux, Ht]`` or ``[T, n_aux * Ht]`` (low -> high layer) -> ``g [T, H]``."""

@@ -102,7 +102,7 @@ def _batch(method, cfg, rng, n_reqs, *, chunked, padded):
     return reqs, table
 
 
-def _inputs(method, reqs, table, lo_hi, with_rejected, rng):
+def _inputs(method, reqs, table, lo_hi, with_rejected, rng, *, b_pad=B_PAD, t_pad=T_PAD):
     """ProposerInputs for each request's tokens [lo, hi) (+ rejected junk)."""
     ids, pos, hid, qlens, seqlens, sample, rej = [], [], [], [], [], [], []
     t = 0
@@ -119,16 +119,16 @@ def _inputs(method, reqs, table, lo_hi, with_rejected, rng):
         t += hi - lo + j
     n = len(reqs)
     md = CommonAttentionMetadata.from_query_lens(qlens, seqlens, table[:n], block_size=BS,
-                                                 num_reqs_pad=B_PAD, num_tokens_pad=T_PAD,
+                                                 num_reqs_pad=b_pad, num_tokens_pad=t_pad,
                                                  max_query_len=32)
-    padt = lambda a: np.concatenate([np.asarray(a), np.zeros((T_PAD - len(a),) + np.shape(a)[1:], np.asarray(a).dtype)])  # noqa: E731
-    padb = lambda a: np.concatenate([np.asarray(a, np.int32), np.zeros(B_PAD - n, np.int32)])  # noqa: E731
+    padt = lambda a: np.concatenate([np.asarray(a), np.zeros((t_pad - len(a),) + np.shape(a)[1:], np.asarray(a).dtype)])  # noqa: E731
+    padb = lambda a: np.concatenate([np.asarray(a, np.int32), np.zeros(b_pad - n, np.int32)])  # noqa: E731
     h = padt(np.stack(hid))
     return ProposerInputs(
         target_token_ids=jnp.asarray(padt(np.array(ids, np.int32))),
         target_positions=jnp.asarray(padt(np.array(pos, np.int32))),
         target_hidden_states=None if method == "eagle3" else jnp.asarray(h),
-        aux_hidden_states=jnp.asarray(h.reshape(T_PAD, 3, -1)) if method == "eagle3" else None,
+        aux_hidden_states=jnp.asarray(h.reshape(t_pad, 3, -1)) if method == "eagle3" else None,
         next_token_ids=jnp.asarray(padb([r["next"] for r in reqs])),
         token_indices_to_sample=jnp.asarray(padb(sample)) if with_rejected else None,
         num_rejected_tokens=jnp.asarray(padb(rej)) if with_rejected else None,
@@ -215,8 +215,8 @@ def test_padded_prep_kernels_feed_propose():
     (dict(config=SpeculativeConfig(method="ngram", num_speculative_tokens=2)), "method"),
     (dict(config=SpeculativeConfig(method="eagle", num_speculative_tokens=2, parallel_drafting=True)),
      "parallel_drafting"),
-    (dict(config=SpeculativeConfig(method="eagle", num_speculative_tokens=2,
-                                   speculative_token_tree="[(0,), (1,)]")), "speculative_token_tree"),
+    (dict(config=SpeculativeConfig(method="eagle", num_speculative_tokens=3,
+                                   speculative_token_tree="[(0,), (1,)]")), "num_speculative_tokens"),
     (dict(block_size=0), "block_size"),
     (dict(max_model_len=-1), "max_model_len"),
     (dict(kernel_backend="cuda"), "backend"),

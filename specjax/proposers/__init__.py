@@ -473,10 +473,14 @@ def make_proposer(config: SpeculativeConfig, *, target: Any = None, target_param
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ``"pallas"``,
         ``"triton"``).
       options: further fields of the method's proposer class, passed through (e.g.
-        ``parallel_drafting_token_id=`` / ``target_tensor_parallel_size=`` for
-        ``draft_model``; ``mesh=`` / ``vocab_axis=`` for ``eagle``, ``eagle3``, ``dflash``
-        and ``draft_model``, the vocab-sharded mesh ``config.use_local_argmax_reduction``
-        reduces over); a field the class lacks is a ValueError.
+        ``parallel_drafting_token_id=`` for ``eagle``, ``eagle3`` and ``draft_model``;
+        ``target_tensor_parallel_size=`` for ``draft_model``; ``mesh=`` / ``vocab_axis=``
+        for ``eagle``, ``eagle3``, ``dflash`` and ``draft_model``, the vocab-sharded mesh
+        ``config.use_local_argmax_reduction`` reduces over); a field the class lacks is a
+        ValueError. With ``config.parallel_drafting`` and no
+        ``parallel_drafting_token_id=``, the draft config's ``mask_token_id`` is used when
+        set (``specjax.load_pretrained`` fills it from the checkpoint config's
+        ``pard_token`` / ``ptd_token_id``, as vLLM reads the draft HF config).
 
     Raises:
       ValueError: bad arguments (missing draft, vocabulary mismatch, ...), before anything
@@ -559,6 +563,9 @@ def _make_model_proposer(cls, config, *, target, target_params, draft, draft_par
     if unknown:
         raise ValueError(f"method={method!r}: {cls.__name__} has no option(s) {unknown}; "
                          f"its fields: {sorted(names - {'config', 'model'})}")
+    if config.parallel_drafting and "parallel_drafting_token_id" in names:
+        mask = getattr(dcfg, "mask_token_id", -1)   # pard_token / ptd_token_id of the checkpoint
+        offered["parallel_drafting_token_id"] = mask if isinstance(mask, int) and mask >= 0 else None
     kwargs = {k: v for k, v in offered.items() if k in names and v is not None}
     kwargs.update(options)
     impl = cls(config, model, **kwargs)

@@ -1,17 +1,47 @@
-"""EAGLE / EAGLE-3 chain drafting (vLLM ``llm_base_proposer.py`` + ``eagle.py``).
+"""EAGLE / EAGLE-3 drafting, chain or parallel (vLLM ``llm_base_proposer.py`` + ``eagle.py``).
 
 A frozen, hashable configuration object plus pure functions. ``propose`` is one
-``jax.jit`` (configuration static, state donated): the first forward over the target's
-batch, greedy sampling at ``token_indices_to_sample``, then ``k - 1`` single-token steps
-in a ``lax.fori_loop`` (slot mapping and seq_lens advanced by
-``eagle_step_update_slot_mapping_and_metadata``). No host round trip, no Python loop over
+``jax.jit`` (configuration static, state donated). No host round trip, no Python loop over
 requests, no recompilation inside a shape bucket.
 
-Supported here: chain drafting for ``eagle`` and ``eagle3``, padded-batch mode
-(``num_rejected_tokens`` given: rejected tokens stay as padding and ``seq_lens`` shrink
-before the chain) and the non-padded mode (``prepare_inputs`` on the host). Parallel
-drafting and tree drafting are refused at construction with a clear error until they
-exist.
+**Chain drafting** (default): the first forward over the target's batch (ids shifted left
+by one, the bonus token written at ``token_indices_to_sample``; positions and hidden
+states as the target had them), greedy sampling at ``token_indices_to_sample``, then
+``k - 1`` single-token steps in a ``lax.fori_loop`` (slot mapping and seq_lens advanced by
+``eagle_step_update_slot_mapping_and_metadata``).
+
+**Parallel drafting** (``parallel_drafting=True``, vLLM's P-EAGLE): one forward drafts all
+``k`` tokens. vLLM's ``extra_slots_per_request`` is ``k``; EAGLE passes hidden states, so
+``net_num_new_slots_per_request`` is ``k - 1``, and for ``k > 1`` the first pass takes the
+*shifted extra-slot* path of ``set_inputs_first_pass``:
+
+1. ``copy_and_expand_eagle_inputs(shift_input_ids=True, num_padding_slots_per_request=k,
+   padding_token_id=0, parallel_drafting_token_id=...)`` with ``query_end_loc =
+   query_start_loc[1:] - 1 - num_rejected``: each request's query becomes ``[its V
+   accepted tokens shifted left by one, the bonus token, k - 1 mask tokens, its rejected
+   tokens as padding]`` starting at ``start + r * (k - 1)``; positions run on from the
+   request's first query position (rejected slots: position 0);
+2. hidden states: the target's (EAGLE-3: after ``combine_hidden_states``) scattered
+   through the kernel's hidden-state mapping into a zero ``[T + B (k-1), H]`` buffer, then
+   the mask slots overwritten with the *parallel-drafting hidden state*: the checkpoint's
+   ``mask_hidden`` (``params["mask_hidden"]``: flat ``[n_aux * Ht]`` through
+   ``combine_hidden_states`` for EAGLE-3, ``[H]`` for EAGLE-1; the head's
+   ``parallel_drafting_hidden_state``), zeros when the params have none (vLLM keeps a zero
+   buffer then);
+3. ``compute_new_slot_mapping(num_new_tokens=k-1)`` (rejected tokens and positions at or
+   past ``max_model_len`` get slot -1) and ``extend_all_queries_by_N(k - 1)``;
+4. one forward, greedy drafts at the kernel's ``new_token_indices`` (the bonus and mask
+   slots, ``k`` per request): the ``[B, k]`` drafts, no autoregressive steps.
+
+With ``k == 1`` there are no new slots and vLLM takes the default path: exactly chain
+drafting with one draft. Parallel drafting needs the padded drafter batch in vLLM (the
+config refuses ``disable_padded_drafter_batch=True`` with it), but ``propose`` also runs
+on a batch prepared by the non-padded ``prepare_inputs`` (``num_rejected_tokens`` None).
+
+Both modes support ``eagle`` and ``eagle3``, padded-batch mode (``num_rejected_tokens``
+given: rejected tokens stay as padding and, in chain mode, ``seq_lens`` shrink before the
+chain) and the non-padded mode (``prepare_inputs`` on the host). Tree drafting is refused
+at construction with a clear error until it exists.
 """
 
 from __future__ import annotations
@@ -25,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+import specjax.kernels as K
 from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.models.eagle import EagleHead
@@ -54,7 +85,8 @@ class EagleState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
-    """EAGLE-1/2 or EAGLE-3 chain proposer.
+    """EAGLE-1/2 or EAGLE-3 proposer: chain drafting, or parallel drafting (P-EAGLE) with
+    ``config.parallel_drafting``.
 
     Attributes:
       config: a ``SpeculativeConfig`` with ``method`` ``"eagle"`` or ``"eagle3"``.
@@ -62,6 +94,11 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         with the target's embedding / lm_head shared in where the head has none
         (``specjax.models.share_target_weights``).
       block_size, max_model_len: of the KV cache / the model.
+      parallel_drafting_token_id: the mask token fed at the ``k - 1`` parallel-drafting
+        slots (vLLM reads ``dflash_config.mask_token_id``, then ``pard_token``, then
+        ``ptd_token_id`` from the draft config; ``specjax.load_pretrained`` puts it into the
+        head's ``config.mask_token_id``, which ``make_proposer`` passes on); required with
+        ``parallel_drafting``, an id of the head's input (embedding) vocabulary.
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ...).
       mesh, vocab_axis: with ``config.use_local_argmax_reduction``, greedy drafting takes
         the argmax of each shard of the vocabulary over mesh axis ``vocab_axis`` and
@@ -76,6 +113,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     model: EagleHead | Eagle3Head
     block_size: int
     max_model_len: int
+    parallel_drafting_token_id: int | None = None
     kernel_backend: str = "auto"
     mesh: Mesh | None = None
     vocab_axis: str = "tp"
@@ -89,8 +127,19 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         head = Eagle3Head if method == "eagle3" else EagleHead
         cfg = check_proposer(self, method if method in ("eagle", "eagle3") else "eagle", head)
         if cfg.parallel_drafting:
-            raise ValueError("parallel_drafting=True is not implemented for EAGLE in specjax yet; "
-                             "use parallel_drafting=False")
+            if cfg.disable_padded_drafter_batch:   # SpeculativeConfig refuses it too (vLLM)
+                raise ValueError("parallel_drafting=True needs the padded drafter batch: set "
+                                 "disable_padded_drafter_batch=False")
+            pid, vocab = self.parallel_drafting_token_id, self.model.config.vocab_size
+            if pid is None:
+                raise ValueError(
+                    "parallel_drafting=True needs parallel_drafting_token_id: the head's mask "
+                    "token (vLLM reads dflash_config.mask_token_id, pard_token or ptd_token_id "
+                    "from the draft config)")
+            if isinstance(pid, bool) or not isinstance(pid, (int, np.integer)) or not 0 <= pid < vocab:
+                raise ValueError(f"parallel_drafting_token_id must be an int in [0, {vocab}) (the "
+                                 f"head's input vocabulary), got {pid!r}")
+            object.__setattr__(self, "parallel_drafting_token_id", int(pid))
         if cfg.token_tree != tuple((0,) * i for i in range(1, cfg.num_speculative_tokens + 1)):
             raise ValueError("a branching speculative_token_tree is not implemented in specjax yet; "
                              "leave speculative_token_tree unset (chain drafting)")
@@ -108,6 +157,12 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     def needs_aux_hidden_states(self) -> bool:
         return self.config.method == "eagle3"
 
+    @property
+    def num_new_slots_per_request(self) -> int:
+        """vLLM's ``net_num_new_slots_per_request``: ``k - 1`` with parallel drafting (``k``
+        extra slots, less the one EAGLE's shifted input frees), else 0."""
+        return self.config.num_speculative_tokens - 1 if self.config.parallel_drafting else 0
+
     def init_state(self, num_blocks: int, dtype=jnp.float32) -> EagleState:
         """Zero draft KV cache with ``num_blocks`` blocks (the target's block pool size)."""
         return EagleState(init_kv_caches(self.model, num_blocks, self.block_size, dtype))
@@ -120,7 +175,9 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         """Draft ``k`` tokens for every request.
 
         Returns ``(DraftOutput(token_ids [B_pad, k] int32, num_drafts [B_pad] int32),
-        state)``; padding rows (past ``num_reqs``) hold -1 and 0.
+        state)``; padding rows (past ``num_reqs``) hold -1 and 0. With parallel drafting
+        (``k > 1``) ``token_indices_to_sample`` is not used: the drafts are sampled at the
+        bonus and mask slots of the expanded batch.
         """
         cad = inputs.attn_metadata
         model = self.model
@@ -137,6 +194,9 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             if inputs.target_hidden_states is None:
                 raise ValueError("method='eagle' needs inputs.target_hidden_states [T, H]")
             hidden = inputs.target_hidden_states
+
+        if self.num_new_slots_per_request > 0:
+            return self._propose_parallel(params, state, inputs, hidden)
 
         sample_idx = inputs.token_indices_to_sample
         if sample_idx is None:
@@ -162,6 +222,42 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
                 self._step, params, drafts, inputs.target_positions[sample_idx],
                 next_h[sample_idx], seq_lens, cad, caches, block_size=self.block_size,
                 max_model_len=self.max_model_len, backend=self.kernel_backend)
+        return draft_output(drafts, n), EagleState(caches)
+
+    def _propose_parallel(self, params: dict, state: EagleState, inputs: ProposerInputs,
+                          hidden: jax.Array) -> tuple[DraftOutput, EagleState]:
+        """Parallel drafting, ``k > 1`` (vLLM's shifted extra-slot first pass; see the
+        module docstring): one forward over ``[accepted tokens shifted, bonus, k - 1 masks,
+        rejected padding]`` per request, greedy drafts at the bonus and mask slots."""
+        cad = inputs.attn_metadata
+        k = self.config.num_speculative_tokens
+        net = self.num_new_slots_per_request          # k - 1
+        b = cad.query_start_loc.shape[0] - 1
+        n = cad.num_reqs
+        qsl = cad.query_start_loc
+        rejected = inputs.num_rejected_tokens
+        query_end_loc = qsl[1:] - 1
+        if rejected is not None:
+            real = jnp.arange(b, dtype=_I32) < n
+            query_end_loc = query_end_loc - jnp.where(real, rejected, 0).astype(_I32)
+        t_out = inputs.target_token_ids.shape[0] + b * net
+        ids, positions, is_rejected, is_masked, new_token_indices, hidden_map = \
+            K.copy_and_expand_eagle_inputs(
+                inputs.target_token_ids, inputs.target_positions, inputs.next_token_ids, qsl,
+                query_end_loc, padding_token_id=0,
+                parallel_drafting_token_id=self.parallel_drafting_token_id,
+                num_padding_slots_per_request=k, shift_input_ids=True, num_output_tokens=t_out,
+                num_reqs=n, backend=self.kernel_backend)
+        # Target hidden state of input token start + j -> output start + r (k-1) + j (tokens
+        # of no real request map out of range and are dropped); mask slots get mask_hidden.
+        h = jnp.zeros((t_out, hidden.shape[-1]), hidden.dtype).at[hidden_map].set(hidden, mode="drop")
+        mask_h = self.model.parallel_drafting_hidden_state(params, hidden.dtype)
+        h = jnp.where(is_masked[:, None], mask_h, h)
+        slots = K.compute_new_slot_mapping(cad, positions, is_rejected, block_size=self.block_size,
+                                           num_new_tokens=net, max_model_len=self.max_model_len)
+        md = K.extend_all_queries_by_N(cad, net, slots)
+        logits_h, _, caches = self.model.forward(params, ids, positions, h, state.kv_caches, md)
+        drafts = self._greedy(params, logits_h[new_token_indices]).reshape(b, k)
         return draft_output(drafts, n), EagleState(caches)
 
     def _step(self, params, prev, positions, hidden, caches, md):
