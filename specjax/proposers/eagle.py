@@ -1,4 +1,4 @@
-"""EAGLE / EAGLE-3 drafting, chain or parallel (vLLM ``llm_base_proposer.py`` + ``eagle.py``).
+"""EAGLE / EAGLE-3 drafting: chain, tree or parallel (vLLM ``llm_base_proposer.py`` + ``eagle.py``).
 
 A frozen, hashable configuration object plus pure functions. ``propose`` is one
 ``jax.jit`` (configuration static, state donated). No host round trip, no Python loop over
@@ -40,8 +40,14 @@ on a batch prepared by the non-padded ``prepare_inputs`` (``num_rejected_tokens`
 
 Both modes support ``eagle`` and ``eagle3``, padded-batch mode (``num_rejected_tokens``
 given: rejected tokens stay as padding and, in chain mode, ``seq_lens`` shrink before the
-chain) and the non-padded mode (``prepare_inputs`` on the host). Tree drafting is refused
-at construction with a clear error until it exists.
+chain) and the non-padded mode (``prepare_inputs`` on the host).
+
+**Tree drafting** (a branching ``speculative_token_tree``; ``num_speculative_tokens`` must
+equal its node count): the same first pass, then ``specjax.proposers.tree.tree_drafts``
+(vLLM's ``propose_tree``: top-k children per level, one forward per further level over
+every node so far under tree attention). ``propose`` then returns ``[B, num_nodes]``
+drafts in tree order (``proposer.token_tree`` gives the structure); a serving loop
+verifies them with ``specjax.sampler.tree_greedy_verify``.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ from specjax.proposers.common import (
     init_kv_caches,
     proposer_argmax,
 )
+from specjax.proposers.tree import top_tokens, tree_drafts
+from specjax.tree import TokenTree
 
 _I32 = jnp.int32
 
@@ -85,7 +93,8 @@ class EagleState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
-    """EAGLE-1/2 or EAGLE-3 proposer: chain drafting, or parallel drafting (P-EAGLE) with
+    """EAGLE-1/2 or EAGLE-3 proposer: chain drafting, tree drafting with a branching
+    ``config.speculative_token_tree``, or parallel drafting (P-EAGLE) with
     ``config.parallel_drafting``.
 
     Attributes:
@@ -140,9 +149,18 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
                 raise ValueError(f"parallel_drafting_token_id must be an int in [0, {vocab}) (the "
                                  f"head's input vocabulary), got {pid!r}")
             object.__setattr__(self, "parallel_drafting_token_id", int(pid))
-        if cfg.token_tree != tuple((0,) * i for i in range(1, cfg.num_speculative_tokens + 1)):
-            raise ValueError("a branching speculative_token_tree is not implemented in specjax yet; "
-                             "leave speculative_token_tree unset (chain drafting)")
+        tree = self.token_tree
+        if not tree.is_chain:
+            if cfg.num_speculative_tokens != tree.num_nodes:
+                raise ValueError(
+                    f"num_speculative_tokens ({cfg.num_speculative_tokens}) must equal the number "
+                    f"of nodes of speculative_token_tree ({tree.num_nodes}) for tree drafting: "
+                    "the proposer drafts one token per node")
+            mc0 = self.model.config
+            vocab = (mc0.draft_vocab_size or mc0.vocab_size) if cfg.method == "eagle3" else mc0.vocab_size
+            if max(tree.children_per_level) > vocab:
+                raise ValueError(f"speculative_token_tree asks for {max(tree.children_per_level)} "
+                                 f"children of a node, more than the vocabulary ({vocab})")
         mc = self.model.config
         if cfg.method == "eagle3":   # the argmax runs over the draft vocabulary, then d2t
             check_vocab_sharding(self, mc.draft_vocab_size or mc.vocab_size, "draft_vocab_size")
@@ -152,6 +170,12 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     @property
     def num_speculative_tokens(self) -> int:
         return self.config.num_speculative_tokens
+
+    @functools.cached_property
+    def token_tree(self) -> TokenTree:
+        """The draft tree (a chain of ``k`` nodes unless ``speculative_token_tree`` branches);
+        with a branching tree ``propose`` returns one draft per node, in tree order."""
+        return TokenTree(self.config.token_tree)
 
     @property
     def needs_aux_hidden_states(self) -> bool:
@@ -175,7 +199,8 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         """Draft ``k`` tokens for every request.
 
         Returns ``(DraftOutput(token_ids [B_pad, k] int32, num_drafts [B_pad] int32),
-        state)``; padding rows (past ``num_reqs``) hold -1 and 0. With parallel drafting
+        state)``; padding rows (past ``num_reqs``) hold -1 and 0. Tree drafting: ``[B_pad,
+        num_nodes]`` in tree order (``k == num_nodes``). With parallel drafting
         (``k > 1``) ``token_indices_to_sample`` is not used: the drafts are sampled at the
         bonus and mask slots of the expanded batch.
         """
@@ -214,10 +239,16 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         drafts = jnp.full((b, k), DRAFT_PADDING_ID, _I32).at[:, 0].set(
             self._greedy(params, logits_h[sample_idx]))
 
+        seq_lens = cad.seq_lens
+        if inputs.num_rejected_tokens is not None:
+            seq_lens = jnp.where(real, seq_lens - inputs.num_rejected_tokens, seq_lens)
+        if not self.token_tree.is_chain:
+            drafts, caches = tree_drafts(
+                self.token_tree, model.forward, self._top, params, logits_h[sample_idx],
+                next_h[sample_idx], inputs.target_positions[sample_idx], seq_lens, cad, caches,
+                block_size=self.block_size, max_model_len=self.max_model_len)
+            return draft_output(drafts, n), EagleState(caches)
         if k > 1:
-            seq_lens = cad.seq_lens
-            if inputs.num_rejected_tokens is not None:
-                seq_lens = jnp.where(real, seq_lens - inputs.num_rejected_tokens, seq_lens)
             drafts, caches = chain_steps(
                 self._step, params, drafts, inputs.target_positions[sample_idx],
                 next_h[sample_idx], seq_lens, cad, caches, block_size=self.block_size,
@@ -263,6 +294,17 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     def _step(self, params, prev, positions, hidden, caches, md):
         logits_h, hidden, caches = self.model.forward(params, prev, positions, hidden, caches, md)
         return self._greedy(params, logits_h), hidden, caches
+
+    def _top(self, params: dict, hidden: jax.Array, c: int) -> jax.Array:
+        """``[N, c]`` best tokens (target ids) of each row, best first; ``c == 1``: the
+        greedy argmax (with the local argmax reduction when configured), as vLLM's
+        ``propose_tree`` (``argmax`` for one child, ``topk`` otherwise)."""
+        if c == 1:
+            return self._greedy(params, hidden)[:, None]
+        if self.config.method == "eagle3":
+            d = top_tokens(self.model.compute_draft_logits(params, hidden), c)
+            return self.model.draft_to_target_ids(params, d).astype(_I32)
+        return top_tokens(self.model.compute_logits(params, hidden), c)
 
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token (target vocabulary) of each row of ``hidden [N, H]``."""
