@@ -79,6 +79,9 @@ class PaddedBatchHelpers:
             backend=self.kernel_backend)
 
 
+#: Chains of up to this many single-token steps are unrolled at trace time (``chain_steps``).
+MAX_UNROLLED_STEPS = 8
+
 #: ``step(params, prev_tokens [B], positions [B], hidden, caches, md)
 #:  -> (tokens [B] int32, hidden, caches)``: one single-token draft forward + greedy pick.
 StepFn = Callable[..., tuple[jax.Array, Any, Any]]
@@ -92,7 +95,8 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
     Each step advances every request one position with
     ``eagle_step_update_slot_mapping_and_metadata`` (positions past ``max_model_len`` get
     slot -1), raises ``max_seq_len`` (capped at ``max_model_len``), and runs ``step`` on the
-    previous draft. One ``lax.fori_loop``: no recompile per step, no host round trip.
+    previous draft. One ``lax.fori_loop`` (unrolled up to ``MAX_UNROLLED_STEPS`` steps):
+    no recompile per step, no host round trip.
     ``positions [B]`` / ``seq_lens [B]`` are those of each request's last sampled token.
     """
     b, k = drafts.shape
@@ -112,8 +116,11 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
         drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, i, axis=1)
         return drafts, positions, hidden, seq_lens, max_seq_len, caches
 
+    # Unrolled for the usual small k: an XLA while loop costs a device->host predicate
+    # check per iteration on the GPU (the unrolled tree levels ran faster than the chain).
     drafts, *_, caches = jax.lax.fori_loop(
-        1, k, body, (drafts, positions, hidden, seq_lens, cad.max_seq_len, caches))
+        1, k, body, (drafts, positions, hidden, seq_lens, cad.max_seq_len, caches),
+        unroll=k - 1 <= MAX_UNROLLED_STEPS)
     return drafts, caches
 
 
