@@ -24,9 +24,31 @@ Plain (non-speculative) decoding is the same loop with ``proposer=None``: one to
 request per step, sampled by the same sampler. Greedy speculative decoding emits exactly
 the tokens of plain greedy decoding (``tests/test_engine.py`` proves it for every method).
 
+**Tree verification** (specjax's own; vLLM v0.20 verifies every draft as a chain). When
+the proposer's ``token_tree`` branches (EAGLE / EAGLE-3 with a
+``speculative_token_tree``; ``Engine(tree_verification=True)`` forces it for a chain), a
+step in which every request has one uncomputed token verifies trees: each request's
+query block is ``[root, node 0, ..., node n-1]`` (root = the last committed token at
+position ``p``; node ``j`` at position ``p + depth(j)``, its KV at logical position
+``p + 1 + j``) under the tree's ancestor mask (``CommonAttentionMetadata.tree_mask``);
+``specjax.sampler.tree_rejection_sample`` walks the tree from the root on the target's
+argmax; the accepted nodes' KV is moved to ``p + 1 .. p + m`` (``compact_tree_kv``); and
+the proposer drafts the next tree from the chain-shaped batch chain drafting would have
+given it (``tree_chain_inputs``), all inside the jitted step. The tree mask is static
+for the whole batch and prompts need causal attention, so a step that prefills a prompt
+is a chain step in which no request verifies drafts (decoding requests verify just their
+root, gaining one token, and are redrafted). Near the end of a request it verifies a
+breadth-first prefix of its tree (every ancestor of a node precedes it): the levels it
+can still use (``max_tokens`` / ``max_model_len``), at most as many nodes as KV slots
+remain before ``max_model_len``; possibly none (root only). Greedy only: a request with
+``temperature > 0`` is a ValueError before anything runs. Metrics: a request-step counts
+its deepest verified level as its draft tokens (the most it can accept) and the accepted
+path's levels as accepted positions (``SpecDecodingStats.num_spec_tokens`` = the tree's
+depth); a chain tree gives exactly chain verification's numbers.
+
 Not supported (yet): chunked prefill, preemption (admission reserves each request's
-worst-case block count instead), tree drafts, logprobs, penalties and other logits
-processors (see ``specjax.sampler``).
+worst-case block count instead), random (temperature > 0) tree verification, logprobs,
+penalties and other logits processors (see ``specjax.sampler``).
 """
 
 from __future__ import annotations
@@ -50,7 +72,8 @@ from specjax.metrics import SpecDecodingStats
 from specjax.proposers import (DraftOutput, Proposer, ProposerInputs, TokenHistory,
                                prepare_inputs_padded, prepare_next_token_ids_padded)
 from specjax.sampler import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_sample,
-                             unconditional_to_conditional_rates)
+                             tree_rejection_sample, unconditional_to_conditional_rates)
+from specjax.tree import TokenTree
 
 __all__ = ["SamplingParams", "RequestOutput", "GenerateResult", "TargetModel", "Engine",
            "generate", "attn_metadata_np", "spec_metadata_np"]
@@ -177,6 +200,8 @@ class _Spec(NamedTuple):
     needs_hidden: bool
     needs_aux: bool
     kernel_backend: str
+    tree: Any = None            # TokenTree of a tree-verification step, else None
+    block_size: int = 0         # KV block size (tree steps move KV and build slot mappings)
 
 
 class _Batch(NamedTuple):
@@ -196,6 +221,8 @@ class _Batch(NamedTuple):
 
 
 def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch):
+    if spec.tree is not None:
+        return _tree_step(spec, tparams, dparams, target_kv, draft_state, b)
     cad = b.attn
     hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv, cad)
     logits = spec.target.compute_logits(tparams, hidden[b.sdm.logits_indices])
@@ -223,6 +250,155 @@ def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch):
         sampled = jnp.concatenate([sampled, drafts.token_ids.astype(jnp.int32),
                                    drafts.num_drafts.astype(jnp.int32)[:, None]], axis=1)
     return sampled, target_kv, draft_state, extra
+
+
+# ---------------------------------------------------------------------------------------
+# tree verification step (EAGLE / EAGLE-3 token trees, greedy)
+
+
+def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch):
+    """One tree-verification step (every request's query block is ``[root, node 0, ...,
+    node n_r - 1]``, ``n_r`` a breadth-first prefix of the tree; ``b.attn.tree_mask`` is the
+    tree's ancestor mask with the root), fused like the padded chain step:
+
+    1. target forward with tree attention; argmax at every slot; ``tree_rejection_sample``;
+    2. ``compact_tree_kv``: the accepted nodes' target KV moves to the contiguous positions
+       after the root;
+    3. ``tree_chain_inputs``: the proposer gets the batch chain drafting would have given it
+       (root, accepted nodes, then rejected padding) and drafts the next tree.
+
+    Returns what ``_step`` returns: ``[B, k+1]`` sampled tokens (the ``[B, depth+1]``
+    verifier output padded with -1) followed by the drafts and their count.
+    """
+    tree = spec.tree
+    n_nodes = tree.num_nodes
+    cad = b.attn
+    hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv, cad)
+    bp = cad.query_start_loc.shape[0] - 1
+    t_pad = b.input_ids.shape[0]
+    qsl = cad.query_start_loc
+    qlen = qsl[1:] - qsl[:-1]
+    real = jnp.arange(bp, dtype=jnp.int32) < cad.num_reqs
+    # slot 0 = root, slot 1 + j = node j (rows past a request's block are masked out by
+    # num_drafts below)
+    idx = jnp.clip(qsl[:-1, None] + jnp.arange(n_nodes + 1, dtype=jnp.int32)[None, :], 0, t_pad - 1)
+    logits = spec.target.compute_logits(tparams, hidden[idx.reshape(-1)]).reshape(bp, n_nodes + 1, -1)
+    num_drafts = jnp.where(real, qlen - 1, 0)
+    sampling = SamplingMetadata(b.temperature, b.top_k, b.top_p,
+                                jnp.zeros((bp, 2), jnp.uint32), all_greedy=spec.all_greedy)
+    out, acc_nodes, n_acc = tree_rejection_sample(logits, b.input_ids[idx[:, 1:]], num_drafts,
+                                                  sampling, tree=tree, num_reqs=cad.num_reqs)
+    root_pos = jnp.where(real, cad.seq_lens - qlen, 0)          # logical position p of the root
+    target_kv = compact_tree_kv(target_kv, cad.block_table, root_pos, acc_nodes, n_acc, real,
+                                block_size=spec.block_size)
+    sampled = jnp.concatenate(
+        [out, jnp.full((bp, n_nodes - tree.depth), PLACEHOLDER_TOKEN_ID, jnp.int32)], axis=1)
+    next_ids, _ = prepare_next_token_ids_padded(
+        spec.impl, sampled, b.discard, b.backup_next, vocab_size=spec.vocab_size,
+        num_reqs=cad.num_reqs, kernel_backend=spec.kernel_backend)
+    padded = spec.mode == "padded"
+    ids, pos, src, md, tis, nrej = tree_chain_inputs(
+        b.input_ids, cad, acc_nodes, n_acc, tree=tree, block_size=spec.block_size, padded=padded)
+    h = hidden[src] if spec.needs_hidden else None
+    a = aux[src] if spec.needs_aux else None
+    inputs = ProposerInputs(ids, pos, h, a, next_ids, tis, nrej, md)
+    drafts, draft_state = spec.impl.propose(dparams, draft_state, inputs)
+    res = jnp.concatenate([sampled, drafts.token_ids.astype(jnp.int32),
+                           drafts.num_drafts.astype(jnp.int32)[:, None]], axis=1)
+    return res, target_kv, draft_state, None
+
+
+def _slots(block_table, rows, pos, block_size: int):
+    """Flat KV slot of logical position ``pos`` of request ``rows`` (same shapes)."""
+    c = block_table.shape[1]
+    blk = block_table[rows, jnp.clip(pos // block_size, 0, c - 1)]
+    return blk * block_size + pos % block_size
+
+
+def compact_tree_kv(kv_caches, block_table, root_pos, accepted_nodes, num_accepted, real, *,
+                    block_size: int):
+    """Move the accepted nodes' KV to where the accepted tokens now sit (traceable).
+
+    The verification pass wrote node ``j``'s K and V at logical position ``p + 1 + j``
+    (``p`` = ``root_pos``, the root's); after accepting nodes ``a_1..a_m`` (one per level)
+    the sequence continues ``p + 1 .. p + m``, so ``p + 1 + a_i`` is copied to ``p + i``
+    for every leaf array of ``kv_caches`` (``[num_blocks, block_size, ...]``: every layer's
+    K and V), through ``block_table``. All sources are gathered before anything is written
+    (``p + 1 + a_i >= p + i``: a later source may be an earlier destination); entries with
+    ``a_i + 1 == i`` (already in place), past ``num_accepted`` or on rows that are not
+    ``real`` write nothing.
+    """
+    b, depth = accepted_nodes.shape
+    i = jnp.arange(1, depth + 1, dtype=jnp.int32)[None, :]
+    move = real[:, None] & (i <= num_accepted[:, None]) & (accepted_nodes + 1 != i)
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, depth))
+    src = _slots(block_table, rows, root_pos[:, None] + 1 + jnp.maximum(accepted_nodes, 0), block_size)
+    dst = _slots(block_table, rows, root_pos[:, None] + i, block_size)
+    src = jnp.where(move, src, 0).reshape(-1)
+    dst = jnp.where(move, dst, -1).reshape(-1)
+
+    from specjax.models.attention import scatter_slots
+
+    def copy(cache):
+        flat = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
+        return scatter_slots(cache, flat[src], dst)
+
+    return jax.tree.map(copy, kv_caches)
+
+
+def tree_chain_inputs(input_ids, cad: CommonAttentionMetadata, accepted_nodes, num_accepted, *,
+                      tree: TokenTree, block_size: int, padded: bool = True):
+    """The proposer's chain-shaped batch after a tree verification (traceable).
+
+    Request ``r`` of the verified batch (block ``[root, node 0 .. node n_r-1]`` at
+    ``query_start_loc[r]``, root at logical position ``p = seq_len - query_len``) becomes
+    the block ``[root, a_1, .., a_m, rejected...]``: the root and its accepted nodes
+    (gathered), then, in padded mode, ``D_r - m`` rejected slots (``D_r`` = depth of the
+    request's deepest node, 0 without drafts) as the chain engine leaves rejected drafts in
+    the batch: they hold nodes of the request's block, are counted in
+    ``num_rejected_tokens`` and are overwritten later. Non-padded mode keeps the root and
+    the accepted nodes only (vLLM's ``prepare_inputs``).
+
+    Positions and KV slots are contiguous, ``p .. p + len - 1``: the accepted node ``a_i``
+    sits at level ``i`` (one per level on the path), so its position in the verification
+    pass, ``p + depth(a_i)``, is ``p + i`` already, and its target KV was moved to ``p + i``
+    (``compact_tree_kv``).
+
+    Returns ``(token_ids [T], positions [T], src [T], attn_metadata, token_indices_to_sample
+    [B], num_rejected_tokens [B])``: ``src`` indexes the verified batch (to gather hidden
+    states); the last two are None in non-padded mode.
+    """
+    depth = tree.depth
+    t_pad = input_ids.shape[0]
+    qsl = cad.query_start_loc
+    bp = qsl.shape[0] - 1
+    qlen = qsl[1:] - qsl[:-1]
+    real = jnp.arange(bp, dtype=jnp.int32) < cad.num_reqs
+    n_nodes = jnp.where(real, qlen - 1, 0)
+    d_r = jnp.asarray((0,) + tree.depths, jnp.int32)[n_nodes]   # a prefix's last node is deepest
+    m = jnp.where(real, num_accepted, 0)
+    length = jnp.where(real, 1 + (d_r if padded else m), 0)
+    qsl_c = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(length).astype(jnp.int32)])
+    p = jnp.where(real, cad.seq_lens - qlen, 0)
+    t = jnp.arange(t_pad, dtype=jnp.int32)
+    r_t = jnp.minimum(jnp.sum(qsl_c[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32), bp - 1)
+    i_t = t - qsl_c[r_t]
+    valid = t < qsl_c[-1]
+    node = accepted_nodes[r_t, jnp.clip(i_t - 1, 0, depth - 1)]
+    off = jnp.where(i_t == 0, 0, jnp.where(i_t <= m[r_t], node + 1, i_t))
+    src = jnp.clip(jnp.where(valid, qsl[r_t] + off, 0), 0, t_pad - 1)
+    pos = jnp.where(valid, p[r_t] + i_t, 0)
+    slots = jnp.where(valid, _slots(cad.block_table, r_t, pos, block_size), -1)
+    seq = jnp.where(real, p + length, 0)
+    md = cad.replace(query_start_loc=qsl_c, seq_lens=seq, slot_mapping=slots.astype(jnp.int32),
+                     num_actual_tokens=qsl_c[-1], max_seq_len=jnp.max(seq).astype(jnp.int32),
+                     causal=True, tree_mask=None)
+    ids = jnp.where(valid, input_ids[src], 0)
+    if not padded:
+        return ids, pos, src, md, None, None
+    tis = jnp.where(real, qsl_c[:-1] + m, 0)
+    nrej = jnp.where(real, d_r - m, 0)
+    return ids, pos, src, md, tis, nrej
 
 
 _step_jit = jax.jit(_step, static_argnums=0, donate_argnums=(3, 4))
@@ -319,6 +495,10 @@ class Engine:
         dynamic-update-slice that copied the donated caches every step; the cache write,
         ``models.attention.scatter_slots``, now keeps it in place whatever the padding.)
         The padding token writes nothing (slot -1) and is not sampled.
+      tree_verification: None (default): verify trees when the proposer's token tree
+        branches (see the module docstring), chains otherwise; True: the tree path even
+        for a chain tree (tests, benchmarks; needs a device model proposer); False: chain
+        verification.
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -326,7 +506,7 @@ class Engine:
                  kernel_backend: str = "auto", batch_buckets: Sequence[int] | None = None,
                  query_buckets: Sequence[int] | None = None,
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
-                 min_tokens_per_step: int = 2) -> None:
+                 min_tokens_per_step: int = 2, tree_verification: bool | None = None) -> None:
         from specjax.models import DecoderLM
 
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
@@ -383,13 +563,53 @@ class Engine:
         self.mode = ("none" if proposer is None or proposer.needs_token_history
                      else "padded" if proposer.padded_drafter_batch else "split")
         cfg = None if proposer is None else proposer.config
+        self.tree = self._resolve_tree(proposer, tree_verification)
+        #: length of the per-position acceptance counts: k, or the tree's depth
+        self.num_spec_positions = self.k if self.tree is None else self.tree.depth
+        if self.tree is not None:
+            self._tree_mask = self.tree.ancestor_mask(with_root=True)      # static, (1+N)^2
+            # position offset of each slot of a tree block: root 0, node j depth(j)
+            self._node_depths = np.array((0,) + self.tree.depths, np.int64)
         self.synthetic_rates = None
         if cfg is not None and cfg.rejection_sample_method == "synthetic":
             if cfg.synthetic_acceptance_rates is None:
                 raise ValueError("rejection_sample_method='synthetic' needs synthetic_acceptance_rates "
                                  "in the reference loop (synthetic_acceptance_length is not supported)")
             self.synthetic_rates = tuple(unconditional_to_conditional_rates(cfg.synthetic_acceptance_rates))
+            if self.tree is not None:
+                raise ValueError("rejection_sample_method='synthetic' is not supported with tree "
+                                 "verification (a branching speculative_token_tree)")
         self._reset_cache()
+
+    @staticmethod
+    def _resolve_tree(proposer, tree_verification) -> TokenTree | None:
+        """The token tree to verify, or None for chain verification: the proposer's
+        ``token_tree`` (itself, its ``impl``, else its config's ``speculative_token_tree``),
+        used when it branches (``tree_verification=None``) or when forced (True)."""
+        if tree_verification not in (None, True, False):
+            raise ValueError(f"tree_verification must be None, True or False, got {tree_verification!r}")
+        tree = None
+        if proposer is not None:
+            tree = getattr(proposer, "token_tree", None)
+            if tree is None:
+                tree = getattr(proposer.impl, "token_tree", None)
+            if tree is None:
+                tree = getattr(getattr(proposer, "config", None), "token_tree", None)
+        if tree is not None and not isinstance(tree, TokenTree):
+            tree = TokenTree.from_choices(tree)
+        use = (tree is not None and not tree.is_chain) if tree_verification is None else tree_verification
+        if not use:
+            return None
+        if tree is None:
+            raise ValueError("tree_verification=True needs a proposer with a token tree "
+                             "(speculative_token_tree)")
+        if proposer.needs_token_history or proposer.impl is None:
+            raise ValueError(f"tree verification needs a device model proposer (EAGLE / EAGLE-3), "
+                             f"got method={proposer.method!r}")
+        if tree.num_nodes != proposer.num_speculative_tokens:
+            raise ValueError(f"the token tree has {tree.num_nodes} nodes but the proposer drafts "
+                             f"num_speculative_tokens={proposer.num_speculative_tokens}; they must match")
+        return tree
 
     # -- state ---------------------------------------------------------------------
 
@@ -451,6 +671,13 @@ class Engine:
                  progress: Callable[[int, int, int], None] | None = None) -> GenerateResult:
         """Generate for every prompt; see :func:`generate`."""
         prompts, sps = self._check_inputs(prompts, sampling_params)
+        if self.tree is not None:
+            hot = [i for i, sp in enumerate(sps) if sp.temperature != 0]
+            if hot:
+                raise ValueError(
+                    f"sampling_params[{hot[0]}] has temperature={sps[hot[0]].temperature}: tree "
+                    "verification (a branching speculative_token_tree) is greedy only; use "
+                    "temperature=0 or a chain tree")
         if eos_token_id is not None and not (0 <= int(eos_token_id) < self.vocab_size):
             raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {self.vocab_size})")
         stat_loggers = list(stat_loggers)
@@ -468,7 +695,7 @@ class Engine:
             reqs.append(r)
             waiting.append(r)
         running: list[_Request] = []
-        total = SpecDecodingStats.new(self.k)
+        total = SpecDecodingStats.new(self.num_spec_positions)
         steps, done = 0, 0
         t0 = time.perf_counter()
         try:
@@ -505,11 +732,15 @@ class Engine:
         if context_blocks is None:
             context_blocks = [self.max_blocks_per_req]
         before = step_cache_size()
-        for b, q, c, g in itertools.product(batch_sizes, query_lens, context_blocks, all_greedy):
+        phases = (False,) if self.tree is None else (False, True)
+        for b, q, c, g, tv in itertools.product(batch_sizes, query_lens, context_blocks, all_greedy,
+                                                phases):
             if int(b) * int(q) < self.min_tokens_per_step:      # as _buckets pads it
                 q = _pick(self.query_buckets, -(-self.min_tokens_per_step // int(b)))
-            batch = self._dummy_batch(int(b), int(q), int(c))
-            out = self._run(batch, all_greedy=bool(g))
+            if tv and not g:         # tree verification is greedy only
+                continue
+            batch = self._dummy_batch(int(b), int(q), int(c), tree_verify=tv)
+            out = self._run(batch, all_greedy=bool(g), tree_verify=tv)
             jax.block_until_ready(out)
         return step_cache_size() - before
 
@@ -530,9 +761,10 @@ class Engine:
         """
         reqs = self._bench_requests(num_reqs, context_len, seed)
         try:
-            batch, _, b_pad = self._build_batch(reqs)
+            tv = self.tree is not None
+            batch, _, b_pad = self._build_batch(reqs, tree_verify=tv)
             t0 = time.perf_counter()
-            np.asarray(self._run(batch, all_greedy=True)[0])   # compiles
+            np.asarray(self._run(batch, all_greedy=True, tree_verify=tv)[0])   # compiles
             compile_s = time.perf_counter() - t0
             drafting = self.proposer is not None and self.proposer.needs_token_history
             if drafting:
@@ -551,7 +783,7 @@ class Engine:
             step, host = [], []
             for i in range(1, iters + 1):
                 t0 = time.perf_counter()
-                out, _ = self._run(batch, all_greedy=True)
+                out, _ = self._run(batch, all_greedy=True, tree_verify=tv)
                 np.asarray(out)          # sampled tokens (and drafts): what the loop fetches
                 step.append(time.perf_counter() - t0)
                 if drafting:
@@ -573,8 +805,9 @@ class Engine:
         ``tf.aliasing_output``), ``.compile().as_text()`` (see ``kv_cache_copies``)."""
         reqs = self._bench_requests(num_reqs, context_len, seed)
         try:
-            batch, _, _ = self._build_batch(reqs)
-            spec = self._spec(True)
+            tv = self.tree is not None
+            batch, _, _ = self._build_batch(reqs, tree_verify=tv)
+            spec = self._spec(True, tree_verify=tv)
             return _step_jit.lower(spec, self.target.params,
                                    None if spec.impl is None else self.proposer.params,
                                    self.target_kv, self.draft_state, batch)
@@ -655,7 +888,12 @@ class Engine:
         c = _pick(self.context_buckets, max_blocks, cap=self.max_blocks_per_req)
         return b, q, c
 
-    def _build_batch(self, running: list[_Request]) -> tuple[_Batch, list[int], int]:
+    def _build_batch(self, running: list[_Request], tree_verify: bool = False
+                     ) -> tuple[_Batch, list[int], int]:
+        """The step's padded inputs: each request's uncomputed tokens, then its drafts. A
+        tree-verification step (``tree_verify``: every request has one uncomputed token, the
+        root) places node ``j`` at position ``p + depth(j)`` (KV slot ``p + 1 + j``) and
+        attends with the tree's ancestor mask."""
         n = len(running)
         sched, qlens, seqs = [], [], []
         for r in running:
@@ -676,7 +914,11 @@ class Engine:
         ids = np.zeros(B * Q, _I32)
         ids[: int(q.sum())] = [t for toks in sched for t in toks]
         pos = np.zeros(B * Q, _I32)
-        pos[: int(q.sum())] = np.repeat(s - q, q) + _ragged_arange(q)
+        offs = _ragged_arange(q)
+        if tree_verify:
+            offs = self._node_depths[offs]       # slot 0 the root, slot 1 + j node j
+            attn = attn.replace(tree_mask=self._tree_mask)
+        pos[: int(q.sum())] = np.repeat(s - q, q) + offs
         sdm = spec_metadata_np([r.drafts for r in running], q, num_reqs_pad=B, max_spec_len=self.k)
         temp = np.zeros(B, np.float32)
         topk = np.zeros(B, _I32)
@@ -693,29 +935,42 @@ class Engine:
         batch = _Batch(ids, pos, attn, sdm, temp, topk, topp, seeds, ctr, backup, np.zeros(B, np.bool_))
         return batch, qlens, B
 
-    def _dummy_batch(self, B: int, Q: int, C: int) -> _Batch:
+    def _dummy_batch(self, B: int, Q: int, C: int, tree_verify: bool = False) -> _Batch:
         z = np.zeros(0, np.int64)
         attn = attn_metadata_np(z, z, np.zeros((B, C), _I32), block_size=self.block_size,
                                 num_tokens_pad=B * Q, max_query_len=Q)
+        if tree_verify:
+            attn = attn.replace(tree_mask=self._tree_mask)
         sdm = spec_metadata_np([], z, num_reqs_pad=B, max_spec_len=self.k)
         zb = np.zeros(B, _I32)
         return _Batch(np.zeros(B * Q, _I32), np.zeros(B * Q, _I32), attn, sdm,
                       np.zeros(B, np.float32), zb, np.ones(B, np.float32), np.zeros(B, np.uint32),
                       zb, zb, np.zeros(B, np.bool_))
 
-    def _spec(self, all_greedy: bool) -> _Spec:
+    def _spec(self, all_greedy: bool, tree_verify: bool = False) -> _Spec:
         p = self.proposer
         fused = self.mode in ("padded", "split")
         return _Spec(
             target=self.target.model, impl=p.impl if fused else None, k=self.k,
             vocab_size=self.vocab_size, all_greedy=all_greedy, synthetic_rates=self.synthetic_rates,
             mode=self.mode, needs_hidden=fused and p.needs_hidden_states,
-            needs_aux=fused and p.needs_aux_hidden_states, kernel_backend=self.kernel_backend)
+            needs_aux=fused and p.needs_aux_hidden_states, kernel_backend=self.kernel_backend,
+            tree=self.tree if tree_verify else None,
+            block_size=self.block_size if tree_verify else 0)
 
-    def _run(self, batch: _Batch, *, all_greedy: bool):
+    def _tree_prefix(self, room: int, fit: int) -> int:
+        """Nodes of the tree a request verifies: the levels ``<= room`` (accepted drafts
+        that can still be used), at most ``fit`` nodes (KV slots left before
+        ``max_model_len``): a breadth-first prefix, which holds every ancestor of its
+        nodes."""
+        lv = min(max(room, 0), self.tree.depth)
+        n = self.tree.cu_level_sizes[lv - 1] if lv else 0
+        return max(0, min(n, fit))
+
+    def _run(self, batch: _Batch, *, all_greedy: bool, tree_verify: bool = False):
         """Run the jitted step: ``(out, extra)``, ``out`` the ``[B, k+1]`` sampled tokens,
         followed in padded mode by the ``k`` drafts and the draft count (``_unpack``)."""
-        spec = self._spec(all_greedy)
+        spec = self._spec(all_greedy, tree_verify)
         dparams = None if spec.impl is None else self.proposer.params
         out, self.target_kv, self.draft_state, extra = _step_jit(
             spec, self.target.params, dparams, self.target_kv, self.draft_state, batch)
@@ -731,15 +986,24 @@ class Engine:
     # -- one step ------------------------------------------------------------------
 
     def _step(self, running: list[_Request]) -> tuple[SpecDecodingStats | None, list[_Request]]:
-        batch, qlens, b_pad = self._build_batch(running)
+        # Tree mode: the tree mask is static for the whole batch and a prompt needs causal
+        # attention, so a step with a prompt to prefill is a chain step in which nobody
+        # verifies drafts (decoding requests verify just their root and get redrafted);
+        # every other step is a tree-verification step.
+        tree_verify = self.tree is not None and all(
+            r.num_tokens - r.num_computed == 1 for r in running)
+        if self.tree is not None and not tree_verify:
+            for r in running:
+                r.drafts = []
+        batch, qlens, b_pad = self._build_batch(running, tree_verify=tree_verify)
         all_greedy = all(r.params.temperature == 0 for r in running)
-        out, extra = self._run(batch, all_greedy=all_greedy)
+        out, extra = self._run(batch, all_greedy=all_greedy, tree_verify=tree_verify)
         sampled, drafts_np = self._unpack(np.asarray(out))
-        if self.mode == "split":
+        if self.mode == "split" and not tree_verify:
             drafts = self._split_propose(batch, running, sampled, extra)
             drafts_np = (np.asarray(drafts.token_ids), np.asarray(drafts.num_drafts))
 
-        stats = SpecDecodingStats.new(self.k) if self.proposer is not None else None
+        stats = SpecDecodingStats.new(self.num_spec_positions) if self.proposer is not None else None
         finished, gained = [], []
         for i, r in enumerate(running):
             row = sampled[i]
@@ -747,9 +1011,13 @@ class Engine:
             nd = len(r.drafts)
             n_acc = len(new) - 1
             if nd:
-                stats.observe_draft(nd, n_acc)
-                r.num_drafted += nd
+                # trees: a request-step counts its deepest verified level as its drafts
+                # (the most it can accept); position p = level p + 1
+                nd_stat = nd if self.tree is None else self.tree.depths[nd - 1]
+                stats.observe_draft(nd_stat, n_acc)
+                r.num_drafted += nd_stat
                 r.num_accepted += n_acc
+            # the root and the accepted tokens are in the KV cache (a tree's moved there)
             r.num_computed += qlens[i] - (nd - n_acc)
             kept = []
             for tok in new:
@@ -791,7 +1059,10 @@ class Engine:
             # token outside the vocabulary (a buggy proposer) ends the draft, as the target
             # would embed it as garbage.
             room = min(self.max_model_len - r.num_tokens, r.params.max_tokens - len(r.output)) - 1
-            d = r.drafts[: max(0, min(room, self.k))]
+            if self.tree is None:
+                d = r.drafts[: max(0, min(room, self.k))]
+            else:   # a breadth-first prefix; a bad token cuts the prefix there too
+                d = r.drafts[: self._tree_prefix(room, self.max_model_len - r.num_tokens)]
             bad = [j for j, t in enumerate(d) if not 0 <= t < self.vocab_size]
             r.drafts = d[: bad[0]] if bad else d
         return stats, finished

@@ -11,6 +11,10 @@ Randomness is per request: row r uses only ``keys[r]`` (folded with the draft po
 a stream id), so a seeded request gives the same tokens whatever else is in the batch.
 Uniforms are float32 (vLLM draws float64; JAX would need ``jax_enable_x64``).
 
+Token trees (EAGLE / EAGLE-3 ``speculative_token_tree``): ``tree_greedy_verify`` walks the
+tree from the root on the target's argmax (``tree_rejection_sample`` from logits). Greedy
+only: random tree verification raises NotImplementedError.
+
 Not supported yet (documented in the README): logprobs, penalties, bad words, min-tokens
 and other logits processors.
 """
@@ -256,3 +260,101 @@ def parse_output(output_token_ids, vocab_size: int, discard_req_indices=()) -> l
     for i in discard_req_indices:
         out[i] = []
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# tree verification (specjax's own: vLLM v0.20 verifies every draft as a chain)
+
+
+def tree_greedy_verify(target_token_ids: jax.Array, draft_token_ids: jax.Array,
+                       num_drafts: jax.Array | None = None, *, tree, num_reqs=None
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Greedy verification of a token tree (traceable; the tree is static).
+
+    Walk from the root: at the current node (the root first) the target's argmax is
+    compared with the drafted tokens of the node's children, in tree order; the first
+    child that matches is accepted and the walk continues from it, otherwise it stops.
+    (Drafts of one level are distinct in a top-k tree, so at most one child matches;
+    otherwise the first in tree order wins.) The emitted tokens are the accepted drafts,
+    then the target's argmax at the last accepted node (the bonus / recovered token).
+
+    Args:
+      target_token_ids: ``[B, 1 + N] int32``, the target's argmax at every query slot of
+        the verification pass: slot 0 is the root (the last committed token), slot
+        ``1 + j`` is node ``j``.
+      draft_token_ids: ``[B, N] int32``, the drafted token of each node, in tree order
+        (``tree.choices``).
+      num_drafts: ``[B] int32`` or None (all ``N``): nodes ``j >= num_drafts[b]`` are
+        absent. A prefix of the breadth-first node order holds every ancestor of its
+        nodes, so any prefix is a valid (truncated) tree; 0 verifies the root only.
+      tree: a ``specjax.tree.TokenTree`` (static).
+      num_reqs: 0-d int or None (every row real): rows ``>= num_reqs`` are padding.
+
+    Returns:
+      ``(output, accepted_nodes, num_accepted)``:
+
+      * ``output [B, depth + 1] int32``: as ``rejection_sample`` (the chain version):
+        accepted drafts, then the target's argmax at the last accepted node; -1 after. A
+        real row without drafts gives just the root's argmax; padding rows are all -1.
+      * ``accepted_nodes [B, depth] int32``: the accepted node indices, level 1 first;
+        -1 after the last (and on padding rows).
+      * ``num_accepted [B] int32`` (0 on padding rows).
+
+    A chain tree (``TokenTree.chain(k)``) gives exactly ``rejection_sample``'s greedy
+    output.
+    """
+    n, depth = tree.num_nodes, tree.depth
+    tgt = jnp.asarray(target_token_ids).astype(jnp.int32)
+    drafts = jnp.asarray(draft_token_ids).astype(jnp.int32)
+    b = tgt.shape[0]
+    if tgt.shape != (b, n + 1) or drafts.shape != (b, n):
+        raise ValueError(f"target_token_ids must be [B, 1+N] and draft_token_ids [B, N] with "
+                         f"N={n} tree nodes; got {tgt.shape} and {drafts.shape}")
+    rows = jnp.arange(b, dtype=jnp.int32)
+    real = jnp.ones((b,), bool) if num_reqs is None else rows < num_reqs
+    nd = jnp.full((b,), n, jnp.int32) if num_drafts is None else jnp.asarray(num_drafts, jnp.int32)
+    parents = tree.parents
+    cur = jnp.full((b,), -1, jnp.int32)                # current node, -1 = the root
+    alive = real
+    accepted = []
+    start = 0
+    for size in tree.level_sizes:                      # static: one small step per level
+        nodes = jnp.arange(start, start + size, dtype=jnp.int32)
+        par = jnp.asarray(parents[start : start + size], jnp.int32)
+        at_cur = jnp.take_along_axis(tgt, (cur + 1)[:, None], axis=1)       # [B, 1]
+        match = ((par[None, :] == cur[:, None]) & (drafts[:, start : start + size] == at_cur)
+                 & (nodes[None, :] < nd[:, None]) & alive[:, None])          # [B, size]
+        hit = match.any(axis=1)
+        first = nodes[jnp.argmax(match, axis=1)]
+        alive = alive & hit
+        cur = jnp.where(alive, first, cur)
+        accepted.append(jnp.where(alive, first, -1))
+        start += size
+    acc_nodes = jnp.stack(accepted, axis=1)            # [B, depth]
+    n_acc = (acc_nodes >= 0).sum(axis=1).astype(jnp.int32)
+    acc_tokens = jnp.take_along_axis(drafts, jnp.maximum(acc_nodes, 0), axis=1)
+    bonus = jnp.take_along_axis(tgt, (cur + 1)[:, None], axis=1)[:, 0]
+    jj = jnp.arange(depth + 1, dtype=jnp.int32)[None, :]
+    ext = jnp.concatenate([acc_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    out = jnp.where(jj < n_acc[:, None], ext, PLACEHOLDER_TOKEN_ID)
+    out = jnp.where(jj == n_acc[:, None], bonus[:, None], out)
+    out = jnp.where(real[:, None], out, PLACEHOLDER_TOKEN_ID)
+    return out, acc_nodes, jnp.where(real, n_acc, 0)
+
+
+def tree_rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
+                          num_drafts: jax.Array | None, sampling: SamplingMetadata, *, tree,
+                          num_reqs=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Verify tree drafts from the target's logits ``[B, 1 + N, V]`` (slot 0 the root,
+    slot ``1 + j`` node ``j``): greedy only, ``tree_greedy_verify`` of the argmax.
+
+    Raises NotImplementedError unless ``sampling.all_greedy`` (static): random tree
+    verification (temperature > 0; multi-draft rejection sampling over siblings) is not
+    implemented in specjax.
+    """
+    if not sampling.all_greedy:
+        raise NotImplementedError(
+            "tree verification is greedy only: temperature > 0 with a branching "
+            "speculative_token_tree is not implemented (use temperature=0 or a chain tree)")
+    tgt = jnp.argmax(target_logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    return tree_greedy_verify(tgt, draft_token_ids, num_drafts, tree=tree, num_reqs=num_reqs)

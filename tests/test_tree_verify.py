@@ -1,0 +1,203 @@
+"""Greedy tree verification (``specjax.sampler.tree_greedy_verify``) against a brute-force
+NumPy oracle that enumerates every root-to-node path, and against the chain sampler
+(``rejection_sample``) on chain trees."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.metadata import SpecDecodeMetadata
+from specjax.sampler import (SamplingMetadata, rejection_sample, tree_greedy_verify,
+                             tree_rejection_sample)
+from specjax.tree import TokenTree
+
+
+def random_tree(rng, max_depth=4, max_children=3, max_nodes=40) -> TokenTree:
+    """A valid speculative tree (``from_choices`` checks it): ``c_l`` children for every
+    node of level ``l - 1``, ``c_l`` random."""
+    depth = int(rng.integers(1, max_depth + 1))
+    levels, prev = [], [()]
+    for _ in range(depth):
+        c = int(rng.integers(1, max_children + 1))
+        cur = [p + (i,) for p in prev for i in range(c)]
+        if len(cur) + sum(map(len, levels)) > max_nodes:
+            break
+        levels.append(cur)
+        prev = cur
+    return TokenTree.from_choices([n for lv in levels for n in lv])
+
+
+def irregular_tree(rng, n_nodes=12) -> TokenTree:
+    """Any ancestor-closed node set sorted breadth-first (not top-k per level; the
+    verifier does not need the config's regularity)."""
+    nodes = {(0,)}
+    while len(nodes) < n_nodes:
+        cands = sorted(nodes) + [()]
+        parent = cands[int(rng.integers(len(cands)))]
+        kids = [n for n in nodes if len(n) == len(parent) + 1 and n[:-1] == parent]
+        nodes.add(parent + (len(kids),))
+    return TokenTree(tuple(sorted(nodes, key=lambda t: (len(t), t))))
+
+
+def oracle(tree: TokenTree, tgt, drafts, nd):
+    """Every path from the root to a present node; a path is accepted when each node's
+    draft equals the target's argmax at its parent (slot 0 for the root); the longest
+    accepted path wins (unique when sibling drafts differ)."""
+    best = ()
+    for j in range(nd):
+        path = tree.path_to(j)
+        slots = [0] + [1 + a for a in path[:-1]]
+        if all(drafts[a] == tgt[s] for a, s in zip(path, slots)) and len(path) > len(best):
+            best = path
+    last = 1 + best[-1] if best else 0
+    return [int(drafts[a]) for a in best] + [int(tgt[last])], list(best)
+
+
+def engineered_batch(rng, tree, b, vocab=6):
+    """Drafts distinct among siblings; the target follows a random path for a random
+    number of levels (then random; a small vocabulary adds accidental matches)."""
+    n = tree.num_nodes
+    drafts = np.zeros((b, n), np.int32)
+    for r in range(b):
+        for j in range(n):     # distinct among siblings: rank among them + random offset
+            sib = [i for i in range(n) if tree.parents[i] == tree.parents[j]]
+            drafts[r, j] = sib.index(j) + int(rng.integers(0, 2)) * len(sib)
+        for p in set(tree.parents):
+            sib = [i for i in range(n) if tree.parents[i] == p]
+            assert len(set(drafts[r, sib])) == len(sib)
+    tgt = rng.integers(0, 2 * vocab, (b, n + 1)).astype(np.int32)
+    nd = rng.integers(0, n + 1, b).astype(np.int32)
+    nd[rng.random(b) < 0.5] = n
+    for r in range(b):
+        leaf = int(rng.integers(n))
+        path = tree.path_to(leaf)
+        a = int(rng.integers(0, len(path) + 1))
+        for i in range(a):
+            tgt[r, 0 if i == 0 else 1 + path[i - 1]] = drafts[r, path[i]]
+    return tgt, drafts, nd
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compiles():
+    """XLA's cheap compilation mode (each tree compiles its own verifier)."""
+    old = bool(jax.config.values.get("jax_disable_most_optimizations", False))
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+@functools.lru_cache(maxsize=None)
+def _verify(tree: TokenTree):
+    return jax.jit(functools.partial(tree_greedy_verify, tree=tree))
+
+
+def check(tree, tgt, drafts, nd, num_reqs):
+    out, nodes, n_acc = (np.asarray(x) for x in _verify(tree)(
+        jnp.asarray(tgt), jnp.asarray(drafts), jnp.asarray(nd), num_reqs=jnp.int32(num_reqs)))
+    b, depth = tgt.shape[0], tree.depth
+    assert out.shape == (b, depth + 1) and nodes.shape == (b, depth) and n_acc.shape == (b,)
+    assert out.dtype == nodes.dtype == n_acc.dtype == np.int32
+    for r in range(b):
+        if r >= num_reqs:     # padding rows: nothing
+            assert (out[r] == -1).all() and (nodes[r] == -1).all() and n_acc[r] == 0
+            continue
+        want, path = oracle(tree, tgt[r], drafts[r], int(nd[r]))
+        np.testing.assert_array_equal(out[r], want + [-1] * (depth + 1 - len(want)), err_msg=f"row {r}")
+        np.testing.assert_array_equal(nodes[r], path + [-1] * (depth - len(path)))
+        assert n_acc[r] == len(path)
+    return n_acc[:num_reqs]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_trees_match_oracle(seed):
+    rng = np.random.default_rng(seed)
+    seen = set()
+    for i in range(5):
+        tree = random_tree(rng) if i % 3 else irregular_tree(rng, int(rng.integers(2, 16)))
+        b = int(rng.integers(1, 9))
+        num_reqs = int(rng.integers(0, b + 1)) if i % 2 else b
+        tgt, drafts, nd = engineered_batch(rng, tree, b)
+        seen.update(check(tree, tgt, drafts, nd, num_reqs).tolist())
+    assert len(seen) >= 3          # accepted at several depths
+
+
+def test_all_and_none_accepted():
+    rng = np.random.default_rng(11)
+    tree = TokenTree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1),
+                                   (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (2, 0, 0), (2, 1, 0)])
+    assert tree.children_per_level == (3, 2, 1)
+    n, b = tree.num_nodes, 4
+    drafts = np.tile(np.arange(n, dtype=np.int32) % 3 + 10 * np.array(tree.depths), (b, 1))
+    for leaf in range(9, 15):                      # every full-depth path accepted
+        path = tree.path_to(leaf)
+        tgt = np.full((b, n + 1), 50, np.int32)
+        tgt[:, 0] = drafts[0, path[0]]
+        for a, c in zip(path[:-1], path[1:]):
+            tgt[:, 1 + a] = drafts[0, c]
+        tgt[:, 1 + leaf] = 7                       # bonus
+        n_acc = check(tree, tgt, drafts, np.full(b, n, np.int32), b)
+        assert (n_acc == 3).all()
+        out = np.asarray(_verify(tree)(tgt, drafts)[0])
+        assert out[0].tolist() == [int(drafts[0, a]) for a in path] + [7]
+    tgt = np.full((b, n + 1), 50, np.int32)         # nothing accepted: the root's argmax
+    out, nodes, n_acc = (np.asarray(x) for x in _verify(tree)(tgt, drafts))
+    assert (out[:, 0] == 50).all() and (out[:, 1:] == -1).all() and (nodes == -1).all()
+    assert (n_acc == 0).all()
+    # a truncated tree (breadth-first prefix): the level-3 nodes are absent
+    tgt, _, _ = engineered_batch(rng, tree, b)
+    check(tree, tgt, drafts, np.full(b, 9, np.int32), b - 1)
+
+
+def test_duplicate_sibling_drafts_take_the_first_in_tree_order():
+    tree = TokenTree.from_choices([(0,), (1,), (0, 0), (1, 0)])
+    drafts = np.array([[5, 5, 1, 2]], np.int32)     # both children of the root draft 5
+    tgt = np.array([[5, 2, 2, 9, 8]], np.int32)      # (1,)'s child would match, (0,)'s not
+    out, nodes, n_acc = (np.asarray(x) for x in _verify(tree)(tgt, drafts))
+    assert out.tolist() == [[5, 2, -1]] and nodes.tolist() == [[0, -1]] and n_acc.tolist() == [1]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_chain_tree_equals_chain_rejection_sampler(k):
+    rng = np.random.default_rng(k)
+    tree = TokenTree.chain(k)
+    b, vocab = 8, 5
+    for _ in range(4):
+        tgt, drafts, nd = engineered_batch(rng, tree, b, vocab=vocab)
+        num_reqs = int(rng.integers(1, b + 1))
+        check(tree, tgt, drafts, nd, num_reqs)
+        lists = [drafts[r, : nd[r]].tolist() for r in range(num_reqs)]
+        meta = SpecDecodeMetadata.from_draft_lists(lists, num_reqs_pad=b, num_drafts_pad=b * k,
+                                                   max_spec_len=k)
+        v = 2 * vocab
+        logits = np.zeros((b * k + b, v), np.float32)
+        tli, bli = np.asarray(meta.target_logits_indices), np.asarray(meta.bonus_logits_indices)
+        flat = 0
+        for r in range(num_reqs):
+            for j in range(int(nd[r])):
+                logits[tli[flat], tgt[r, j]] = 1.0
+                flat += 1
+            logits[bli[r], tgt[r, nd[r]]] = 1.0
+        chain = np.asarray(rejection_sample(meta, None, jnp.asarray(logits),
+                                            SamplingMetadata.create(np.zeros(b))))
+        tree_out = np.asarray(_verify(tree)(tgt, drafts, nd, num_reqs=num_reqs)[0])
+        np.testing.assert_array_equal(tree_out, chain)
+
+
+def test_tree_rejection_sample_is_greedy_only():
+    tree = TokenTree(((0,), (1,), (0, 0)))
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 4, 9)), jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, 9, (2, 3)), jnp.int32)
+    greedy = SamplingMetadata.create(np.zeros(2))
+    sample = jax.jit(functools.partial(tree_rejection_sample, tree=tree))
+    out = sample(logits, drafts, None, greedy)
+    ref = _verify(tree)(jnp.argmax(logits, -1), drafts)
+    for a, b in zip(out, ref):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(NotImplementedError, match="greedy only"):
+        sample(logits, drafts, None, SamplingMetadata.create(np.array([0.0, 1.0])))
+    with pytest.raises(ValueError, match="N=3"):
+        tree_greedy_verify(jnp.zeros((2, 3), jnp.int32), drafts, tree=tree)
