@@ -1,0 +1,337 @@
+"""Multi-device proposers: tensor-parallel shardings of draft params / proposer state, and
+data parallelism over requests.
+
+**Tensor parallelism** (Megatron style, over one mesh axis, ``"tp"`` by default). Nothing in
+the models changes: put the params and the state on the mesh with the shardings below and
+call the proposer's jitted ``propose``; XLA's SPMD partitioner follows the input shardings
+and inserts the collectives (an all-reduce after each row-parallel product).
+
+=======================================  ==============================  ==================
+params entry (kernels are ``[in, out]``)  spec                            divisibility
+=======================================  ==============================  ==================
+``*.self_attn.q_proj.kernel`` / ``bias``  ``P(None, tp)`` / ``P(tp)``     num_key_value_heads
+``*.self_attn.{k,v}_proj.kernel``/bias    ``P(None, tp)`` / ``P(tp)``     (else all four
+``*.self_attn.o_proj.kernel``             ``P(tp, None)`` (bias ``P()``)  ``P()``, below)
+``*.mlp.{gate,up}_proj.kernel`` / bias    ``P(None, tp)`` / ``P(tp)``     intermediate_size
+``*.mlp.down_proj.kernel``                ``P(tp, None)`` (bias ``P()``)  intermediate_size
+``lm_head.kernel [H, V]`` / ``bias``      ``P(None, tp)`` / ``P(tp)``     V (the head's width)
+``lm_head.embedding [V, H]`` (tied)       ``P(tp, None)``                 V
+``lm_heads.<k>.kernel`` (Medusa)          ``P(None, tp)``                 V
+``embed_tokens.embedding [V, H]``         ``P()``; ``P(tp, None)`` with   V
+                                          ``shard_embedding=True``
+``fc``, norms, ``q_norm`` / ``k_norm``,   ``P()`` (replicated; ``fc`` as
+``d2t``, ``token_map``, ``mask_hidden``   vLLM's ``ReplicatedLinear``)
+(P-EAGLE), Medusa blocks
+=======================================  ==============================  ==================
+
+KV heads: when ``num_key_value_heads`` is divisible by the axis size, the attention is
+split by heads as above and every draft KV cache ``[num_blocks, block_size, n_kv,
+head_dim]`` is sharded over its kv-head dimension (``P(None, None, tp, None)``). Otherwise
+(GQA with fewer kv heads than shards) the whole attention block (q/k/v/o, q/k norms) and
+the caches are replicated and only the MLP and the vocabulary are split: splitting q/o
+alone makes XLA split each cache write by kv head and all-gather the whole cache after
+every draft step. Every other dimension that must be split and is not divisible raises
+``ValueError`` naming the parameter; so does a params entry no rule knows (nothing is
+replicated silently).
+
+The vocabulary-sharded ``lm_head`` gives vocabulary-sharded logits; with
+``config.use_local_argmax_reduction=True`` and the proposer's ``mesh=`` / ``vocab_axis=``
+set to the same mesh and axis, greedy drafting takes the argmax per shard and reduces only
+``(value, index)`` pairs (``specjax.proposers.common.greedy_argmax``).
+:func:`tensor_parallel` does all of it in one call.
+
+**Data parallelism** (:class:`DataParallel`): each device of a mesh axis (``"dp"``) runs
+the whole proposer on its own requests and its own KV cache, with the weights replicated:
+one ``jax.shard_map`` over per-shard batches stacked on a leading axis.
+
+Shapes and dtypes are untouched everywhere: only placement changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specjax.models.attention import KVCache
+from specjax.models.config import ModelConfig
+
+__all__ = [
+    "TP_AXIS", "DP_AXIS", "param_specs", "param_shardings", "state_specs", "state_shardings",
+    "tensor_parallel", "DataParallel",
+]
+
+TP_AXIS = "tp"
+DP_AXIS = "dp"
+
+_NORMS = ("input_layernorm", "post_attention_layernorm", "hidden_norm", "norm", "q_norm", "k_norm")
+
+
+def _axis_size(mesh: Any, axis: str) -> int:
+    if not isinstance(axis, str) or axis not in mesh.axis_names:
+        raise ValueError(f"axis must be one of the mesh's axis names {tuple(mesh.axis_names)}, "
+                         f"got {axis!r}")
+    return int(mesh.shape[axis])
+
+
+def _check_size(axis_size: Any) -> int:
+    if isinstance(axis_size, bool) or not isinstance(axis_size, (int, np.integer)) or axis_size < 1:
+        raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+    return int(axis_size)
+
+
+def _key(k: Any) -> Any:
+    """A path entry as a plain key: DictKey / SequenceKey / GetAttrKey unwrapped; digit
+    strings (orbax restores) as ints."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            k = getattr(k, attr)
+            break
+    return int(k) if isinstance(k, str) and k.isdigit() else k
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+class _Rules:
+    """The Megatron rules for one ``ModelConfig`` and axis size (see the module doc)."""
+
+    def __init__(self, config: ModelConfig, n: int, axis: str, shard_embedding: bool):
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a specjax ModelConfig (proposer.model.config), "
+                             f"got {type(config).__name__}")
+        self.c, self.n, self.axis, self.shard_embedding = config, n, axis, bool(shard_embedding)
+        nkv = config.num_key_value_heads
+        self.kv_sharded = bool(nkv) and nkv % n == 0
+
+    def _need(self, name: str, what: str, value: int) -> None:
+        if value % self.n:
+            raise ValueError(
+                f"cannot shard parameter {name!r} over mesh axis {self.axis!r} of size {self.n}: "
+                f"{what} ({value}) is not divisible by {self.n}")
+
+    def _dim(self, name: str, shape: tuple, dim: int, what: str) -> None:
+        if len(shape) <= dim:
+            raise ValueError(f"parameter {name!r} has shape {shape}, expected at least {dim + 1} dims")
+        self._need(name, f"{what}: dimension {dim} of shape {shape}", shape[dim])
+
+    def spec(self, path: tuple, shape: tuple) -> P:
+        a, c, name = self.axis, self.c, _dotted(path)
+        last = path[-1]
+        parent = path[-2] if len(path) >= 2 else None
+        top = path[0]
+        col = {"kernel": P(None, a), "bias": P(a)}
+        if top in ("d2t", "token_map", "mask_hidden"):
+            return P()
+        if top == "embed_tokens":
+            if last != "embedding":
+                raise ValueError(f"unknown params entry {name!r} (embed_tokens holds 'embedding')")
+            if not self.shard_embedding:
+                return P()
+            self._dim(name, shape, 0, "vocab size")
+            return P(a, None)
+        if top in ("lm_head", "lm_heads"):
+            if last == "kernel":
+                self._dim(name, shape, 1, "vocab size")
+                return P(None, a)
+            if last == "embedding":          # a tied / shared embedding used as the head
+                self._dim(name, shape, 0, "vocab size")
+                return P(a, None)
+            if last == "bias":
+                self._dim(name, shape, 0, "vocab size")
+                return P(a)
+            raise ValueError(f"unknown params entry {name!r} (an lm_head holds 'kernel', "
+                             "'bias' or 'embedding')")
+        if top in ("fc", "blocks") or (parent in _NORMS and last == "weight"):
+            return P()
+        if parent in ("q_proj", "k_proj", "v_proj", "o_proj") and last in ("kernel", "bias"):
+            if not self.kv_sharded:
+                # Fewer kv heads than shards: the whole attention block stays replicated.
+                # Splitting only q/o makes XLA split each layer's cache write by kv head
+                # and all-gather the whole cache after every chain step (seen in the HLO).
+                return P()
+            if parent == "q_proj":
+                self._need(name, "num_attention_heads", c.num_attention_heads)
+                self._dim(name, shape, len(shape) - 1, "q heads x head_dim")
+                return col[last]
+            if parent == "o_proj":
+                if last == "bias":
+                    return P()
+                self._need(name, "num_attention_heads", c.num_attention_heads)
+                self._dim(name, shape, 0, "q heads x head_dim")
+                return P(a, None)
+            self._dim(name, shape, len(shape) - 1, "kv heads x head_dim")
+            return col[last]
+        if parent in ("gate_proj", "up_proj") and last in ("kernel", "bias"):
+            self._need(name, "intermediate_size", c.intermediate_size)
+            self._dim(name, shape, len(shape) - 1, "intermediate size")
+            return col[last]
+        if parent == "down_proj" and last in ("kernel", "bias"):
+            if last == "bias":
+                return P()
+            self._need(name, "intermediate_size", c.intermediate_size)
+            self._dim(name, shape, 0, "intermediate size")
+            return P(a, None)
+        raise ValueError(f"no tensor-parallel rule for params entry {name!r} (shape {shape}); "
+                         "specjax.sharding knows the Llama / EAGLE / EAGLE-3 / DFlash / Medusa "
+                         "params trees")
+
+
+def param_specs(params: Mapping, config: ModelConfig, axis_size: int, *, axis: str = TP_AXIS,
+                shard_embedding: bool = False) -> Any:
+    """``PartitionSpec`` of every params leaf (same tree as ``params``) for ``axis_size``
+    shards of mesh axis ``axis`` (rules: module docstring).
+
+    Args:
+      params: a head's params dict (``share_target_weights`` applied: ``embed_tokens`` /
+        ``lm_head`` may be the target's); leaves may be arrays or ``ShapeDtypeStruct``.
+      config: the model's ``ModelConfig`` (``proposer.model.config``): head counts and
+        sizes are checked against it.
+      axis_size: the number of devices along ``axis``.
+      shard_embedding: also shard ``embed_tokens`` over the vocabulary (default: replicated;
+        only the looked-up rows are read, so replication costs memory, not bandwidth).
+
+    Raises:
+      ValueError: naming the parameter, when a dimension that must be split is not
+        divisible by ``axis_size``, or for a params entry no rule knows.
+    """
+    rules = _Rules(config, _check_size(axis_size), axis, shard_embedding)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: rules.spec(tuple(_key(k) for k in p), tuple(x.shape)), params)
+
+
+def param_shardings(params: Mapping, mesh: Mesh, config: ModelConfig, *, axis: str = TP_AXIS,
+                    shard_embedding: bool = False) -> Any:
+    """``NamedSharding`` of every params leaf over ``mesh`` (see :func:`param_specs`); other
+    mesh axes (e.g. ``"dp"``) replicate. ``jax.device_put(params, param_shardings(...))``."""
+    specs = param_specs(params, config, _axis_size(mesh, axis), axis=axis,
+                        shard_embedding=shard_embedding)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def _is_cache(x: Any) -> bool:
+    return isinstance(x, KVCache)
+
+
+def state_specs(state: Any, axis_size: int, *, axis: str = TP_AXIS) -> Any:
+    """``PartitionSpec`` of every leaf of a proposer state: each ``KVCache`` leaf ``[num_blocks,
+    block_size, n_kv, head_dim]`` over its kv heads when ``n_kv`` is divisible by
+    ``axis_size`` (else replicated, matching ``k_proj`` / ``v_proj``); everything else
+    replicated. ``state`` may be abstract (``jax.eval_shape(proposer.init_state, ...)``)."""
+    n = _check_size(axis_size)
+
+    def cache_spec(c: KVCache) -> KVCache:
+        def one(x):
+            if len(x.shape) != 4:
+                raise ValueError(f"KV cache leaves must be [num_blocks, block_size, n_kv, head_dim], "
+                                 f"got shape {tuple(x.shape)}")
+            return P(None, None, axis, None) if x.shape[2] % n == 0 else P()
+        return KVCache(one(c.k), one(c.v))
+
+    return jax.tree.map(lambda x: cache_spec(x) if _is_cache(x) else P(), state, is_leaf=_is_cache)
+
+
+def state_shardings(state: Any, mesh: Mesh, *, axis: str = TP_AXIS) -> Any:
+    """``NamedSharding`` of every leaf of a proposer state over ``mesh`` (:func:`state_specs`)."""
+    specs = state_specs(state, _axis_size(mesh, axis), axis=axis)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def tensor_parallel(proposer: Any, params: Mapping, state: Any, mesh: Mesh, *, axis: str = TP_AXIS,
+                    local_argmax: bool = True, shard_embedding: bool = False
+                    ) -> tuple[Any, dict, Any]:
+    """``(proposer, params, state)`` ready for tensor-parallel drafting over ``mesh[axis]``.
+
+    The params and the state are placed with :func:`param_shardings` /
+    :func:`state_shardings` (``jax.device_put``; the inputs are not donated, so the caller's
+    arrays stay valid); the proposer (EAGLE / EAGLE-3, DFlash, draft model: anything with
+    ``mesh`` / ``vocab_axis`` fields and a ``model.config``) gets ``mesh=mesh,
+    vocab_axis=axis`` and ``config.use_local_argmax_reduction=local_argmax``. Call
+    ``proposer.propose(params, state, inputs)`` as usual; inputs may stay on one device or be
+    replicated (``NamedSharding(mesh, P())``).
+    """
+    fields = {f.name for f in dataclasses.fields(proposer)} if dataclasses.is_dataclass(proposer) else set()
+    if not {"mesh", "vocab_axis", "config", "model"} <= fields:
+        raise ValueError(f"tensor_parallel needs a proposer with mesh / vocab_axis options (EAGLE, "
+                         f"EAGLE-3, DFlash, draft model), got {type(proposer).__name__}; place "
+                         "other params with param_shardings / state_shardings")
+    cfg = dataclasses.replace(proposer.config, use_local_argmax_reduction=bool(local_argmax))
+    prop = dataclasses.replace(proposer, config=cfg, mesh=mesh, vocab_axis=axis)
+    ps = param_shardings(params, mesh, proposer.model.config, axis=axis,
+                         shard_embedding=shard_embedding)
+    return prop, jax.device_put(params, ps), jax.device_put(state, state_shardings(state, mesh, axis=axis))
+
+
+# ---------------------------------------------------------------------------------------
+# data parallelism over requests
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """Data-parallel drafting: the ``n = mesh.shape[axis]`` devices of ``axis`` each run
+    ``proposer.propose`` on their own batch and their own state; params are replicated.
+
+    Per-shard pytrees (states, inputs) travel stacked on a new leading axis of size ``n``,
+    sharded over ``axis`` (:meth:`stack` / :meth:`unstack`): shard ``i`` is a full,
+    independent batch (its own ``attn_metadata`` with block ids into its own KV cache).
+    All shards must share one shape bucket. The proposer must not itself use a mesh.
+
+    ``propose(params, states, inputs) -> (outputs, states)``: one ``jax.jit`` (states
+    donated) around one ``jax.shard_map``; every leaf in and out is ``[n, ...]``.
+    """
+
+    proposer: Any
+    mesh: Mesh
+    axis: str = DP_AXIS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+        _axis_size(self.mesh, self.axis)
+        if getattr(self.proposer, "mesh", None) is not None:
+            raise ValueError("DataParallel needs a proposer without a mesh (mesh=None): each "
+                             "shard drafts alone")
+
+    @property
+    def size(self) -> int:
+        return int(self.mesh.shape[self.axis])
+
+    def stack(self, trees: Sequence[Any]) -> Any:
+        """``n`` per-shard pytrees of one structure -> one pytree of ``[n, ...]`` leaves,
+        sharded over ``axis`` (the static parts, e.g. ``max_query_len``, must agree)."""
+        trees = list(trees)
+        if len(trees) != self.size:
+            raise ValueError(f"stack needs one pytree per shard of axis {self.axis!r} "
+                             f"({self.size}), got {len(trees)}")
+        structs = {jax.tree.structure(t) for t in trees}
+        if len(structs) != 1:
+            raise ValueError("the per-shard pytrees differ in structure or static fields "
+                             "(use one shape bucket for every shard)")
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+        return jax.device_put(stacked, NamedSharding(self.mesh, P(self.axis)))
+
+    def unstack(self, tree: Any) -> list[Any]:
+        """Inverse of :meth:`stack` (each shard's pytree, as host-visible arrays)."""
+        return [jax.tree.map(lambda x, i=i: x[i], tree) for i in range(self.size)]
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+    def propose(self, params: Mapping, states: Any, inputs: Any) -> tuple[Any, Any]:
+        spec = P(self.axis)
+
+        def local(params, states, inputs):
+            squeeze = functools.partial(jax.tree.map, lambda x: x[0])
+            out, st = type(self.proposer).propose(self.proposer, params, squeeze(states),
+                                                  squeeze(inputs))
+            expand = functools.partial(jax.tree.map, lambda x: x[None])
+            return expand(out), expand(st)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), spec, spec),
+                             out_specs=(spec, spec), check_vma=False)(params, states, inputs)

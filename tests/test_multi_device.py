@@ -1,0 +1,354 @@
+"""Multi-device proposers (``specjax.sharding``): tensor parallel over a ``"tp"`` mesh axis
+and data parallel over requests give the single-device drafts.
+
+The multi-device cases run in subprocesses with fake CPU devices
+(``--xla_force_host_platform_device_count``; this process has already initialised JAX
+with one), started together so that they overlap (the pattern of test_local_argmax.py).
+The sharding rules themselves need no devices and run here.
+
+Tolerances. Drafts must be *equal*. The KV caches are compared with ``assert_allclose``
+(rtol = atol = 1e-5, float32): under TP, o_proj / down_proj are row-parallel, so each
+device sums its slice of the contraction and an all-reduce adds the slices: a different
+summation order than one device's dot, hence ~1e-7 relative rounding per product that
+flows into the next step's K/V (measured max |diff| ~1e-6 on values of order 1). The
+tiny random models' top-2 logit margins are far larger than that, so greedy drafts match
+exactly (the logits themselves are also compared, with the same tolerance). Data
+parallelism runs the same single-device program per shard: drafts and caches are equal.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from specjax.models import registry
+from specjax.sharding import param_specs, state_specs
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+#: XLA:CPU with little LLVM optimisation: compiling is most of these tests' time, and the
+#: reference and the sharded runs share the flags.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+PRELUDE = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={n} {fast}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import dataclasses, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+assert len(jax.devices()) == {n}, jax.devices()
+DEV = np.array(jax.devices())
+"""
+
+#: (method, tp size, use_local_argmax_reduction) per subprocess. EAGLE and EAGLE-3 each at
+#: {2, 4} x {on, off} once between them; the draft model and DFlash once each. The tiny
+#: models have 2 kv heads: at tp=4 attention and caches stay replicated (MLP / vocab split).
+TP_CASES = [("eagle", 2, True), ("eagle", 4, False), ("eagle3", 2, False), ("eagle3", 4, True)]
+TP_CASES_MORE = [("dflash", 2, True), ("draft_model", 4, False)]
+
+TP_BODY = """
+from specjax.sharding import DataParallel, param_specs, state_specs, tensor_parallel
+from test_proposers_warmup import BUCKETS, NUM_BLOCKS, build, make_inputs, _tuple
+
+def close(got, want, what):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=what)
+
+def collectives(hlo):
+    # (op, element count) of every collective in the partitioned program
+    out = []
+    for m in re.finditer(r"= (\\w+)\\[([\\d,]*)\\][^ ]* (all-reduce|all-gather|reduce-scatter|"
+                         r"all-to-all|collective-permute)(-start)?\\(", hlo):
+        out.append((m.group(3), int(np.prod([int(d) for d in m.group(2).split(",") if d]))))
+    return out
+
+bucket = _tuple(BUCKETS[1])
+rng = np.random.default_rng(11)
+for method in dict.fromkeys(m for m, _, _ in CASES):
+    prop, params = build(method)
+    batches = [make_inputs(method, bucket, n, rng) for n in (4, 2)]
+    want, state = [], prop.init_state(NUM_BLOCKS)
+    for inp in batches:                     # two calls, the state carried (donated) between
+        out, state = prop.propose(params, state, inp)
+        want.append(out)
+    want_state = state
+    for m, n, flag in CASES:
+        if m != method:
+            continue
+        what = f"{method} tp={n} local_argmax={flag}"
+        mesh = Mesh(DEV[:n], ("tp",))
+        p, sp, ss = tensor_parallel(prop, params, prop.init_state(NUM_BLOCKS), mesh, local_argmax=flag)
+        assert p.mesh is mesh and p.vocab_axis == "tp" and p.config.use_local_argmax_reduction == flag
+        cfg = prop.model.config
+        # params / state are placed as declared, and big weights really are split
+        specs = param_specs(params, cfg, n)
+        for x, s in zip(jax.tree.leaves(sp), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+            assert x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), (what, x.sharding, s)
+        head = sp["lm_head"]["kernel"]
+        assert head.sharding.spec == P(None, "tp"), what
+        assert head.addressable_shards[0].data.shape == (head.shape[0], head.shape[1] // n), what
+        gate = sp["layers"][0]["mlp"]["gate_proj"]["kernel"]
+        assert gate.addressable_shards[0].data.shape == (gate.shape[0], gate.shape[1] // n), what
+        kv_split = cfg.num_key_value_heads % n == 0
+        q = sp["layers"][0]["self_attn"]["q_proj"]["kernel"]
+        assert q.addressable_shards[0].data.shape == (q.shape[0], q.shape[1] // (n if kv_split else 1))
+        sspecs = state_specs(ss, n)
+        cache_spec = P(None, None, "tp", None) if kv_split else P()
+        assert jax.tree.leaves(sspecs, is_leaf=lambda x: isinstance(x, P))[0] == cache_spec, what
+        # one compilation: the partitioned program is inspected, then run twice
+        compiled = type(p).propose.lower(p, sp, ss, batches[0]).compile()
+        coll = collectives(compiled.as_text())
+        assert any(op == "all-reduce" for op, _ in coll), (what, coll)     # row-parallel sums
+        # Known: DFlash's precompute_and_store_context_kv concatenates the column-sharded
+        # k / v kernels along their sharded axis, so XLA moves kernel slices between devices
+        # (all-to-all / collective-permute) on every call; nothing is all-gathered.
+        moved = ("all-reduce",) + (("all-to-all", "collective-permute") if method == "dflash" else ())
+        big = [c for c in coll if c[0] not in moved and c[1] > 64]
+        assert not big, f"{what}: something larger than argmax pairs is gathered: {big}"
+        if flag:
+            assert not any(op == "all-gather" for op, _ in coll), (what, coll)
+        for i, inp in enumerate(batches):
+            out, ss = compiled(sp, ss, inp)
+            np.testing.assert_array_equal(out.token_ids, want[i].token_ids, err_msg=what)
+            np.testing.assert_array_equal(out.num_drafts, want[i].num_drafts, err_msg=what)
+            assert out.token_ids.sharding.is_fully_replicated, what
+            for x, s in zip(jax.tree.leaves(ss), jax.tree.leaves(sspecs, is_leaf=lambda x: isinstance(x, P))):
+                assert x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), (what, x.sharding)
+        close(ss, want_state, what)
+        # the vocab-sharded head gives the same logits
+        h = jnp.asarray(rng.standard_normal((5, cfg.hidden_size)), jnp.float32)
+        logits = prop.model.compute_draft_logits if method == "eagle3" else prop.model.compute_logits
+        close(jax.jit(logits)(sp, h), logits(params, h), what + " logits")
+        print("tp ok", what, flush=True)
+
+    if method == "eagle3":   # data parallel: 2 shards of the same bucket, each its own batch and cache
+        dp = DataParallel(prop, Mesh(DEV[:2], ("dp",)))
+        outs, states = dp.propose(params, dp.stack([prop.init_state(NUM_BLOCKS)] * 2),
+                                  dp.stack(batches))
+        assert outs.token_ids.shape == (2,) + want[0].token_ids.shape
+        assert outs.token_ids.sharding.spec == P("dp")
+        for i in range(2):
+            single, single_state = prop.propose(params, prop.init_state(NUM_BLOCKS), batches[i])
+            got = dp.unstack(outs)[i]
+            np.testing.assert_array_equal(got.token_ids, single.token_ids)
+            np.testing.assert_array_equal(got.num_drafts, single.num_drafts)
+            for a, b in zip(jax.tree.leaves(dp.unstack(states)[i]), jax.tree.leaves(single_state)):
+                np.testing.assert_array_equal(a, b)
+        print("dp ok", flush=True)
+"""
+
+
+def _start(body: str, n_devices: int, *args: str) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([TESTS, ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.pop("XLA_FLAGS", None)
+    if body:
+        cmd = [sys.executable, "-c", PRELUDE.format(n=n_devices, fast=FAST_COMPILE) + textwrap.dedent(body)]
+    else:   # a script: its own command line
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices} {FAST_COMPILE}"
+        env["JAX_PLATFORMS"] = "cpu"
+        cmd = [sys.executable, *args]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait(proc: subprocess.Popen) -> str:
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 0, f"subprocess failed:\n{out}\n{err[-6000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Both multi-device subprocesses, started at once (they overlap on two cores)."""
+    out_json = str(tmp_path_factory.mktemp("bench") / "multi_gpu.json")
+    procs = {
+        "tp": _start(f"CASES = {TP_CASES!r}\n" + TP_BODY, 4),
+        "tp_more": _start(f"CASES = {TP_CASES_MORE!r}\n" + TP_BODY, 4),
+        "bench": _start("", 2, os.path.join(ROOT, "benchmarks", "multi_gpu.py"), "--small",
+                        "--iters", "2", "--batches", "8", "--dp", "--dp-batches", "8",
+                        "--out", out_json),
+    }
+    yield procs, out_json
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_eagle_tensor_and_data_parallel_match_one_device(jobs):
+    out = _wait(jobs[0]["tp"])
+    for m, n, flag in TP_CASES:
+        assert f"tp ok {m} tp={n} local_argmax={flag}" in out, out
+    assert "dp ok" in out
+
+
+def test_dflash_and_draft_model_tensor_parallel_match_one_device(jobs):
+    out = _wait(jobs[0]["tp_more"])
+    for m, n, flag in TP_CASES_MORE:
+        assert f"tp ok {m} tp={n} local_argmax={flag}" in out, out
+
+
+def test_benchmark_script_smoke(jobs):
+    import json
+
+    out = _wait(jobs[0]["bench"])
+    rows = json.load(open(jobs[1]))["rows"]
+    assert [(r["mode"], r["devices"], r["batch"]) for r in rows] == [
+        ("single", 1, 8), ("tp+local-argmax", 2, 8), ("dp", 2, 8)]
+    for r in rows:
+        assert r["latency_ms"] > 0 and r["pipelined_ms"] > 0 and r["floor_per_device_ms"] > 0
+    # TP halves the split weights and the cache per device: its floor is below one device's
+    assert rows[1]["floor_per_device_ms"] < rows[0]["floor_per_device_ms"]
+    assert "| tp+local-argmax | 2 | 8 |" in out
+
+
+# -- the rules (no devices needed) ----------------------------------------------------------
+
+
+def _cfg(kind, **hf):
+    base = dict(hidden_size=48, intermediate_size=48, num_attention_heads=6, num_key_value_heads=3,
+                head_dim=8, num_hidden_layers=1, vocab_size=60, rms_norm_eps=1e-5)
+    base.update(hf)
+    return registry.config_from_hf(kind, base)
+
+
+def _flat(specs):
+    leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
+    return {".".join(str(getattr(k, "key", k)) for k in path): s for path, s in leaves}
+
+
+def test_eagle3_rules():
+    cfg = _cfg("eagle3", num_key_value_heads=2, draft_vocab_size=32, target_hidden_size=24,
+               has_d2t=True, has_embed_tokens=True, eagle_aux_hidden_state_layer_ids=[1, 3, 5])
+    specs = _flat(param_specs(registry.abstract_params("eagle3", cfg), cfg, 2))
+    L = "layers.0."
+    want = {
+        "fc.kernel": P(), "d2t": P(), "norm.weight": P(), "embed_tokens.embedding": P(),
+        "lm_head.kernel": P(None, "tp"),
+        L + "hidden_norm.weight": P(), L + "input_layernorm.weight": P(),
+        L + "post_attention_layernorm.weight": P(),
+        L + "self_attn.q_proj.kernel": P(None, "tp"), L + "self_attn.k_proj.kernel": P(None, "tp"),
+        L + "self_attn.v_proj.kernel": P(None, "tp"), L + "self_attn.o_proj.kernel": P("tp", None),
+        L + "mlp.gate_proj.kernel": P(None, "tp"), L + "mlp.up_proj.kernel": P(None, "tp"),
+        L + "mlp.down_proj.kernel": P("tp", None),
+    }
+    assert specs == want
+    # P-EAGLE's parallel-drafting hidden state is replicated
+    assert _flat(param_specs({"mask_hidden": jnp.zeros((1, 72))}, cfg, 2)) == {"mask_hidden": P()}
+    # shard_embedding, another axis name
+    specs = _flat(param_specs(registry.abstract_params("eagle3", cfg), cfg, 2, axis="model",
+                              shard_embedding=True))
+    assert specs["embed_tokens.embedding"] == P("model", None)
+    assert specs["lm_head.kernel"] == P(None, "model")
+
+
+def test_biases_qk_norm_tied_head_and_kv_replication():
+    cfg = _cfg("qwen2", qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True, tie_word_embeddings=True)
+    params = registry.abstract_params("qwen2", cfg)
+    assert "lm_head" not in params
+    params = dict(params, lm_head={"embedding": params["embed_tokens"]["embedding"],
+                                   "bias": jax.ShapeDtypeStruct((60,), jnp.float32)})
+    specs = _flat(param_specs(params, cfg, 3))         # 3 kv heads: split
+    a = "layers.0.self_attn."
+    assert specs[a + "q_proj.bias"] == P("tp") and specs[a + "k_proj.bias"] == P("tp")
+    assert specs[a + "o_proj.bias"] == P() and specs[a + "q_norm.weight"] == P()
+    assert specs["layers.0.mlp.up_proj.bias"] == P("tp") and specs["layers.0.mlp.down_proj.bias"] == P()
+    assert specs["lm_head.embedding"] == P("tp", None) and specs["lm_head.bias"] == P("tp")
+    assert specs["embed_tokens.embedding"] == P()
+    # 6 shards > 3 kv heads: the attention block stays whole, the MLP and vocab are split
+    specs = _flat(param_specs(params, _cfg("qwen2", qkv_bias=True, o_bias=True, mlp_bias=True,
+                                           qk_norm=True, tie_word_embeddings=True), 6))
+    for name in ("q_proj.kernel", "k_proj.kernel", "v_proj.bias", "o_proj.kernel"):
+        assert specs[a + name] == P(), name
+    assert specs["layers.0.mlp.gate_proj.kernel"] == P(None, "tp")
+    # the cache follows the kv heads
+    caches = jax.eval_shape(lambda: registry.make_model("qwen2", cfg).init_kv_caches(8, 4))
+    assert jax.tree.leaves(state_specs(caches, 3), is_leaf=lambda x: isinstance(x, P)) == \
+        [P(None, None, "tp", None)] * 2
+    assert jax.tree.leaves(state_specs(caches, 2), is_leaf=lambda x: isinstance(x, P)) == [P()] * 2
+    assert jax.tree.leaves(state_specs({"other": jnp.zeros(3)}, 2),
+                           is_leaf=lambda x: isinstance(x, P)) == [P()]
+
+
+def test_medusa_rules():
+    cfg = registry.config_from_hf("medusa", dict(num_heads=2, num_hidden_layers=1, hidden_size=16,
+                                                 vocab_size=64))
+    specs = _flat(param_specs(registry.abstract_params("medusa", cfg), cfg, 4))
+    assert specs["lm_heads.0.kernel"] == P(None, "tp") and specs["blocks.1.layers.0.kernel"] == P()
+
+
+@pytest.mark.parametrize("kind, hf, n, kw, match", [
+    ("eagle", dict(bias=True, intermediate_size=50), 4, {},
+     r"'layers\.0\.mlp\.(down|gate|up)_proj\.kernel' over mesh axis 'tp' of size 4: "
+     r"intermediate_size \(50\)"),
+    ("llama", dict(intermediate_size=50), 3, {},
+     r"'layers\.0\.mlp\.(down|gate|up)_proj\.kernel'.*intermediate_size \(50\) is not divisible by 3"),
+    ("llama", dict(vocab_size=64), 3, {},
+     r"'lm_head\.kernel'.*vocab size: dimension 1 of shape \(48, 64\) \(64\) is not divisible"),
+    ("llama", dict(vocab_size=64, tie_word_embeddings=True), 3, dict(shard_embedding=True),
+     r"'embed_tokens\.embedding'.*vocab size: dimension 0"),
+    ("eagle3", dict(draft_vocab_size=32, target_hidden_size=24,
+                    eagle_aux_hidden_state_layer_ids=[1, 3, 5]), 3, {},
+     r"'lm_head\.kernel' over mesh axis 'tp' of size 3"),
+])
+def test_not_divisible_names_the_parameter(kind, hf, n, kw, match):
+    cfg = _cfg(kind, **hf)
+    with pytest.raises(ValueError, match=match):
+        param_specs(registry.abstract_params(kind, cfg), cfg, n, **kw)
+
+
+def test_bad_arguments():
+    cfg = _cfg("llama")
+    params = registry.abstract_params("llama", cfg)
+    with pytest.raises(ValueError, match=r"no tensor-parallel rule for params entry 'extra\.w'"):
+        param_specs(dict(params, extra={"w": jnp.zeros(3)}), cfg, 3)
+    with pytest.raises(ValueError, match="axis_size must be a positive int"):
+        param_specs(params, cfg, 0)
+    with pytest.raises(ValueError, match="config must be a specjax ModelConfig"):
+        param_specs(params, None, 3)
+    with pytest.raises(ValueError, match="KV cache leaves"):
+        from specjax.models.attention import KVCache
+        state_specs([KVCache(jnp.zeros((2, 3)), jnp.zeros((2, 3)))], 2)
+    # string layer keys (orbax restores) are read as ints
+    specs = _flat(param_specs(dict(params, layers={"0": params["layers"][0]}), cfg, 3))
+    assert specs["layers.0.mlp.gate_proj.kernel"] == P(None, "tp")
+
+
+def test_proposer_level_argument_checks():
+    import dataclasses
+
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from specjax.sharding import DataParallel, tensor_parallel
+    from test_proposers_warmup import NUM_BLOCKS, build
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    medusa, mparams = build("medusa")
+    with pytest.raises(ValueError, match="tensor_parallel needs a proposer with mesh"):
+        tensor_parallel(medusa, mparams, None, mesh)
+    prop, params = build("eagle")
+    with pytest.raises(ValueError, match="axis must be one of the mesh's axis names"):
+        tensor_parallel(prop, params, prop.init_state(NUM_BLOCKS), mesh, axis="model")
+    p, sp, ss = tensor_parallel(prop, params, prop.init_state(NUM_BLOCKS), mesh, local_argmax=False)
+    assert p.mesh is mesh and not p.config.use_local_argmax_reduction
+    assert prop.mesh is None                      # the original is untouched
+    with pytest.raises(ValueError, match="without a mesh"):
+        DataParallel(p, Mesh(np.array(jax.devices()[:1]), ("dp",)))
+    with pytest.raises(ValueError, match="axis must be one of"):
+        DataParallel(prop, mesh)
+    dp = DataParallel(dataclasses.replace(prop), Mesh(np.array(jax.devices()[:1]), ("dp",)))
+    with pytest.raises(ValueError, match="one pytree per shard"):
+        dp.stack([1, 2])
