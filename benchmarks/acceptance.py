@@ -8,6 +8,7 @@ position acceptance = accepted at position i / drafts) and writes JSON with ``--
 
     python benchmarks/acceptance.py                       # CPU is fine: the models are tiny
     python benchmarks/acceptance.py --methods eagle3 --ks 4 --prompts 8
+    python benchmarks/acceptance.py --methods eagle3 --ks 4 --tree "[(0,), (1,), (0, 0), (1, 0)]"
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def heldout_prompts(num: int, prompt_bytes: int, seed: int) -> tuple[list[list[i
     return prompts, {"stdlib": str(root), "heldout_files": len(held), "include_tests": False}
 
 
-def run(methods, ks, prompts, max_tokens, log=print) -> dict:
+def run(methods, ks, prompts, max_tokens, log=print, trees=()) -> dict:
     target = demo.demo_target()
 
     def engine(prop):
@@ -59,6 +60,19 @@ def run(methods, ks, prompts, max_tokens, log=print) -> dict:
                          "per_position": res.acceptance_rate_per_position, "lossless": ok,
                          "steps": res.num_steps})
             log(f"{m} k={k}: mean acceptance length {res.mean_acceptance_length:.3f} "
+                f"{'OK' if ok else 'MISMATCH'} ({time.perf_counter() - t0:.0f}s)")
+    for m in [m for m in methods if m in ("eagle", "eagle3")] if trees else []:
+        for tree in trees:
+            from specjax.tree import TokenTree
+            t = TokenTree.from_choices(tree)
+            t0 = time.perf_counter()
+            res = engine(demo.demo_proposer(m, t.num_nodes, target, tree=tree)).generate(prompts, sp)
+            ok = res.token_ids == base.token_ids
+            rows.append({"method": f"{m} tree {t.num_nodes} nodes", "tree": tree, "k": t.depth,
+                         "mean_acceptance_length": res.mean_acceptance_length,
+                         "per_position": res.acceptance_rate_per_position, "lossless": ok,
+                         "steps": res.num_steps})
+            log(f"{m} tree {tree}: mean acceptance length {res.mean_acceptance_length:.3f} "
                 f"{'OK' if ok else 'MISMATCH'} ({time.perf_counter() - t0:.0f}s)")
     return {"rows": rows, "plain_tokens": base.num_generated_tokens}
 
@@ -89,12 +103,16 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-bytes", type=int, default=192)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tree", action="append", default=[],
+                    help="also run eagle / eagle3 with this speculative_token_tree (repeatable; "
+                         "its row sits in the column of the tree's depth)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if any(k < 1 or k > 5 for k in a.ks):
         ap.error("--ks must be in 1..5 (Medusa ships 5 heads)")
     prompts, src = heldout_prompts(a.prompts, a.prompt_bytes, a.seed)
-    res = run(a.methods, a.ks, prompts, a.max_tokens, log=lambda s: print(s, file=sys.stderr, flush=True))
+    res = run(a.methods, a.ks, prompts, a.max_tokens, log=lambda s: print(s, file=sys.stderr, flush=True),
+              trees=a.tree)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
             "python": platform.python_version(), "jax": jax.__version__, "prompts": len(prompts),
             "prompt_bytes": a.prompt_bytes, "max_tokens": a.max_tokens, **src}

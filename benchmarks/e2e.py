@@ -107,7 +107,7 @@ class Models:
                                       random_params("llama", cfg, dtype, jax.random.key(0)))
             self.aux = eagle3_default_aux_layer_ids(self.geo["num_hidden_layers"])
 
-    def proposer(self, method: str, k: int, max_model_len: int):
+    def proposer(self, method: str, k: int, max_model_len: int, tree: str | None = None):
         if self.size == "demo":
             return demo.demo_proposer(method, k, self.target, max_model_len=max_model_len,
                                       block_size=BS)
@@ -144,7 +144,10 @@ class Models:
             }[method]
         cfg = registry.config_from_hf(kind, hf)
         params = random_params(kind, cfg, self.dtype, jax.random.key(1))
-        spec = SpeculativeConfig(method=method, num_speculative_tokens=k,
+        if tree is not None:
+            from specjax.tree import TokenTree
+            k = TokenTree.from_choices(tree).num_nodes
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=k, speculative_token_tree=tree,
                                  **({"model": "draft"} if method == "draft_model" else {}))
         return make_proposer(spec, draft=cfg, draft_params=params, **common)
 
@@ -177,6 +180,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write every row as JSON lines here")
     ap.add_argument("--no-demo-tau", action="store_true",
                     help="skip measuring acceptance on the demo models (tau columns become nan)")
+    ap.add_argument("--tree", action="append", default=[],
+                    help="also time eagle / eagle3 with this speculative_token_tree (tree "
+                         "verification + tree drafting; repeatable)")
     ap.add_argument("--no-t1-check", dest="t1_check", action="store_false",
                     help="at B=1, skip timing the unpadded one-token plain step as well")
     args = ap.parse_args(argv)
@@ -188,7 +194,8 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{dev.platform} {dev.device_kind}; target {args.target} {args.dtype}; context {args.context}; "
-          f"k={k}; block {BS}; iters {args.iters}", flush=True)
+          f"k={k}; block {BS}; iters {args.iters}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+          flush=True)
     t0 = time.perf_counter()
     if args.no_demo_tau:
         tau = {m: float("nan") for m in methods}
@@ -231,24 +238,37 @@ def main(argv=None) -> int:
             t1, t1_pad, c1 = timed(None, b, min_tokens_per_step=1)
             gc.collect()
             plain_row("plain (T=1, unpadded)", b, t1, t1_pad, c1)
-        for m in methods:
+        variants = [(m, None) for m in methods] + [
+            (m, t) for m in methods if m in ("eagle", "eagle3") for t in args.tree]
+        for m, tree in variants:
             mk = 1 if m == "extract_hidden_states" else k
+            label = m if tree is None else f"{m} tree"
+            if tree is not None:      # a tree verifies up to its depth: that caps tau
+                from specjax.tree import TokenTree
+                mk = TokenTree.from_choices(tree).depth
             try:
-                ts, ts_pad, sc = timed(models.proposer(m, mk, mml), b)
+                if tree is not None and models.size == "demo":
+                    ts, ts_pad, sc = timed(demo.demo_proposer(m, mk, models.target, max_model_len=mml,
+                                                              block_size=BS, tree=tree), b)
+                elif tree is not None:
+                    ts, ts_pad, sc = timed(models.proposer(m, mk, mml, tree=tree), b)
+                else:
+                    ts, ts_pad, sc = timed(models.proposer(m, mk, mml), b)
             except Exception as e:  # keep the other rows
-                print(f"{m:<22} {b:>3} failed: {type(e).__name__}: {e}", flush=True)
+                print(f"{label:<22} {b:>3} failed: {type(e).__name__}: {e}", flush=True)
                 continue
             finally:
                 gc.collect()
             spec = ts["step_s"] + ts["host_propose_s"]
             ratio = spec / tp["step_s"]
             assumed = min(args.assume_tau, mk + 1) / ratio
-            row = dict(method=m, batch=b, k=mk, plain_ms=tp["step_s"] * 1e3, spec_ms=ts["step_s"] * 1e3,
-                       host_ms=ts["host_propose_s"] * 1e3, ratio=ratio, tau_demo=tau[m],
-                       speedup_demo=tau[m] / ratio, speedup_assumed=assumed,
+            tm = tau[m] if tree is None else float("nan")
+            row = dict(method=label, tree=tree, batch=b, k=mk, plain_ms=tp["step_s"] * 1e3,
+                       spec_ms=ts["step_s"] * 1e3, host_ms=ts["host_propose_s"] * 1e3, ratio=ratio,
+                       tau_demo=tm, speedup_demo=tm / ratio, speedup_assumed=assumed,
                        compile_s=ts["compile_s"], t_pad=ts_pad, kv_copies=sc)
-            print(f"{m:<22} {b:>3} {mk:>2} {tp['step_s'] * 1e3:>9.3f} {ts['step_s'] * 1e3:>9.3f} "
-                  f"{ts['host_propose_s'] * 1e3:>8.3f} {ratio:>6.2f} {tau[m]:>9.2f} {tau[m] / ratio:>7.2f}x "
+            print(f"{label:<22} {b:>3} {mk:>2} {tp['step_s'] * 1e3:>9.3f} {ts['step_s'] * 1e3:>9.3f} "
+                  f"{ts['host_propose_s'] * 1e3:>8.3f} {ratio:>6.2f} {tm:>9.2f} {tm / ratio:>7.2f}x "
                   f"{assumed:>8.2f}x {ts['compile_s']:>9.1f} {ts_pad:>5} {sc:>9}", flush=True)
             if sink:
                 sink.write(json.dumps(row) + "\n")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|models]
-# (models: proposer, end-to-end and training-step costs; not part of `all`, it needs ~6 min)
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|models|profile|multi]
+# (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
+# profiler traces of the engine step; multi: tensor / data parallel proposers on >= 2 GPUs;
+# none of these is part of `all`, each needs several minutes)
 # Each part runs under its own time limit (BENCH_S, NGRAM_S, TESTS_S seconds) so one slow
 # part cannot starve the others inside a device lease. Logs and JSON go to $OUT.
 set -uo pipefail
@@ -23,11 +25,22 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_S:-240}" python benchmarks/kernels.py --iters "${ITERS:-100}" --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -80
   timeout "${NGRAM_S:-90}" python benchmarks/ngram.py --gpu --quick --json "$OUT/ngram.json" 2>&1 | tee "$OUT/ngram.log" | tail -30
 fi
+TREE="[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]"
 if [ "$what" = models ]; then
-  timeout "${PROP_S:-120}" python benchmarks/proposers.py --batches 1,8,64 --json "$OUT/proposers.json" 2>&1 | tee "$OUT/proposers.log" | tail -10
-  timeout "${E2E_S:-300}" python benchmarks/e2e.py --target 8b --batch 1,8,32 --context 1024 --k 3 \
-    --methods ngram eagle3 dflash --json "$OUT/e2e.jsonl" 2>&1 | tee "$OUT/e2e.log" | tail -25
+  timeout "${ATTN_S:-170}" python benchmarks/attention.py --propose --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -20
+  timeout "${PROP_S:-120}" python benchmarks/proposers.py --batches 1,8,64 --tree "$TREE" --json "$OUT/proposers.json" 2>&1 | tee "$OUT/proposers.log" | tail -10
+  # Command buffers off: XLA re-records the fused step's CUDA graph every call otherwise.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "${E2E_S:-420}" python benchmarks/e2e.py \
+    --target 8b --batch 1,8,32 --context 1024 --k 3 --methods ngram eagle3 dflash --tree "$TREE" \
+    --json "$OUT/e2e.jsonl" 2>&1 | tee "$OUT/e2e.log" | tail -25
   timeout "${TRAIN_S:-240}" python benchmarks/train_step.py --steps 30 2>&1 | tee "$OUT/train_step.log" | tail -6
+fi
+if [ "$what" = profile ]; then
+  timeout "${PROF_S:-250}" python benchmarks/profile_step.py --batch 1 --k 3 --propose --out /tmp/specjax_prof 2>&1 | tee "$OUT/profile.log" | grep "^###"
+fi
+if [ "$what" = multi ]; then
+  timeout "${MULTI_S:-400}" python benchmarks/multi_gpu.py --devices 1,2 --batches 1,8,64 --local-argmax on --dp \
+    --iters 30 --out "$OUT/multi_gpu.json" 2>&1 | tee "$OUT/multi_gpu.log" | tail -12
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-240}" python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25

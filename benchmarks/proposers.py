@@ -10,7 +10,11 @@ Floor = bytes that must move / 4.3 TB/s: every draft forward reads the layer wei
 draft lm_head once (the first pass also reads fc), and each forward's attention reads each
 request's cached K/V (1 layer, 8 KV heads x 128, bf16).
 
-Usage: python benchmarks/proposers.py [--batches 1,8,64] [--k 3] [--context 1024] [--json F]
+Tree drafting (``--tree "[(0,), (1,), (0, 0), (1, 0)]"``, repeatable): the first pass, then
+one forward per further level over every node drafted so far (vLLM's ``propose_tree``); its
+floor counts the weights once per level and each level's context plus nodes.
+
+Usage: python benchmarks/proposers.py [--batches 1,8,64] [--k 3] [--context 1024] [--tree T] [--json F]
 """
 
 from __future__ import annotations
@@ -47,73 +51,119 @@ def random_params(abstract, key):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    k, ctx = args.k, args.context
+def eagle3_head(dtype=jnp.bfloat16):
+    """``(model, params, head_weight_bytes, fc_bytes)`` of the 8B-shaped EAGLE-3 head (random
+    weights; the target's embedding shared in)."""
     cfg = registry.config_from_hf("eagle3", dict(
         hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV,
         head_dim=HD, num_hidden_layers=1, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-5,
         rope_theta=500000.0, has_d2t=True, eagle_aux_hidden_state_layer_ids=[2, 16, 29]))
-    dtype = jnp.bfloat16
     own = random_params(registry.abstract_params("eagle3", cfg, dtype), jax.random.key(0))
     target = {"embed_tokens": {"embedding": (jax.random.normal(jax.random.key(1), (V, H), jnp.float32)
                                              * 0.02).astype(dtype)}}
     params = share_target_weights(own, target)
     model = registry.make_model("eagle3", cfg)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(own))
-    fc_bytes = own["fc"]["kernel"].size * 2
+    fc_bytes = own["fc"]["kernel"].size * own["fc"]["kernel"].dtype.itemsize
+    return model, params, weight_bytes, fc_bytes
+
+
+def propose_case(model, b: int, k: int, ctx: int, *, tree: str | None = None, dtype=jnp.bfloat16,
+                 **proposer_kwargs):
+    """``(proposer, state, inputs)`` for ``b`` requests with ``ctx``-token contexts and a target
+    batch of ``k + 1`` tokens each (one decode step verifying ``k`` drafts); ``tree``: a
+    ``speculative_token_tree`` (then ``num_speculative_tokens`` = its node count)."""
+    q = k + 1
+    n_spec = k
+    if tree is not None:
+        from specjax.tree import TokenTree
+        n_spec = TokenTree.from_choices(tree).num_nodes
+    width = -(-(ctx + max(k, n_spec) + 8) // BS)
+    width = 1 << (width - 1).bit_length()          # power-of-two context bucket
+    num_blocks = b * width
+    prop = EagleProposer(SpeculativeConfig(method="eagle3", num_speculative_tokens=n_spec,
+                                           speculative_token_tree=tree), model,
+                         block_size=BS, max_model_len=width * BS,
+                         **{"kernel_backend": "xla", **proposer_kwargs})
+    state = prop.init_state(num_blocks, dtype)
+    table = np.arange(num_blocks, dtype=np.int32).reshape(b, width)
+    md = CommonAttentionMetadata.from_query_lens([q] * b, [ctx] * b, table, block_size=BS)
+    pos = np.tile(np.arange(ctx - q, ctx, dtype=np.int32), b)
+    rng = np.random.default_rng(0)
+    inputs = ProposerInputs(
+        target_token_ids=jnp.asarray(rng.integers(0, V, b * q), jnp.int32),
+        target_positions=jnp.asarray(pos),
+        target_hidden_states=None,
+        aux_hidden_states=(jax.random.normal(jax.random.key(2), (b * q, 3, H), jnp.float32)
+                           .astype(dtype)),
+        next_token_ids=jnp.asarray(rng.integers(0, V, b), jnp.int32),
+        token_indices_to_sample=jnp.asarray(np.arange(1, b + 1) * q - 1, jnp.int32),
+        num_rejected_tokens=jnp.zeros(b, jnp.int32),
+        attn_metadata=md)
+    return prop, state, inputs
+
+
+def time_propose(prop, params, state, inputs, reps: int):
+    """``(median latency s, pipelined s per call, state)``: ``reps`` calls each synced, then
+    ``reps`` back-to-back calls synced once (after one compiling call)."""
+    out, state = prop.propose(params, state, inputs)
+    jax.block_until_ready(out)
+    lat = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out, state = prop.propose(params, state, inputs)
+        jax.block_until_ready(out)
+        lat.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out, state = prop.propose(params, state, inputs)
+    jax.block_until_ready(out)
+    return statistics.median(lat), (time.perf_counter() - t0) / reps, state
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tree", action="append", default=None,
+                    help="also time tree drafting with this speculative_token_tree (repeatable)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    k, ctx = args.k, args.context
+    dtype = jnp.bfloat16
+    model, params, weight_bytes, fc_bytes = eagle3_head(dtype)
     print(f"# jax {jax.__version__}, {jax.devices()[0].device_kind}; head weights {weight_bytes / 1e9:.3f} GB "
           f"(fc {fc_bytes / 1e9:.3f} GB), k={k}, context {ctx}")
     rows = []
+    kv_read = 2 * NKV * HD * 2                      # K and V, bf16, per token, one layer
     for b in [int(s) for s in args.batches.split(",")]:
-        q = k + 1
-        width = -(-(ctx + k + 8) // BS)
-        width = 1 << (width - 1).bit_length()          # power-of-two context bucket
-        num_blocks = b * width
-        prop = EagleProposer(SpeculativeConfig(method="eagle3", num_speculative_tokens=k), model,
-                             block_size=BS, max_model_len=width * BS, kernel_backend="xla")
-        state = prop.init_state(num_blocks, dtype)
-        table = np.arange(num_blocks, dtype=np.int32).reshape(b, width)
-        md = CommonAttentionMetadata.from_query_lens([q] * b, [ctx] * b, table, block_size=BS)
-        pos = np.tile(np.arange(ctx - q, ctx, dtype=np.int32), b)
-        rng = np.random.default_rng(0)
-        inputs = ProposerInputs(
-            target_token_ids=jnp.asarray(rng.integers(0, V, b * q), jnp.int32),
-            target_positions=jnp.asarray(pos),
-            target_hidden_states=None,
-            aux_hidden_states=(jax.random.normal(jax.random.key(2), (b * q, 3, H), jnp.float32)
-                               .astype(dtype)),
-            next_token_ids=jnp.asarray(rng.integers(0, V, b), jnp.int32),
-            token_indices_to_sample=jnp.asarray(np.arange(1, b + 1) * q - 1, jnp.int32),
-            num_rejected_tokens=jnp.zeros(b, jnp.int32),
-            attn_metadata=md)
-        out, state = prop.propose(params, state, inputs)
-        jax.block_until_ready(out)
-        lat = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            out, state = prop.propose(params, state, inputs)
-            jax.block_until_ready(out)
-            lat.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for _ in range(args.reps):
-            out, state = prop.propose(params, state, inputs)
-        jax.block_until_ready(out)
-        pipe = (time.perf_counter() - t0) / args.reps
-        kv_read = 2 * NKV * HD * 2                      # K and V, bf16, per token, one layer
+        prop, state, inputs = propose_case(model, b, k, ctx, dtype=dtype)
+        lat, pipe, state = time_propose(prop, params, state, inputs, args.reps)
+        del state
         kv_bytes = sum(b * (ctx + i) * kv_read for i in range(k))
         floor = ((weight_bytes - fc_bytes) * k + fc_bytes + kv_bytes) / HBM_BPS
-        r = dict(batch=b, k=k, context=ctx, latency_ms=statistics.median(lat) * 1e3,
+        r = dict(batch=b, k=k, context=ctx, latency_ms=lat * 1e3,
                  pipelined_ms=pipe * 1e3, floor_ms=floor * 1e3)
         rows.append(r)
         print(f"B={b:4d}  latency {r['latency_ms']:.3f} ms  pipelined {r['pipelined_ms']:.3f} ms  "
-              f"floor {r['floor_ms']:.3f} ms  ({r['pipelined_ms'] / r['floor_ms']:.2f}x)")
+              f"floor {r['floor_ms']:.3f} ms  ({r['pipelined_ms'] / r['floor_ms']:.2f}x)", flush=True)
+        for tree in args.tree or ():
+            from specjax.tree import TokenTree
+            t = TokenTree.from_choices(tree)
+            prop, state, inputs = propose_case(model, b, k, ctx, tree=tree, dtype=dtype)
+            lat, pipe, state = time_propose(prop, params, state, inputs, args.reps)
+            del state
+            # first pass + one forward per further level over every node so far
+            kv_t = b * (ctx + 1) * kv_read + sum(b * (ctx + n) * kv_read for n in t.cu_level_sizes[:-1])
+            floor = ((weight_bytes - fc_bytes) * t.depth + fc_bytes + kv_t) / HBM_BPS
+            r = dict(batch=b, k=k, context=ctx, tree=tree, nodes=t.num_nodes, depth=t.depth,
+                     latency_ms=lat * 1e3, pipelined_ms=pipe * 1e3, floor_ms=floor * 1e3)
+            rows.append(r)
+            print(f"B={b:4d}  tree {tree} ({t.num_nodes} nodes, depth {t.depth})  latency "
+                  f"{r['latency_ms']:.3f} ms  pipelined {r['pipelined_ms']:.3f} ms  floor "
+                  f"{r['floor_ms']:.3f} ms  ({r['pipelined_ms'] / r['floor_ms']:.2f}x)", flush=True)
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
     return rows

@@ -66,8 +66,11 @@ def demo_target():
 
 
 def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL_LEN,
-                  block_size: int = BLOCK_SIZE):
-    """The demo's proposer of ``method`` with ``k`` speculative tokens (shipped weights)."""
+                  block_size: int = BLOCK_SIZE, tree: str | None = None):
+    """The demo's proposer of ``method`` with ``k`` speculative tokens (shipped weights).
+
+    ``tree``: a ``speculative_token_tree`` for ``eagle`` / ``eagle3`` (tree drafting; ``k``
+    is then ignored: one draft per node)."""
     from specjax import demo_models
     from specjax.proposers import make_proposer
 
@@ -89,6 +92,11 @@ def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL
         raise ValueError(f"method must be one of {ALL_METHODS}, got {method!r}")
     _, cfg, params = demo_models.load(method)
     extra = {"model": "specjax/demo_models/draft_model"} if method == "draft_model" else {}
+    if tree is not None:
+        from specjax.tree import TokenTree
+
+        extra["speculative_token_tree"] = tree
+        k = TokenTree.from_choices(tree).num_nodes
     spec = SpeculativeConfig(method=method, num_speculative_tokens=k, **extra)
     return make_proposer(spec, draft=cfg, draft_params=params, **common)
 
