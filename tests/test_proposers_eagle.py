@@ -229,3 +229,26 @@ def test_construction_errors(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         EagleProposer(**args)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_single_row_batch(method):
+    """B_pad = 1: the chain's single-token steps run on a batch padded with a dummy row
+    (``common.MIN_STEP_ROWS``); the drafts are the reference's and the dummy row writes no
+    KV (every block outside the request's table row is unchanged)."""
+    rng = np.random.default_rng(21)
+    cfg, model, params = head(method)
+    prop = EagleProposer(SpeculativeConfig(method=method, num_speculative_tokens=3), model,
+                         block_size=BS, max_model_len=MML, kernel_backend="xla")
+    reqs, table = _batch(method, cfg, rng, 1, chunked=False, padded=True)
+    state = prop.init_state(NUM_BLOCKS)
+    state = state._replace(kv_caches=[c._replace(k=c.k + 1.0, v=c.v - 1.0) for c in state.kv_caches])
+    before = [np.asarray(c.k) for c in state.kv_caches]
+    out, state = prop.propose(params, state, _inputs(method, reqs, table, [(0, reqs[0]["L"])], True,
+                                                     rng, b_pad=1))
+    assert out.token_ids.shape == (1, 3)
+    want = naive_drafts(method, model, params, reqs[0]["ids"], reqs[0]["hid"], reqs[0]["next"], 3)
+    np.testing.assert_array_equal(out.token_ids[0], want)
+    others = np.setdiff1d(np.arange(NUM_BLOCKS), table[0])
+    for b, c in zip(before, state.kv_caches):
+        np.testing.assert_array_equal(np.asarray(c.k)[others], b[others])

@@ -81,6 +81,8 @@ class PaddedBatchHelpers:
 
 #: Chains of up to this many single-token steps are unrolled at trace time (``chain_steps``).
 MAX_UNROLLED_STEPS = 8
+#: ``chain_steps`` runs its single-token steps on at least this many rows (dummy rows added).
+MIN_STEP_ROWS = 2
 
 #: ``step(params, prev_tokens [B], positions [B], hidden, caches, md)
 #:  -> (tokens [B] int32, hidden, caches)``: one single-token draft forward + greedy pick.
@@ -100,6 +102,21 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
     ``positions [B]`` / ``seq_lens [B]`` are those of each request's last sampled token.
     """
     b, k = drafts.shape
+    if b < MIN_STEP_ROWS:
+        # One-row matmuls take XLA's slow path on the H200 (the draft model's B=1 chain ran
+        # slower than its B=8 chain): run the steps on a batch padded with dummy rows (past
+        # num_reqs: slot -1, no KV written) and keep the real rows.
+        extra = MIN_STEP_ROWS - b
+        pad = lambda x: x if x is None else jnp.concatenate(  # noqa: E731
+            [x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
+        wide = cad.replace(
+            query_start_loc=jnp.concatenate([cad.query_start_loc,
+                                             jnp.repeat(cad.query_start_loc[-1:], extra)]),
+            seq_lens=pad(cad.seq_lens), block_table=pad(cad.block_table))
+        out, caches = chain_steps(step, params, pad(drafts), pad(positions), jax.tree.map(pad, hidden),
+                                  pad(seq_lens), wide, caches, block_size=block_size,
+                                  max_model_len=max_model_len, backend=backend)
+        return out[:b], caches
     n = cad.num_reqs
     step_qsl = jnp.minimum(jnp.arange(b + 1, dtype=_I32), n)
 
