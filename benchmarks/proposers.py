@@ -14,7 +14,13 @@ Tree drafting (``--tree "[(0,), (1,), (0, 0), (1, 0)]"``, repeatable): the first
 one forward per further level over every node drafted so far (vLLM's ``propose_tree``); its
 floor counts the weights once per level and each level's context plus nodes.
 
-Usage: python benchmarks/proposers.py [--batches 1,8,64] [--k 3] [--context 1024] [--tree T] [--json F]
+Every model-based method (``--methods eagle eagle3 dflash medusa draft_model
+extract_hidden_states``): built as ``benchmarks/e2e.py`` builds them against an 8B-shaped
+target (EAGLE-1 and Medusa read the target's full-vocabulary lm_head; the draft model is
+Llama-3.2-1B-shaped); floor per method in ``method_case``.
+
+Usage: python benchmarks/proposers.py [--batches 1,8,64] [--k 3] [--context 1024] [--tree T]
+       [--methods M ...] [--json F]
 """
 
 from __future__ import annotations
@@ -121,6 +127,92 @@ def time_propose(prop, params, state, inputs, reps: int):
     return statistics.median(lat), (time.perf_counter() - t0) / reps, state
 
 
+def method_case(models, method: str, b: int, k: int, ctx: int):
+    """``(impl, params, state, inputs, floor_bytes)`` for ``method`` built like
+    ``benchmarks/e2e.py`` builds it (8B-shaped target, random bf16 weights): ``b`` requests
+    with ``ctx``-token contexts, a target batch of ``k + 1`` tokens each.
+
+    Floor bytes: the draft's weights read once per forward (an embedding table only when it
+    is also the lm_head; gathered rows are ignored; EAGLE-3's fc only in the first pass;
+    Medusa: its first ``k`` heads), times the forwards of the method (chain methods: ``k``;
+    DFlash, Medusa: 1), plus each
+    forward's cached K/V of the draft's layers (extract-hidden-states: the aux states it
+    stores).
+    """
+    from specjax.proposers.common import _hidden_widths
+
+    q = k + 1
+    width = -(-(ctx + 2 * k + 8) // BS)
+    width = 1 << (width - 1).bit_length()
+    mml = width * BS
+    prop = models.proposer(method, 1 if method == "extract_hidden_states" else k, mml)
+    impl, params = prop.impl, prop.params
+    num_blocks = b * width
+    state = impl.init_state(num_blocks, jnp.bfloat16)
+    table = np.arange(num_blocks, dtype=np.int32).reshape(b, width)
+    md = CommonAttentionMetadata.from_query_lens([q] * b, [ctx] * b, table, block_size=BS)
+    rng = np.random.default_rng(0)
+    h, aux = _hidden_widths(impl)
+    key = jax.random.key(2)
+    rand = lambda shape: (jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)  # noqa: E731
+    vocab = models.geo["vocab_size"]
+    inputs = ProposerInputs(
+        target_token_ids=jnp.asarray(rng.integers(0, vocab, b * q), jnp.int32),
+        target_positions=jnp.asarray(np.tile(np.arange(ctx - q, ctx, dtype=np.int32), b)),
+        target_hidden_states=None if h is None else rand((b * q, h)),
+        aux_hidden_states=None if aux is None else rand((b * q, *aux)),
+        next_token_ids=jnp.asarray(rng.integers(0, vocab, b), jnp.int32),
+        token_indices_to_sample=jnp.asarray(np.arange(1, b + 1) * q - 1, jnp.int32),
+        num_rejected_tokens=jnp.zeros(b, jnp.int32),
+        attn_metadata=md)
+    # -- floor
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    names = [(jax.tree_util.keystr(p), x) for p, x in leaves]
+    has_head = any(n.startswith("['lm_head") for n, _ in names)     # lm_head or Medusa's lm_heads
+    weight = sum(x.size * x.dtype.itemsize for n, x in names
+                 if jnp.issubdtype(x.dtype, jnp.floating)
+                 and not (n.startswith("['embed_tokens']") and has_head))
+    fc = sum(x.size * x.dtype.itemsize for n, x in names if n.startswith("['fc']"))
+    cache = jax.tree.leaves(state)
+    kv_tok = sum(x.shape[2] * x.shape[3] * x.dtype.itemsize for x in cache if x.ndim == 4)
+    if method in ("eagle", "eagle3", "draft_model"):
+        first_fc = fc if method == "eagle3" else 0       # EAGLE-1's fc runs every step
+        floor = (weight - first_fc) * k + first_fc + sum(b * (ctx + i) * kv_tok for i in range(k))
+    elif method == "extract_hidden_states":
+        floor = b * q * aux[0] * aux[1] * 2               # the stored aux states (bf16)
+    else:                                                 # one forward: dflash, medusa
+        if method == "medusa":                            # only heads 0 .. k-1 run
+            weight = weight * k // impl.model.config.num_heads
+        floor = weight + b * (ctx + q) * kv_tok
+    return impl, params, state, inputs, floor
+
+
+def all_methods(args) -> list[dict]:
+    """Every model-based method at each batch size (``--methods``)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from e2e import Models
+
+    models = Models(args.target, jnp.bfloat16)
+    rows = []
+    print("| method | B | k | latency ms | pipelined ms | floor ms | pipelined / floor |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for m in args.methods:
+        for b in [int(x) for x in args.batches.split(",")]:
+            impl, params, state, inputs, floor_b = method_case(models, m, b, args.k, args.context)
+            lat, pipe, state = time_propose(impl, params, state, inputs, args.reps)
+            del state
+            kk = 1 if m == "extract_hidden_states" else args.k
+            r = dict(method=m, batch=b, k=kk, context=args.context, latency_ms=lat * 1e3,
+                     pipelined_ms=pipe * 1e3, floor_ms=floor_b / HBM_BPS * 1e3)
+            rows.append(r)
+            print(f"| {m} | {b} | {kk} | {r['latency_ms']:.3f} | {r['pipelined_ms']:.3f} | "
+                  f"{r['floor_ms']:.3f} | {r['pipelined_ms'] / r['floor_ms']:.2f}x |", flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,64")
@@ -129,8 +221,18 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tree", action="append", default=None,
                     help="also time tree drafting with this speculative_token_tree (repeatable)")
+    ap.add_argument("--target", choices=("8b", "1b"), default="8b",
+                    help="with --methods: the target shape the drafts are built for")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="time these methods instead (eagle eagle3 dflash medusa draft_model "
+                         "extract_hidden_states), built as benchmarks/e2e.py builds them")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.methods:
+        rows = all_methods(args)
+        if args.json:
+            json.dump(rows, open(args.json, "w"), indent=1)
+        return rows
     k, ctx = args.k, args.context
     dtype = jnp.bfloat16
     model, params, weight_bytes, fc_bytes = eagle3_head(dtype)
