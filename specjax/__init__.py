@@ -6,7 +6,7 @@ from specjax.converters import _specjax_getattr as _converters_getattr  # lazy l
 __version__ = "0.1.0.dev0"
 
 __all__ = ["PADDING_SLOT_ID", "next_power_of_2", "__version__", "generate", "make_proposer",
-           "SamplingParams", "SpeculativeConfig", "TargetModel"]
+           "SamplingParams", "SpeculativeConfig", "TargetModel", "TokenTree"]
 
 # Lazy: ``import specjax`` stays light (no models, no numba) until these are used.
 _LAZY = {
@@ -16,6 +16,7 @@ _LAZY = {
     "Engine": "specjax.engine",
     "make_proposer": "specjax.proposers",
     "SpeculativeConfig": "specjax.config",
+    "TokenTree": "specjax.tree",
 }
 
 

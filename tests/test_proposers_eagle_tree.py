@@ -194,6 +194,8 @@ def test_token_tree_structure():
     r = np.array(t.ancestor_mask(with_root=True))
     assert r.shape == (9, 9) and r[:, 0].all() and (r[1:, 1:] == m).all() and r[0].sum() == 1
     assert TokenTree.chain(3).is_chain and not t.is_chain
+    import specjax
+    assert specjax.TokenTree is TokenTree
 
 
 def test_tree_attention_against_brute_force():
