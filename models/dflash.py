@@ -56,22 +56,24 @@ class DFlashHead:
         nl, nkv, hd = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
         layers = base.normalize_keys(params)["layers"]
         ctx = rms_norm(context_states, params["hidden_norm"]["weight"], c.rms_norm_eps)
-        att = [layers[i]["self_attn"] for i in range(nl)]
-        w = jnp.stack([jnp.concatenate([a["k_proj"]["kernel"], a["v_proj"]["kernel"]], axis=-1)
-                       for a in att])                                   # [L, H, 2*nkv*hd]
-        kv = jnp.einsum("th,lhd->ltd", ctx, w)
-        if c.qkv_bias:
-            b = jnp.stack([jnp.concatenate([a["k_proj"]["bias"], a["v_proj"]["bias"]]) for a in att])
-            kv = kv + b[:, None, :]
-        tc = context_states.shape[0]
-        k = kv[..., : nkv * hd].reshape(nl, tc, nkv, hd)
-        v = kv[..., nkv * hd:].reshape(nl, tc, nkv, hd)
-        if c.qk_norm:
-            kw = jnp.stack([a["k_norm"]["weight"] for a in att])       # [L, hd]
-            k = rms_norm(k, kw[:, None, None, :], c.rms_norm_eps)
         cos, sin = rope.cos_sin(positions, self._freq())
-        return [write_kv(kv_caches[i], rope.apply_rope(k[i], cos, sin), v[i], slot_mapping)
-                for i in range(nl)]
+        tc = context_states.shape[0]
+        caches = []
+        # Layer by layer, K and V as separate products: no per-call copy of stacked or
+        # concatenated weights, and each product keeps a tensor-parallel split of its kernel
+        # (a concatenation of k/v split along their sharded axis moved weight slices between
+        # devices every call).
+        for i in range(nl):
+            a = layers[i]["self_attn"]
+            k = ctx @ a["k_proj"]["kernel"]
+            v = ctx @ a["v_proj"]["kernel"]
+            if c.qkv_bias:
+                k, v = k + a["k_proj"]["bias"], v + a["v_proj"]["bias"]
+            k, v = k.reshape(tc, nkv, hd), v.reshape(tc, nkv, hd)
+            if c.qk_norm:
+                k = rms_norm(k, a["k_norm"]["weight"], c.rms_norm_eps)
+            caches.append(write_kv(kv_caches[i], rope.apply_rope(k, cos, sin), v, slot_mapping))
+        return caches
 
     def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
                 kv_caches: list[KVCache], attn_metadata: CommonAttentionMetadata):
