@@ -31,8 +31,10 @@ step in which every request has one uncomputed token verifies trees: each reques
 query block is ``[root, node 0, ..., node n-1]`` (root = the last committed token at
 position ``p``; node ``j`` at position ``p + depth(j)``, its KV at logical position
 ``p + 1 + j``) under the tree's ancestor mask (``CommonAttentionMetadata.tree_mask``);
-``specjax.sampler.tree_rejection_sample`` walks the tree from the root on the target's
-argmax; the accepted nodes' KV is moved to ``p + 1 .. p + m`` (``compact_tree_kv``); and
+``specjax.sampler.tree_rejection_sample`` walks the tree from the root (greedy rows on the
+target's argmax, random rows by multi-draft rejection sampling over each node's drafted
+children, lossless; per-request keys as in a chain step); the accepted nodes' KV is
+moved to ``p + 1 .. p + m`` (``compact_tree_kv``); and
 the proposer drafts the next tree from the chain-shaped batch chain drafting would have
 given it (``tree_chain_inputs``), all inside the jitted step. The tree mask is static
 for the whole batch and prompts need causal attention, so a step that prefills a prompt
@@ -40,14 +42,18 @@ is a chain step in which no request verifies drafts (decoding requests verify ju
 root, gaining one token, and are redrafted). Near the end of a request it verifies a
 breadth-first prefix of its tree (every ancestor of a node precedes it): the levels it
 can still use (``max_tokens`` / ``max_model_len``), at most as many nodes as KV slots
-remain before ``max_model_len``; possibly none (root only). Greedy only: a request with
-``temperature > 0`` is a ValueError before anything runs. Metrics: a request-step counts
-its deepest verified level as its draft tokens (the most it can accept) and the accepted
+remain before ``max_model_len``; possibly none (root only). Greedy and random
+(``temperature > 0``, top-k / top-p, seeded) requests mix as in chain steps;
+``rejection_sample_method='synthetic'`` is refused with a tree. (A seeded random request
+is reproducible, but in tree mode its tokens may depend on the rest of the batch: whether
+a step verifies a tree does, and a tree step draws from other key streams than a chain
+step without drafts; its distribution does not.) Metrics: a request-step counts its
+deepest verified level as its draft tokens (the most it can accept) and the accepted
 path's levels as accepted positions (``SpecDecodingStats.num_spec_tokens`` = the tree's
 depth); a chain tree gives exactly chain verification's numbers.
 
 Not supported (yet): chunked prefill, preemption (admission reserves each request's
-worst-case block count instead), random (temperature > 0) tree verification, logprobs,
+worst-case block count instead), synthetic acceptance with tree verification, logprobs,
 penalties and other logits processors (see ``specjax.sampler``).
 """
 
@@ -220,15 +226,21 @@ class _Batch(NamedTuple):
     discard: Any                # [B] bool
 
 
+def _sampling(spec: _Spec, b: _Batch) -> SamplingMetadata:
+    """The step's sampling metadata: per-request keys from the seed and the number of
+    tokens generated so far (``fold_in(key(seed), counter)``)."""
+    keys = jax.vmap(lambda s, c: jax.random.key_data(jax.random.fold_in(jax.random.key(s), c)))(
+        b.seeds, b.counters)
+    return SamplingMetadata(b.temperature, b.top_k, b.top_p, keys, all_greedy=spec.all_greedy)
+
+
 def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch):
     if spec.tree is not None:
         return _tree_step(spec, tparams, dparams, target_kv, draft_state, b)
     cad = b.attn
     hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv, cad)
     logits = spec.target.compute_logits(tparams, hidden[b.sdm.logits_indices])
-    keys = jax.vmap(lambda s, c: jax.random.key_data(jax.random.fold_in(jax.random.key(s), c)))(
-        b.seeds, b.counters)
-    sampling = SamplingMetadata(b.temperature, b.top_k, b.top_p, keys, all_greedy=spec.all_greedy)
+    sampling = _sampling(spec, b)
     rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates, jnp.float32)
     sampled = rejection_sample(b.sdm, None, logits, sampling, rates)
     drafts, extra = None, None
@@ -253,7 +265,7 @@ def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch):
 
 
 # ---------------------------------------------------------------------------------------
-# tree verification step (EAGLE / EAGLE-3 token trees, greedy)
+# tree verification step (EAGLE / EAGLE-3 token trees)
 
 
 def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch):
@@ -261,7 +273,8 @@ def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch)
     node n_r - 1]``, ``n_r`` a breadth-first prefix of the tree; ``b.attn.tree_mask`` is the
     tree's ancestor mask with the root), fused like the padded chain step:
 
-    1. target forward with tree attention; argmax at every slot; ``tree_rejection_sample``;
+    1. target forward with tree attention; logits at every slot; ``tree_rejection_sample``
+       (per-request keys derived from the seed and the tokens generated, as ``_step``);
     2. ``compact_tree_kv``: the accepted nodes' target KV moves to the contiguous positions
        after the root;
     3. ``tree_chain_inputs``: the proposer gets the batch chain drafting would have given it
@@ -284,8 +297,7 @@ def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: _Batch)
     idx = jnp.clip(qsl[:-1, None] + jnp.arange(n_nodes + 1, dtype=jnp.int32)[None, :], 0, t_pad - 1)
     logits = spec.target.compute_logits(tparams, hidden[idx.reshape(-1)]).reshape(bp, n_nodes + 1, -1)
     num_drafts = jnp.where(real, qlen - 1, 0)
-    sampling = SamplingMetadata(b.temperature, b.top_k, b.top_p,
-                                jnp.zeros((bp, 2), jnp.uint32), all_greedy=spec.all_greedy)
+    sampling = _sampling(spec, b)
     out, acc_nodes, n_acc = tree_rejection_sample(logits, b.input_ids[idx[:, 1:]], num_drafts,
                                                   sampling, tree=tree, num_reqs=cad.num_reqs)
     root_pos = jnp.where(real, cad.seq_lens - qlen, 0)          # logical position p of the root
@@ -671,13 +683,6 @@ class Engine:
                  progress: Callable[[int, int, int], None] | None = None) -> GenerateResult:
         """Generate for every prompt; see :func:`generate`."""
         prompts, sps = self._check_inputs(prompts, sampling_params)
-        if self.tree is not None:
-            hot = [i for i, sp in enumerate(sps) if sp.temperature != 0]
-            if hot:
-                raise ValueError(
-                    f"sampling_params[{hot[0]}] has temperature={sps[hot[0]].temperature}: tree "
-                    "verification (a branching speculative_token_tree) is greedy only; use "
-                    "temperature=0 or a chain tree")
         if eos_token_id is not None and not (0 <= int(eos_token_id) < self.vocab_size):
             raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {self.vocab_size})")
         stat_loggers = list(stat_loggers)
@@ -737,8 +742,6 @@ class Engine:
                                                 phases):
             if int(b) * int(q) < self.min_tokens_per_step:      # as _buckets pads it
                 q = _pick(self.query_buckets, -(-self.min_tokens_per_step // int(b)))
-            if tv and not g:         # tree verification is greedy only
-                continue
             batch = self._dummy_batch(int(b), int(q), int(c), tree_verify=tv)
             out = self._run(batch, all_greedy=bool(g), tree_verify=tv)
             jax.block_until_ready(out)

@@ -1,4 +1,4 @@
-"""Tree verification in the decoding loop (``specjax.engine``, greedy).
+"""Tree verification in the decoding loop (``specjax.engine``).
 
 A stub tree proposer drafts around the target's true greedy continuation (looked up among
 the plain greedy outputs from the context the loop's inputs give it): along one branch of
@@ -8,6 +8,11 @@ must accept exactly what a host-side oracle predicts, and the output must equal 
 greedy decoding (lossless) whatever is accepted, whoever joins or leaves the batch, and
 near ``max_tokens`` / ``max_model_len``. A chain tree through the tree path gives exactly
 chain verification's tokens and metrics. The EAGLE tree proposer in the loop is lossless.
+
+Random sampling (temperature > 0): a table stub drafts, from the root token, the target's
+likeliest tokens of the first verification (its children) and of the level below; the
+first two verified tokens are distributed as the target's (chi-square against a dense
+forward), seeded runs are reproducible and greedy requests in the batch stay greedy.
 """
 
 import dataclasses
@@ -23,12 +28,16 @@ from specjax.engine import Engine, SamplingParams, compact_tree_kv, tree_chain_i
 from specjax.proposers import DraftOutput, ModelProposer
 from specjax.tree import TokenTree
 
+from scipy import stats
+
 try:
-    from test_engine import (BS, FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B, V,
+    from test_engine import (BS, FIXED, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B, PROMPTS_A,
+                             PROMPTS_B, SAMPLE_PROMPT, V, _chi2_first_verified, _target_probs,
                              baseline, build, eos_b, target)
 except ImportError:  # tests/ made a package
-    from tests.test_engine import (BS, FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B,
-                                   V, baseline, build, eos_b, target)
+    from tests.test_engine import (BS, FIXED, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B,
+                                   PROMPTS_A, PROMPTS_B, SAMPLE_PROMPT, V, _chi2_first_verified,
+                                   _target_probs, baseline, build, eos_b, target)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -233,11 +242,15 @@ def test_chain_tree_through_the_tree_path_equals_chain_verification(method):
     assert [o[3:] for o in a.outputs] == [o[3:] for o in b.outputs]
 
 
-def test_greedy_only_and_bad_configurations():
+def test_bad_configurations():
     prop = stub(TREES[0])
-    eng = engine(prop)
-    with pytest.raises(ValueError, match="greedy only"):
-        eng.generate([[1, 2]], [SamplingParams(max_tokens=3, temperature=0.7)])
+    tree = prop.impl.token_tree
+    synth = ModelProposer(dataclasses.replace(
+        prop.config, rejection_sample_method="synthetic",
+        synthetic_acceptance_rates=tuple(0.5 ** i for i in range(1, tree.num_nodes + 1))),
+        prop.impl, prop.params, vocab_size=V)
+    with pytest.raises(ValueError, match="synthetic.*not supported with tree"):
+        engine(synth)
     for p in (None, build("ngram", 2)):
         with pytest.raises(ValueError, match="needs a proposer with a token tree"):
             engine(p, tree_verification=True)
@@ -339,3 +352,108 @@ def test_real_tree_eagle_proposer_is_lossless(method):
     assert s.num_spec_tokens == 3 and s.num_drafts > 0 and s.num_draft_tokens <= 3 * s.num_drafts
     out_b = engine(prop, max_num_seqs=3).generate(PROMPTS_B, PARAMS_B, eos_token_id=eos_b())
     assert out_b.token_ids == baseline("B").token_ids
+
+
+# --- random sampling (temperature > 0) ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStub:
+    """Device tree proposer drafting ``params[root token]`` (``[V, N]``, a lookup table
+    of the token the tree will be verified on)."""
+
+    token_tree: TokenTree
+    needs_hidden_states = False
+    needs_aux_hidden_states = False
+    runs_on = "device"
+
+    def init_state(self, num_blocks, dtype=jnp.float32):
+        return jnp.zeros((1,), jnp.int32)
+
+    def propose(self, table, state, inputs):
+        b = inputs.next_token_ids.shape[0]
+        real = jnp.arange(b) < inputs.attn_metadata.num_reqs
+        tok = table[jnp.clip(inputs.next_token_ids, 0, table.shape[0] - 1)]
+        tok = jnp.where(real[:, None], tok, -1).astype(jnp.int32)
+        n = self.token_tree.num_nodes
+        return DraftOutput(tok, jnp.where(real, n, 0).astype(jnp.int32)), state
+
+
+SAMPLE_TREE = TokenTree.from_choices(full_tree((3, 2)))     # (0,) (1,) (2,) (0,0) ... (2,1)
+
+
+@functools.lru_cache(maxsize=None)
+def table_stub():
+    """Root token ``t``: the root's children draft the 3 likeliest tokens after
+    ``SAMPLE_PROMPT + [t]``, child ``(i, r)`` the ``r``-th likeliest after that plus
+    child ``i``'s token (so the first verification accepts often, at both levels)."""
+    tgt, tree = target(4.0), SAMPLE_TREE
+    p1 = _target_probs(tgt, [SAMPLE_PROMPT + [t] for t in range(V)])       # [V, V]
+    top1 = np.argsort(-p1, axis=1)[:, :3]
+    p2 = _target_probs(tgt, [SAMPLE_PROMPT + [t, int(d)] for t in range(V) for d in top1[t]])
+    top2 = np.argsort(-p2, axis=1)[:, :2].reshape(V, 3, 2)
+    table = np.zeros((V, tree.num_nodes), np.int32)
+    for j, node in enumerate(tree.choices):
+        table[:, j] = top1[:, node[0]] if len(node) == 1 else top2[:, node[0], node[1]]
+    cfg = SpeculativeConfig(method="eagle", num_speculative_tokens=tree.num_nodes,
+                            speculative_token_tree=str(list(tree.choices)))
+    return ModelProposer(cfg, TableStub(tree), jnp.asarray(table), vocab_size=V)
+
+
+SAMPLE_KW = dict(max_model_len=16, block_size=BS, query_buckets=(16,), context_buckets=(2,))
+
+
+def _chi2_second_verified(result, tgt):
+    """Tokens 1 and 2 of each request (both from the first tree verification when token 1
+    is accepted) jointly against ``sum_r p(t1 | prompt, t0_r) p(t2 | prompt, t0_r, t1)``."""
+    t0, t1, t2 = (np.array([o.token_ids[i] for o in result.outputs]) for i in range(3))
+    uniq = np.unique(t0)
+    p1 = _target_probs(tgt, [SAMPLE_PROMPT + [int(t)] for t in uniq])                  # [U, V]
+    p2 = _target_probs(tgt, [SAMPLE_PROMPT + [int(t), a] for t in uniq for a in range(V)])
+    joint = p1[:, :, None] * p2.reshape(len(uniq), V, V)                               # [U, V, V]
+    expected = joint[np.searchsorted(uniq, t0)].sum(0).ravel()
+    observed = np.bincount(t1 * V + t2, minlength=V * V).astype(np.float64)
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    return stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue
+
+
+def test_random_tree_sampling_matches_target_distribution():
+    """1000 seeded requests at temperature 1 (max_tokens=4: the prefill emits token 0, one
+    tree verification of both levels emits token 1 and, when it is accepted, token 2):
+    tokens 1 and (1, 2) are distributed as the target's (chi-square, alpha 1e-3), and the
+    drafts (the target's likeliest tokens) are accepted often, at both levels."""
+    tgt, prop = target(4.0), table_stub()
+    # every request in one batch: one prefill step, then tree-verification steps only
+    eng = Engine(tgt, prop, **dict(SAMPLE_KW, max_num_seqs=N_SAMPLES, batch_buckets=(N_SAMPLES,)))
+    assert eng.tree == SAMPLE_TREE
+    sps = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(N_SAMPLES)]
+    out = eng.generate([SAMPLE_PROMPT] * N_SAMPLES, sps)
+    assert all(len(o.token_ids) == 4 for o in out.outputs)
+    s = out.spec_stats
+    assert s.num_spec_tokens == 2 and s.num_drafts >= N_SAMPLES
+    assert s.num_draft_tokens >= 2 * N_SAMPLES       # the first verification: both levels
+    first = s.num_accepted_tokens_per_pos[0] / s.num_drafts
+    assert 0.3 < first < 1.0 and s.num_accepted_tokens_per_pos[1] > 0.1 * s.num_drafts
+    assert _chi2_first_verified(out, tgt) > 1e-3
+    assert _chi2_second_verified(out, tgt) > 1e-3
+
+
+def test_random_tree_sampling_is_reproducible_and_greedy_rows_stay_greedy():
+    tgt, prop = target(4.0), table_stub()
+    prompts = [SAMPLE_PROMPT, [3, 2], [9, 9, 1], SAMPLE_PROMPT]
+    sps = [SamplingParams(max_tokens=8, temperature=0.8, seed=5), SamplingParams(max_tokens=8),
+           SamplingParams(max_tokens=8, temperature=1.0, top_k=5, top_p=0.9, seed=7),
+           SamplingParams(max_tokens=8, temperature=1.2, seed=9)]
+    a = Engine(tgt, prop, **SAMPLE_KW).generate(prompts, sps)
+    b = Engine(tgt, prop, **SAMPLE_KW).generate(prompts, sps)
+    assert a.token_ids == b.token_ids and a.spec_stats == b.spec_stats
+    assert all(len(t) == 8 and all(0 <= x < V for x in t) for t in a.token_ids)
+    assert a.spec_stats.num_accepted_tokens > 0
+    plain = Engine(tgt, None, **SAMPLE_KW).generate([prompts[1]], [sps[1]])
+    assert a.token_ids[1] == plain.token_ids[0]
+    other = Engine(tgt, prop, **SAMPLE_KW).generate(
+        prompts, [dataclasses.replace(sp, seed=sp.seed + 1) if sp.seed is not None else sp
+                  for sp in sps])
+    assert other.token_ids != a.token_ids and other.token_ids[1] == a.token_ids[1]

@@ -1,6 +1,9 @@
-"""Greedy tree verification (``specjax.sampler.tree_greedy_verify``) against a brute-force
-NumPy oracle that enumerates every root-to-node path, and against the chain sampler
-(``rejection_sample``) on chain trees."""
+"""Tree verification (``specjax.sampler``). Greedy (``tree_greedy_verify``) against a
+brute-force NumPy oracle that enumerates every root-to-node path, and against the chain
+sampler (``rejection_sample``) on chain trees. Random (``tree_rejection_sample``,
+temperature > 0): the emitted sequences, over many keys, against their exact distribution
+(every root-to-stop path enumerated in NumPy) by chi-square; a chain tree gives the chain
+sampler's tokens; greedy rows of a mixed batch stay greedy."""
 
 import functools
 
@@ -8,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 from specjax.metadata import SpecDecodeMetadata
 from specjax.sampler import (SamplingMetadata, rejection_sample, tree_greedy_verify,
@@ -186,18 +190,181 @@ def test_chain_tree_equals_chain_rejection_sampler(k):
         np.testing.assert_array_equal(tree_out, chain)
 
 
-def test_tree_rejection_sample_is_greedy_only():
+def test_tree_rejection_sample_greedy_rows_are_tree_greedy_verify():
     tree = TokenTree(((0,), (1,), (0, 0)))
     rng = np.random.default_rng(0)
-    logits = jnp.asarray(rng.normal(size=(2, 4, 9)), jnp.float32)
-    drafts = jnp.asarray(rng.integers(0, 9, (2, 3)), jnp.int32)
-    greedy = SamplingMetadata.create(np.zeros(2))
+    b = 6
+    logits = jnp.asarray(rng.normal(size=(b, 4, 9)), jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, 9, (b, 3)), jnp.int32)
+    drafts = drafts.at[:, 0].set(jnp.argmax(logits[:, 0], -1))    # some acceptances
+    nd = jnp.asarray([3, 3, 1, 0, 2, 3], jnp.int32)
     sample = jax.jit(functools.partial(tree_rejection_sample, tree=tree))
-    out = sample(logits, drafts, None, greedy)
-    ref = _verify(tree)(jnp.argmax(logits, -1), drafts)
-    for a, b in zip(out, ref):
-        np.testing.assert_array_equal(a, b)
-    with pytest.raises(NotImplementedError, match="greedy only"):
-        sample(logits, drafts, None, SamplingMetadata.create(np.array([0.0, 1.0])))
+    ref = _verify(tree)(jnp.argmax(logits, -1), drafts, nd, num_reqs=5)
+    out = sample(logits, drafts, nd, SamplingMetadata.create(np.zeros(b)), num_reqs=5)
+    for a, r in zip(out, ref):
+        np.testing.assert_array_equal(a, r)
+    temps = np.array([0.0, 1.0, 0.0, 0.7, 0.0, 0.0])            # mixed batch
+    mixed = sample(logits, drafts, nd, SamplingMetadata.create(temps), num_reqs=5)
+    g = temps == 0
+    for a, r in zip(mixed, ref):
+        np.testing.assert_array_equal(np.asarray(a)[g], np.asarray(r)[g])
+    assert (np.asarray(mixed[0])[5] == -1).all() and int(mixed[2][5]) == 0    # padding row
     with pytest.raises(ValueError, match="N=3"):
         tree_greedy_verify(jnp.zeros((2, 3), jnp.int32), drafts, tree=tree)
+
+
+# --- random (temperature > 0) tree verification --------------------------------------
+
+
+def processed_probs(logits, temperature, top_k, top_p):
+    """NumPy ``softmax(_process(...))`` of ``[..., V]`` logits (float64)."""
+    x = np.asarray(logits, np.float64) / temperature
+    v = x.shape[-1]
+    srt = -np.sort(-x, axis=-1)
+    if 0 < top_k < v:
+        x = np.where(x < srt[..., top_k - 1 : top_k], -np.inf, x)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if top_p < 1:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        ps = np.take_along_axis(p, order, -1)
+        before = np.cumsum(ps, -1) - ps
+        keep_sorted = (before < top_p) | (np.arange(v) == 0)
+        thr = np.take_along_axis(ps, keep_sorted.sum(-1, keepdims=True) - 1, -1)
+        p = np.where(p < thr, 0.0, p)
+        p /= p.sum(-1, keepdims=True)
+    return p
+
+
+def exact_outcomes(tree: TokenTree, probs, drafts, nd) -> dict:
+    """Every sequence the verifier can emit, with its probability under the target: each
+    token ~ ``p`` at the current node; a token that is a present child's draft moves there,
+    any other token ends the sequence (recovered, or bonus at a node without children)."""
+    out = {}
+
+    def walk(node, prefix, prob):
+        kids = {int(drafts[j]): j for j in range(nd) if tree.parents[j] == node}
+        for t, pt in enumerate(probs[node + 1]):
+            if pt > 0:
+                if t in kids:
+                    walk(kids[t], prefix + (t,), prob * pt)
+                else:
+                    out[prefix + (t,)] = prob * pt
+
+    walk(-1, (), 1.0)
+    return out
+
+
+def chi2_sequences(rows, expected: dict) -> float:
+    """p-value of the emitted sequences (``[B, depth+1]`` rows, -1 padded) against
+    ``expected``; bins expecting < 5 are merged. Asserts no impossible sequence."""
+    counts = {}
+    for r in np.asarray(rows):
+        key = tuple(int(t) for t in r if t != -1)
+        counts[key] = counts.get(key, 0) + 1
+    bad = [k for k in counts if k not in expected]
+    assert not bad, f"impossible sequences emitted: {bad[:5]}"
+    n = len(rows)
+    keys = sorted(expected)
+    exp = np.array([expected[k] for k in keys]) * n
+    obs = np.array([counts.get(k, 0) for k in keys], np.float64)
+    big = exp >= 5
+    if (~big).any():
+        obs = np.append(obs[big], obs[~big].sum())
+        exp = np.append(exp[big], exp[~big].sum())
+    return stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue
+
+
+TREE_32 = TokenTree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)])
+
+
+def random_case(seed, tree, vocab=6, scale=1.5):
+    """Per-node target logits and drafts distinct among siblings; the root's children
+    draft its two likeliest tokens and one other (frequent acceptances, some rejections)."""
+    rng = np.random.default_rng(seed)
+    n = tree.num_nodes
+    logits = (rng.normal(size=(n + 1, vocab)) * scale).astype(np.float32)
+    drafts = np.zeros(n, np.int32)
+    for p in (-1,) + tuple(range(n)):
+        kids = [j for j in range(n) if tree.parents[j] == p]
+        if not kids:
+            continue
+        order = np.argsort(-logits[p + 1])
+        pick = list(order[:2]) + list(rng.permutation(order[2:]))
+        drafts[kids] = np.array(pick[: len(kids)], np.int32)
+    return logits, drafts
+
+
+@functools.lru_cache(maxsize=None)
+def _sample(tree: TokenTree):
+    return jax.jit(functools.partial(tree_rejection_sample, tree=tree))
+
+
+N_ROWS = 20000
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,nd", [
+    (1.0, 0, 1.0, 9), (0.7, 3, 1.0, 9), (1.3, 0, 0.8, 9), (1.0, 0, 1.0, 5)])
+def test_random_tree_verification_is_lossless(temperature, top_k, top_p, nd):
+    """Chi-square (alpha 1e-3) of the emitted sequences against their exact distribution
+    for a tree branching at the root and below; with top-k / top-p (drafts the target
+    cannot emit) and a truncated tree (nodes 5.. absent: (1,) and (2,) are leaves)."""
+    tree = TREE_32
+    logits, drafts = random_case(int(temperature * 10) + top_k + nd, tree)
+    probs = processed_probs(logits, temperature, top_k, top_p)
+    expected = exact_outcomes(tree, probs, drafts, nd)
+    assert abs(sum(expected.values()) - 1) < 1e-9
+    b = N_ROWS
+    sm = SamplingMetadata.create(np.full(b, temperature), np.full(b, top_k), np.full(b, top_p),
+                                 seeds=np.arange(b) + 1000 * nd)
+    out, nodes, n_acc = (np.asarray(x) for x in _sample(tree)(
+        jnp.asarray(np.broadcast_to(logits, (b,) + logits.shape)),
+        jnp.asarray(np.broadcast_to(drafts, (b, tree.num_nodes))),
+        jnp.full((b,), nd, jnp.int32), sm))
+    assert chi2_sequences(out, expected) > 1e-3
+    # accepted nodes: a path of present nodes whose drafts are the emitted tokens
+    seen = set(np.unique(n_acc).tolist())
+    assert seen <= {0, 1, 2} and 2 in seen
+    for r in range(200):
+        path = [int(a) for a in nodes[r] if a >= 0]
+        assert len(path) == n_acc[r] and all(a < nd for a in path)
+        if path:
+            assert tuple(path) == tree.path_to(path[-1])
+        assert [int(drafts[a]) for a in path] == out[r, : len(path)].tolist()
+    # acceptance is what the rule gives: P(first token accepted) = p_root(drafted children)
+    kids = drafts[[j for j in range(nd) if tree.parents[j] == -1]]
+    p_acc = probs[0, kids].sum()
+    assert abs((n_acc > 0).mean() - p_acc) < 4 * np.sqrt(p_acc * (1 - p_acc) / b) + 1e-9
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_random_chain_tree_equals_chain_rejection_sampler(k):
+    """A chain tree at temperature > 0: the chain sampler's tokens for the same keys (same
+    key streams), and both distributed as the target (chi-square)."""
+    tree = TokenTree.chain(k)
+    logits, drafts = random_case(k, tree, scale=1.0)
+    drafts = np.argsort(-logits[:k], axis=1)[:, 1].astype(np.int32)   # second likeliest
+    b = N_ROWS // 2
+    temps = np.full(b, 0.9, np.float32)
+    temps[::7] = 0.0                                                  # a few greedy rows
+    sm = SamplingMetadata.create(temps, seeds=np.arange(b))
+    nd = np.full(b, k, np.int32)
+    nd[::5] = np.arange(len(nd[::5])) % (k + 1)                       # some shorter chains
+    out, _, _ = (np.asarray(x) for x in _sample(tree)(
+        jnp.asarray(np.broadcast_to(logits, (b,) + logits.shape)),
+        jnp.asarray(np.broadcast_to(drafts, (b, k))), jnp.asarray(nd), sm))
+    meta = SpecDecodeMetadata.from_draft_lists([drafts[: nd[r]].tolist() for r in range(b)],
+                                               num_reqs_pad=b, num_drafts_pad=b * k, max_spec_len=k)
+    lg = np.zeros((b * k + b, logits.shape[1]), np.float32)
+    tli, bli = np.asarray(meta.target_logits_indices), np.asarray(meta.bonus_logits_indices)
+    flat = 0
+    for r in range(b):
+        lg[tli[flat : flat + nd[r]]] = logits[: nd[r]]
+        flat += nd[r]
+        lg[bli[r]] = logits[nd[r]]
+    chain = np.asarray(rejection_sample(meta, None, jnp.asarray(lg), sm))
+    np.testing.assert_array_equal(out, chain)
+    full = (temps > 0) & (nd == k)
+    probs = processed_probs(logits, 0.9, 0, 1.0)
+    assert chi2_sequences(out[full], exact_outcomes(tree, probs, drafts, k)) > 1e-3
+    assert chi2_sequences(chain[full], exact_outcomes(tree, probs, drafts, k)) > 1e-3
