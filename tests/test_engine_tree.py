@@ -33,19 +33,12 @@ from scipy import stats
 try:
     from test_engine import (BS, FIXED, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B, PROMPTS_A,
                              PROMPTS_B, SAMPLE_PROMPT, V, _chi2_first_verified, _target_probs,
-                             baseline, build, eos_b, target)
+                             _fast_compiles, baseline, build, eos_b, target)  # noqa: F401 (autouse)
 except ImportError:  # tests/ made a package
     from tests.test_engine import (BS, FIXED, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B,
                                    PROMPTS_A, PROMPTS_B, SAMPLE_PROMPT, V, _chi2_first_verified,
-                                   _target_probs, baseline, build, eos_b, target)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    old = bool(jax.config.values.get("jax_disable_most_optimizations", False))
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+                                   _fast_compiles, _target_probs, baseline, build, eos_b,  # noqa: F401
+                                   target)
 
 
 # --- the stub tree proposer -----------------------------------------------------------

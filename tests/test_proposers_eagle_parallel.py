@@ -38,8 +38,7 @@ from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.converters import CheckpointError, convert, load_pretrained, normalize, read_checkpoint
 from specjax.converters.formats import parallel_drafting_token_id
-from specjax.models import registry, share_target_weights
-from specjax.proposers.base import ProposerInputs
+from specjax.models import registry
 from specjax.proposers.common import ProposeBucket
 from specjax.proposers.eagle import EagleProposer
 
@@ -50,6 +49,7 @@ except ImportError:  # tests/ made a package
 
 from test_converters_cases import CASES, H as CK_H, write_layout
 from test_proposers_eagle import _inputs as _eagle_inputs
+from test_proposers_eagle import head  # the same tiny EAGLE / EAGLE-3 heads (HT = 24)
 
 GEO = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
            rms_norm_eps=1e-5)
@@ -63,26 +63,6 @@ B_PAD = 4
 T_PAD = 64
 DENSE_T = 40          # the reference's token padding (>= L + k - 1)
 PARD = 7              # the parallel-drafting (mask) token id
-
-
-def _target(h, seed=0):
-    rng = np.random.default_rng(seed)
-    emb = rng.standard_normal((V, h)).astype(np.float32)
-    head = (rng.standard_normal((V, h)) / np.sqrt(h)).astype(np.float32)
-    return {"embed_tokens": {"embedding": jnp.asarray(emb)}, "lm_head": {"kernel": jnp.asarray(head.T)}}
-
-
-@functools.lru_cache(maxsize=None)
-def head(method):
-    if method == "eagle":
-        cfg = registry.config_from_hf("eagle", dict(GEO, num_hidden_layers=2, vocab_size=V, bias=True))
-    else:
-        cfg = registry.config_from_hf("eagle3", dict(
-            GEO, num_hidden_layers=1, vocab_size=V, draft_vocab_size=40, target_hidden_size=HT,
-            has_d2t=True, eagle_aux_hidden_state_layer_ids=[1, 3, 5]))
-    own = registry.init_params(method, cfg, 3)
-    params = share_target_weights(own, _target(cfg.hidden_size), kind=method)
-    return cfg, registry.make_model(method, cfg), params
 
 
 def _with_mask(method, params, mask):

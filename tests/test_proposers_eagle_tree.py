@@ -9,7 +9,6 @@ and its ancestors because nothing else is in its sequence.
 
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -50,6 +50,23 @@ def check_proposer(proposer: Any, method: str, model_type: type | tuple[type, ..
     return cfg
 
 
+def check_parallel_drafting_token_id(proposer: Any, vocab_size: int, what: str) -> None:
+    """With ``config.parallel_drafting``: ``proposer.parallel_drafting_token_id`` must be an
+    int in ``[0, vocab_size)`` (``what``: whose mask token, for the message); it is stored
+    back as a plain int. Without parallel drafting nothing is checked."""
+    if not proposer.config.parallel_drafting:
+        return
+    pid = proposer.parallel_drafting_token_id
+    if pid is None:
+        raise ValueError(
+            f"parallel_drafting=True needs parallel_drafting_token_id: {what} mask token (vLLM "
+            "reads dflash_config.mask_token_id, pard_token or ptd_token_id from the draft config)")
+    if isinstance(pid, bool) or not isinstance(pid, (int, np.integer)) or not 0 <= pid < vocab_size:
+        raise ValueError(f"parallel_drafting_token_id must be an int in [0, {vocab_size}) "
+                         f"({what} input vocabulary), got {pid!r}")
+    object.__setattr__(proposer, "parallel_drafting_token_id", int(pid))
+
+
 def init_kv_caches(model: Any, num_blocks: int, block_size: int, dtype) -> Any:
     """The model's zero paged cache with ``num_blocks`` blocks (the target's pool size)."""
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:

@@ -43,6 +43,7 @@ from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,
     chain_steps,
+    check_parallel_drafting_token_id,
     check_proposer,
     check_vocab_sharding,
     draft_output,
@@ -118,16 +119,7 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
                 f"draft_tensor_parallel_size ({draft_tp}) must equal the target's "
                 f"tensor_parallel_size ({tgt_tp}) for method='draft_model' (vLLM); leave it "
                 "unset to use the target's")
-        pid = self.parallel_drafting_token_id
-        if cfg.parallel_drafting:
-            if pid is None:
-                raise ValueError(
-                    "parallel_drafting=True needs parallel_drafting_token_id: the draft model's "
-                    "mask token (vLLM reads dflash_config.mask_token_id, pard_token or ptd_token_id "
-                    "from the draft config)")
-            if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < draft_vocab:
-                raise ValueError(f"parallel_drafting_token_id must be an int in [0, {draft_vocab}), "
-                                 f"got {pid!r}")
+        check_parallel_drafting_token_id(self, draft_vocab, "the draft model's")
 
     @property
     def num_speculative_tokens(self) -> int:

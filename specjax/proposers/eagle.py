@@ -71,6 +71,7 @@ from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,
     chain_steps,
+    check_parallel_drafting_token_id,
     check_proposer,
     check_vocab_sharding,
     draft_output,
@@ -139,16 +140,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             if cfg.disable_padded_drafter_batch:   # SpeculativeConfig refuses it too (vLLM)
                 raise ValueError("parallel_drafting=True needs the padded drafter batch: set "
                                  "disable_padded_drafter_batch=False")
-            pid, vocab = self.parallel_drafting_token_id, self.model.config.vocab_size
-            if pid is None:
-                raise ValueError(
-                    "parallel_drafting=True needs parallel_drafting_token_id: the head's mask "
-                    "token (vLLM reads dflash_config.mask_token_id, pard_token or ptd_token_id "
-                    "from the draft config)")
-            if isinstance(pid, bool) or not isinstance(pid, (int, np.integer)) or not 0 <= pid < vocab:
-                raise ValueError(f"parallel_drafting_token_id must be an int in [0, {vocab}) (the "
-                                 f"head's input vocabulary), got {pid!r}")
-            object.__setattr__(self, "parallel_drafting_token_id", int(pid))
+            check_parallel_drafting_token_id(self, self.model.config.vocab_size, "the head's")
         tree = self.token_tree
         if not tree.is_chain:
             if cfg.num_speculative_tokens != tree.num_nodes:
