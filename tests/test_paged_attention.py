@@ -192,6 +192,9 @@ CPU_CFGS = {
                                  block_k=None, num_splits=None),
     "bf16-g4-causal": Cfg(nh=8, nkv=2, hd=32, bs=8, width=8, qmax=4, b_pad=4, t_pad=16,
                           dtype="bfloat16", block_k=32),
+    # GQA 3 (not a power of two: the merge kernel masks its padded head lanes), 2 splits
+    "f32-g3-causal-split2": Cfg(nh=6, nkv=2, hd=16, bs=8, width=4, qmax=2, b_pad=3, t_pad=7,
+                                num_splits=2),
     "bf16-g2-tree-split4": Cfg(nh=4, nkv=2, hd=16, bs=4, width=8, qmax=3, b_pad=3, t_pad=9,
                                tree=True, dtype="bfloat16", num_splits=4),
 }

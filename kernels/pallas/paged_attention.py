@@ -281,23 +281,64 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     )(query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
       block_table.astype(jnp.int32), q_in, k_cache, v_cache)
 
-    # merge the splits (flash-decoding) and normalize
-    if num_splits == 1:
-        acc, den = o[:, :, 0], l[:, :, 0]
-    else:
-        m_all = jnp.max(m, axis=2, keepdims=True)
-        w = jnp.exp(m - m_all)                                  # [B, nkv, S, ROWS]
-        acc = jnp.sum(o * w[..., None], axis=2)
-        den = jnp.sum(l * w, axis=2)
-    out = acc / jnp.where(den > 0, den, 1.0)[..., None]         # [B, nkv, ROWS, hd]
+    # merge the splits (flash-decoding), normalize, rows -> token order: one small kernel
+    return _merge(query_start_loc.astype(jnp.int32), o, m, l, t_pad=t_pad, num_heads=nh,
+                  max_query_len=max(int(max_query_len), 1), out_dtype=q.dtype, interpret=interpret)
 
-    # rows -> [B, Q, num_heads, hd] -> token order
-    qmax = max(int(max_query_len), 1)
-    out = out[:, :, : qmax * group].reshape(b_pad, nkv, qmax, group, hd)
-    out = out.transpose(0, 2, 1, 3, 4).reshape(b_pad, qmax, nh, hd)
-    qsl = query_start_loc.astype(jnp.int32)
-    t = jnp.arange(t_pad, dtype=jnp.int32)
-    r_t = jnp.minimum(jnp.sum(qsl[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32), b_pad - 1)
-    i_t = jnp.clip(t - qsl[r_t], 0, qmax - 1)
-    res = out[r_t, i_t]
-    return jnp.where((t < qsl[-1])[:, None, None], res, 0).astype(q.dtype)
+
+def _merge_kernel(qsl_ref, o_ref, m_ref, l_ref, out_ref, *, b_pad: int, group: int,
+                  num_splits: int, rows: int, qmax: int):
+    """Program ``(t, h)``: token ``t``'s ``group`` query heads of kv head ``h``. Finds the
+    token's request ``r`` (``qsl[r] <= t < qsl[r + 1]``) and query index ``i``, merges the
+    ``num_splits`` partial results of rows ``i * group + g`` (flash-decoding), normalizes,
+    writes ``out[t, h, g]`` (``g`` padded to a power of two); zeros for tokens past
+    ``qsl[b_pad]``."""
+    t = pl.program_id(0)
+    h = pl.program_id(1)
+    bi = jnp.arange(_pow2_at_least(b_pad), dtype=jnp.int32)
+    ends = pltr.load(qsl_ref.at[jnp.minimum(bi + 1, b_pad)], mask=bi < b_pad,
+                     other=np.iinfo(np.int32).max)             # qsl[1 : b_pad + 1]
+    r = jnp.minimum(jnp.sum((ends <= t).astype(jnp.int32)), b_pad - 1)
+    i = jnp.clip(t - qsl_ref[r], 0, qmax - 1)
+    valid = t < qsl_ref[b_pad]
+
+    g = jnp.arange(_pow2_at_least(group), dtype=jnp.int32)
+    g_ok = g < group
+    row = jnp.minimum(i * group + g, rows - 1)
+    s = jnp.arange(_pow2_at_least(num_splits), dtype=jnp.int32)
+    sc = jnp.minimum(s, num_splits - 1)
+    ok = (s < num_splits)[:, None] & g_ok[None, :]                # [S2, G2]
+    hd = o_ref.shape[-1]
+    col = jnp.arange(hd, dtype=jnp.int32)
+    m = pltr.load(m_ref.at[r, h, sc[:, None], row[None, :]], mask=ok, other=_NEG)
+    l = pltr.load(l_ref.at[r, h, sc[:, None], row[None, :]], mask=ok, other=0.0)
+    o = pltr.load(o_ref.at[r, h, sc[:, None, None], row[None, :, None], col[None, None, :]],
+                  mask=ok[:, :, None], other=0.0)              # [S2, G2, hd]
+    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])
+    acc = jnp.sum(o * w[:, :, None], axis=0)                  # [G2, hd]
+    den = jnp.sum(l * w, axis=0)
+    out = acc / jnp.where(den > 0, den, 1.0)[:, None]
+    out_ref[...] = jnp.where(valid, out, 0.0).astype(out_ref.dtype)
+
+
+def _merge(qsl: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, *, t_pad: int,
+           num_heads: int, max_query_len: int, out_dtype, interpret: bool) -> jax.Array:
+    """The split-K epilogue as one kernel: ``o [B, nkv, S, ROWS, hd]``, ``m``, ``l [B, nkv,
+    S, ROWS]`` -> ``[t_pad, num_heads, hd]`` in ``out_dtype`` (replaces four XLA fusions:
+    max, exp, two sums, the normalization and the gather back to token order)."""
+    b_pad, nkv, splits, rows, hd = o.shape
+    group = num_heads // nkv
+    g2 = _pow2_at_least(group)
+    kernel = functools.partial(_merge_kernel, b_pad=b_pad, group=group,
+                               num_splits=splits, rows=rows, qmax=max_query_len)
+    out = pl.pallas_call(
+        kernel,
+        grid=(t_pad, nkv),
+        out_specs=pl.BlockSpec((None, None, g2, hd), lambda t, h: (t, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((t_pad, nkv, g2, hd), out_dtype),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"paged_attention_merge_s{splits}",
+    )(qsl, o, m, l)
+    # a power-of-two group (every usual model): the slice is empty and the reshape free
+    return out[:, :, :group].reshape(t_pad, num_heads, hd)
