@@ -48,6 +48,7 @@ from specjax.proposers.common import (
     check_vocab_sharding,
     draft_output,
     init_kv_caches,
+    on_min_rows,
     proposer_argmax,
 )
 
@@ -196,4 +197,4 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
 
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token of each row of ``hidden [N, H]`` (the draft's own lm_head)."""
-        return proposer_argmax(self, self.model.compute_logits(params, hidden))
+        return on_min_rows(lambda x: proposer_argmax(self, self.model.compute_logits(params, x)), hidden)

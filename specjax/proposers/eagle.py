@@ -76,6 +76,7 @@ from specjax.proposers.common import (
     check_vocab_sharding,
     draft_output,
     init_kv_caches,
+    on_min_rows,
     proposer_argmax,
 )
 from specjax.proposers.tree import top_tokens, tree_drafts
@@ -301,9 +302,10 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token (target vocabulary) of each row of ``hidden [N, H]``."""
         if self.config.method == "eagle3":
-            d = proposer_argmax(self, self.model.compute_draft_logits(params, hidden))
+            d = on_min_rows(lambda x: proposer_argmax(self, self.model.compute_draft_logits(params, x)),
+                            hidden)
             return self.model.draft_to_target_ids(params, d).astype(_I32)
-        return proposer_argmax(self, self.model.compute_logits(params, hidden))
+        return on_min_rows(lambda x: proposer_argmax(self, self.model.compute_logits(params, x)), hidden)
 
 
 def prepare_inputs(attn_metadata: CommonAttentionMetadata, sampled_token_ids: Sequence[Sequence[int]],
