@@ -98,12 +98,18 @@ def profile(eng: Engine, b: int, context: int, steps: int, log_dir: str) -> dict
     return dict(r, step_ms=out["step_s"] * 1e3)
 
 
-def profile_propose(b: int, k: int, context: int, steps: int, log_dir: str) -> dict:
-    """The 8B-shaped EAGLE-3 head's ``propose`` alone (benchmarks/proposers.py's case),
-    each call synced as in its latency column."""
-    from proposers import eagle3_head, propose_case
-    model, params, _, _ = eagle3_head()
-    prop, state, inputs = propose_case(model, b, k, context)
+def profile_propose(b: int, k: int, context: int, steps: int, log_dir: str,
+                    models=None, method: str | None = None) -> dict:
+    """A proposer's ``propose`` alone, each call synced as in benchmarks/proposers.py's
+    latency column: the 8B-shaped EAGLE-3 head of its default table, or (``models``,
+    ``method``) any method built as its ``--methods`` table builds it."""
+    if method is None:
+        from proposers import eagle3_head, propose_case
+        model, params, _, _ = eagle3_head()
+        prop, state, inputs = propose_case(model, b, k, context)
+    else:
+        from proposers import method_case
+        prop, params, state, inputs, _ = method_case(models, method, b, k, context)
     box = [state]
 
     def calls(n):
@@ -148,6 +154,10 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--propose", action="store_true",
                     help="also profile the 8B-shaped EAGLE-3 propose alone (k=--k, B=--batch)")
+    ap.add_argument("--propose-methods", nargs="+", default=(),
+                    help="profile these methods' propose alone (built as benchmarks/proposers.py "
+                         "--methods builds them)")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine-step profiles")
     ap.add_argument("--out", default="/tmp/specjax_profile")
     args = ap.parse_args(argv)
     dtype = jax.numpy.bfloat16 if gpu else jax.numpy.float32
@@ -163,17 +173,23 @@ def main(argv=None) -> int:
                       batch_buckets=(args.batch,), context_buckets=(mml // BS,), kv_dtype=dtype)
 
     results = {}
-    results["plain"] = profile(engine(None), args.batch, args.context, args.steps,
-                               os.path.join(args.out, "plain"))
-    for m in args.methods:
-        results[m] = profile(engine(models.proposer(m, args.k, mml)), args.batch, args.context,
-                             args.steps, os.path.join(args.out, m))
+    if not args.no_engine:
+        results["plain"] = profile(engine(None), args.batch, args.context, args.steps,
+                                   os.path.join(args.out, "plain"))
+        for m in args.methods:
+            results[m] = profile(engine(models.proposer(m, args.k, mml)), args.batch, args.context,
+                                 args.steps, os.path.join(args.out, m))
     if args.propose:
         results["propose alone"] = profile_propose(args.batch, args.k, args.context, args.steps,
                                                    os.path.join(args.out, "propose"))
+    for m in args.propose_methods:
+        results[f"{m} propose alone"] = profile_propose(
+            args.batch, args.k, args.context, args.steps, os.path.join(args.out, f"propose_{m}"),
+            models=models, method=m)
     for name, r in results.items():
         print(_table(name, r, args.top), "\n", flush=True)
-    print("# device processes counted:", results["plain"]["processes"])
+    if results:
+        print("# device processes counted:", next(iter(results.values()))["processes"])
     with open(os.path.join(args.out, "profile.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0

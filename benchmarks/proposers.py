@@ -155,7 +155,7 @@ def method_case(models, method: str, b: int, k: int, ctx: int):
     h, aux = _hidden_widths(impl)
     key = jax.random.key(2)
     rand = lambda shape: (jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)  # noqa: E731
-    vocab = models.geo["vocab_size"]
+    vocab = models.geo["vocab_size"] if models.geo else models.target.model.config.vocab_size
     inputs = ProposerInputs(
         target_token_ids=jnp.asarray(rng.integers(0, vocab, b * q), jnp.int32),
         target_positions=jnp.asarray(np.tile(np.arange(ctx - q, ctx, dtype=np.int32), b)),
