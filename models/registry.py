@@ -11,6 +11,12 @@ Optional tensors (``embed_tokens`` of EAGLE-3 / DFlash, DFlash ``lm_head``, ``d2
 the config's ``has_*`` flags (None counts as absent). A converter that knows which optional
 tensors it found sets the flags with :func:`config_with_tensors` (or puts ``has_embed_tokens``
 etc. into the hf_config) so that the saved config restores the same structure.
+
+Optional params entry outside the tensor table: ``mask_hidden`` (:data:`MASK_HIDDEN`), the
+parallel-drafting hidden state of a P-EAGLE EAGLE-1 / EAGLE-3 checkpoint, a top-level
+``[size]`` float vector (:func:`mask_hidden_abstract` gives its shape; the converters put it
+into the params, ``specjax.training.export`` writes it back). ``abstract_params`` leaves it
+out unless asked (``mask_hidden=True``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ __all__ = [
     "KINDS", "ModelConfig", "config_from_hf", "config_to_dict", "config_with_tensors",
     "expected_tensors", "params_from_tensors", "tensors_from_params", "abstract_params",
     "random_tensors", "init_params", "make_model", "tensor_table",
+    "MASK_HIDDEN", "MASK_HIDDEN_KINDS", "mask_hidden_size", "mask_hidden_abstract",
 ]
 
 _PRESENCE = ("has_embed_tokens", "has_lm_head", "has_d2t", "has_token_map")
@@ -379,14 +386,54 @@ def _included(x: Entry, config: ModelConfig) -> bool:
     return x.required or bool(getattr(config, x.flag))
 
 
-def abstract_params(kind: str, config: ModelConfig, dtype=jnp.float32) -> dict:
-    """``jax.ShapeDtypeStruct`` pytree with the structure ``params_from_tensors`` builds."""
+def abstract_params(kind: str, config: ModelConfig, dtype=jnp.float32, *,
+                    mask_hidden: bool = False) -> dict:
+    """``jax.ShapeDtypeStruct`` pytree with the structure ``params_from_tensors`` builds.
+
+    ``mask_hidden=True`` adds the optional top-level ``mask_hidden`` entry
+    (:func:`mask_hidden_abstract`) of a P-EAGLE head; ValueError for a kind without one."""
     out: dict = {}
     for x in tensor_table(kind, config):
         if _included(x, config):
             shape = x.shape[::-1] if x.conv == "linear" else x.shape
             _set(out, x.path, jax.ShapeDtypeStruct(shape, jnp.int32 if x.conv == "int" else dtype))
+    if mask_hidden:
+        m = mask_hidden_abstract(kind, config, dtype)
+        if m is None:
+            raise ValueError(f"kind {kind!r} has no {MASK_HIDDEN!r} entry (kinds with one: "
+                             f"{', '.join(MASK_HIDDEN_KINDS)})")
+        out[MASK_HIDDEN] = m
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# optional params entries outside the tensor table
+
+#: The top-level params entry of a P-EAGLE checkpoint's parallel-drafting hidden state
+#: (``models/eagle.py`` / ``models/eagle3.py``; the converters' ``extra_params``).
+MASK_HIDDEN = "mask_hidden"
+#: Kinds whose params may hold :data:`MASK_HIDDEN`.
+MASK_HIDDEN_KINDS = ("eagle", "eagle3")
+
+
+def mask_hidden_size(kind: str, config: ModelConfig) -> int | None:
+    """Values ``params["mask_hidden"]`` holds for ``kind`` / ``config``, None for kinds
+    without one: EAGLE-1 ``hidden_size`` (the mask slots' hidden input), EAGLE-3 the fc
+    input size ``num_aux * (target_hidden_size or hidden_size)`` (``fc`` is applied to it)."""
+    if kind != config.kind:
+        raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
+    if kind == "eagle":
+        return config.hidden_size
+    if kind == "eagle3":
+        return config.num_aux * (config.target_hidden_size or config.hidden_size)
+    return None
+
+
+def mask_hidden_abstract(kind: str, config: ModelConfig, dtype=jnp.float32):
+    """``jax.ShapeDtypeStruct((size,), dtype)`` of the optional ``mask_hidden`` entry (the
+    flat form the converters build), None for kinds without one."""
+    size = mask_hidden_size(kind, config)
+    return None if size is None else jax.ShapeDtypeStruct((size,), dtype)
 
 
 def params_from_tensors(kind: str, config: ModelConfig, tensors: Mapping[str, np.ndarray],

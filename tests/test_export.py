@@ -334,3 +334,149 @@ def test_failed_tensor_write_leaves_nothing(tmp_path, monkeypatch, exc):
     monkeypatch.undo()
     export_checkpoint(kind, config, params, old, format="eagle3", overwrite=True)
     assert specjax.load_pretrained(old)[0] == "eagle3"
+
+
+# -- P-EAGLE mask_hidden (parallel drafting) ---------------------------------------------------
+
+#: format -> on-disk shape of mask_hidden for the CASES config (EAGLE-1: [1, H]; EAGLE-3:
+#: [1, 1, num_aux * target_hidden_size], speculators' P-EAGLE parameter)
+MASK_FORMATS = {"eagle": (1, 32), "eagle3": (1, 1, 96), "eagle3-speculators": (1, 1, 72)}
+
+
+def with_mask_hidden(kind, config, params, seed=1, dtype=np.float32):
+    m = registry.mask_hidden_abstract(kind, config)
+    mask = np.random.default_rng(seed).standard_normal(m.shape).astype(dtype)
+    return dict(params, mask_hidden=mask)
+
+
+def test_registry_describes_mask_hidden():
+    for fmt, disk in MASK_FORMATS.items():
+        kind, config, _ = make(fmt)
+        m = registry.mask_hidden_abstract(kind, config)
+        assert m.shape == (int(np.prod(disk)),) and m.dtype == np.float32
+        assert registry.mask_hidden_size(kind, config) == m.shape[0]
+        # abstract_params: unchanged by default, the entry added on request
+        plain = registry.abstract_params(kind, config)
+        assert registry.MASK_HIDDEN not in plain
+        full = registry.abstract_params(kind, config, mask_hidden=True)
+        assert full.pop(registry.MASK_HIDDEN) == m and full == plain
+    for fmt in ("llama", "dflash", "medusa"):
+        kind, config, _ = make(fmt)
+        assert registry.mask_hidden_abstract(kind, config) is None
+        with pytest.raises(ValueError, match=r"kind '\w+' has no 'mask_hidden' entry .*eagle, eagle3"):
+            registry.abstract_params(kind, config, mask_hidden=True)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", list(MASK_FORMATS))
+def test_mask_hidden_round_trip(tmp_path, fmt, dtype):
+    """export -> load_pretrained (direct) and specjax-convert -> load_pretrained: the same
+    params, mask_hidden included, and the parallel-drafting token in mask_token_id."""
+    kind, config, params = make(fmt)
+    config = config.replace(mask_token_id=11)
+    params = with_mask_hidden(kind, config, params)
+    out = export_checkpoint(kind, config, params, tmp_path / "out", format=fmt, dtype=dtype)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    t = read_safetensors_header(out / "model.safetensors")
+    assert t["mask_hidden"].shape == MASK_FORMATS[fmt] and t["mask_hidden"].dtype == DTYPES[dtype]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["pard_token"] == 11 and "ptd_token_id" not in cfg
+
+    kind2, config2, params2 = specjax.load_pretrained(out)
+    assert kind2 == kind and config2.mask_token_id == 11
+    assert_same_config(config2, config)
+    assert_bit_equal(params2, params, DTYPES[dtype])
+
+    assert cli.main([str(out), str(tmp_path / "conv"), "-q"]) == 0
+    kind3, config3, params3 = specjax.load_pretrained(tmp_path / "conv")
+    assert kind3 == kind and config3.mask_token_id == 11
+    assert_same_config(config3, config)
+    assert_bit_equal(params3, params, DTYPES[dtype])
+
+
+def test_without_mask_hidden_nothing_changes(tmp_path):
+    for fmt in MASK_FORMATS:
+        kind, config, params = make(fmt)
+        out = export_checkpoint(kind, config, params, tmp_path / fmt, format=fmt)
+        assert "mask_hidden" not in read_safetensors_header(out / "model.safetensors")
+        cfg = json.loads((out / "config.json").read_text())
+        assert not {"pard_token", "ptd_token_id"} & set(cfg)
+        kind2, config2, params2 = specjax.load_pretrained(out)
+        assert "mask_hidden" not in params2 and config2.mask_token_id == -1
+        assert_same_config(config2, config)
+
+
+@pytest.mark.parametrize("fmt, mask, needle", [
+    ("eagle3", np.zeros((1, 1, 96), np.float32),
+     r"params\['mask_hidden'\] has shape \(1, 1, 96\); the eagle3 head needs shape \(96,\) "
+     r"\(fc input size = 3 aux states x target_hidden_size 32\); reshape it to \(96,\)"),
+    ("eagle3-speculators", np.zeros(96, np.float32),
+     r"has shape \(96,\); the eagle3 head needs shape \(72,\) .*target_hidden_size 24\) "
+     r"\(96 values\)"),
+    ("eagle", np.zeros(33, np.float32),
+     r"has shape \(33,\); the eagle head needs shape \(32,\) \(hidden_size\)"),
+    ("eagle", np.zeros(32, np.int32), r"params\['mask_hidden'\] has dtype int32, expected a float"),
+    ("dflash", np.zeros(32, np.float32),
+     r"params\['mask_hidden'\] .* cannot be written in format 'dflash' \(formats that carry "
+     r"mask_hidden: eagle, eagle3, eagle3-speculators\)"),
+    ("llama", np.zeros(32, np.float32), r"cannot be written in format 'llama' .*eagle3-speculators"),
+    ("medusa-vllm", np.zeros(32, np.float32), r"cannot be written in format 'medusa-vllm'"),
+])
+def test_bad_mask_hidden_is_refused(tmp_path, fmt, mask, needle):
+    kind, config, params = make(fmt)
+    with pytest.raises(ValueError, match=needle):
+        export_checkpoint(kind, config, dict(params, mask_hidden=mask), tmp_path / "out",
+                          format=fmt)
+    assert os.listdir(tmp_path) == []  # nothing written, not even a temporary directory
+
+
+def test_parallel_drafting_token_fields(tmp_path):
+    kind, config, params = make("eagle3-speculators")
+    config = config.replace(mask_token_id=5)
+    # a field of the caller's choice replaces the default pard_token
+    out = export_checkpoint(kind, config, params, tmp_path / "a", format="eagle3-speculators",
+                            extra_config={"ptd_token_id": 5})
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["ptd_token_id"] == 5 and "pard_token" not in cfg
+    assert specjax.load_pretrained(out)[1].mask_token_id == 5
+    # one that disagrees with the config is refused before anything is written
+    with pytest.raises(ValueError, match=r"mask_token_id=5 \(the parallel-drafting token; would "
+                                         r"load back as 6\)"):
+        export_checkpoint(kind, config, params, tmp_path / "b", format="eagle3-speculators",
+                          extra_config={"ptd_token_id": 6})
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+    # a draft LM (PARD) keeps its token too
+    kind, config, params = make("qwen3")
+    out = export_checkpoint(kind, config.replace(mask_token_id=9), params, tmp_path / "lm",
+                            format="qwen3")
+    assert json.loads((out / "config.json").read_text())["pard_token"] == 9
+    assert specjax.load_pretrained(out)[1].mask_token_id == 9
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_round_tripped_mask_hidden_drafts_the_same(tmp_path, method):
+    """A parallel-drafting proposer drafts the same tokens with the exported-and-reloaded
+    head (its mask_hidden, its token id) as with the original params."""
+    from test_proposers_eagle_parallel import PARD, _batch, _proposer, _run, _with_mask, head
+
+    cfg, model, params = head(method)
+    params = _with_mask(method, params, "flat")
+    cfg = cfg.replace(mask_token_id=PARD)
+    fmt = "eagle3-speculators" if method == "eagle3" else "eagle"
+    # the target's shared embedding / lm_head in params are skipped by the export
+    out = export_checkpoint(method, cfg, params, tmp_path / "o", format=fmt, dtype="fp32")
+    _, cfg2, back = specjax.load_pretrained(out)
+    assert cfg2.mask_token_id == PARD and "mask_hidden" in back
+    back = {**params, **back}  # the target's shared embedding / lm_head again
+    prop = _proposer(method, 3, model)
+    rng = np.random.default_rng(3)
+    reqs, table = _batch(method, cfg, rng, 3, chunked=False, padded=True)
+    a, _ = _run(prop, params, method, reqs, table, chunked=False, padded=True,
+                rng=np.random.default_rng(4))
+    b, _ = _run(prop, back, method, reqs, table, chunked=False, padded=True,
+                rng=np.random.default_rng(4))
+    np.testing.assert_array_equal(np.asarray(a.token_ids), np.asarray(b.token_ids))
+    # and the mask state matters: without it (zeros) the drafts differ somewhere
+    c, _ = _run(prop, {k: v for k, v in back.items() if k != "mask_hidden"}, method, reqs,
+                table, chunked=False, padded=True, rng=np.random.default_rng(4))
+    assert not np.array_equal(np.asarray(c.token_ids), np.asarray(b.token_ids))

@@ -29,6 +29,19 @@ format                   kind     layout written
                                   ``token_map`` (int64)
 =======================  =======  ==========================================================
 
+P-EAGLE (parallel drafting): params of an ``eagle`` / ``eagle3`` head may hold the optional
+top-level ``mask_hidden`` entry (``registry.mask_hidden_abstract``: ``[size]`` floats,
+EAGLE-1 ``hidden_size``, EAGLE-3 ``num_aux * target_hidden_size``). Every EAGLE-1 / EAGLE-3
+format writes it as the top-level tensor ``mask_hidden`` of ``model.safetensors``, the name
+vLLM's loaders look for (``"mask_hidden" in name``, read with ``.view(1, -1)``) and that
+``converters.formats._take_mask_hidden`` takes: shape ``[1, H]`` for ``eagle`` (the
+``[1, size]`` form of vLLM's EAGLE-3 buffer), ``[1, 1, num_aux * Ht]`` for ``eagle3`` / ``eagle3-speculators``
+(speculators' P-EAGLE parameter). Other formats cannot carry it: ValueError. A
+parallel-drafting token id (``config.mask_token_id >= 0`` of an EAGLE / EAGLE-3 head or a
+draft LM) is written as the top-level ``pard_token`` (vLLM reads ``dflash_config.mask_token_id``,
+``pard_token``, ``ptd_token_id``; its speculators P-EAGLE mapping writes ``pard_token``),
+unless ``extra_config`` names one of those fields itself.
+
 Before anything is written, the layout is read back in memory by the converters
 (``detect_format`` must name the same format, and the normalized config must equal
 ``config``); a config the format cannot express (e.g. Qwen2 without q/k/v bias, a
@@ -49,7 +62,7 @@ import numpy as np
 from safetensors.numpy import save_file as _save_file
 
 from specjax.converters.errors import DestinationExistsError
-from specjax.converters.pipeline import write_dir_atomically
+from specjax.converters.pipeline import PARALLEL_TOKEN_KINDS, write_dir_atomically
 from specjax.converters.formats import FORMATS, detect_format, normalize
 from specjax.converters.tensor_ref import TensorRef
 
@@ -286,6 +299,16 @@ def _medusa_vllm(c, t, torch_dtype):
     return cfg, {"model.safetensors": t}
 
 
+#: Formats that carry a P-EAGLE ``mask_hidden``: format -> (weights file, on-disk shape of
+#: ``size`` values). The key is ``mask_hidden`` (top level, no prefix) in each.
+_MASK_HIDDEN_LAYOUT: dict[str, tuple[str, Callable[[int], tuple[int, ...]]]] = {
+    "eagle": ("model.safetensors", lambda n: (1, n)),
+    "eagle3": ("model.safetensors", lambda n: (1, 1, n)),
+    "eagle3-speculators": ("model.safetensors", lambda n: (1, 1, n)),
+}
+#: Draft-config fields holding the parallel-drafting token (``formats.parallel_drafting_token_id``).
+_TOKEN_FIELDS = ("pard_token", "ptd_token_id")
+
 EXPORT_FORMATS: dict[str, Writer] = {
     "llama": _hf_writer("llama"), "qwen2": _hf_writer("qwen2"), "qwen3": _hf_writer("qwen3"),
     "eagle": _eagle, "eagle3": _eagle3, "eagle3-speculators": _eagle3_speculators,
@@ -329,12 +352,41 @@ def _check_args(kind, config, fmt, dtype, overwrite, extra_config) -> None:
             raise ValueError(f"extra_config is not JSON-serializable ({e})") from None
 
 
-def _check_params(kind, config, params) -> None:
+def _check_mask_hidden(kind, config, fmt, mask) -> None:
+    """A ``mask_hidden`` entry must be ``registry.mask_hidden_abstract``'s flat float vector,
+    and ``fmt`` must be able to carry it."""
+    registry = _registry()
+    name = f"params[{registry.MASK_HIDDEN!r}]"
+    if fmt not in _MASK_HIDDEN_LAYOUT:
+        raise ValueError(f"{name} (a P-EAGLE parallel-drafting hidden state) cannot be written "
+                         f"in format {fmt!r} (formats that carry mask_hidden: "
+                         f"{', '.join(_MASK_HIDDEN_LAYOUT)})")
+    want = registry.mask_hidden_abstract(kind, config)
+    shape = tuple(int(d) for d in np.shape(mask))
+    if shape != want.shape:
+        size = int(np.prod(shape, dtype=np.int64))
+        hint = (f"; reshape it to {want.shape}" if size == want.shape[0] else
+                f" ({size} values)")
+        what = ("hidden_size" if kind == "eagle" else
+                f"fc input size = {config.num_aux} aux states x target_hidden_size "
+                f"{config.target_hidden_size or config.hidden_size}")
+        raise ValueError(f"{name} has shape {shape}; the {kind} head needs shape "
+                         f"{want.shape} ({what}){hint}")
+    dt = np.dtype(getattr(mask, "dtype", np.asarray(mask).dtype))
+    if not (np.issubdtype(dt, np.floating) or dt == np.dtype(ml_dtypes.bfloat16)):
+        raise ValueError(f"{name} has dtype {dt}, expected a float dtype")
+
+
+def _check_params(kind, config, params, fmt) -> None:
     """``params`` must have the structure of ``abstract_params(kind, config)`` (shared
-    ``embed_tokens`` / ``lm_head`` entries the head does not own are allowed and skipped)."""
+    ``embed_tokens`` / ``lm_head`` entries the head does not own are allowed and skipped),
+    plus, optionally, a ``mask_hidden`` entry (:func:`_check_mask_hidden`)."""
     registry = _registry()
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a dict, got {type(params).__name__}")
+    if registry.MASK_HIDDEN in params:
+        _check_mask_hidden(kind, config, fmt, params[registry.MASK_HIDDEN])
+        params = {k: v for k, v in params.items() if k != registry.MASK_HIDDEN}
     want = registry._leaf_paths(registry.abstract_params(kind, config))
     got = registry._leaf_paths(params)
     owned_roots = {p[0] for p in want}
@@ -362,9 +414,12 @@ def _comparable(c) -> dict:
     return d
 
 
-def _read_back(fmt: str, kind: str, config, cfg_json: dict, files: Files) -> None:
+def _read_back(fmt: str, kind: str, config, cfg_json: dict, files: Files,
+               extra_params: Mapping[str, tuple[int, ...]] | None = None) -> None:
     """Run the converters on the layout (in memory): it must be detected as ``fmt`` and
-    normalize back to ``config`` with the same params structure."""
+    normalize back to ``config`` (parallel-drafting token included) with the same params
+    structure, and the entries outside the tensor table (``mask_hidden``) with the shapes
+    ``extra_params`` names."""
     from specjax.converters.pipeline import make_config, validate  # noqa: PLC0415
 
     registry = _registry()
@@ -382,8 +437,17 @@ def _read_back(fmt: str, kind: str, config, cfg_json: dict, files: Files) -> Non
     a, b = _comparable(config), _comparable(back)
     diff = [f"{k}={a.get(k)!r} (would load back as {b.get(k)!r})"
             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if kind in PARALLEL_TOKEN_KINDS and config.mask_token_id >= 0 \
+            and back.mask_token_id != config.mask_token_id:
+        diff.append(f"mask_token_id={config.mask_token_id!r} (the parallel-drafting token; "
+                    f"would load back as {back.mask_token_id!r})")
     if diff:
         raise ValueError(f"{where}: {', '.join(diff)}")
+    got = {k: tuple(v.shape) for k, v in norm.extra_params.items()}
+    want = dict(extra_params or {})
+    if got != want:
+        raise ValueError(f"{where}: params entries outside the tensor table would load back as "
+                         f"{got or 'none'} instead of {want or 'none'}")
     try:
         validate(kind, back, norm.tensors)
     except ValueError as e:
@@ -425,7 +489,10 @@ def export_checkpoint(kind: str, config, params, out_dir, *, format: str, dtype:
     tensors are emitted, shared target arrays skipped).
     ``extra_config``: merged into config.json (nested dicts merged), e.g. a ``"specjax"``
     provenance block, ``base_model_name_or_path`` (Medusa-1), ``num_target_layers`` (z-lab
-    DFlash; its older loader reads it even when ``target_layer_ids`` is set).
+    DFlash; its older loader reads it even when ``target_layer_ids`` is set), a
+    parallel-drafting token field (``ptd_token_id``...) instead of the default ``pard_token``.
+    ``params`` may hold a P-EAGLE ``mask_hidden`` (``registry.mask_hidden_abstract``) for the
+    EAGLE-1 / EAGLE-3 formats; it is written as the tensor ``mask_hidden`` (module docstring).
     ``out_dir`` must not exist or be an empty directory unless ``overwrite``, in which case
     it is replaced atomically. Everything is validated, and the layout read back in memory
     by the converters, before anything is written; the files go to a temporary sibling
@@ -440,19 +507,42 @@ def export_checkpoint(kind: str, config, params, out_dir, *, format: str, dtype:
     if _is_nonempty(out_dir) and not overwrite:
         raise DestinationExistsError(f"{out_dir} exists and is not empty "
                                      "(pass overwrite=True to replace it)")
-    _check_params(kind, config, params)
+    _check_params(kind, config, params, format)
     registry = _registry()
     np_dtype, torch_dtype = EXPORT_DTYPES[dtype]
+    mask = params.get(registry.MASK_HIDDEN)
+    if mask is not None:
+        params = {k: v for k, v in params.items() if k != registry.MASK_HIDDEN}
     tensors = {}
     for k, a in registry.tensors_from_params(kind, config, params).items():
         tensors[k] = a.astype(np.int64) if k in _INT_MAPS else a.astype(np_dtype)
     cfg_json, files = EXPORT_FORMATS[format](config, tensors, torch_dtype)
+    extra_params = {}
+    if mask is not None:
+        fname, shape = _MASK_HIDDEN_LAYOUT[format]
+        a = np.asarray(mask).astype(np_dtype)
+        files[fname] = {**files[fname], registry.MASK_HIDDEN: a.reshape(shape(a.size))}
+        extra_params[registry.MASK_HIDDEN] = (a.size,)
+    cfg_json = _merge(cfg_json, _parallel_token(kind, config, extra_config))
     if extra_config:
         cfg_json = _merge(cfg_json, extra_config)
-    _read_back(format, kind, config, cfg_json, files)
+    _read_back(format, kind, config, cfg_json, files, extra_params)
     text = json.dumps(cfg_json, indent=2, sort_keys=True, allow_nan=False) + "\n"
     _write_atomically(out_dir, text, files, overwrite)
     return out_dir
+
+
+def _parallel_token(kind, config, extra_config) -> dict:
+    """``{"pard_token": id}`` for a head / draft LM whose config has a parallel-drafting
+    token (``mask_token_id >= 0``), unless ``extra_config`` names a token field itself."""
+    if kind not in PARALLEL_TOKEN_KINDS or config.mask_token_id < 0:
+        return {}
+    extra = extra_config or {}
+    dcfg = extra.get("dflash_config")
+    if any(f in extra for f in _TOKEN_FIELDS) or (isinstance(dcfg, Mapping)
+                                                  and "mask_token_id" in dcfg):
+        return {}
+    return {"pard_token": int(config.mask_token_id)}
 
 
 def _write_atomically(out_dir: Path, config_text: str, files: Files, overwrite: bool) -> None:
