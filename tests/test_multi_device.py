@@ -1,5 +1,6 @@
 """Multi-device proposers (``specjax.sharding``): tensor parallel over a ``"tp"`` mesh axis
-and data parallel over requests give the single-device drafts.
+and data parallel over requests give the single-device drafts, for chain drafting and
+for EAGLE / EAGLE-3 tree drafting and parallel drafting (P-EAGLE).
 
 The multi-device cases run in subprocesses with fake CPU devices
 (``--xla_force_host_platform_device_count``; this process has already initialised JAX
@@ -53,7 +54,8 @@ DEV = np.array(jax.devices())
 TP_CASES = [("eagle", 2, True), ("eagle", 4, False), ("eagle3", 2, False), ("eagle3", 4, True)]
 TP_CASES_MORE = [("dflash", 2, True), ("draft_model", 4, False)]
 
-TP_BODY = """
+#: Shared by the tensor-parallel subprocess bodies.
+TP_HELPERS = """
 from specjax.sharding import DataParallel, param_specs, state_specs, tensor_parallel
 from test_proposers_warmup import BUCKETS, NUM_BLOCKS, build, make_inputs, _tuple
 
@@ -68,7 +70,9 @@ def collectives(hlo):
                          r"all-to-all|collective-permute)(-start)?\\(", hlo):
         out.append((m.group(3), int(np.prod([int(d) for d in m.group(2).split(",") if d]))))
     return out
+"""
 
+TP_BODY = TP_HELPERS + """
 bucket = _tuple(BUCKETS[1])
 rng = np.random.default_rng(11)
 for method in dict.fromkeys(m for m, _, _ in CASES):
@@ -143,6 +147,97 @@ for method in dict.fromkeys(m for m, _, _ in CASES):
 """
 
 
+#: (method, drafting mode, tp size, use_local_argmax_reduction) per tree / parallel case:
+#: EAGLE-3 tree drafting and parallel drafting (P-EAGLE) each at {2, 4} x {off, on} once
+#: between them (tp=4: attention and caches replicated), an EAGLE-1 tree once.
+TP_TREE_PARALLEL_CASES = [("eagle3", "tree", 2, False), ("eagle3", "tree", 4, True),
+                          ("eagle", "tree", 2, True),
+                          ("eagle3", "parallel", 2, True), ("eagle3", "parallel", 4, False)]
+
+#: The warmup module's tiny heads (2 kv heads, float32), switched to a branching tree
+#: (``2-1-2`` of test_proposers_eagle_tree: top-2 at levels 1 and 3, the greedy argmax at
+#: level 2, 8 nodes) or to parallel drafting (k = 4, a ``mask_hidden`` in the params).
+#: Same checks as TP_BODY: the [B_pad, num_nodes] / [B_pad, k] drafts of two calls on
+#: ragged batches with padding rows (the state carried) equal one device's, the states stay
+#: sharded as declared and, gathered to the host, match one device's caches.
+TP_TREE_PARALLEL_BODY = TP_HELPERS + """
+from specjax.config import SpeculativeConfig
+from specjax.tree import TokenTree
+from test_proposers_eagle_parallel import _with_mask
+from test_proposers_eagle_tree import TREES
+
+def variant(method, mode):
+    prop, params = build(method)
+    if mode == "tree":
+        tree = TREES["2-1-2"]
+        cfg = SpeculativeConfig(method=method, speculative_token_tree=tree,
+                                num_speculative_tokens=TokenTree.from_choices(tree).num_nodes)
+        return dataclasses.replace(prop, config=cfg), params
+    cfg = SpeculativeConfig(method=method, num_speculative_tokens=4, parallel_drafting=True)
+    params = _with_mask(method, params, "ckpt")
+    # scaled down, the mask slots' drafts differ between requests and slots (at full
+    # scale mask_hidden dominates and they are all one token)
+    params = dict(params, mask_hidden=0.1 * params["mask_hidden"])
+    return dataclasses.replace(prop, config=cfg, parallel_drafting_token_id=7), params
+
+bucket = _tuple(BUCKETS[1])
+rng = np.random.default_rng(12)
+for method, mode in dict.fromkeys((m, mode) for m, mode, _, _ in CASES):
+    prop, params = variant(method, mode)
+    k = prop.num_speculative_tokens
+    if mode == "tree":
+        assert not prop.token_tree.is_chain and k == prop.token_tree.num_nodes == 8
+    else:
+        assert prop.num_new_slots_per_request == k - 1 and "mask_hidden" in params
+    batches = [make_inputs(method, bucket, n, rng) for n in (3, 2)]
+    want, state = [], prop.init_state(NUM_BLOCKS)
+    for inp, n in zip(batches, (3, 2)):
+        out, state = prop.propose(params, state, inp)
+        ids = np.asarray(out.token_ids)
+        assert ids.shape == (bucket[0], k) and (ids[n:] == -1).all() and (ids[:n] >= 0).all()
+        assert len(np.unique(ids[:n])) > 2, ids      # not a degenerate draft
+        want.append(out)
+    want_state = state
+    mc = prop.model.config
+    vocab = (mc.draft_vocab_size or mc.vocab_size) if method == "eagle3" else mc.vocab_size
+    # Tree levels with c > 1 children take jax.lax.top_k of the vocabulary-sharded logits:
+    # those rows' logits are gathered (vLLM's propose_tree gathers them too); greedy levels /
+    # slots reduce argmax pairs only under use_local_argmax_reduction. topk_rows: the most
+    # rows of one top-k level (B_pad x the nodes of the level above).
+    tree = prop.token_tree
+    sizes, children = (1,) + tree.level_sizes, tree.children_per_level
+    topk = [sizes[lvl] for lvl in range(tree.depth) if children[lvl] > 1] if mode == "tree" else []
+    topk_rows = bucket[0] * max(topk, default=0)
+    for m, mo, n, flag in CASES:
+        if (m, mo) != (method, mode):
+            continue
+        what = f"{method} {mode} tp={n} local_argmax={flag}"
+        mesh = Mesh(DEV[:n], ("tp",))
+        p, sp, ss = tensor_parallel(prop, params, prop.init_state(NUM_BLOCKS), mesh, local_argmax=flag)
+        assert p.token_tree == prop.token_tree and p.config.parallel_drafting == (mode == "parallel")
+        assert sp["lm_head"]["kernel"].sharding.spec == P(None, "tp"), what
+        if mode == "parallel":
+            assert sp["mask_hidden"].sharding.is_fully_replicated, what
+        sspecs = state_specs(ss, n)
+        compiled = type(p).propose.lower(p, sp, ss, batches[0]).compile()
+        coll = collectives(compiled.as_text())
+        assert any(op == "all-reduce" for op, _ in coll), (what, coll)
+        big = [c for c in coll if c[0] != "all-reduce" and c[1] > max(64, topk_rows * vocab)]
+        assert not big, f"{what}: more than argmax pairs / top-k logits is gathered: {big}"
+        if flag:
+            assert sum(op == "all-gather" for op, _ in coll) <= len(topk), (what, coll)
+        for i, inp in enumerate(batches):
+            out, ss = compiled(sp, ss, inp)
+            np.testing.assert_array_equal(out.token_ids, want[i].token_ids, err_msg=what)
+            np.testing.assert_array_equal(out.num_drafts, want[i].num_drafts, err_msg=what)
+            assert out.token_ids.sharding.is_fully_replicated, what
+            for x, s in zip(jax.tree.leaves(ss), jax.tree.leaves(sspecs, is_leaf=lambda x: isinstance(x, P))):
+                assert x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), (what, x.sharding)
+        close(ss, want_state, what)
+        print("tp ok", what, flush=True)
+"""
+
+
 def _start(body: str, n_devices: int, *args: str) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([TESTS, ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -158,22 +253,27 @@ def _start(body: str, n_devices: int, *args: str) -> subprocess.Popen:
 
 
 def _wait(proc: subprocess.Popen) -> str:
+    """The subprocess's stdout once it has succeeded (kept: several tests may read one)."""
+    if hasattr(proc, "specjax_out"):
+        return proc.specjax_out
     try:
         out, err = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
     assert proc.returncode == 0, f"subprocess failed:\n{out}\n{err[-6000:]}"
+    proc.specjax_out = out
     return out
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """Both multi-device subprocesses, started at once (they overlap on two cores)."""
+    """The multi-device subprocesses, started at once (they overlap on two cores)."""
     out_json = str(tmp_path_factory.mktemp("bench") / "multi_gpu.json")
     procs = {
         "tp": _start(f"CASES = {TP_CASES!r}\n" + TP_BODY, 4),
         "tp_more": _start(f"CASES = {TP_CASES_MORE!r}\n" + TP_BODY, 4),
+        "tp_tree_parallel": _start(f"CASES = {TP_TREE_PARALLEL_CASES!r}\n" + TP_TREE_PARALLEL_BODY, 4),
         "bench": _start("", 2, os.path.join(ROOT, "benchmarks", "multi_gpu.py"), "--small",
                         "--iters", "2", "--batches", "8", "--dp", "--dp-batches", "8",
                         "--out", out_json),
@@ -196,6 +296,20 @@ def test_dflash_and_draft_model_tensor_parallel_match_one_device(jobs):
     out = _wait(jobs[0]["tp_more"])
     for m, n, flag in TP_CASES_MORE:
         assert f"tp ok {m} tp={n} local_argmax={flag}" in out, out
+
+
+def test_eagle_tree_drafting_tensor_parallel_matches_one_device(jobs):
+    out = _wait(jobs[0]["tp_tree_parallel"])
+    for m, mode, n, flag in TP_TREE_PARALLEL_CASES:
+        if mode == "tree":
+            assert f"tp ok {m} tree tp={n} local_argmax={flag}" in out, out
+
+
+def test_eagle3_parallel_drafting_tensor_parallel_matches_one_device(jobs):
+    out = _wait(jobs[0]["tp_tree_parallel"])
+    for m, mode, n, flag in TP_TREE_PARALLEL_CASES:
+        if mode == "parallel":
+            assert f"tp ok {m} parallel tp={n} local_argmax={flag}" in out, out
 
 
 def test_benchmark_script_smoke(jobs):
