@@ -1,5 +1,7 @@
 """``use_local_argmax_reduction``: greedy drafting under a vocab-sharded mesh takes the
 argmax per shard and reduces (value, index) pairs; the result must equal ``jnp.argmax``.
+Tree levels with c > 1 children take each shard's top-c and gather only those candidates
+(``greedy_top_k``); the result must equal ``jax.lax.top_k``.
 
 The multi-device cases run in a subprocess with 4 fake CPU devices (this process has
 already initialised JAX with one)."""
@@ -16,7 +18,7 @@ import pytest
 from jax.sharding import Mesh
 
 from specjax.config import SpeculativeConfig
-from specjax.proposers.common import greedy_argmax
+from specjax.proposers.common import greedy_argmax, greedy_top_k
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -28,7 +30,7 @@ import dataclasses
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specjax.config import SpeculativeConfig
-from specjax.proposers.common import greedy_argmax
+from specjax.proposers.common import greedy_argmax, greedy_top_k
 assert len(jax.devices()) == 4, jax.devices()
 DEV = np.array(jax.devices())
 MESH = Mesh(DEV, ("tp",))
@@ -88,6 +90,64 @@ def test_local_reduction_equals_argmax_on_4_shards():
         print("checked", checked)
     """)
     assert "checked 20" in out
+
+
+def test_local_top_k_equals_lax_top_k_on_2_and_4_shards():
+    """``greedy_top_k`` per shard + (value, index) candidates equals ``lax.top_k`` on the
+    full rows: many ties (small integers), NaN (both signs), +-inf, -0.0 / 0.0, all -inf
+    and all NaN rows, c in {1, 2, 3, shard width, shard width + 1, V}."""
+    out = run_with_4_devices("""
+        import re
+        rng = np.random.default_rng(3)
+        checked = 0
+        for mesh in (MESH, MESH2):                   # 4 and 2 shards of "tp"
+            n = mesh.shape["tp"]
+            for V in (8, 24):
+                w = V // n
+                cs = sorted({1, 2, 3, w, w + 1, V})
+                # one compilation per (mesh, V, dtype): every c in one program
+                f = jax.jit(lambda x: [greedy_top_k(x, c, mesh=mesh, vocab_axis="tp",
+                                                    local_reduction=True) for c in cs])
+                x = rng.integers(-2, 3, (24, V)).astype(np.float32)   # many ties
+                x[rng.random(x.shape) < 0.08] = np.nan
+                x[rng.random(x.shape) < 0.08] = -np.nan
+                x[rng.random(x.shape) < 0.1] = np.inf
+                x[rng.random(x.shape) < 0.1] = -np.inf
+                x[0] = -np.inf                                 # all -inf
+                x[1] = np.nan                                  # all NaN
+                x[2] = 0.0; x[2, ::3] = -0.0                   # signed zeros
+                x[3] = 1.0                                     # all tied
+                x[4] = -np.inf; x[4, V - 1] = 1.0              # one finite, the last shard
+                x[5] = np.inf; x[5, :w] = np.nan               # NaN in the first shard only
+                for arr in (x, x.astype(jnp.bfloat16)):
+                    for c, got in zip(cs, f(jnp.asarray(arr)), strict=True):
+                        want = np.asarray(jax.lax.top_k(jnp.asarray(arr), c)[1])
+                        assert got.dtype == jnp.int32 and got.shape == (24, c), (got.dtype, got.shape)
+                        np.testing.assert_array_equal(got, want, err_msg=f"V={V} c={c} tp={n}")
+                        checked += 1
+            # leading dims [k, B, V] reduce the same way, sharded input too
+            x = jax.device_put(rng.integers(-3, 3, (2, 5, 32)).astype(np.float32),
+                               NamedSharding(mesh, P(None, None, "tp")))
+            got = greedy_top_k(x, 3, mesh=mesh, vocab_axis="tp", local_reduction=True)
+            np.testing.assert_array_equal(got, jax.lax.top_k(x, 3)[1])
+        # only the c x shards candidates per row cross devices, never the [8, 1024] logits
+        x = jax.device_put(jnp.zeros((8, 1024)), NamedSharding(MESH, P(None, "tp")))
+        hlo = jax.jit(lambda x: greedy_top_k(x, 3, mesh=MESH, vocab_axis="tp",
+                                             local_reduction=True)).lower(x).compile().as_text()
+        gathers = re.findall(r"= (\\w+)\\[([\\d,]*)\\][^ ]* all-gather", hlo)
+        assert sorted(gathers) == [("f32", "8,12"), ("s32", "8,12")], gathers
+        # without the flag, a mesh, or with c out of range
+        np.testing.assert_array_equal(greedy_top_k(x, 2, mesh=MESH, vocab_axis="tp"),
+                                      jax.lax.top_k(x, 2)[1])
+        import pytest
+        for bad in (0, 1025, 2.0):
+            with pytest.raises(ValueError, match="c must be an int"):
+                greedy_top_k(x, bad, mesh=MESH, vocab_axis="tp", local_reduction=True)
+        with pytest.raises(ValueError, match="divisible"):
+            greedy_top_k(jnp.zeros((2, 10)), 2, mesh=MESH, vocab_axis="tp", local_reduction=True)
+        print("checked", checked)
+    """)
+    assert "checked 44" in out, out
 
 
 def test_eagle_proposers_draft_the_same_with_the_flag():
@@ -161,6 +221,14 @@ def test_plain_argmax_without_a_sharded_mesh():
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="vocab_axis"):
         greedy_argmax(x, mesh=mesh1, vocab_axis="model", local_reduction=True)
+    for c in (1, 3, 50):
+        want_k = np.asarray(jax.lax.top_k(x, c)[1])
+        for kw in ({}, dict(local_reduction=True), dict(mesh=mesh1, vocab_axis="tp", local_reduction=True)):
+            got = greedy_top_k(x, c, **kw)
+            assert got.dtype == jnp.int32
+            np.testing.assert_array_equal(got, want_k)
+    with pytest.raises(ValueError, match="vocab_axis"):
+        greedy_top_k(x, 2, mesh=mesh1, vocab_axis="model", local_reduction=True)
 
 
 def test_mesh_option_checks_on_one_device():

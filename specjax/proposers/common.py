@@ -248,12 +248,72 @@ def greedy_argmax(logits: jax.Array, *, mesh: Mesh | None = None, vocab_axis: st
     return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=PartitionSpec())(logits)
 
 
+def greedy_top_k(logits: jax.Array, c: int, *, mesh: Mesh | None = None,
+                 vocab_axis: str | None = None, local_reduction: bool = False) -> jax.Array:
+    """``jax.lax.top_k(logits [..., V], c)[1]`` as ``[..., c] int32``: the indices of the
+    ``c`` largest, best first, identical to ``lax.top_k`` (equal values: the smaller index
+    first; NaN, +-inf and -0.0 ranked by ``lax.top_k``'s own order, on CPU ``-NaN < -inf <
+    ... < -0.0 < 0.0 < ... < inf < NaN``).
+
+    With ``local_reduction`` and a ``mesh`` whose axis ``vocab_axis`` has more than one
+    device, the vocabulary dimension is split over that axis (``jax.shard_map``): each
+    shard takes ``lax.top_k`` of its slice (``min(c, V / shards)`` candidates), turns the
+    local indices into global ones, and only those ``(value, global index)`` candidates
+    (``[..., shards * min(c, V / shards)]``) are all-gathered along the axis, instead of
+    the ``[..., V]`` logits. The final top-``c`` is ``lax.top_k`` of the gathered values,
+    laid out shard by shard and, within a shard, in its top-k order: equal values stand in
+    increasing global index order there, so ``lax.top_k``'s smaller-position-first tie
+    rule picks them as on the full row, and its value order (NaN included) is the same op's.
+    Every element of the global top-``c`` is in its shard's top-``min(c, V / shards)``,
+    so nothing is lost. ``V`` must be divisible by the axis size and ``1 <= c <= V``
+    (ValueError).
+    """
+    vocab = logits.shape[-1]
+    if not isinstance(c, (int, np.integer)) or isinstance(c, bool) or not 1 <= c <= vocab:
+        raise ValueError(f"c must be an int in [1, {vocab}] (the logits' vocabulary), got {c!r}")
+    c = int(c)
+    if not local_reduction or mesh is None:
+        return jax.lax.top_k(logits, c)[1].astype(_I32)
+    if vocab_axis not in mesh.axis_names:
+        raise ValueError(f"vocab_axis must be one of the mesh's axis names {tuple(mesh.axis_names)}, "
+                         f"got {vocab_axis!r}")
+    shards = mesh.shape[vocab_axis]
+    if shards == 1:
+        return jax.lax.top_k(logits, c)[1].astype(_I32)
+    if vocab % shards:
+        raise ValueError(f"the logits' vocabulary ({vocab}) must be divisible by the number of "
+                         f"shards of mesh axis {vocab_axis!r} ({shards})")
+    k = min(c, vocab // shards)     # c > shard width: the whole shard is a candidate
+
+    def local(x):
+        val, idx = jax.lax.top_k(x, k)
+        gidx = idx.astype(_I32) + jax.lax.axis_index(vocab_axis).astype(_I32) * x.shape[-1]
+        vals = jax.lax.all_gather(val, vocab_axis, axis=val.ndim - 1, tiled=True)
+        gidxs = jax.lax.all_gather(gidx, vocab_axis, axis=gidx.ndim - 1, tiled=True)
+        pos = jax.lax.top_k(vals, c)[1]
+        return jnp.take_along_axis(gidxs, pos, axis=-1)
+
+    spec = PartitionSpec(*([None] * (logits.ndim - 1)), vocab_axis)
+    # every shard merges the same gathered candidates, so the result is replicated; the
+    # varying-manual-axes check cannot tell (all_gather's output is typed as varying)
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(),
+                         check_vma=False)(logits)
+
+
 def proposer_argmax(proposer: Any, logits: jax.Array) -> jax.Array:
     """``greedy_argmax`` with the proposer's ``mesh`` / ``vocab_axis`` options and its
     config's ``use_local_argmax_reduction``."""
     return greedy_argmax(logits, mesh=getattr(proposer, "mesh", None),
                          vocab_axis=getattr(proposer, "vocab_axis", None),
                          local_reduction=proposer.config.use_local_argmax_reduction)
+
+
+def proposer_top_k(proposer: Any, logits: jax.Array, c: int) -> jax.Array:
+    """``greedy_top_k`` with the proposer's ``mesh`` / ``vocab_axis`` options and its
+    config's ``use_local_argmax_reduction``."""
+    return greedy_top_k(logits, c, mesh=getattr(proposer, "mesh", None),
+                        vocab_axis=getattr(proposer, "vocab_axis", None),
+                        local_reduction=proposer.config.use_local_argmax_reduction)
 
 
 # ---------------------------------------------------------------------------------------

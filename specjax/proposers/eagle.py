@@ -78,8 +78,9 @@ from specjax.proposers.common import (
     init_kv_caches,
     on_min_rows,
     proposer_argmax,
+    proposer_top_k,
 )
-from specjax.proposers.tree import top_tokens, tree_drafts
+from specjax.proposers.tree import tree_drafts
 from specjax.tree import TokenTree
 
 _I32 = jnp.int32
@@ -294,10 +295,12 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         ``propose_tree`` (``argmax`` for one child, ``topk`` otherwise)."""
         if c == 1:
             return self._greedy(params, hidden)[:, None]
+        # c > 1: lax.top_k, per vocab shard with only the (value, index) candidates
+        # gathered under the local argmax reduction (``proposer_top_k``)
         if self.config.method == "eagle3":
-            d = top_tokens(self.model.compute_draft_logits(params, hidden), c)
+            d = proposer_top_k(self, self.model.compute_draft_logits(params, hidden), c)
             return self.model.draft_to_target_ids(params, d).astype(_I32)
-        return top_tokens(self.model.compute_logits(params, hidden), c)
+        return proposer_top_k(self, self.model.compute_logits(params, hidden), c)
 
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token (target vocabulary) of each row of ``hidden [N, H]``."""

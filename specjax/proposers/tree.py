@@ -108,9 +108,3 @@ def tree_drafts(tree: TokenTree, forward: ForwardFn, top: TopFn, params: Any,
         hid = jnp.concatenate([hid, jnp.repeat(h_next, c, axis=1)], axis=1)
         depth = jnp.concatenate([depth, jnp.full((newest * c,), lvl + 2, _I32)])
     return jnp.concatenate(drafts, axis=1).astype(_I32), caches
-
-
-def top_tokens(logits: jax.Array, c: int) -> jax.Array:
-    """``[M, V]`` logits -> ``[M, c]`` indices of the ``c`` largest, best first (ties: the
-    smaller index first)."""
-    return jax.lax.top_k(logits, c)[1].astype(_I32)
