@@ -22,9 +22,10 @@ requests with no queries (padding rows) read nothing.
 
 Split-K (flash-decoding): with few programs (small batches), the tiles of each request are
 divided among ``num_splits`` programs (by the request's actual length); each writes its
-unnormalized float32 accumulator with its running max and sum, and a small jax.numpy
-epilogue merges the splits, normalizes and scatters rows back to token order. Tokens past
-``query_start_loc[-1]`` get zeros.
+unnormalized float32 accumulator with its running max and sum, and a second small kernel
+(grid ``(T, num_kv_heads)``, one program per token and kv head) merges the splits,
+normalizes and writes the rows back in token order (with ``num_splits == 1`` it only
+normalizes and reorders). Tokens past ``query_start_loc[-1]`` get zeros.
 
 Numerics: scores, softmax and accumulation in float32 (dots take ``q.dtype`` inputs with
 float32 accumulation, ``Precision.HIGHEST`` so float32 dots are IEEE, not TF32); the
@@ -340,5 +341,5 @@ def _merge(qsl: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, *, t_pad: i
         interpret=interpret,
         name=f"paged_attention_merge_s{splits}",
     )(qsl, o, m, l)
-    # a power-of-two group (every usual model): the slice is empty and the reshape free
+    # a power-of-two group (every usual model): the slice is a no-op and the reshape free
     return out[:, :, :group].reshape(t_pad, num_heads, hd)
