@@ -70,6 +70,19 @@ def collectives(hlo):
                          r"all-to-all|collective-permute)(-start)?\\(", hlo):
         out.append((m.group(3), int(np.prod([int(d) for d in m.group(2).split(",") if d]))))
     return out
+
+def run_and_compare(compiled, sp, ss, batches, want, want_state, sspecs, mesh, what):
+    # run compiled on each batch (state carried): drafts equal one device's, outputs
+    # replicated, the state sharded as declared and, at the end, equal to one device's
+    for i, inp in enumerate(batches):
+        out, ss = compiled(sp, ss, inp)
+        np.testing.assert_array_equal(out.token_ids, want[i].token_ids, err_msg=what)
+        np.testing.assert_array_equal(out.num_drafts, want[i].num_drafts, err_msg=what)
+        assert out.token_ids.sharding.is_fully_replicated, what
+        for x, s in zip(jax.tree.leaves(ss), jax.tree.leaves(sspecs, is_leaf=lambda x: isinstance(x, P))):
+            assert x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), (what, x.sharding)
+    close(ss, want_state, what)
+    return ss
 """
 
 TP_BODY = TP_HELPERS + """
@@ -116,14 +129,7 @@ for method in dict.fromkeys(m for m, _, _ in CASES):
         assert not big, f"{what}: something larger than argmax pairs is gathered: {big}"
         if flag:
             assert not any(op == "all-gather" for op, _ in coll), (what, coll)
-        for i, inp in enumerate(batches):
-            out, ss = compiled(sp, ss, inp)
-            np.testing.assert_array_equal(out.token_ids, want[i].token_ids, err_msg=what)
-            np.testing.assert_array_equal(out.num_drafts, want[i].num_drafts, err_msg=what)
-            assert out.token_ids.sharding.is_fully_replicated, what
-            for x, s in zip(jax.tree.leaves(ss), jax.tree.leaves(sspecs, is_leaf=lambda x: isinstance(x, P))):
-                assert x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), (what, x.sharding)
-        close(ss, want_state, what)
+        ss = run_and_compare(compiled, sp, ss, batches, want, want_state, sspecs, mesh, what)
         # the vocab-sharded head gives the same logits
         h = jnp.asarray(rng.standard_normal((5, cfg.hidden_size)), jnp.float32)
         logits = prop.model.compute_draft_logits if method == "eagle3" else prop.model.compute_logits
@@ -234,14 +240,7 @@ for method, mode in dict.fromkeys((m, mode) for m, mode, _, _ in CASES):
             limit = topk_rows * vocab
         big = [c for c in coll if c[0] != "all-reduce" and c[1] > max(64, limit)]
         assert not big, f"{what}: more than argmax pairs / top-k candidates (logits without the local reduction) is gathered: {big}"
-        for i, inp in enumerate(batches):
-            out, ss = compiled(sp, ss, inp)
-            np.testing.assert_array_equal(out.token_ids, want[i].token_ids, err_msg=what)
-            np.testing.assert_array_equal(out.num_drafts, want[i].num_drafts, err_msg=what)
-            assert out.token_ids.sharding.is_fully_replicated, what
-            for x, s in zip(jax.tree.leaves(ss), jax.tree.leaves(sspecs, is_leaf=lambda x: isinstance(x, P))):
-                assert x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), (what, x.sharding)
-        close(ss, want_state, what)
+        ss = run_and_compare(compiled, sp, ss, batches, want, want_state, sspecs, mesh, what)
         print("tp ok", what, flush=True)
 """
 

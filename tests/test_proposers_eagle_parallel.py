@@ -48,6 +48,7 @@ except ImportError:  # tests/ made a package
     from tests.compile_check import assert_no_recompile
 
 from test_converters_cases import CASES, H as CK_H, write_layout
+from test_proposers_draft_model import paged_kv  # its BS is this module's BS (4)
 from test_proposers_eagle import _inputs as _eagle_inputs
 from test_proposers_eagle import head  # the same tiny EAGLE / EAGLE-3 heads (HT = 24)
 
@@ -149,17 +150,6 @@ def _proposer(method, k, model, **kw):
     cfg = SpeculativeConfig(method=method, num_speculative_tokens=k, parallel_drafting=True)
     return EagleProposer(cfg, model, block_size=BS, max_model_len=MML,
                          parallel_drafting_token_id=PARD, kernel_backend="xla", **kw)
-
-
-def paged_kv(state, table_row, n):
-    """Per layer, K and V of positions ``0..n-1`` read back through one block-table row."""
-    pos = np.arange(n)
-    slots = np.asarray(table_row)[pos // BS] * BS + pos % BS
-    out = []
-    for c in state.kv_caches:
-        k, v = (np.asarray(a).reshape((-1,) + a.shape[2:]) for a in (c.k, c.v))
-        out.append((k[slots], v[slots]))
-    return out
 
 
 def _run(prop, params, method, reqs, table, *, chunked, padded, rng, t_pad=T_PAD):
