@@ -220,6 +220,104 @@ def test_kernel_matches_reference(name):
             assert_close(got, oracle(q, cache, md, scale), 1e-5, f"{name} vs NumPy oracle")
 
 
+def with_write_slots(cfg: Cfg, md, seed: int):
+    """``md`` with the slot mapping a fused-write test wants: some of a request's tokens
+    unwritten (slot -1, as past ``max_model_len``) or out of the cache (dropped), some
+    written to an earlier position of the request's own pages, padding tokens with slots in
+    pages no request reads (the scatter writes them too)."""
+    rng = np.random.default_rng(seed)
+    sm = np.asarray(md.slot_mapping).copy()
+    end = int(md.query_start_loc[-1])
+    cap = cfg.num_blocks * cfg.bs
+    drop = rng.random(end) < 0.2
+    sm[:end] = np.where(drop, rng.choice([-1, -7, cap, cap + 3], size=end), sm[:end])
+    bt = np.asarray(md.block_table)
+    qsl, seqs = np.asarray(md.query_start_loc), np.asarray(md.seq_lens)
+    for r in range(len(seqs)):
+        # every other request: one token's slot moved to an earlier position of its own
+        # pages (not vLLM's layout; the fused kernel then checks every tile)
+        qlen = qsl[r + 1] - qsl[r]
+        if qlen and seqs[r] > qlen and rng.random() < 0.5:
+            p = int(rng.integers(0, seqs[r] - qlen))
+            sm[qsl[r] + int(rng.integers(0, qlen))] = bt[r, p // cfg.bs] * cfg.bs + p % cfg.bs
+    used = -(-seqs // cfg.bs)
+    read = {int(bt[r, j]) for r in range(len(used)) for j in range(int(used[r]))}
+    free = [b for b in range(cfg.num_blocks) if b not in read]
+    tail = np.arange(end, cfg.t_pad)
+    if len(tail) and free:
+        slots = rng.permutation(len(free) * cfg.bs)[: len(tail)]
+        sm[tail] = np.array([free[x // cfg.bs] * cfg.bs + x % cfg.bs for x in slots])
+        sm[tail[rng.random(len(tail)) < 0.3]] = -1
+    return md.replace(slot_mapping=jnp.asarray(sm, jnp.int32))
+
+
+@pytest.mark.parametrize("name", list(CPU_CFGS))
+def test_fused_write_equals_scatter_then_attention(name):
+    """``paged_attention_write`` (the K/V write inside the kernel) == ``write_kv`` then the
+    kernel: caches bit-identical, outputs bit-identical to the unfused kernel and close to
+    the jnp reference; incl. unwritten (-1) and out-of-range slots, padding tokens that write,
+    empty requests, requests at the table's capacity."""
+    cfg = CPU_CFGS[name]
+    scale = cfg.hd ** -0.5
+    tree = random_tree(np.random.default_rng(7), cfg.qmax) if cfg.tree else None
+    dt = jnp.dtype(cfg.dtype)
+    ref = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=scale))
+    for seed in range(2):
+        q, cache, md = make_case(cfg, 200 * seed + len(name), tree)
+        md = with_write_slots(cfg, md, seed)
+        rng = np.random.default_rng(seed)
+        kn = jnp.asarray(rng.standard_normal((cfg.t_pad, cfg.nkv, cfg.hd)), jnp.float32).astype(dt)
+        vn = jnp.asarray(rng.standard_normal((cfg.t_pad, cfg.nkv, cfg.hd)), jnp.float32).astype(dt)
+        want_cache = attn.write_kv(cache, kn, vn, md.slot_mapping)
+        want = run_kernel(cfg, q, want_cache, md, scale)
+        got, (gk, gv) = pk.paged_attention_write(
+            jnp.concatenate([q, kn, vn], axis=1), cache.k, cache.v, md.slot_mapping,
+            md.query_start_loc, md.seq_lens, md.block_table, scale=scale,
+            max_query_len=md.max_query_len, causal=md.causal, tree_mask=md.tree_mask,
+            block_k=cfg.block_k, num_splits=cfg.num_splits)
+        np.testing.assert_array_equal(np.asarray(gk), np.asarray(want_cache.k))
+        np.testing.assert_array_equal(np.asarray(gv), np.asarray(want_cache.v))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert_close(got, ref(q, want_cache, md), tolerance(cfg.dtype), f"{name} vs reference")
+
+
+def test_fused_write_through_attend_and_errors(monkeypatch):
+    """With ``FUSED_KV_WRITE`` on, ``attend`` on the pallas backend takes the fused kernel
+    (same caches and outputs as the xla backend; off, the scatters); the kernel refuses
+    mismatched shapes and dtypes by name."""
+    monkeypatch.setattr(attn, "FUSED_KV_WRITE", True)
+    cfg = CPU_CFGS["f32-g4-causal-split3"]
+    q, cache, md = make_case(cfg, 9)
+    rng = np.random.default_rng(1)
+    kn = jnp.asarray(rng.standard_normal((cfg.t_pad, cfg.nkv, cfg.hd)), jnp.float32)
+    outs = {}
+    for backend in ("xla", "pallas"):
+        with attn.attention_backend(backend):
+            outs[backend] = jax.jit(lambda q, k, c, m: attn.attend(q, k, -k, c, m, scale=0.3))(
+                q, kn, cache, md)
+    np.testing.assert_array_equal(np.asarray(outs["pallas"][1].k), np.asarray(outs["xla"][1].k))
+    np.testing.assert_array_equal(np.asarray(outs["pallas"][1].v), np.asarray(outs["xla"][1].v))
+    assert_close(outs["pallas"][0], outs["xla"][0], 1e-5, "attend fused vs xla")
+    with attn.attention_backend("pallas"):
+        text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(q, k, k, c, m, scale=0.3))(
+            q, kn, cache, md))
+    assert "paged_attention_write" in text and "scatter" not in text
+    monkeypatch.setattr(attn, "FUSED_KV_WRITE", False)
+    with attn.attention_backend("pallas"):
+        text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(q, k, k, c, m, scale=0.3))(
+            q, kn, cache, md))
+    assert "paged_attention_write" not in text and "scatter" in text
+    qkv = jnp.concatenate([q, kn, kn], axis=1)
+    args = (cache.k, cache.v, md.slot_mapping, md.query_start_loc, md.seq_lens, md.block_table)
+    kw = dict(scale=0.3, max_query_len=cfg.qmax)
+    with pytest.raises(ValueError, match="dtype"):
+        pk.paged_attention_write(qkv.astype(jnp.bfloat16), *args, **kw)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        pk.paged_attention_write(q[:, :2], *args, **kw)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pk.paged_attention_write(qkv, cache.k, cache.v, md.slot_mapping[:3], *args[3:], **kw)
+
+
 def test_oracle_matches_reference_on_a_tree():
     """The oracle itself against the reference (so the tree semantics are pinned twice)."""
     cfg = CPU_CFGS["f32-g2-tree"]
@@ -291,6 +389,12 @@ def test_triton_lowering_on_cpu(monkeypatch):
             max_query_len=qmax, tree_mask=tree, interpret=False)
         text = fn.lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text
+        # the fused-write kernel: qkv with 8 + 8 extra heads, the caches aliased to outputs
+        fw = pk.paged_attention_write.trace(
+            sds((b * qmax, nh + 16, 128), dt), sds((b * 128, 16, 8, 128), dt),
+            sds((b * 128, 16, 8, 128), dt), i32(b * qmax), i32(b + 1), i32(b), i32(b, 128),
+            scale=0.1, max_query_len=qmax, tree_mask=tree, interpret=False)
+        assert "xla.gpu.triton" in fw.lower(lowering_platforms=("cuda",)).as_text()
 
 
 # ----------------------------------------------------------------------------------------
@@ -442,6 +546,49 @@ def test_gpu_kernel_matches_reference(b, qlen, mask, dtype):
     assert_close(got, want, tol, f"B={b} q={qlen} {mask} {dtype}")
     end = int(md.query_start_loc[-1])
     assert np.all(np.asarray(got[end:], np.float32) == 0)
+
+
+@pytest.mark.gpu
+@skip_without_gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("b", [1, 8, 64])
+@pytest.mark.parametrize("qlen", [1, 4])
+@pytest.mark.parametrize("mask", ["causal", "tree"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_fused_write_equals_unfused(b, qlen, mask, dtype):
+    """The compiled fused-write kernel == scatter then the compiled kernel, bit for bit
+    (caches and outputs), with unwritten (-1) slots among the requests' tokens."""
+    if mask == "tree" and qlen == 1:
+        pytest.skip("a one-node tree is the causal case")
+    tree = random_tree(np.random.default_rng(b), qlen) if mask == "tree" else None
+    q, cache, md = _gpu_case(b, qlen, 1024, seed=3 * b + qlen, dtype=jnp.dtype(dtype),
+                             tree=tree)
+    sm = np.asarray(md.slot_mapping).copy()
+    sm[np.random.default_rng(b).random(sm.shape[0]) < 0.1] = -1
+    md = md.replace(slot_mapping=jnp.asarray(sm))
+    nkv = cache.k.shape[2]
+    kv = jax.random.normal(jax.random.key(b), (q.shape[0], 2 * nkv, q.shape[2])).astype(q.dtype)
+    scale = 128 ** -0.5
+    kw = dict(scale=scale, max_query_len=md.max_query_len, causal=md.causal,
+              tree_mask=md.tree_mask)
+
+    @jax.jit
+    def unfused(q, kv, c, m):
+        c = attn.write_kv(c, kv[:, :nkv], kv[:, nkv:], m.slot_mapping)
+        return pk.paged_attention(q, c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table,
+                                  **kw), c
+
+    @jax.jit
+    def fused(q, kv, c, m):
+        return pk.paged_attention_write(jnp.concatenate([q, kv], axis=1), c.k, c.v,
+                                        m.slot_mapping, m.query_start_loc, m.seq_lens,
+                                        m.block_table, **kw)
+
+    want, wc = unfused(q, kv, cache, md)
+    got, (gk, gv) = fused(q, kv, cache, md)
+    np.testing.assert_array_equal(np.asarray(gk), np.asarray(wc.k))
+    np.testing.assert_array_equal(np.asarray(gv), np.asarray(wc.v))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 #: Llama-3.1-8B-shaped EAGLE-3 head (as benchmarks/proposers.py): H, I, heads, kv heads,

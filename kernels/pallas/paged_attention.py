@@ -35,6 +35,12 @@ rescales the accumulator per tile (float32: ~1e-6 relative), and in bfloat16 the
 probabilities are rounded before, not after, normalization. A query row with no visible key
 (not produced by valid metadata) gives zeros here and a uniform average in the reference.
 
+:func:`paged_attention_write` is the same kernel with the step's cache write folded in
+(``qkv`` in, the caches aliased in and out): program ``(r, h, 0)`` stores request ``r``'s
+new K/V of head ``h``, and the tiles that can hold one of those slots take the new values
+from ``qkv`` through an exact one-hot product, since programs run in no fixed order. Opt-in
+from :func:`specjax.models.attention.attend` (``SPECJAX_FUSED_KV_WRITE=1``).
+
 On the GPU this is a Triton-lowered ``pl.pallas_call`` (the Pallas Triton backend, which
 JAX deprecates since 0.11 and warns about once per compilation); elsewhere it runs in
 Pallas interpret mode (``interpret=True``), which does not check Triton's rules (power-of-two
@@ -127,11 +133,47 @@ def _tree_bits(tree_mask) -> tuple[int, ...]:
     return tuple(sum(1 << j for j, x in enumerate(row) if x) for row in tree_mask)
 
 
-def _kernel(qsl_ref, seq_ref, bt_ref, q_ref, k_ref, v_ref,    # inputs (whole arrays)
-            o_ref, m_ref, l_ref,                               # outputs: this program's tile
-            *, scale: float, group: int, rows: int, block_k: int, block_size: int,
-            max_blocks: int, num_blocks: int, num_splits: int, num_tokens: int, causal: bool,
-            tree_bits: tuple[int, ...] | None, precision):
+def _load_new(qkv_ref, tok, nh: int, nkv: int, h, col):
+    """Kv head ``h`` of tokens ``tok [W]`` from ``qkv [T, nh + 2 nkv, hd]``: ``(k, v)``."""
+    return (pltr.load(qkv_ref.at[tok[:, None], nh + h, col]),
+            pltr.load(qkv_ref.at[tok[:, None], nh + nkv + h, col]))
+
+
+def _write_new(qkv_ref, ko_ref, vo_ref, tok, slot, ok, nh: int, h, col, block_size: int):
+    """Store kv head ``h`` of tokens ``tok [W]`` (from ``qkv``) at ``slot`` of the output
+    caches where ``ok``; nothing is loaded or stored when no row is ``ok``.
+
+    Rows not ``ok`` are pointed at the first ``ok`` row (same slot, same value): the store is
+    masked, but interpret mode implements a masked store as a read-select-scatter, where a
+    masked row aimed at a slot that another row writes would race with it."""
+    w = tok.shape[0]
+    i = jnp.arange(w, dtype=jnp.int32)
+    first = jnp.min(jnp.where(ok, i, w))
+
+    def write():
+        t = jnp.where(ok, tok, jnp.sum(jnp.where(i == first, tok, 0)))
+        sl = jnp.where(ok, slot, jnp.sum(jnp.where(i == first, slot, 0)))
+        kn, vn = _load_new(qkv_ref, t, nh, ko_ref.shape[2], h, col)
+        page = lax.div(sl, jnp.int32(block_size))[:, None]
+        off = lax.rem(sl, jnp.int32(block_size))[:, None]
+        pltr.store(ko_ref.at[page, off, h, col], kn.astype(ko_ref.dtype))
+        pltr.store(vo_ref.at[page, off, h, col], vn.astype(vo_ref.dtype))
+
+    lax.cond(first < w, write, lambda: None)
+
+
+def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int,
+            block_k: int, block_size: int, max_blocks: int, num_blocks: int, num_splits: int,
+            num_tokens: int, causal: bool, tree_bits: tuple[int, ...] | None, precision,
+            write_rows: int = 0):
+    """``refs``: ``q, k_cache, v_cache`` (inputs, whole arrays), then ``o, m, l`` (this
+    program's tile). With ``write_rows`` (the fused cache write, see
+    :func:`paged_attention_write`): ``slot_mapping, qkv, k_cache, v_cache`` in, then ``o, m,
+    l, k_cache_out, v_cache_out`` (aliased to the caches in), and ``q_ref`` is ``qkv``."""
+    if write_rows:
+        sm_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, ko_ref, vo_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, m_ref, l_ref = refs
     r = pl.program_id(0)
     h = pl.program_id(1)
     s = pl.program_id(2)
@@ -150,6 +192,37 @@ def _kernel(qsl_ref, seq_ref, bt_ref, q_ref, k_ref, v_ref,    # inputs (whole ar
     col = jnp.arange(hd, dtype=jnp.int32)[None, :]
     q = pltr.load(q_ref.at[tok[:, None], head[:, None], col], mask=row_ok[:, None],
                   other=0)                                     # [ROWS, hd]
+    if write_rows:
+        nh, nkv = k_ref.shape[2] * group, k_ref.shape[2]
+        # this request's new keys / values (heads nh + h and nh + nkv + h of qkv) and slots
+        ni = jnp.arange(write_rows, dtype=jnp.int32)
+        ntok = jnp.minimum(start + ni, num_tokens - 1)
+        nslot = pltr.load(sm_ref.at[ntok], mask=ni < qlen, other=-1)
+        n_ok = (ni < qlen) & (nslot >= 0) & (nslot < num_blocks * block_size)
+        _write_new(q_ref, ko_ref, vo_ref, ntok, nslot, n_ok & (s == 0), nh, h, col, block_size)
+        # rows past every request (query_start_loc[-1] .. num_tokens) with a slot are
+        # written too (as the unfused scatter does), by the programs of request 0
+        tail = qsl_ref[qsl_ref.shape[0] - 1]
+        n_tail = jnp.where((r == 0) & (s == 0), _cdiv(num_tokens - tail, write_rows), 0)
+
+        def write_tail(c, carry):
+            ttok = jnp.minimum(tail + c * write_rows + ni, num_tokens - 1)
+            t_ok = tail + c * write_rows + ni < num_tokens
+            tslot = pltr.load(sm_ref.at[ttok], mask=t_ok, other=-1)
+            t_ok = t_ok & (tslot >= 0) & (tslot < num_blocks * block_size)
+            _write_new(q_ref, ko_ref, vo_ref, ttok, tslot, t_ok, nh, h, col, block_size)
+            return carry
+
+        lax.fori_loop(0, n_tail, write_tail, 0)
+        # vLLM's metadata: token i's slot is that of its position seq - qlen + i in the
+        # request's table, so only the tiles from seq - qlen on can hold a written key;
+        # any other slot (a bug upstream, or a test) makes every tile check
+        npos = seq - qlen + ni
+        npage = pltr.load(bt_ref.at[r, jnp.clip(lax.div(npos, jnp.int32(block_size)), 0,
+                                                 max_blocks - 1)])
+        nexp = (jnp.clip(npage, 0, num_blocks - 1) * block_size
+                + lax.rem(jnp.maximum(npos, 0), jnp.int32(block_size)))
+        irregular = jnp.max(jnp.where(n_ok & ((nslot != nexp) | (npos < 0)), 1, 0)) > 0
 
     if tree_bits is not None:
         qt = len(tree_bits)
@@ -167,7 +240,7 @@ def _kernel(qsl_ref, seq_ref, bt_ref, q_ref, k_ref, v_ref,    # inputs (whole ar
     hi = jnp.minimum(lo + per, n_tiles)
     kk0 = jnp.arange(block_k, dtype=jnp.int32)
 
-    def body(t, carry):
+    def body(t, carry, overlay_new: bool = False):
         acc, m_prev, l_prev = carry
         kk = t * block_k + kk0                                 # [BK] key positions
         kv_ok = kk < seq
@@ -178,6 +251,20 @@ def _kernel(qsl_ref, seq_ref, bt_ref, q_ref, k_ref, v_ref,    # inputs (whole ar
                       other=0)                                 # [BK, hd]
         v = pltr.load(v_ref.at[page[:, None], off[:, None], h, col], mask=kv_ok[:, None],
                       other=0)
+        if overlay_new:
+            # keys this call writes (this request's slots) read the new values, whether or
+            # not the write above has landed: a one-hot [BK, W] x [W, hd] product (exact)
+            hit = ((page * block_size + off)[:, None] == nslot[None, :]) & n_ok[None, :]
+            any_hit = jnp.max(hit.astype(jnp.int32), axis=1) > 0
+            kn, vn = _load_new(q_ref, ntok, nh, nkv, h, col)
+            onehot = hit.astype(k.dtype)
+            dims = (((1,), (0,)), ((), ()))
+            new_k = lax.dot_general(onehot, kn, dims, precision=precision,
+                                    preferred_element_type=jnp.float32)
+            new_v = lax.dot_general(onehot, vn, dims, precision=precision,
+                                    preferred_element_type=jnp.float32)
+            k = jnp.where(any_hit[:, None], new_k.astype(k.dtype), k)
+            v = jnp.where(any_hit[:, None], new_v.astype(v.dtype), v)
 
         sc = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32) * scale    # [ROWS, BK]
@@ -200,15 +287,27 @@ def _kernel(qsl_ref, seq_ref, bt_ref, q_ref, k_ref, v_ref,    # inputs (whole ar
 
     init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    if write_rows:
+        # two loops without a branch inside (Triton pipelines their loads): the tiles
+        # before the first new position, then those that can hold a written key (every
+        # tile when the slots are irregular)
+        first_new = jnp.where(irregular, 0, lax.div(jnp.maximum(seq - qlen, 0),
+                                                    jnp.int32(block_k)))
+        mid = jnp.clip(first_new, lo, hi)
+        init = lax.fori_loop(lo, mid, body, init)
+        acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, overlay_new=True), init)
+    else:
+        acc, m, l = lax.fori_loop(lo, hi, body, init)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "scale", "max_query_len", "causal", "tree_mask", "block_k", "num_splits", "num_warps",
-    "num_stages", "interpret"))
+_STATIC = ("scale", "max_query_len", "causal", "tree_mask", "block_k", "num_splits", "num_warps",
+           "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     query_start_loc: jax.Array, seq_lens: jax.Array, block_table: jax.Array, *,
                     scale: float, max_query_len: int, causal: bool = True,
@@ -226,7 +325,67 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     for tiles of more than 32 rows), ``num_stages``. ``interpret`` (default: off the GPU)
     runs the kernel in Pallas interpret mode.
     """
-    t_pad, nh, hd = q.shape
+    out, _ = _attention(q, None, k_cache, v_cache, None, query_start_loc, seq_lens, block_table,
+                        scale=scale, max_query_len=max_query_len, causal=causal,
+                        tree_mask=tree_mask, block_k=block_k, num_splits=num_splits,
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_attention_write(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                          slot_mapping: jax.Array, query_start_loc: jax.Array,
+                          seq_lens: jax.Array, block_table: jax.Array, *, scale: float,
+                          max_query_len: int, causal: bool = True,
+                          tree_mask: tuple[tuple[bool, ...], ...] | None = None,
+                          block_k: int | None = None, num_splits: int | None = None,
+                          num_warps: int | None = None, num_stages: int = 2,
+                          interpret: bool | None = None
+                          ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """This step's K/V written into the paged cache and the attention over it, in one kernel:
+    :func:`specjax.models.attention.attend` (``write_kv`` then :func:`paged_attention`)
+    without the two scatter kernels.
+
+    ``qkv [T, num_heads + 2 * num_kv_heads, head_dim]``: the queries, then the new keys, then
+    the new values, in the caches' dtype (one array, so that XLA produces it with one fusion
+    out of the projection). Returns ``(out [T, num_heads, head_dim], (k_cache, v_cache))``
+    with the caches updated in place (donated; aliased to the kernel's outputs).
+
+    Writes: program ``(r, h, 0)`` stores kv head ``h`` of request ``r``'s tokens at their
+    ``slot_mapping`` entries (slots ``< 0`` or past the cache dropped, as the scatter does);
+    tokens past ``query_start_loc[-1]`` with a slot are stored by the programs of request 0.
+    Reads: a key whose slot one of the request's own tokens writes takes the new value from
+    ``qkv`` instead of the cache (programs run in no fixed order). Same result as
+    ``write_kv`` then :func:`paged_attention` -- the caches bit-identical, the output too --
+    when no request reads a slot that another request's (or a padding) token writes this call:
+    true of vLLM's metadata, where each token's slot is a page of its own request's block
+    table.
+    """
+    t_pad, width, hd = qkv.shape
+    nb, bs, nkv, hd_k = k_cache.shape
+    nh = width - 2 * nkv
+    if nh <= 0 or hd_k != hd or v_cache.shape != k_cache.shape:
+        raise ValueError(f"qkv {qkv.shape} does not fit caches {k_cache.shape}, {v_cache.shape}: "
+                         "want [T, num_heads + 2 * num_kv_heads, head_dim]")
+    if qkv.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"qkv ({qkv.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) "
+                         "must share one dtype")
+    if slot_mapping.shape != (t_pad,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] = [{t_pad}]")
+    return _attention(qkv, nh, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens,
+                      block_table, scale=scale, max_query_len=max_query_len, causal=causal,
+                      tree_mask=tree_mask, block_k=block_k, num_splits=num_splits,
+                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens,
+               block_table, *, scale, max_query_len, causal, tree_mask, block_k, num_splits,
+               num_warps, num_stages, interpret):
+    """Both entry points: ``slot_mapping is None`` -> attention only (``q [T, nh, hd]``),
+    else ``q`` is ``qkv`` with ``num_heads`` query heads and the write is fused."""
+    write = slot_mapping is not None
+    t_pad, width, hd = q.shape
+    nh = num_heads if write else width
     nb, bs, nkv, hd_k = k_cache.shape
     if v_cache.shape != k_cache.shape or hd_k != hd:
         raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
@@ -244,7 +403,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     max_tiles = _cdiv(max_blocks * bs, block_k)
     if num_splits is None:
-        num_splits = default_num_splits(b_pad, nkv, max_tiles)
+        num_splits = default_num_splits(max(b_pad, 1), nkv, max_tiles)
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     if num_warps is None:
@@ -252,39 +411,67 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if b_pad == 0 or t_pad == 0:
-        return jnp.zeros(q.shape, q.dtype)
+        out = jnp.zeros((t_pad, nh, hd), q.dtype)
+        if write:       # no request: every token is past query_start_loc[-1]
+            k_cache = attn_scatter(k_cache, q[:, nh:nh + nkv], slot_mapping)
+            v_cache = attn_scatter(v_cache, q[:, nh + nkv:], slot_mapping)
+        return out, (k_cache, v_cache)
     # the first dot in the promoted dtype (as the reference's einsum), the second in the
     # cache dtype (the reference casts the probabilities to it)
-    q_in = q.astype(jnp.promote_types(q.dtype, k_cache.dtype))
+    q_in = q if write else q.astype(jnp.promote_types(q.dtype, k_cache.dtype))
 
     kernel = functools.partial(
         _kernel, scale=float(scale), group=group, rows=rows, block_k=block_k, block_size=bs,
         max_blocks=max_blocks, num_blocks=nb, num_splits=num_splits, num_tokens=t_pad,
         causal=bool(causal), tree_bits=None if tree_mask is None else _tree_bits(tree_mask),
-        precision=lax.Precision.HIGHEST)
+        precision=lax.Precision.HIGHEST,
+        write_rows=_pow2_at_least(max(int(max_query_len), 1), 16) if write else 0)
     grid = (b_pad, nkv, num_splits)
-    o, m, l = pl.pallas_call(
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, hd), lambda r, h, s: (r, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows, hd), jnp.float32),
+        jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
+    ]
+    ints = [query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
+            block_table.astype(jnp.int32)]
+    if write:
+        args = ints + [slot_mapping.astype(jnp.int32), q_in, k_cache, v_cache]
+        out_specs += [pl.no_block_spec, pl.no_block_spec]
+        out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+        aliases = {5: 3, 6: 4}
+    else:
+        args, aliases = ints + [q_in, k_cache, v_cache], {}
+    outs = pl.pallas_call(
         kernel,
         grid=grid,
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, hd), lambda r, h, s: (r, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows, hd), jnp.float32),
-            jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
-            jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention_r{rows}_k{block_k}_s{num_splits}",
-    )(query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
-      block_table.astype(jnp.int32), q_in, k_cache, v_cache)
+        name=f"paged_attention{'_write' if write else ''}_r{rows}_k{block_k}_s{num_splits}",
+    )(*args)
+    o, m, l = outs[:3]
+    caches = (outs[3], outs[4]) if write else (k_cache, v_cache)
 
     # merge the splits (flash-decoding), normalize, rows -> token order: one small kernel
-    return _merge(query_start_loc.astype(jnp.int32), o, m, l, t_pad=t_pad, num_heads=nh,
-                  max_query_len=max(int(max_query_len), 1), out_dtype=q.dtype, interpret=interpret)
+    out = _merge(query_start_loc.astype(jnp.int32), o, m, l, t_pad=t_pad, num_heads=nh,
+                 max_query_len=max(int(max_query_len), 1), out_dtype=q.dtype,
+                 interpret=interpret)
+    return out, caches
+
+
+def attn_scatter(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """The unfused cache write (``specjax.models.attention.scatter_slots``)."""
+    from specjax.models.attention import scatter_slots
+
+    return scatter_slots(cache, values, slot_mapping)
 
 
 def _merge_kernel(qsl_ref, o_ref, m_ref, l_ref, out_ref, *, b_pad: int, group: int,
