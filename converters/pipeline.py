@@ -334,22 +334,37 @@ def load_pretrained(path, dtype=None, *, format: str | None = None):
         raise CheckpointError(f"{path}/{METADATA_FILE}: unsupported version "
                               f"{meta.get('specjax_checkpoint_version')!r}")
     kind = meta["kind"]
-    registry = _registry()
     config = config_from_metadata(meta)
     stored = parse_dtype(meta["dtype"])
-    target = registry.abstract_params(kind, config, dt or stored)
-    extra = meta.get("extra_params") or {}
-    if extra:
-        import jax  # noqa: PLC0415
-
-        for name, shape in extra.items():
-            target[name] = jax.ShapeDtypeStruct(tuple(int(d) for d in shape), dt or stored)
+    target = _restore_target(path, kind, config, dt or stored, meta.get("extra_params") or {})
     ckptr = ocp.StandardCheckpointer()
     try:
         params = ckptr.restore(path / PARAMS_DIR, target)
     finally:
         ckptr.close()
     return kind, config, params
+
+
+def _restore_target(path: Path, kind: str, config, dtype, extra: dict) -> dict:
+    """The abstract params orbax restores into: the registry's structure, plus the entries
+    ``extra`` (``specjax.json``'s ``extra_params``: name -> shape) names, whose shapes must
+    be what the registry says (CheckpointError, before anything is read, otherwise)."""
+    registry = _registry()
+    unknown = sorted(set(extra) - set(EXTRA_PARAM_KEYS))
+    if unknown:
+        raise CheckpointError(f"{path}/{METADATA_FILE}: unknown extra_params {unknown} (this "
+                              f"version of specjax knows {list(EXTRA_PARAM_KEYS)})")
+    try:
+        target = registry.abstract_params(kind, config, dtype,
+                                          mask_hidden=registry.MASK_HIDDEN in extra)
+    except ValueError as e:
+        raise CheckpointError(f"{path}/{METADATA_FILE}: extra_params: {e}") from None
+    for name, shape in extra.items():
+        if tuple(int(d) for d in shape) != tuple(target[name].shape):
+            raise CheckpointError(f"{path}/{METADATA_FILE}: extra_params[{name!r}] has shape "
+                                  f"{list(shape)}; the {kind} config needs "
+                                  f"{list(target[name].shape)}")
+    return target
 
 
 def config_from_metadata(meta: dict):

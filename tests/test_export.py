@@ -394,6 +394,27 @@ def test_mask_hidden_round_trip(tmp_path, fmt, dtype):
     assert_bit_equal(params3, params, DTYPES[dtype])
 
 
+def test_converted_extra_params_are_checked_before_restoring(tmp_path):
+    """``specjax.json``'s ``extra_params`` must name known entries of the registry's shape:
+    an edited / foreign metadata file is refused by name, nothing restored."""
+    kind, config, params = make("eagle3")
+    params = with_mask_hidden(kind, config, params)
+    out = export_checkpoint(kind, config, params, tmp_path / "out", format="eagle3")
+    conv = tmp_path / "conv"
+    assert cli.main([str(out), str(conv), "-q"]) == 0
+    meta_path = conv / "specjax.json"
+    meta = json.loads(meta_path.read_text())
+    n = registry.mask_hidden_size(kind, config)
+    assert meta["extra_params"] == {"mask_hidden": [n]}
+    for extra, needle in [({"mask_hidden": [n + 1]}, rf"has shape \[{n + 1}\]; the eagle3 config needs \[{n}\]"),
+                          ({"mask_hidden": [n], "lora": [4]}, r"unknown extra_params \['lora'\]")]:
+        meta_path.write_text(json.dumps(dict(meta, extra_params=extra)))
+        with pytest.raises(specjax.converters.CheckpointError, match=needle):
+            specjax.load_pretrained(conv)
+    meta_path.write_text(json.dumps(meta))
+    assert specjax.load_pretrained(conv)[2]["mask_hidden"].shape == (n,)
+
+
 def test_without_mask_hidden_nothing_changes(tmp_path):
     for fmt in MASK_FORMATS:
         kind, config, params = make(fmt)
