@@ -29,6 +29,7 @@ Usage::
     python benchmarks/e2e.py                          # GPU: 8B-shaped target; CPU: demo model
     python benchmarks/e2e.py --target 8b --batch 1,8,32 --context 1024 --k 3 --json out.json
     python benchmarks/e2e.py --target demo --methods ngram eagle --batch 1,8
+    python benchmarks/e2e.py --target 8b --tp 2 --methods ngram eagle3   # 2 GPUs, Engine(mesh=)
 
 Targets: ``8b`` (Llama-3.1-8B shape; draft model Llama-3.2-1B shape; EAGLE-3 draft vocab
 32000), ``1b`` (Llama-3.2-1B shape; draft model 2 layers of it), ``demo`` (the embedded
@@ -185,7 +186,17 @@ def main(argv=None) -> int:
                          "verification + tree drafting; repeatable)")
     ap.add_argument("--no-t1-check", dest="t1_check", action="store_false",
                     help="at B=1, skip timing the unpadded one-token plain step as well")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel over this many devices (Engine(mesh=...)): target and "
+                         "device proposers sharded with specjax.sharding's rules")
     args = ap.parse_args(argv)
+    if args.tp < 1 or args.tp > len(jax.devices()):
+        ap.error(f"--tp must be between 1 and the {len(jax.devices())} visible devices, got {args.tp}")
+    mesh = None
+    if args.tp > 1:
+        from jax.sharding import Mesh
+
+        mesh = Mesh(np.array(jax.devices()[: args.tp]), ("tp",))
     dtype = jnp.dtype(args.dtype)
     batches = [int(b) for b in args.batch.split(",")]
     methods = args.methods or [m for m in demo.ALL_METHODS if m in available_methods()]
@@ -194,7 +205,8 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{dev.platform} {dev.device_kind}; target {args.target} {args.dtype}; context {args.context}; "
-          f"k={k}; block {BS}; iters {args.iters}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+          f"k={k}; block {BS}; iters {args.iters}; tp {args.tp}; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
           flush=True)
     t0 = time.perf_counter()
     if args.no_demo_tau:
@@ -214,7 +226,8 @@ def main(argv=None) -> int:
     def timed(prop, b, **extra):
         """(time_decode_step dict, padded tokens of the step, KV-cache copies in its HLO)."""
         eng = Engine(models.target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
-                     batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype, **extra)
+                     batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype, mesh=mesh,
+                     **extra)
         t = eng.time_decode_step(b, args.context, iters=args.iters)
         low = eng.lower_decode_step(b, args.context)     # compiled already: a cache hit
         t_pad = low.args_info[0][-1].input_ids.shape[0]

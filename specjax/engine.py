@@ -511,6 +511,16 @@ class Engine:
         branches (see the module docstring), chains otherwise; True: the tree path even
         for a chain tree (tests, benchmarks; needs a device model proposer); False: chain
         verification.
+      mesh: a ``jax.sharding.Mesh`` for tensor parallelism (None: one device). The target's
+        params and KV caches, and a device proposer's params and state, are placed with
+        ``specjax.sharding``'s Megatron rules over its ``tp_axis`` axis (attention by kv
+        head, MLP by intermediate size, vocabulary-split heads; other axes replicate); XLA's
+        partitioner follows those placements through the jitted step. A proposer with
+        ``mesh`` / ``vocab_axis`` fields (EAGLE, EAGLE-3, DFlash, draft model) gets them, so
+        its ``config.use_local_argmax_reduction`` reduces over the vocabulary shards.
+        Indivisible head / intermediate / vocabulary sizes raise ValueError naming the
+        parameter, before anything is placed.
+      tp_axis: the mesh axis to shard over (default ``"tp"``).
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -518,7 +528,8 @@ class Engine:
                  kernel_backend: str = "auto", batch_buckets: Sequence[int] | None = None,
                  query_buckets: Sequence[int] | None = None,
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
-                 min_tokens_per_step: int = 2, tree_verification: bool | None = None) -> None:
+                 min_tokens_per_step: int = 2, tree_verification: bool | None = None,
+                 mesh: Any = None, tp_axis: str = "tp") -> None:
         from specjax.models import DecoderLM
 
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
@@ -550,6 +561,11 @@ class Engine:
                 got = getattr(proposer, name, None)
                 if got is not None and got != want:
                     raise ValueError(f"the proposer was built with {name}={got}, the engine uses {want}")
+        self.mesh, self.tp_axis = mesh, tp_axis
+        if mesh is not None:
+            target, proposer = _tensor_parallel(TargetModel(model, target.params), proposer,
+                                                mesh, tp_axis)
+            self.proposer = proposer
         self.target = TargetModel(model, target.params)
         self.vocab_size = vocab
         self.max_model_len = int(max_model_len)
@@ -630,6 +646,12 @@ class Engine:
         self.target_kv = m.init_kv_caches(self.num_blocks, self.block_size, self.kv_dtype)
         self.draft_state = (None if self.proposer is None
                             else self.proposer.init_state(self.num_blocks, self.kv_dtype))
+        if self.mesh is not None:
+            from specjax.sharding import state_shardings
+
+            self.target_kv, self.draft_state = (
+                jax.device_put(x, state_shardings(x, self.mesh, axis=self.tp_axis))
+                for x in (self.target_kv, self.draft_state))
         self.free_blocks = list(range(self.num_blocks - 1, _NULL_BLOCK, -1))   # pop() -> 1, 2, ...
         self.tok_buf = np.zeros((self.max_num_seqs, self.max_model_len), _I32)
         self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
@@ -1091,6 +1113,44 @@ class Engine:
 # host-side metadata (NumPy leaves: the jitted step uploads them in one go)
 
 
+def _tensor_parallel(target: TargetModel, proposer: Proposer | None, mesh: Any, axis: str
+                     ) -> tuple[TargetModel, Proposer | None]:
+    """``Engine(mesh=...)``: the target and a device proposer's params on ``mesh`` (the
+    proposer copied, with ``mesh`` / ``vocab_axis`` set on its ``impl`` when it has them).
+    Every sharding is resolved (and checked) before anything is placed."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from specjax import sharding as sh
+
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"tp_axis {axis!r} is not an axis of the mesh (axes: {mesh.axis_names})")
+    tshard = sh.param_shardings(target.params, mesh, target.model.config, axis=axis)
+    impl, dparams = None, None
+    if proposer is not None and proposer.impl is not None:
+        impl = proposer.impl
+        dcfg = getattr(getattr(impl, "model", None), "config", None)
+        if proposer.params is None:
+            dshard = None
+        elif dcfg is None:
+            dshard = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), proposer.params)
+        else:
+            dshard = sh.param_shardings(proposer.params, mesh, dcfg, axis=axis)
+        fields = {f.name for f in dataclasses.fields(impl)} if dataclasses.is_dataclass(impl) else ()
+        if {"mesh", "vocab_axis"} <= set(fields):
+            impl = dataclasses.replace(impl, mesh=mesh, vocab_axis=axis)
+        if dshard is not None:
+            dparams = jax.device_put(proposer.params, dshard)
+    target = TargetModel(target.model, jax.device_put(target.params, tshard))
+    if impl is not None:
+        import copy
+
+        proposer = copy.copy(proposer)
+        proposer.impl, proposer.params = impl, dparams
+    return target, proposer
+
+
 def _ragged_arange(lens: np.ndarray) -> np.ndarray:
     """``concat(arange(l) for l in lens)``."""
     lens = np.asarray(lens, np.int64)
@@ -1177,7 +1237,8 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              batch_buckets: Sequence[int] | None = None, query_buckets: Sequence[int] | None = None,
              context_buckets: Sequence[int] | None = None, min_tokens_per_step: int = 2,
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
-             progress: Callable[[int, int, int], None] | None = None) -> GenerateResult:
+             progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
+             tp_axis: str = "tp") -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -1211,6 +1272,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
     engine = Engine(target, proposer, max_model_len=max_model_len, block_size=block_size,
                     max_num_seqs=max_num_seqs, num_blocks=num_blocks, kernel_backend=kernel_backend,
                     batch_buckets=batch_buckets, query_buckets=query_buckets,
-                    context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step)
+                    context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step,
+                    mesh=mesh, tp_axis=tp_axis)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)

@@ -245,6 +245,61 @@ for method, mode in dict.fromkeys((m, mode) for m, mode, _, _ in CASES):
 """
 
 
+#: (method, tp size, use_local_argmax_reduction): the reference loop with ``mesh=``.
+ENGINE_TP_CASES = [("eagle3", 2, True), ("draft_model", 4, False), ("ngram", 2, False)]
+
+ENGINE_TP_BODY = """
+from specjax.engine import Engine
+from specjax.sharding import state_specs
+from test_engine import FIXED, PARAMS_B, PROMPTS_B, build, target
+
+def placed_as(tree, n, mesh, what):
+    specs = jax.tree.leaves(state_specs(tree, n), is_leaf=lambda v: isinstance(v, P))
+    for x, s in zip(jax.tree.leaves(tree), specs, strict=True):
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), (what, x.sharding, s)
+
+for method, n, flag in CASES:
+    mesh = Mesh(DEV[:n], ("tp",))
+    prop = build(method, 3, **(dict(use_local_argmax_reduction=True) if flag else {}))
+    kw = dict(FIXED, max_num_seqs=3)
+    want = Engine(target(), prop, **kw).generate(PROMPTS_B, PARAMS_B)
+    eng = Engine(target(), prop, mesh=mesh, **kw)
+    got = eng.generate(PROMPTS_B, PARAMS_B)
+    what = f"{method} tp={n} local_argmax={flag}"
+    assert got.token_ids == want.token_ids, what
+    assert got.spec_stats.num_accepted_tokens == want.spec_stats.num_accepted_tokens, what
+    # the caches stay where they were put through every step; the weights are split
+    placed_as(eng.target_kv, n, mesh, what)
+    if eng.draft_state is not None:
+        placed_as(eng.draft_state, n, mesh, what)
+    # no KV-cache-shaped all-gather inside the step ([num_blocks, ...] or [slots, ...])
+    hlo = eng.lower_decode_step(3, 20).compile().as_text()
+    nb = FIXED["num_blocks"]
+    gathers = re.findall(r"= \\w+\\[([\\d,]*)\\][^ ]* all-gather(?:-start)?\\(", hlo)
+    big = [g for g in gathers if g.split(",")[0] in (str(nb), str(nb * FIXED["block_size"]))]
+    assert not big, (what, big)
+    gate = eng.target.params["layers"][0]["mlp"]["gate_proj"]["kernel"]
+    assert gate.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), 2), what
+    if prop.impl is not None:     # the caller's proposer is left as it was
+        assert eng.proposer is not prop and getattr(prop.impl, "mesh", None) is None
+        assert getattr(eng.proposer.impl, "mesh", mesh) is mesh
+    print("engine tp ok", what, flush=True)
+
+# bad meshes are refused by name before anything is placed
+try:
+    Engine(target(), None, mesh=Mesh(DEV[:2], ("x",)), **FIXED)
+    raise SystemExit("no error")
+except ValueError as e:
+    assert "tp_axis 'tp' is not an axis of the mesh" in str(e), e
+try:
+    Engine(target(), None, mesh=Mesh(DEV[:3], ("tp",)), **FIXED)
+    raise SystemExit("no error")
+except ValueError as e:
+    assert "not divisible by 3" in str(e), e
+print("engine tp errors ok", flush=True)
+"""
+
+
 def _start(body: str, n_devices: int, *args: str) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([TESTS, ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -281,6 +336,7 @@ def jobs(tmp_path_factory):
         "tp": _start(f"CASES = {TP_CASES!r}\n" + TP_BODY, 4),
         "tp_more": _start(f"CASES = {TP_CASES_MORE!r}\n" + TP_BODY, 4),
         "tp_tree_parallel": _start(f"CASES = {TP_TREE_PARALLEL_CASES!r}\n" + TP_TREE_PARALLEL_BODY, 4),
+        "engine_tp": _start(f"CASES = {ENGINE_TP_CASES!r}\n" + ENGINE_TP_BODY, 4),
         "bench": _start("", 2, os.path.join(ROOT, "benchmarks", "multi_gpu.py"), "--small",
                         "--iters", "2", "--batches", "8", "--dp", "--dp-batches", "8",
                         "--out", out_json),
@@ -317,6 +373,16 @@ def test_eagle3_parallel_drafting_tensor_parallel_matches_one_device(jobs):
     for m, mode, n, flag in TP_TREE_PARALLEL_CASES:
         if mode == "parallel":
             assert f"tp ok {m} parallel tp={n} local_argmax={flag}" in out, out
+
+
+def test_engine_tensor_parallel_generates_the_one_device_tokens(jobs):
+    """``Engine(mesh=...)``: the target (and a device proposer) sharded over ``tp``: the
+    same greedy tokens and acceptance as one device, the KV caches still sharded after the
+    run, bad meshes refused."""
+    out = _wait(jobs[0]["engine_tp"])
+    for m, n, flag in ENGINE_TP_CASES:
+        assert f"engine tp ok {m} tp={n} local_argmax={flag}" in out, out
+    assert "engine tp errors ok" in out
 
 
 def test_benchmark_script_smoke(jobs):
