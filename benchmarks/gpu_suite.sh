@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|models|profile|multi]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|models|profile|multi|fused]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
-# profiler traces of the engine step; multi: tensor / data parallel proposers on >= 2 GPUs;
+# profiler traces of the engine step; multi: tensor / data parallel proposers and the
+# tensor-parallel reference loop on >= 2 GPUs; fused: the opt-in fused K/V write A/B;
 # none of these is part of `all`, each needs several minutes)
 # Each part runs under its own time limit (BENCH_S, NGRAM_S, TESTS_S seconds) so one slow
 # part cannot starve the others inside a device lease. Logs and JSON go to $OUT.
@@ -38,9 +39,22 @@ fi
 if [ "$what" = profile ]; then
   timeout "${PROF_S:-250}" python benchmarks/profile_step.py --batch 1 --k 3 --propose --out /tmp/specjax_prof 2>&1 | tee "$OUT/profile.log" | grep "^###"
 fi
+if [ "$what" = fused ]; then
+  # the opt-in K/V write inside the attention kernel against the default (RESULTS.md)
+  for f in 0 1; do
+    echo "== SPECJAX_FUSED_KV_WRITE=$f" | tee -a "$OUT/fused.log"
+    SPECJAX_FUSED_KV_WRITE=$f timeout "${PROP_S:-150}" python benchmarks/proposers.py --methods eagle3 draft_model eagle dflash \
+      --batches 1,8,64 --reps 50 2>&1 | grep -v Warning | tail -14 | tee -a "$OUT/fused.log"
+  done
+  timeout "${TESTS_S:-200}" python -m pytest -m gpu -q -p no:cacheprovider tests/test_paged_attention.py 2>&1 | tail -5 | tee -a "$OUT/fused.log"
+fi
 if [ "$what" = multi ]; then
   timeout "${MULTI_S:-400}" python benchmarks/multi_gpu.py --devices 1,2 --batches 1,8,64 --local-argmax on --dp \
     --iters 30 --out "$OUT/multi_gpu.json" 2>&1 | tee "$OUT/multi_gpu.log" | tail -12
+  # the reference loop's step with the target and the proposer over 2 GPUs (Engine(mesh=))
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "${E2E_S:-420}" python benchmarks/e2e.py \
+    --target 8b --tp 2 --batch 1,8,32 --k 3 --methods ngram eagle3 --no-demo-tau \
+    --json "$OUT/e2e_tp2.jsonl" 2>&1 | tee "$OUT/e2e_tp2.log" | tail -12
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-240}" python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
