@@ -57,7 +57,7 @@ if [ "$what" = multi ]; then
     --json "$OUT/e2e_tp2.jsonl" 2>&1 | tee "$OUT/e2e_tp2.log" | tail -12
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout "${TESTS_S:-240}" python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  timeout "${TESTS_S:-480}" python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   rc=${PIPESTATUS[0]}
 fi
 exit $rc
