@@ -246,7 +246,8 @@ for method, mode in dict.fromkeys((m, mode) for m, mode, _, _ in CASES):
 
 
 #: (method, tp size, use_local_argmax_reduction): the reference loop with ``mesh=``.
-ENGINE_TP_CASES = [("eagle3", 2, True), ("draft_model", 4, False), ("ngram", 2, False)]
+ENGINE_TP_CASES = [("eagle3", 2, True), ("eagle3-tree", 2, True), ("draft_model", 4, False),
+                   ("ngram", 2, False)]
 
 ENGINE_TP_BODY = """
 from specjax.engine import Engine
@@ -260,12 +261,16 @@ def placed_as(tree, n, mesh, what):
 
 for method, n, flag in CASES:
     mesh = Mesh(DEV[:n], ("tp",))
-    prop = build(method, 3, **(dict(use_local_argmax_reduction=True) if flag else {}))
+    extra = dict(use_local_argmax_reduction=True) if flag else {}
+    if method.endswith("-tree"):     # tree verification: the accepted path's KV compacted
+        extra["speculative_token_tree"] = [(0,), (1,), (0, 0), (1, 0)]
+    prop = build(method.split("-")[0], 4 if "tree" in method else 3, **extra)
     kw = dict(FIXED, max_num_seqs=3)
     want = Engine(target(), prop, **kw).generate(PROMPTS_B, PARAMS_B)
     eng = Engine(target(), prop, mesh=mesh, **kw)
     got = eng.generate(PROMPTS_B, PARAMS_B)
     what = f"{method} tp={n} local_argmax={flag}"
+    assert (eng.tree is not None) == method.endswith("-tree"), what
     assert got.token_ids == want.token_ids, what
     assert got.spec_stats.num_accepted_tokens == want.spec_stats.num_accepted_tokens, what
     # the caches stay where they were put through every step; the weights are split
@@ -377,8 +382,8 @@ def test_eagle3_parallel_drafting_tensor_parallel_matches_one_device(jobs):
 
 def test_engine_tensor_parallel_generates_the_one_device_tokens(jobs):
     """``Engine(mesh=...)``: the target (and a device proposer) sharded over ``tp``: the
-    same greedy tokens and acceptance as one device, the KV caches still sharded after the
-    run, bad meshes refused."""
+    same greedy tokens and acceptance as one device (chain and tree verification), the KV
+    caches still sharded after the run, no cache-shaped all-gather, bad meshes refused."""
     out = _wait(jobs[0]["engine_tp"])
     for m, n, flag in ENGINE_TP_CASES:
         assert f"engine tp ok {m} tp={n} local_argmax={flag}" in out, out
