@@ -281,6 +281,25 @@ def test_fused_write_equals_scatter_then_attention(name):
         assert_close(got, ref(q, want_cache, md), tolerance(cfg.dtype), f"{name} vs reference")
 
 
+def test_fused_write_with_no_request_still_writes():
+    """No request (``query_start_loc == [0]``): zeros out, every token with a slot written."""
+    cfg = CPU_CFGS["f32-g1-causal"]
+    q, cache, _ = make_case(cfg, 4)
+    md = CommonAttentionMetadata.from_query_lens(
+        [], [], np.zeros((0, cfg.width), np.int32), block_size=cfg.bs, num_reqs_pad=0,
+        num_tokens_pad=cfg.t_pad, max_query_len=cfg.qmax)
+    slots = jnp.asarray(np.where(np.arange(cfg.t_pad) % 3, np.arange(cfg.t_pad) * 5, -1), jnp.int32)
+    kv = jnp.asarray(np.random.default_rng(0).standard_normal((cfg.t_pad, 2 * cfg.nkv, cfg.hd)),
+                     jnp.float32)
+    out, (gk, gv) = pk.paged_attention_write(
+        jnp.concatenate([q, kv], axis=1), cache.k, cache.v, slots, md.query_start_loc,
+        md.seq_lens, md.block_table, scale=0.3, max_query_len=cfg.qmax)
+    want = attn.write_kv(cache, kv[:, :cfg.nkv], kv[:, cfg.nkv:], slots)
+    assert np.all(np.asarray(out) == 0)
+    np.testing.assert_array_equal(np.asarray(gk), np.asarray(want.k))
+    np.testing.assert_array_equal(np.asarray(gv), np.asarray(want.v))
+
+
 def test_fused_write_through_attend_and_errors(monkeypatch):
     """With ``FUSED_KV_WRITE`` on, ``attend`` on the pallas backend takes the fused kernel
     (same caches and outputs as the xla backend; off, the scatters); the kernel refuses

@@ -348,8 +348,9 @@ def paged_attention_write(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array
 
     ``qkv [T, num_heads + 2 * num_kv_heads, head_dim]``: the queries, then the new keys, then
     the new values, in the caches' dtype (one array, so that XLA produces it with one fusion
-    out of the projection). Returns ``(out [T, num_heads, head_dim], (k_cache, v_cache))``
-    with the caches updated in place (donated; aliased to the kernel's outputs).
+    out of the projection). Returns ``(out [T, num_heads, head_dim], (k_cache, v_cache))``;
+    the kernel's cache outputs alias its cache inputs, so under a ``jax.jit`` that donates
+    the caches (every proposer's ``propose``, the engine step) they are updated in place.
 
     Writes: program ``(r, h, 0)`` stores kv head ``h`` of request ``r``'s tokens at their
     ``slot_mapping`` entries (slots ``< 0`` or past the cache dropped, as the scatter does);
@@ -413,8 +414,8 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
     if b_pad == 0 or t_pad == 0:
         out = jnp.zeros((t_pad, nh, hd), q.dtype)
         if write:       # no request: every token is past query_start_loc[-1]
-            k_cache = attn_scatter(k_cache, q[:, nh:nh + nkv], slot_mapping)
-            v_cache = attn_scatter(v_cache, q[:, nh + nkv:], slot_mapping)
+            k_cache = _scatter(k_cache, q[:, nh:nh + nkv], slot_mapping)
+            v_cache = _scatter(v_cache, q[:, nh + nkv:], slot_mapping)
         return out, (k_cache, v_cache)
     # the first dot in the promoted dtype (as the reference's einsum), the second in the
     # cache dtype (the reference casts the probabilities to it)
@@ -467,8 +468,8 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
     return out, caches
 
 
-def attn_scatter(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """The unfused cache write (``specjax.models.attention.scatter_slots``)."""
+def _scatter(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """The unfused cache write (no request, hence no kernel to fold it into) (``specjax.models.attention.scatter_slots``)."""
     from specjax.models.attention import scatter_slots
 
     return scatter_slots(cache, values, slot_mapping)
