@@ -49,7 +49,8 @@ if [ "$what" = fused ]; then
   timeout "${TESTS_S:-200}" python -m pytest -m gpu -q -p no:cacheprovider tests/test_paged_attention.py 2>&1 | tail -5 | tee -a "$OUT/fused.log"
 fi
 if [ "$what" = multi ]; then
-  timeout "${MULTI_S:-400}" python benchmarks/multi_gpu.py --devices 1,2 --batches 1,8,64 --local-argmax on --dp \
+  # on nvidia-h200-x4: MULTI_DEVICES=1,2,4 MULTI_EXTRA=--dp-tp (DP x TP: 2 groups of tp=2)
+  timeout "${MULTI_S:-400}" python benchmarks/multi_gpu.py --devices "${MULTI_DEVICES:-1,2}" --batches 1,8,64 --local-argmax on --dp ${MULTI_EXTRA:-} \
     --iters 30 --out "$OUT/multi_gpu.json" 2>&1 | tee "$OUT/multi_gpu.log" | tail -12
   # the reference loop's step with the target and the proposer over 2 GPUs (Engine(mesh=))
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "${E2E_S:-420}" python benchmarks/e2e.py \

@@ -11,6 +11,8 @@ target batch; k = 3 drafts), built from that module's constants and ``random_par
   N = 1 is the plain single-device proposer (benchmarks/proposers.py's measurement).
 - ``dp=N`` (``--dp``): the batch split into N independent shards of B / N requests, each
   with its own KV cache, weights replicated (``specjax.sharding.DataParallel``).
+- ``dp x tp2`` (``--dp-tp``, N >= 4 devices): N / 2 data-parallel groups, each a tp=2
+  proposer (``DataParallel`` of a ``tensor_parallel`` proposer on one 2-D mesh).
 
 Timing as benchmarks/proposers.py: warm-up calls, then *latency* = median of ``--iters``
 single calls each followed by ``block_until_ready``, and *pipelined* = ``--iters``
@@ -155,6 +157,9 @@ def main(argv=None):
     ap.add_argument("--local-argmax", choices=("on", "off", "both"), default="on")
     ap.add_argument("--dp", action="store_true", help="also data parallel over the batch")
     ap.add_argument("--dp-batches", default="64", help="batches split for --dp (default 64)")
+    ap.add_argument("--dp-tp", action="store_true",
+                    help="also DP x TP: each even device count n >= 4 as (n / 2) data-parallel "
+                         "groups of tp=2 (local argmax on), on the --dp-batches")
     ap.add_argument("--small", action="store_true", help="a small head (smoke test, CPU)")
     ap.add_argument("--hlo", action="store_true",
                     help="also compile each multi-device program ahead of time and record its "
@@ -168,7 +173,7 @@ def main(argv=None):
     if max(sizes) > len(devs) or min(sizes) < 1:
         raise SystemExit(f"--devices {sizes}: {len(devs)} device(s) visible")
     batches = [int(s) for s in args.batches.split(",")]
-    dp_batches = [int(s) for s in args.dp_batches.split(",")] if args.dp else []
+    dp_batches = [int(s) for s in args.dp_batches.split(",")] if args.dp or args.dp_tp else []
     flags = {"on": [True], "off": [False], "both": [True, False]}[args.local_argmax]
     geo = SMALL if args.small else FULL
     k = args.k
@@ -264,6 +269,28 @@ def main(argv=None):
             record("dp", n, b, lat, pipe,
                    floor_s(p, own_keys, kv_read_bytes(geo, sub, ctx, k, itemsize), k, devs[0]),
                    extra)
+            del states
+
+    for n in [s for s in sizes if s >= 4 and s % 2 == 0] if args.dp_tp else []:
+        groups = n // 2
+        mesh = Mesh(np.array(devs[:n]).reshape(groups, 2), ("dp", "tp"))
+        tprop, tparams, _ = tensor_parallel(prop0, params, prop0.init_state(width, dtype), mesh)
+        dpp = DataParallel(tprop, mesh)
+        for b in dp_batches:
+            if b % groups:
+                print(f"# skip dp x tp n={n} B={b}: not divisible")
+                continue
+            sub = b // groups
+            states = dpp.stack([tprop.init_state(sub * width, dtype) for _ in range(groups)])
+            inputs = dpp.stack([make_inputs(geo, sub, k, ctx, width, dtype, seed=i)
+                                for i in range(groups)])
+            extra = dict(per_device_batch=sub)
+            if args.hlo:
+                extra["collectives"] = collectives(
+                    type(dpp).propose.lower(dpp, tparams, states, inputs).compile())
+            lat, pipe, _ = time_calls(lambda s: dpp.propose(tparams, s, inputs), states, args.iters)
+            kv_dev = kv_read_bytes(geo, sub, ctx, k, itemsize) / (2 if geo["NKV"] % 2 == 0 else 1)
+            record("dp x tp2", n, b, lat, pipe, floor_s(tparams, own_keys, kv_dev, k, devs[0]), extra)
             del states
 
     one = {r["batch"]: r["pipelined_ms"] for r in rows if r["devices"] == 1}

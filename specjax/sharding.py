@@ -42,7 +42,9 @@ set to the same mesh and axis, greedy drafting takes the argmax per shard and re
 
 **Data parallelism** (:class:`DataParallel`): each device of a mesh axis (``"dp"``) runs
 the whole proposer on its own requests and its own KV cache, with the weights replicated:
-one ``jax.shard_map`` over per-shard batches stacked on a leading axis.
+one ``jax.shard_map`` over per-shard batches stacked on a leading axis. On a ``("dp",
+"tp")`` mesh it runs a :func:`tensor_parallel` proposer in each data-parallel group (DP x
+TP).
 
 Shapes and dtypes are untouched everywhere: only placement changes.
 """
@@ -282,10 +284,17 @@ class DataParallel:
     Per-shard pytrees (states, inputs) travel stacked on a new leading axis of size ``n``,
     sharded over ``axis`` (:meth:`stack` / :meth:`unstack`): shard ``i`` is a full,
     independent batch (its own ``attn_metadata`` with block ids into its own KV cache).
-    All shards must share one shape bucket. The proposer must not itself use a mesh.
+    All shards must share one shape bucket.
 
     ``propose(params, states, inputs) -> (outputs, states)``: one ``jax.jit`` (states
-    donated) around one ``jax.shard_map``; every leaf in and out is ``[n, ...]``.
+    donated) around one ``jax.shard_map`` over ``axis`` only; every leaf in and out is
+    ``[n, ...]``.
+
+    DP x TP: on a mesh with a second axis (e.g. ``Mesh(devices.reshape(2, 2), ("dp",
+    "tp"))``), give a proposer from :func:`tensor_parallel` on that same mesh and its
+    params: each data-parallel group runs the tensor-parallel proposer (the ``tp`` axis
+    stays automatic inside the map; the local argmax reduction maps it itself), and
+    :meth:`stack` also splits the KV caches over ``tp`` as :func:`state_specs` says.
     """
 
     proposer: Any
@@ -296,9 +305,19 @@ class DataParallel:
         if not isinstance(self.mesh, Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
         _axis_size(self.mesh, self.axis)
-        if getattr(self.proposer, "mesh", None) is not None:
-            raise ValueError("DataParallel needs a proposer without a mesh (mesh=None): each "
-                             "shard drafts alone")
+        pmesh = getattr(self.proposer, "mesh", None)
+        if pmesh is not None:
+            if pmesh != self.mesh:
+                raise ValueError("DataParallel's proposer must have mesh=None (each shard drafts "
+                                 "alone) or the DataParallel mesh itself (DP x TP, from "
+                                 "tensor_parallel on that mesh); got another mesh")
+            if getattr(self.proposer, "vocab_axis", None) == self.axis:
+                raise ValueError(f"the proposer's vocab_axis is the data-parallel axis "
+                                 f"{self.axis!r}: tensor parallelism needs another axis of the mesh")
+
+    def _tp_axis(self) -> str | None:
+        return (getattr(self.proposer, "vocab_axis", None)
+                if getattr(self.proposer, "mesh", None) is not None else None)
 
     @property
     def size(self) -> int:
@@ -316,7 +335,13 @@ class DataParallel:
             raise ValueError("the per-shard pytrees differ in structure or static fields "
                              "(use one shape bucket for every shard)")
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-        return jax.device_put(stacked, NamedSharding(self.mesh, P(self.axis)))
+        tp = self._tp_axis()
+        if tp is None:
+            return jax.device_put(stacked, NamedSharding(self.mesh, P(self.axis)))
+        specs = state_specs(trees[0], _axis_size(self.mesh, tp), axis=tp)
+        return jax.device_put(stacked, jax.tree.map(
+            lambda s: NamedSharding(self.mesh, P(self.axis, *s)), specs,
+            is_leaf=lambda x: isinstance(x, P)))
 
     def unstack(self, tree: Any) -> list[Any]:
         """Inverse of :meth:`stack` (each shard's pytree, as host-visible arrays)."""
@@ -334,4 +359,5 @@ class DataParallel:
             return expand(out), expand(st)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), spec, spec),
-                             out_specs=(spec, spec), check_vma=False)(params, states, inputs)
+                             out_specs=(spec, spec), axis_names={self.axis},
+                             check_vma=False)(params, states, inputs)

@@ -150,6 +150,30 @@ for method in dict.fromkeys(m for m, _, _ in CASES):
             for a, b in zip(jax.tree.leaves(dp.unstack(states)[i]), jax.tree.leaves(single_state)):
                 np.testing.assert_array_equal(a, b)
         print("dp ok", flush=True)
+        # DP x TP on a (2, 2) mesh: each dp group runs the tp=2 proposer (local argmax on)
+        mesh2 = Mesh(DEV.reshape(2, 2), ("dp", "tp"))
+        p2, sp2, _ = tensor_parallel(prop, params, prop.init_state(NUM_BLOCKS), mesh2)
+        dp2 = DataParallel(p2, mesh2)
+        states2 = dp2.stack([p2.init_state(NUM_BLOCKS)] * 2)
+        cache = jax.tree.leaves(states2)[0]
+        assert cache.sharding.is_equivalent_to(
+            NamedSharding(mesh2, P("dp", None, None, "tp", None)), cache.ndim), cache.sharding
+        inputs2 = dp2.stack(batches)
+        compiled = type(dp2).propose.lower(dp2, sp2, states2, inputs2).compile()
+        coll = collectives(compiled.as_text())
+        assert any(op == "all-reduce" for op, _ in coll), coll
+        assert not [c for c in coll if c[0] != "all-reduce" and c[1] > 64], coll
+        outs2, states2 = compiled(sp2, states2, inputs2)
+        for i in range(2):
+            single, single_state = prop.propose(params, prop.init_state(NUM_BLOCKS), batches[i])
+            got = dp2.unstack(outs2)[i]
+            np.testing.assert_array_equal(got.token_ids, single.token_ids)
+            np.testing.assert_array_equal(got.num_drafts, single.num_drafts)
+            close(dp2.unstack(states2)[i], single_state, f"dp x tp shard {i}")
+        cache = jax.tree.leaves(states2)[0]
+        assert cache.sharding.is_equivalent_to(
+            NamedSharding(mesh2, P("dp", None, None, "tp", None)), cache.ndim), cache.sharding
+        print("dp x tp ok", flush=True)
 """
 
 
@@ -357,7 +381,7 @@ def test_eagle_tensor_and_data_parallel_match_one_device(jobs):
     out = _wait(jobs[0]["tp"])
     for m, n, flag in TP_CASES:
         assert f"tp ok {m} tp={n} local_argmax={flag}" in out, out
-    assert "dp ok" in out
+    assert "dp ok" in out and "dp x tp ok" in out
 
 
 def test_dflash_and_draft_model_tensor_parallel_match_one_device(jobs):
@@ -535,8 +559,10 @@ def test_proposer_level_argument_checks():
     p, sp, ss = tensor_parallel(prop, params, prop.init_state(NUM_BLOCKS), mesh, local_argmax=False)
     assert p.mesh is mesh and not p.config.use_local_argmax_reduction
     assert prop.mesh is None                      # the original is untouched
-    with pytest.raises(ValueError, match="without a mesh"):
+    with pytest.raises(ValueError, match="must have mesh=None .* or the DataParallel mesh itself"):
         DataParallel(p, Mesh(np.array(jax.devices()[:1]), ("dp",)))
+    with pytest.raises(ValueError, match="vocab_axis is the data-parallel axis 'tp'"):
+        DataParallel(p, mesh, axis="tp")
     with pytest.raises(ValueError, match="axis must be one of"):
         DataParallel(prop, mesh)
     dp = DataParallel(dataclasses.replace(prop), Mesh(np.array(jax.devices()[:1]), ("dp",)))

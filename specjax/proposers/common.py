@@ -245,7 +245,19 @@ def greedy_argmax(logits: jax.Array, *, mesh: Mesh | None = None, vocab_axis: st
         return jax.lax.pmin(jnp.where(holds, gidx, jnp.iinfo(np.int32).max), vocab_axis)
 
     spec = PartitionSpec(*([None] * (logits.ndim - 1)), vocab_axis)
-    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=PartitionSpec())(logits)
+    return _vocab_shard_map(local, mesh, vocab_axis, spec)(logits)
+
+
+def _vocab_shard_map(fn, mesh: Mesh, vocab_axis: str, spec: PartitionSpec, **kw):
+    """``jax.shard_map`` of ``fn`` over ``vocab_axis`` (inputs ``spec``, output replicated).
+    Inside an outer ``shard_map`` over other axes of the same mesh
+    (``specjax.sharding.DataParallel`` over ``dp`` with a tensor-parallel proposer), JAX
+    wants the context's (partly manual) mesh and only ``vocab_axis`` made manual."""
+    ctx = jax.sharding.get_abstract_mesh()
+    if getattr(ctx, "manual_axes", ()) and vocab_axis in ctx.axis_names:
+        return jax.shard_map(fn, mesh=ctx, in_specs=spec, out_specs=PartitionSpec(),
+                             axis_names={vocab_axis}, **kw)
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(), **kw)
 
 
 def greedy_top_k(logits: jax.Array, c: int, *, mesh: Mesh | None = None,
@@ -296,8 +308,7 @@ def greedy_top_k(logits: jax.Array, c: int, *, mesh: Mesh | None = None,
     spec = PartitionSpec(*([None] * (logits.ndim - 1)), vocab_axis)
     # every shard merges the same gathered candidates, so the result is replicated; the
     # varying-manual-axes check cannot tell (all_gather's output is typed as varying)
-    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(),
-                         check_vma=False)(logits)
+    return _vocab_shard_map(local, mesh, vocab_axis, spec, check_vma=False)(logits)
 
 
 def proposer_argmax(proposer: Any, logits: jax.Array) -> jax.Array:
