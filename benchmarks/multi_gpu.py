@@ -240,7 +240,7 @@ def main(argv=None):
                 if args.hlo and n > 1:
                     extra["collectives"] = collectives(
                         type(prop).propose.lower(prop, p, state, inp).compile())
-                lat, pipe, out = time_calls(lambda s: prop.propose(p, s, inp), state, args.iters)
+                lat, pipe, out = time_calls(lambda s, p=p: prop.propose(p, s, inp), state, args.iters)
                 drafts = np.asarray(out.token_ids)
                 if n == 1:
                     reference = drafts
@@ -250,48 +250,36 @@ def main(argv=None):
                 record(mode, n, b, lat, pipe, floor_s(p, own_keys, kv_dev, k, devs[0]), extra)
                 del p, state
 
-    for n in [s for s in sizes if s > 1] if args.dp else []:
-        mesh = Mesh(np.array(devs[:n]), ("dp",))
-        dpp = DataParallel(prop0, mesh)
-        p = jax.device_put(params, NamedSharding(mesh, P()))
-        for b in dp_batches:
-            if b % n:
-                print(f"# skip dp n={n} B={b}: not divisible")
-                continue
-            sub = b // n
-            states = dpp.stack([prop0.init_state(sub * width, dtype) for _ in range(n)])
-            inputs = dpp.stack([make_inputs(geo, sub, k, ctx, width, dtype, seed=i) for i in range(n)])
-            extra = dict(per_device_batch=sub)
-            if args.hlo:
-                extra["collectives"] = collectives(
-                    type(dpp).propose.lower(dpp, p, states, inputs).compile())
-            lat, pipe, _ = time_calls(lambda s: dpp.propose(p, s, inputs), states, args.iters)
-            record("dp", n, b, lat, pipe,
-                   floor_s(p, own_keys, kv_read_bytes(geo, sub, ctx, k, itemsize), k, devs[0]),
-                   extra)
-            del states
-
-    for n in [s for s in sizes if s >= 4 and s % 2 == 0] if args.dp_tp else []:
-        groups = n // 2
-        mesh = Mesh(np.array(devs[:n]).reshape(groups, 2), ("dp", "tp"))
-        tprop, tparams, _ = tensor_parallel(prop0, params, prop0.init_state(width, dtype), mesh)
-        dpp = DataParallel(tprop, mesh)
+    def data_parallel(mode, n, dpp, dparams, kv_split):
+        """Time ``dpp.propose`` on each ``--dp-batches`` batch split over its groups."""
+        groups = dpp.size
         for b in dp_batches:
             if b % groups:
-                print(f"# skip dp x tp n={n} B={b}: not divisible")
+                print(f"# skip {mode} n={n} B={b}: not divisible")
                 continue
             sub = b // groups
-            states = dpp.stack([tprop.init_state(sub * width, dtype) for _ in range(groups)])
+            states = dpp.stack([dpp.proposer.init_state(sub * width, dtype) for _ in range(groups)])
             inputs = dpp.stack([make_inputs(geo, sub, k, ctx, width, dtype, seed=i)
                                 for i in range(groups)])
             extra = dict(per_device_batch=sub)
             if args.hlo:
                 extra["collectives"] = collectives(
-                    type(dpp).propose.lower(dpp, tparams, states, inputs).compile())
-            lat, pipe, _ = time_calls(lambda s: dpp.propose(tparams, s, inputs), states, args.iters)
-            kv_dev = kv_read_bytes(geo, sub, ctx, k, itemsize) / (2 if geo["NKV"] % 2 == 0 else 1)
-            record("dp x tp2", n, b, lat, pipe, floor_s(tparams, own_keys, kv_dev, k, devs[0]), extra)
+                    type(dpp).propose.lower(dpp, dparams, states, inputs).compile())
+            lat, pipe, _ = time_calls(lambda s: dpp.propose(dparams, s, inputs), states, args.iters)
+            kv_dev = kv_read_bytes(geo, sub, ctx, k, itemsize) / kv_split
+            record(mode, n, b, lat, pipe, floor_s(dparams, own_keys, kv_dev, k, devs[0]), extra)
             del states
+
+    for n in [s for s in sizes if s > 1] if args.dp else []:
+        mesh = Mesh(np.array(devs[:n]), ("dp",))
+        data_parallel("dp", n, DataParallel(prop0, mesh),
+                      jax.device_put(params, NamedSharding(mesh, P())), 1)
+
+    for n in [s for s in sizes if s >= 4 and s % 2 == 0] if args.dp_tp else []:
+        mesh = Mesh(np.array(devs[:n]).reshape(n // 2, 2), ("dp", "tp"))
+        tprop, tparams, _ = tensor_parallel(prop0, params, prop0.init_state(width, dtype), mesh)
+        data_parallel("dp x tp2", n, DataParallel(tprop, mesh), tparams,
+                      2 if geo["NKV"] % 2 == 0 else 1)
 
     one = {r["batch"]: r["pipelined_ms"] for r in rows if r["devices"] == 1}
     print("\n| mode | GPUs | B | latency ms | pipelined ms | floor / GPU ms | pipelined / floor "
