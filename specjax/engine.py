@@ -1129,19 +1129,18 @@ def _tensor_parallel(target: TargetModel, proposer: Proposer | None, mesh: Any, 
     tshard = sh.param_shardings(target.params, mesh, target.model.config, axis=axis)
     impl, dparams = None, None
     if proposer is not None and proposer.impl is not None:
-        impl = proposer.impl
-        dcfg = getattr(getattr(impl, "model", None), "config", None)
-        if proposer.params is None:
-            dshard = None
-        elif dcfg is None:
-            dshard = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), proposer.params)
-        else:
-            dshard = sh.param_shardings(proposer.params, mesh, dcfg, axis=axis)
-        fields = {f.name for f in dataclasses.fields(impl)} if dataclasses.is_dataclass(impl) else ()
-        if {"mesh", "vocab_axis"} <= set(fields):
-            impl = dataclasses.replace(impl, mesh=mesh, vocab_axis=axis)
-        if dshard is not None:
-            dparams = jax.device_put(proposer.params, dshard)
+        impl, dparams = proposer.impl, proposer.params
+        fields = {f.name for f in dataclasses.fields(impl)} if dataclasses.is_dataclass(impl) else set()
+        if dparams is not None and {"mesh", "vocab_axis", "config", "model"} <= fields:
+            # EAGLE / EAGLE-3 / DFlash / draft model: the proposers' own TP entry point
+            impl, dparams, _ = sh.tensor_parallel(
+                impl, dparams, None, mesh, axis=axis,
+                local_argmax=impl.config.use_local_argmax_reduction)
+        elif dparams is not None:
+            dcfg = getattr(getattr(impl, "model", None), "config", None)
+            dparams = jax.device_put(dparams, (
+                jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), dparams)
+                if dcfg is None else sh.param_shardings(dparams, mesh, dcfg, axis=axis)))
     target = TargetModel(target.model, jax.device_put(target.params, tshard))
     if impl is not None:
         import copy
