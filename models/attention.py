@@ -36,8 +36,9 @@ Backends. :func:`paged_attention` runs one of two implementations of the same fu
   decode-shaped steps the kernel is built for) and the shapes are supported; else ``"xla"``.
   On CPU this is always ``"xla"``.
 
-With ``SPECJAX_FUSED_KV_WRITE=1`` (opt-in, see :data:`FUSED_KV_WRITE`), :func:`attend` on the
-``"pallas"`` backend writes the step's K/V inside the attention kernel instead of two scatters.
+On the ``"pallas"`` backend :func:`attend` writes the step's K/V inside the attention kernel
+instead of two scatters where that pays (small batches; ``SPECJAX_FUSED_KV_WRITE=auto|0|1``,
+see :data:`FUSED_KV_WRITE`).
 
 Choose with :func:`set_attention_backend` (global), :func:`attention_backend` (a context
 manager) or the environment variable ``SPECJAX_ATTENTION_BACKEND`` (read at import). The
@@ -61,11 +62,18 @@ import numpy as np
 from specjax.attention import CommonAttentionMetadata
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
-#: Opt-in (trace-time; environment variable ``SPECJAX_FUSED_KV_WRITE=1``): :func:`attend` on
-#: the ``"pallas"`` backend writes the new K/V inside the attention kernel. Off by default: on
-#: the H200 it saved ~1-2% of the B = 1 EAGLE-3 propose but cost 10-25% at B = 64 in the
-#: variants measured (benchmarks/RESULTS.md); the current variant is not measured yet.
-FUSED_KV_WRITE = os.environ.get("SPECJAX_FUSED_KV_WRITE", "0") == "1"
+FUSED_KV_WRITE_MODES = ("auto", "0", "1")
+#: Whether :func:`attend` on the ``"pallas"`` backend writes the new K/V inside the attention
+#: kernel (trace-time; environment variable ``SPECJAX_FUSED_KV_WRITE``, read at import):
+#: ``"1"`` always, ``"0"`` never (two scatters, then the kernel), ``"auto"`` (default) when
+#: :func:`~specjax.kernels.pallas.paged_attention.fused_write_pays` says so -- the kernel
+#: splits each request's context over several programs (small batches). On the H200 the
+#: fused write took 1-5% off the B = 1 / 8 propose and cost 4-16% at B = 64
+#: (benchmarks/RESULTS.md, "The cache write inside the attention kernel").
+FUSED_KV_WRITE = os.environ.get("SPECJAX_FUSED_KV_WRITE", "auto")
+if FUSED_KV_WRITE not in FUSED_KV_WRITE_MODES:
+    raise ValueError(f"SPECJAX_FUSED_KV_WRITE must be one of {FUSED_KV_WRITE_MODES}, "
+                     f"got {FUSED_KV_WRITE!r}")
 #: ``"auto"`` picks the Pallas kernel only up to this ``max_query_len`` (decode-shaped steps).
 AUTO_MAX_QUERY_LEN = 16
 _OPTION = "specjax_attention_backend"
@@ -270,20 +278,30 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
            md: CommonAttentionMetadata, *, scale: float) -> tuple[jax.Array, KVCache]:
     """Write this step's ``k``/``v`` through ``md.slot_mapping``, then attend over the cache.
 
-    With :data:`FUSED_KV_WRITE` (opt-in), on the ``"pallas"`` backend, when ``q``, ``k``,
-    ``v`` and the cache share one dtype, both happen in one kernel
-    (:func:`specjax.kernels.pallas.paged_attention.paged_attention_write`: the two scatter
-    kernels go away), which assumes vLLM's metadata: no request reads a slot that another
-    request's token writes in the same call.
+    On the ``"pallas"`` backend, when ``q``, ``k``, ``v`` and the cache share one dtype and
+    :data:`FUSED_KV_WRITE` allows it (``"auto"``: small batches, see
+    :func:`~specjax.kernels.pallas.paged_attention.fused_write_pays`), both happen in one
+    kernel (:func:`specjax.kernels.pallas.paged_attention.paged_attention_write`: the two
+    scatter kernels go away), which assumes vLLM's metadata: no request reads a slot that
+    another request's token writes in the same call.
     """
-    if (FUSED_KV_WRITE and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype
+    if (FUSED_KV_WRITE != "0" and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype
             and resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype) == "pallas"):
-        from specjax.kernels.pallas.paged_attention import paged_attention_write
+        from specjax.kernels.pallas import paged_attention as pk
 
-        out, (kc, vc) = paged_attention_write(
-            jnp.concatenate([q, k, v], axis=1), cache.k, cache.v, md.slot_mapping,
-            md.query_start_loc, md.seq_lens, md.block_table, scale=float(scale),
-            max_query_len=int(md.max_query_len), causal=bool(md.causal), tree_mask=md.tree_mask)
-        return out, KVCache(kc, vc)
+        nb, bs, nkv, _ = cache.k.shape
+        if FUSED_KV_WRITE == "1" or pk.fused_write_pays(
+                md.query_start_loc.shape[0] - 1, nkv, md.block_table.shape[1] * bs):
+            return _attend_fused(q, k, v, cache, md, scale)
     cache = write_kv(cache, k, v, md.slot_mapping)
     return paged_attention(q, cache, md, scale=scale), cache
+
+
+def _attend_fused(q, k, v, cache: KVCache, md: CommonAttentionMetadata, scale: float):
+    from specjax.kernels.pallas.paged_attention import paged_attention_write
+
+    out, (kc, vc) = paged_attention_write(
+        jnp.concatenate([q, k, v], axis=1), cache.k, cache.v, md.slot_mapping,
+        md.query_start_loc, md.seq_lens, md.block_table, scale=float(scale),
+        max_query_len=int(md.max_query_len), causal=bool(md.causal), tree_mask=md.tree_mask)
+    return out, KVCache(kc, vc)

@@ -301,10 +301,11 @@ def test_fused_write_with_no_request_still_writes():
 
 
 def test_fused_write_through_attend_and_errors(monkeypatch):
-    """With ``FUSED_KV_WRITE`` on, ``attend`` on the pallas backend takes the fused kernel
-    (same caches and outputs as the xla backend; off, the scatters); the kernel refuses
-    mismatched shapes and dtypes by name."""
-    monkeypatch.setattr(attn, "FUSED_KV_WRITE", True)
+    """With ``FUSED_KV_WRITE="1"``, ``attend`` on the pallas backend takes the fused kernel
+    (same caches and outputs as the xla backend); ``"0"``: the scatters; ``"auto"``: the
+    fused kernel exactly when ``fused_write_pays``. The kernel refuses mismatched shapes and
+    dtypes by name."""
+    monkeypatch.setattr(attn, "FUSED_KV_WRITE", "1")
     cfg = CPU_CFGS["f32-g4-causal-split3"]
     q, cache, md = make_case(cfg, 9)
     rng = np.random.default_rng(1)
@@ -321,11 +322,18 @@ def test_fused_write_through_attend_and_errors(monkeypatch):
         text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(q, k, k, c, m, scale=0.3))(
             q, kn, cache, md))
     assert "paged_attention_write" in text and "scatter" not in text
-    monkeypatch.setattr(attn, "FUSED_KV_WRITE", False)
-    with attn.attention_backend("pallas"):
-        text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(q, k, k, c, m, scale=0.3))(
-            q, kn, cache, md))
-    assert "paged_attention_write" not in text and "scatter" in text
+
+    def fused(mode, pays=None):
+        monkeypatch.setattr(attn, "FUSED_KV_WRITE", mode)
+        if pays is not None:
+            monkeypatch.setattr(pk, "fused_write_pays", lambda *a, **kw: pays)
+        with attn.attention_backend("pallas"):
+            text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(q, k, k, c, m, scale=0.3))(
+                q, kn, cache, md))
+        assert ("paged_attention_write" in text) != ("scatter" in text)
+        return "paged_attention_write" in text
+
+    assert not fused("0") and fused("auto", pays=True) and not fused("auto", pays=False)
     qkv = jnp.concatenate([q, kn, kn], axis=1)
     args = (cache.k, cache.v, md.slot_mapping, md.query_start_loc, md.seq_lens, md.block_table)
     kw = dict(scale=0.3, max_query_len=cfg.qmax)
@@ -372,6 +380,14 @@ def test_default_num_splits():
     assert pk.default_num_splits(1, 8, 32, num_sms=132) == 16
     assert pk.default_num_splits(1, 8, 4, num_sms=132) == 2     # at least two tiles a split
     assert pk.default_num_splits(1, 8, 1, num_sms=132) == 1
+    # the fused K/V write is chosen exactly where a request's context is split (the
+    # measured B = 1 / 8 wins, the B = 64 loss of an 8-kv-head model with a 2k context)
+    assert pk.fused_write_pays(1, 8, 2048, num_sms=132)
+    assert pk.fused_write_pays(8, 8, 2048, num_sms=132)
+    assert not pk.fused_write_pays(64, 8, 2048, num_sms=132)
+    assert not pk.fused_write_pays(1, 8, 64, num_sms=132)          # one tile: one split
+    assert pk.fused_write_pays(16, 8, 2048, num_sms=132) == (
+        pk.default_num_splits(16, 8, 32, num_sms=132) > 1)
 
 
 def test_unsupported_shapes():

@@ -65,6 +65,8 @@ _NEG = -0.7 * float(np.finfo(np.float32).max)
 MAX_ROWS = 128
 #: Largest tree: one int32 bitmask per query row.
 MAX_TREE = 31
+#: Keys per inner step of a program, unless ``block_k`` says otherwise.
+DEFAULT_BLOCK_K = 64
 #: Cap on the context splits per request.
 MAX_SPLITS = 16
 #: Streaming multiprocessors assumed when the device does not say (H200: 132).
@@ -126,6 +128,19 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int,
     while batch * num_kv_heads * s < target and s * 2 <= cap:
         s *= 2
     return s
+
+
+def fused_write_pays(num_requests: int, num_kv_heads: int, context: int, *,
+                     block_k: int | None = None, num_sms: int | None = None) -> bool:
+    """Whether :func:`paged_attention_write` should replace the two scatters and
+    :func:`paged_attention` (``SPECJAX_FUSED_KV_WRITE=auto``): when
+    :func:`default_num_splits` splits each request's context (``context`` keys of block
+    table, ``num_requests`` rows) over several programs. Each program then walks few tiles,
+    and the scatter kernels saved outweigh the kernel's extra work; with one split per
+    request (B = 64 of an 8-kv-head model on the H200) the fused kernel measured 4-16%
+    slower (benchmarks/RESULTS.md)."""
+    return default_num_splits(max(int(num_requests), 1), num_kv_heads,
+                              _cdiv(int(context), block_k or DEFAULT_BLOCK_K), num_sms) > 1
 
 
 def _tree_bits(tree_mask) -> tuple[int, ...]:
@@ -399,7 +414,7 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
     group = nh // nkv
     rows = num_rows(max_query_len, group)
     if block_k is None:
-        block_k = 64
+        block_k = DEFAULT_BLOCK_K
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     max_tiles = _cdiv(max_blocks * bs, block_k)
