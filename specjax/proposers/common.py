@@ -135,7 +135,9 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
                                   max_model_len=max_model_len, backend=backend)
         return out[:b], caches
     n = cad.num_reqs
-    step_qsl = jnp.minimum(jnp.arange(b + 1, dtype=_I32), n)
+    # One query per row, padding rows included (vLLM's step uses ``arange(B + 1)`` too).
+    # Padding rows have seq_len 0 and slot -1: they attend to no key and write nothing.
+    step_qsl = jnp.arange(b + 1, dtype=_I32)
 
     def body(i, carry):
         drafts, positions, hidden, seq_lens, max_seq_len, caches = carry
@@ -156,6 +158,31 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
         1, k, body, (drafts, positions, hidden, seq_lens, cad.max_seq_len, caches),
         unroll=k - 1 <= MAX_UNROLLED_STEPS)
     return drafts, caches
+
+
+def shift_in_next_tokens(token_ids: jax.Array, sample_idx: jax.Array, next_token_ids: jax.Array,
+                         real: jax.Array) -> jax.Array:
+    """EAGLE's first-pass input ids: ``token_ids [T]`` shifted left by one (the last entry
+    wraps), with ``next_token_ids[r]`` at ``sample_idx[r]`` for each real request ``r``
+    (``real [B]``; padding rows write nowhere).
+
+    A select over a ``[T, B]`` one-hot, not a scatter: XLA fuses it into the embedding
+    gather that reads the ids (one kernel for the shift, the insert and the gather on the
+    H200).
+    """
+    t = token_ids.shape[0]
+    hit = jnp.arange(t, dtype=_I32)[:, None] == jnp.where(real, sample_idx, -1)[None, :]
+    new = jnp.max(jnp.where(hit, next_token_ids[None, :].astype(token_ids.dtype),
+                            jnp.iinfo(token_ids.dtype).min), axis=1)
+    return jnp.where(jnp.any(hit, axis=1), new, jnp.roll(token_ids, -1))
+
+
+def drafts_with_first(first: jax.Array, k: int) -> jax.Array:
+    """``[B, k]`` drafts: column 0 ``first [B]``, the rest padding (-1), for
+    :func:`chain_steps` to fill. A concatenate, which fuses (``.at[:, 0].set`` left a
+    bounds-check kernel in the compiled propose)."""
+    return jnp.concatenate([first[:, None].astype(_I32),
+                            jnp.full((first.shape[0], k - 1), DRAFT_PADDING_ID, _I32)], axis=1)
 
 
 def on_min_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:

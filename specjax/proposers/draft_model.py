@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 import specjax.kernels as K
 from specjax.config import SpeculativeConfig
 from specjax.models.llama import DecoderLM
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+from specjax.proposers.base import DraftOutput, ProposerInputs
 from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,
@@ -47,6 +47,7 @@ from specjax.proposers.common import (
     check_proposer,
     check_vocab_sharding,
     draft_output,
+    drafts_with_first,
     init_kv_caches,
     on_min_rows,
     proposer_argmax,
@@ -183,7 +184,7 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         if p > 1 or k == 1:     # parallel drafting (p == k) or a single draft
             drafts = first
         else:
-            drafts = jnp.full((b, k), DRAFT_PADDING_ID, _I32).at[:, 0].set(first[:, 0])
+            drafts = drafts_with_first(first[:, 0], k)
             seq_lens = md.seq_lens if rejected is None else md.seq_lens - rejected
             drafts, caches = chain_steps(
                 self._step, params, drafts, positions[new_token_indices[:, 0]], None, seq_lens,

@@ -66,7 +66,7 @@ from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.models.eagle import EagleHead
 from specjax.models.eagle3 import Eagle3Head
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+from specjax.proposers.base import DraftOutput, ProposerInputs
 from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,
@@ -75,10 +75,12 @@ from specjax.proposers.common import (
     check_proposer,
     check_vocab_sharding,
     draft_output,
+    drafts_with_first,
     init_kv_caches,
     on_min_rows,
     proposer_argmax,
     proposer_top_k,
+    shift_in_next_tokens,
 )
 from specjax.proposers.tree import tree_drafts
 from specjax.tree import TokenTree
@@ -225,13 +227,11 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         # First pass: ids shifted left by one, the sampled token written at each request's
         # sampled index (padding rows write nowhere); positions and hidden states as the
         # target had them.
-        t = inputs.target_token_ids.shape[0]
-        ids = jnp.roll(inputs.target_token_ids, -1)
-        ids = ids.at[jnp.where(real, sample_idx, t)].set(inputs.next_token_ids, mode="drop")
+        ids = shift_in_next_tokens(inputs.target_token_ids, sample_idx, inputs.next_token_ids,
+                                   real)
         logits_h, next_h, caches = model.forward(params, ids, inputs.target_positions, hidden,
                                                  state.kv_caches, cad)
-        drafts = jnp.full((b, k), DRAFT_PADDING_ID, _I32).at[:, 0].set(
-            self._greedy(params, logits_h[sample_idx]))
+        drafts = drafts_with_first(self._greedy(params, logits_h[sample_idx]), k)
 
         seq_lens = cad.seq_lens
         if inputs.num_rejected_tokens is not None:
