@@ -65,11 +65,11 @@ def summarize(trace: dict, calls: int) -> dict:
         dur = float(e.get("dur", 0.0))
         if e.get("pid") in dev:
             kernels[e.get("name", "?")] += dur
-            spans.append((float(e.get("ts", 0.0)), dur))
+            spans.append((float(e.get("ts", 0.0)), dur, e.get("name", "?")))
         elif not str(e.get("name", "")).startswith("$"):     # runtime events, not Python frames
             host[e.get("name", "?")] += dur
     busy, end, first, last = 0.0, -1e30, None, None
-    for ts, dur in sorted(spans):
+    for ts, dur, _ in sorted(spans):
         first = ts if first is None else first
         last = max(last or ts, ts + dur)
         if ts + dur > end:
@@ -79,7 +79,22 @@ def summarize(trace: dict, calls: int) -> dict:
     return dict(kernels_us_per_step=per(kernels), host_us_per_step=per(host),
                 device_events_per_step=len(spans) / calls, device_busy_us_per_step=busy / calls,
                 device_span_us_per_step=((last or 0) - (first or 0)) / calls,
-                processes=sorted(pname[p] for p in dev))
+                processes=sorted(pname[p] for p in dev), sequence=last_call(spans))
+
+
+def last_call(spans: list, gap_us: float = 50.0) -> list:
+    """The device events of the last call, in order: ``[name, start_us (from the call's
+    first kernel), duration_us, idle_us before it]``. Calls are told apart by a device idle
+    gap over ``gap_us`` (each profiled call is synced: the host's launch latency separates
+    them)."""
+    call, end = [], None
+    for ts, dur, name in sorted(spans):
+        if end is not None and ts - end > gap_us:
+            call = []
+        call.append((ts, dur, name, 0.0 if not call else max(ts - end, 0.0)))
+        end = ts + dur if end is None else max(end, ts + dur)
+    t0 = call[0][0] if call else 0.0
+    return [[name, round(ts - t0, 2), round(dur, 2), round(idle, 2)] for ts, dur, name, idle in call]
 
 
 def _trace(log_dir: str, calls: int, fn) -> dict:
@@ -127,7 +142,7 @@ def profile_propose(b: int, k: int, context: int, steps: int, log_dir: str,
     return dict(r, step_ms=float(np.median(lat)) * 1e3)
 
 
-def _table(name: str, r: dict, top: int) -> str:
+def _table(name: str, r: dict, top: int, sequence: bool = False) -> str:
     ks = sorted(r["kernels_us_per_step"].items(), key=lambda kv: -kv[1])
     total = sum(v for _, v in ks)
     lines = [f"### {name}: {r['step_ms']:.3f} ms/step (median wall); device: {total / 1e3:.3f} ms of "
@@ -136,6 +151,12 @@ def _table(name: str, r: dict, top: int) -> str:
              "per step", "", "| kernel | us/step | share |", "|---|---:|---:|"]
     for k, v in ks[:top]:
         lines.append(f"| `{k[:90]}` | {v:.1f} | {v / max(total, 1e-9):.1%} |")
+    if sequence and r.get("sequence"):
+        seq = r["sequence"]
+        lines += ["", f"The last call's {len(seq)} kernels in order (idle: device gap before it):",
+                  "", "| # | kernel | start us | us | idle us |", "|---:|---|---:|---:|---:|"]
+        lines += [f"| {i} | `{n[:80]}` | {t:.1f} | {d:.1f} | {g:.1f} |"
+                  for i, (n, t, d, g) in enumerate(seq)]
     hs = sorted(r["host_us_per_step"].items(), key=lambda kv: -kv[1])[:top]
     lines += ["", "| host event | us/step |", "|---|---:|"]
     lines += [f"| `{k[:90]}` | {v:.1f} |" for k, v in hs]
@@ -158,6 +179,9 @@ def main(argv=None) -> int:
                     help="profile these methods' propose alone (built as benchmarks/proposers.py "
                          "--methods builds them)")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-step profiles")
+    ap.add_argument("--sequence", action="store_true",
+                    help="also list the last call's kernels in launch order, with the idle "
+                         "gaps between them")
     ap.add_argument("--out", default="/tmp/specjax_profile")
     args = ap.parse_args(argv)
     dtype = jax.numpy.bfloat16 if gpu else jax.numpy.float32
@@ -187,7 +211,7 @@ def main(argv=None) -> int:
             args.batch, args.k, args.context, args.steps, os.path.join(args.out, f"propose_{m}"),
             models=models, method=m)
     for name, r in results.items():
-        print(_table(name, r, args.top), "\n", flush=True)
+        print(_table(name, r, args.top, args.sequence), "\n", flush=True)
     if results:
         print("# device processes counted:", next(iter(results.values()))["processes"])
     with open(os.path.join(args.out, "profile.json"), "w") as f:
