@@ -289,7 +289,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
             and resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype) == "pallas"):
         from specjax.kernels.pallas import paged_attention as pk
 
-        nb, bs, nkv, _ = cache.k.shape
+        _, bs, nkv, _ = cache.k.shape
         if FUSED_KV_WRITE == "1" or pk.fused_write_pays(
                 md.query_start_loc.shape[0] - 1, nkv, md.block_table.shape[1] * bs):
             return _attend_fused(q, k, v, cache, md, scale)

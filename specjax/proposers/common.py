@@ -247,18 +247,8 @@ def greedy_argmax(logits: jax.Array, *, mesh: Mesh | None = None, vocab_axis: st
     ``use_local_argmax_reduction`` / ``get_top_tokens``. Otherwise a plain ``jnp.argmax``.
     ``V`` must be divisible by the axis size (ValueError).
     """
-    if not local_reduction or mesh is None:
+    if _vocab_shards(logits.shape[-1], mesh, vocab_axis, local_reduction) == 1:
         return jnp.argmax(logits, axis=-1).astype(_I32)
-    if vocab_axis not in mesh.axis_names:
-        raise ValueError(f"vocab_axis must be one of the mesh's axis names {tuple(mesh.axis_names)}, "
-                         f"got {vocab_axis!r}")
-    shards = mesh.shape[vocab_axis]
-    vocab = logits.shape[-1]
-    if shards == 1:
-        return jnp.argmax(logits, axis=-1).astype(_I32)
-    if vocab % shards:
-        raise ValueError(f"the logits' vocabulary ({vocab}) must be divisible by the number of "
-                         f"shards of mesh axis {vocab_axis!r} ({shards})")
 
     def local(x):
         idx = jnp.argmax(x, axis=-1).astype(_I32)
@@ -273,6 +263,23 @@ def greedy_argmax(logits: jax.Array, *, mesh: Mesh | None = None, vocab_axis: st
 
     spec = PartitionSpec(*([None] * (logits.ndim - 1)), vocab_axis)
     return _vocab_shard_map(local, mesh, vocab_axis, spec)(logits)
+
+
+def _vocab_shards(vocab: int, mesh: Mesh | None, vocab_axis: str | None,
+                  local_reduction: bool) -> int:
+    """Shards of the vocabulary the local reduction runs over: 1 without
+    ``local_reduction`` or a mesh (or with a one-device axis); ValueError for a
+    ``vocab_axis`` not on the mesh or a ``vocab`` it does not divide."""
+    if not local_reduction or mesh is None:
+        return 1
+    if vocab_axis not in mesh.axis_names:
+        raise ValueError(f"vocab_axis must be one of the mesh's axis names {tuple(mesh.axis_names)}, "
+                         f"got {vocab_axis!r}")
+    shards = mesh.shape[vocab_axis]
+    if shards > 1 and vocab % shards:
+        raise ValueError(f"the logits' vocabulary ({vocab}) must be divisible by the number of "
+                         f"shards of mesh axis {vocab_axis!r} ({shards})")
+    return shards
 
 
 def _vocab_shard_map(fn, mesh: Mesh, vocab_axis: str, spec: PartitionSpec, **kw):
@@ -311,17 +318,9 @@ def greedy_top_k(logits: jax.Array, c: int, *, mesh: Mesh | None = None,
     if not isinstance(c, (int, np.integer)) or isinstance(c, bool) or not 1 <= c <= vocab:
         raise ValueError(f"c must be an int in [1, {vocab}] (the logits' vocabulary), got {c!r}")
     c = int(c)
-    if not local_reduction or mesh is None:
-        return jax.lax.top_k(logits, c)[1].astype(_I32)
-    if vocab_axis not in mesh.axis_names:
-        raise ValueError(f"vocab_axis must be one of the mesh's axis names {tuple(mesh.axis_names)}, "
-                         f"got {vocab_axis!r}")
-    shards = mesh.shape[vocab_axis]
+    shards = _vocab_shards(vocab, mesh, vocab_axis, local_reduction)
     if shards == 1:
         return jax.lax.top_k(logits, c)[1].astype(_I32)
-    if vocab % shards:
-        raise ValueError(f"the logits' vocabulary ({vocab}) must be divisible by the number of "
-                         f"shards of mesh axis {vocab_axis!r} ({shards})")
     k = min(c, vocab // shards)     # c > shard width: the whole shard is a candidate
 
     def local(x):
