@@ -51,6 +51,9 @@ if [ "$what" = fused ]; then
   timeout "${TESTS_S:-330}" python -m pytest -m gpu -q -p no:cacheprovider tests/test_paged_attention.py 2>&1 | tail -5 | tee -a "$OUT/fused.log"
 fi
 if [ "$what" = multi ]; then
+  # the Pallas attention kernel split by kv heads over 2 GPUs (custom_partitioning)
+  timeout "${MULTI_TESTS_S:-200}" python -m pytest -m gpu -q -p no:cacheprovider tests/test_paged_attention.py \
+    -k two_gpus 2>&1 | tail -5 | tee "$OUT/multi_tests.log"
   # on nvidia-h200-x4: MULTI_DEVICES=1,2,4 MULTI_EXTRA=--dp-tp (DP x TP: 2 groups of tp=2)
   timeout "${MULTI_S:-400}" python benchmarks/multi_gpu.py --devices "${MULTI_DEVICES:-1,2}" --batches 1,8,64 --local-argmax on --dp ${MULTI_EXTRA:-} \
     --iters 30 --out "$OUT/multi_gpu.json" 2>&1 | tee "$OUT/multi_gpu.log" | tail -12

@@ -183,7 +183,10 @@ def main(argv=None):
 
     model, params, own_keys = build_head(geo, dtype)
     own_bytes = sum(x.nbytes for key in own_keys for x in jax.tree.leaves(params[key]))
-    print(f"# jax {jax.__version__}, {len(devs)} x {devs[0].device_kind}; head "
+    from specjax.models.attention import get_attention_backend
+
+    print(f"# attention backend {get_attention_backend()} (SPECJAX_ATTENTION_BACKEND); "
+          f"jax {jax.__version__}, {len(devs)} x {devs[0].device_kind}; head "
           f"{'small' if args.small else '8B-shaped'} {own_bytes / 1e9:.3f} GB own weights, k={k}, "
           f"context {ctx}, TP sizes {sizes}{', DP' if args.dp else ''}")
 
@@ -197,6 +200,7 @@ def main(argv=None):
     rows = []
 
     meta = dict(jax=jax.__version__, device_kind=devs[0].device_kind, num_devices=len(devs),
+                attention_backend=get_attention_backend(),
                 geometry=geo, small=args.small, iters=args.iters, hbm_bps=single.HBM_BPS)
 
     def dump():

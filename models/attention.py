@@ -30,11 +30,18 @@ Backends. :func:`paged_attention` runs one of two implementations of the same fu
   (:func:`~specjax.kernels.pallas.paged_attention.unsupported_reason`: head_dim not a power
   of two >= 16, ``max_query_len * group > 128`` rows, trees over 31 nodes) fall back to
   ``"xla"``.
-- ``"auto"`` (default): ``"pallas"`` when JAX's default backend is the GPU, the process
-  sees one device (under GSPMD tensor parallelism the partitioner cannot split the kernel's
-  custom call and would gather the whole cache), ``max_query_len <= AUTO_MAX_QUERY_LEN`` (the
-  decode-shaped steps the kernel is built for) and the shapes are supported; else ``"xla"``.
-  On CPU this is always ``"xla"``.
+- ``"auto"`` (default): ``"pallas"`` when JAX's default backend is the GPU,
+  ``max_query_len <= AUTO_MAX_QUERY_LEN`` (the decode-shaped steps the kernel is built for)
+  and the shapes are supported; else ``"xla"``. On CPU this is always ``"xla"``.
+
+Several devices. When the process sees more than one device the Pallas kernel is called
+through ``jax.experimental.custom_partitioning`` (:func:`_partitioned`), with a Shardy rule
+that lets the kv-head dimension be sharded (``q [T, (kv_heads group), hd]`` with the caches
+``[blocks, block_size, kv_heads, hd]``) and nothing else: under tensor parallelism
+(:mod:`specjax.sharding`, caches ``P(None, None, "tp", None)``) each device runs the kernel
+on its own heads and its own cache shard, with no collective; replicated caches run it whole
+on every device; inside a ``jax.shard_map`` (data parallelism) it is inlined. Without it,
+XLA's partitioner cannot split the kernel's custom call and would gather the whole cache.
 
 On the ``"pallas"`` backend :func:`attend` writes the step's K/V inside the attention kernel
 instead of two scatters where that pays (small batches; ``SPECJAX_FUSED_KV_WRITE=auto|0|1``,
@@ -52,6 +59,7 @@ compilation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Iterator, NamedTuple
 
@@ -156,8 +164,7 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
         return "xla"
     if backend == "pallas":
         return "pallas"
-    if (jax.default_backend() != "gpu" or jax.device_count() != 1
-            or md.max_query_len > AUTO_MAX_QUERY_LEN):
+    if jax.default_backend() != "gpu" or md.max_query_len > AUTO_MAX_QUERY_LEN:
         return "xla"
     return "pallas"
 
@@ -209,12 +216,10 @@ def paged_attention(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *
     :func:`resolve_attention_backend` (see the module docstring).
     """
     if resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype) == "pallas":
-        from specjax.kernels.pallas.paged_attention import paged_attention as pallas_paged
-
-        return pallas_paged(
-            q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_table,
-            scale=float(scale), max_query_len=int(md.max_query_len), causal=bool(md.causal),
-            tree_mask=md.tree_mask)
+        args = (q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_table)
+        if jax.device_count() > 1:
+            return _partitioned(False)(_static(md, scale), *args)
+        return _pallas_attention(_static(md, scale), *args)
     return paged_attention_xla(q, cache, md, scale=scale)
 
 
@@ -298,10 +303,123 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
 
 
 def _attend_fused(q, k, v, cache: KVCache, md: CommonAttentionMetadata, scale: float):
+    args = (q, k, v, cache.k, cache.v, md.slot_mapping, md.query_start_loc, md.seq_lens,
+            md.block_table)
+    if jax.device_count() > 1:
+        out, kc, vc = _partitioned(True)(_static(md, scale), *args)
+    else:
+        out, kc, vc = _pallas_attention_write(_static(md, scale), *args)
+    return out, KVCache(kc, vc)
+
+
+# ----------------------------------------------------------------------------------------
+# the Pallas kernel under SPMD partitioning (several devices)
+
+
+def _static(md: CommonAttentionMetadata, scale) -> tuple:
+    """The kernel's static keywords as a hashable tuple of pairs."""
+    return (("scale", float(scale)), ("max_query_len", int(md.max_query_len)),
+            ("causal", bool(md.causal)), ("tree_mask", md.tree_mask))
+
+
+def _pallas_attention(static, q, k_cache, v_cache, qsl, seq_lens, block_table):
+    from specjax.kernels.pallas.paged_attention import paged_attention as pallas_paged
+
+    return pallas_paged(q, k_cache, v_cache, qsl, seq_lens, block_table, **dict(static))
+
+
+def _pallas_attention_write(static, q, k, v, k_cache, v_cache, slot_mapping, qsl, seq_lens,
+                            block_table):
     from specjax.kernels.pallas.paged_attention import paged_attention_write
 
     out, (kc, vc) = paged_attention_write(
-        jnp.concatenate([q, k, v], axis=1), cache.k, cache.v, md.slot_mapping,
-        md.query_start_loc, md.seq_lens, md.block_table, scale=float(scale),
-        max_query_len=int(md.max_query_len), causal=bool(md.causal), tree_mask=md.tree_mask)
-    return out, KVCache(kc, vc)
+        jnp.concatenate([q, k, v], axis=1), k_cache, v_cache, slot_mapping, qsl, seq_lens,
+        block_table, **dict(static))
+    return out, kc, vc
+
+
+#: Shardy factors: t tokens, h = (k g) query heads, k kv heads, d head_dim, n / s cache
+#: blocks / block offsets, a / r / c query_start_loc / requests / table width. Only ``k``
+#: (and with it the query heads, kv-head major) may stay sharded.
+_RULES = {
+    False: "t H d, n s k d, n s k d, a, r, r c -> t H d",
+    True: "t H d, t k d, t k d, n s k d, n s k d, t, a, r, r c -> t H d, n s k d, n s k d",
+}
+
+
+def _sharding_rule(write: bool):
+    def rule(static, mesh, operand_types, result_types):
+        group = operand_types[0].shape[1] // operand_types[3 if write else 1].shape[2]
+        text = _RULES[write].replace("H", "(k g)" if group > 1 else "k")
+        # Shardy wants the special factors in order of first appearance
+        order = list(dict.fromkeys(text.replace("(", " ").replace(")", " ").replace(",", " ")
+                                   .replace("->", " ").split()))
+        replicated = tuple(f for f in order if f != "k")
+        return text, dict(need_replication_factors=replicated, **({"g": group} if group > 1 else {}))
+    return rule
+
+
+#: Per operand / result of the partitioned call: the dimension that holds (kv) heads, or
+#: ``None`` (int metadata, slot mapping: replicated).
+_HEAD_DIMS = {
+    False: ((1, 2, 2, None, None, None), (1,)),
+    True: ((1, 1, 1, 2, 2, None, None, None, None), (1, 2, 2)),
+}
+
+
+def _head_tiles(sharding, ndim: int, head_dim: int | None) -> int | None:
+    """How many shards ``sharding`` splits the head dimension into (1: replicated), or
+    ``None`` when it splits any other dimension."""
+    hlo = sharding._to_xla_hlo_sharding(ndim)
+    if hlo.is_replicated():
+        return 1
+    if not hlo.is_tiled():
+        return None
+    dims = list(hlo.tile_assignment_dimensions())[:ndim]     # the rest: replication subgroups
+    tiles = dims[head_dim] if head_dim is not None else 1
+    others = [d for i, d in enumerate(dims) if i != head_dim]
+    return tiles if all(d == 1 for d in others) else None
+
+
+def _replicated(sharding, mesh):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(mesh, P())
+    from jax._src.sharding_impls import GSPMDSharding
+
+    return GSPMDSharding.get_replicated(sharding._device_assignment)
+
+
+def _partition(write: bool):
+    """Run the kernel per shard on the shardings Shardy chose under :data:`_RULES` (the
+    kv-head split, or replicated). Anything else -- which the rule's replication factors
+    should rule out -- falls back to running the whole call on every device."""
+    def partition(static, mesh, arg_shapes, result_shape):
+        results = tuple(result_shape) if write else (result_shape,)
+        arrays = tuple(arg_shapes) + results
+        head_dims = _HEAD_DIMS[write][0] + _HEAD_DIMS[write][1]
+        tiles = [_head_tiles(x.sharding, len(x.shape), d) for x, d in zip(arrays, head_dims)]
+        split = {t for t, d in zip(tiles, head_dims) if d is not None}
+        consistent = (None not in tiles and len(split) == 1
+                      and all(t == 1 for t, d in zip(tiles, head_dims) if d is None))
+        arg_sh = [x.sharding for x in arg_shapes]
+        out_sh = [x.sharding for x in results]
+        if not consistent:
+            rep = _replicated(arg_sh[0], mesh)
+            arg_sh, out_sh = [rep] * len(arg_sh), [rep] * len(out_sh)
+        impl = functools.partial(_pallas_attention_write if write else _pallas_attention, static)
+        return mesh, impl, tuple(out_sh) if write else out_sh[0], tuple(arg_sh)
+    return partition
+
+
+@functools.cache
+def _partitioned(write: bool):
+    """:func:`_pallas_attention` (``write``: :func:`_pallas_attention_write`) as a
+    ``custom_partitioning`` function: split by kv heads, never gathered."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    fn = custom_partitioning(_pallas_attention_write if write else _pallas_attention,
+                             static_argnums=(0,))
+    fn.def_partition(_partition(write), sharding_rule=_sharding_rule(write))
+    return fn

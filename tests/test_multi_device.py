@@ -329,6 +329,117 @@ print("engine tp errors ok", flush=True)
 """
 
 
+#: The Pallas attention kernel (interpret mode on CPU) under SPMD partitioning
+#: (``models/attention.py``'s ``custom_partitioning`` wrapper), called through ``attend`` --
+#: with the cache write fused into the kernel and without -- inside one ``jax.jit`` between
+#: XLA ops: per-shard results bit-identical to one device's; with the caches split by kv
+#: heads (tp = 2 and 4, GQA groups 2 and 1) or replicated, and inside a ``shard_map`` over
+#: ``dp`` of a (dp, tp) mesh, the partitioned program has no collective at all (each device
+#: attends over its own heads and its own cache shard), and the caches stay as placed.
+#: Operand shardings other than the kv-head split run the call whole on every device.
+ATTN_BODY = """
+from specjax.attention import CommonAttentionMetadata
+from specjax.models import attention as attn
+from jax.sharding import NamedSharding as NS
+
+rng = np.random.default_rng(5)
+HD, NB, BS, T = 16, 24, 4, 8
+# ragged: a decode row, a 3-token row, an empty request, a 2-token row; 2 padding tokens
+md = CommonAttentionMetadata.from_query_lens([1, 3, 0, 2], [5, 9, 0, 3],
+                                             rng.permutation(NB)[:16].reshape(4, 4), block_size=BS,
+                                             num_reqs_pad=4, num_tokens_pad=T, max_query_len=4)
+f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+def step(q, k, v, kc, vc, md):
+    out, c = attn.attend(jnp.sin(q), k, v, attn.KVCache(kc, vc), md, scale=0.25)
+    return 2 * out, c.k, c.v
+
+def same(got, want, what):
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
+
+def no_collectives(compiled, what):
+    hlo = compiled.as_text()
+    found = re.findall(r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)", hlo)
+    assert not found, (what, found)
+
+for nh, nkv in ((4, 2), (4, 4)):
+    args = (f32(T, nh, HD), f32(T, nkv, HD), f32(T, nkv, HD), f32(NB, BS, nkv, HD), f32(NB, BS, nkv, HD))
+    for fused in ("0", "1"):
+        attn.FUSED_KV_WRITE = fused
+        with attn.attention_backend("pallas"):
+            want = jax.jit(step)(*args, md)
+            for n, axis in ((2, "tp"), (4, "tp"), (2, None)):
+                if axis and nkv % n:
+                    continue
+                what = f"nh={nh} nkv={nkv} fused={fused} n={n} axis={axis}"
+                mesh = Mesh(DEV[:n], ("tp",))
+                heads, caches = NS(mesh, P(None, axis, None)), NS(mesh, P(None, None, axis, None))
+                placed = [jax.device_put(x, s) for x, s in zip(args, [heads] * 3 + [caches] * 2)]
+                md_r = jax.device_put(md, NS(mesh, P()))
+                compiled = jax.jit(step).lower(*placed, md_r).compile()
+                if axis:
+                    no_collectives(compiled, what)
+                got = compiled(*placed, md_r)
+                same(got, want, what)
+                assert got[1].sharding.is_equivalent_to(caches, 4), (what, got[1].sharding)
+                print("attn ok", what, flush=True)
+            # (dp, tp) mesh: a shard_map over dp, tp left to the partitioner
+            if nkv % 2 == 0:
+                mesh = Mesh(DEV.reshape(2, 2), ("dp", "tp"))
+                two = [jnp.stack([x, x[::-1]]) for x in args]
+                want2 = [jax.jit(step)(*[x[i] for x in two], md) for i in range(2)]
+                def local(*xs):
+                    return tuple(y[None] for y in step(*[x[0] for x in xs], md))
+                fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"),
+                                           axis_names={"dp"}, check_vma=False))
+                specs = [P("dp", None, "tp", None)] * 3 + [P("dp", None, None, "tp", None)] * 2
+                placed = [jax.device_put(x, NS(mesh, s)) for x, s in zip(two, specs)]
+                compiled = fn.lower(*placed).compile()
+                what = f"nh={nh} nkv={nkv} fused={fused} dp x tp"
+                no_collectives(compiled, what)
+                got = compiled(*placed)
+                for i in range(2):
+                    same([g[i] for g in got], want2[i], what)
+                assert got[1].sharding.is_equivalent_to(NS(mesh, specs[3]), 5), what
+                print("attn ok", what, flush=True)
+
+# the partition callback itself: the kv-head split passes through, anything else replicates
+mesh = Mesh(DEV[:2], ("tp",))
+sds = lambda shape, spec, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt, sharding=NS(mesh, spec))
+partition = attn._partition(False)
+static = attn._static(md, 0.25)
+ints = [sds((5,), P(), jnp.int32), sds((4,), P(), jnp.int32), sds((4, 4), P(), jnp.int32)]
+for cache_spec, q_spec, split in ((P(None, None, "tp"), P(None, "tp"), True),
+                                  (P("tp"), P(), False),                 # blocks split
+                                  (P(None, None, "tp"), P(), False)):     # q whole, caches split
+    arg_shapes = [sds((T, 4, HD), q_spec)] + [sds((NB, BS, 2, HD), cache_spec)] * 2 + ints
+    _, impl, out_sh, arg_sh = partition(static, mesh, arg_shapes, sds((T, 4, HD), q_spec))
+    if split:
+        assert [s.spec for s in arg_sh[:3]] == [q_spec, cache_spec, cache_spec], arg_sh
+        assert out_sh.spec == q_spec
+    else:
+        assert all(s.is_fully_replicated for s in list(arg_sh) + [out_sh]), (cache_spec, arg_sh)
+print("attn partition ok", flush=True)
+"""
+
+#: TP_BODY's EAGLE-3 case (tp = 2, then DP and DP x TP) with every attention through the
+#: Pallas kernel (interpret mode): head_dim 16 so that the kernel takes the shapes, the
+#: backend forced, and a check that it was used.
+TP_PALLAS_BODY = """
+from specjax.models import attention as _attn
+import test_proposers_warmup as _warmup
+_warmup.GEO["head_dim"] = 16
+_attn.set_attention_backend("pallas")
+_used = []
+_resolve = _attn.resolve_attention_backend
+_attn.resolve_attention_backend = lambda *a, **k: _used.append(_resolve(*a, **k)) or _used[-1]
+CASES = [("eagle3", 2, True)]
+""" + TP_BODY + """
+assert _used and set(_used) == {"pallas"}, set(_used)
+print("tp pallas ok", flush=True)
+"""
+
 def _start(body: str, n_devices: int, *args: str) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([TESTS, ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -366,6 +477,8 @@ def jobs(tmp_path_factory):
         "tp_more": _start(f"CASES = {TP_CASES_MORE!r}\n" + TP_BODY, 4),
         "tp_tree_parallel": _start(f"CASES = {TP_TREE_PARALLEL_CASES!r}\n" + TP_TREE_PARALLEL_BODY, 4),
         "engine_tp": _start(f"CASES = {ENGINE_TP_CASES!r}\n" + ENGINE_TP_BODY, 4),
+        "attn": _start(ATTN_BODY, 4),
+        "tp_pallas": _start(TP_PALLAS_BODY, 4),
         "bench": _start("", 2, os.path.join(ROOT, "benchmarks", "multi_gpu.py"), "--small",
                         "--iters", "2", "--batches", "8", "--dp", "--dp-batches", "8",
                         "--out", out_json),
@@ -413,6 +526,19 @@ def test_engine_tensor_parallel_generates_the_one_device_tokens(jobs):
         assert f"engine tp ok {m} tp={n} local_argmax={flag}" in out, out
     assert "engine tp errors ok" in out
 
+
+def test_pallas_attention_partitioned_by_kv_heads(jobs):
+    """The Pallas kernel under tensor parallelism / DP x TP: see ATTN_BODY."""
+    out = _wait(jobs[0]["attn"])
+    assert out.count("attn ok") == 14 and "attn partition ok" in out, out
+
+
+def test_eagle3_tensor_and_data_parallel_through_the_pallas_kernel(jobs):
+    """TP_BODY's EAGLE-3 checks (drafts equal one device's, no large collective, DP and
+    DP x TP) with the attention on the Pallas kernel under partitioning."""
+    out = _wait(jobs[0]["tp_pallas"])
+    assert "tp ok eagle3 tp=2 local_argmax=True" in out and "dp x tp ok" in out, out
+    assert "tp pallas ok" in out, out
 
 def test_benchmark_script_smoke(jobs):
     import json

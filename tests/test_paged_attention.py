@@ -626,6 +626,56 @@ def test_gpu_fused_write_equals_unfused(b, qlen, mask, dtype):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+
+@pytest.mark.gpu
+@skip_without_gpu
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("b", [1, 8, 64])
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_gpu_kernel_split_by_kv_heads_over_two_gpus(b, fused, monkeypatch):
+    """``attend`` under tensor parallelism on 2 GPUs (q heads and caches split by kv
+    heads): no collective in the program, caches still split, and every device's output
+    and cache shard bit-identical to the compiled kernel run on that device's heads alone
+    (the same kernel configuration: splits follow the local kv-head count)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    monkeypatch.setattr(attn, "FUSED_KV_WRITE", fused)
+    q, cache, md = _gpu_case(b, 1, 1024, seed=40 + b)
+    nh, nkv = q.shape[1], cache.k.shape[2]
+    kv = jax.random.normal(jax.random.key(b), (q.shape[0], 2 * nkv, q.shape[2])).astype(q.dtype)
+    k, v = kv[:, :nkv], kv[:, nkv:]
+    scale = 128 ** -0.5
+
+    def step(q, k, v, kc, vc, md):
+        out, c = attn.attend(q, k, v, KVCache(kc, vc), md, scale=scale)
+        return out, c.k, c.v
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    heads = NamedSharding(mesh, P(None, "tp", None))
+    caches = NamedSharding(mesh, P(None, None, "tp", None))
+    args = [jax.device_put(x, s) for x, s in
+            zip((q, k, v, cache.k, cache.v), [heads] * 3 + [caches] * 2)]
+    md2 = jax.device_put(md, NamedSharding(mesh, P()))
+    with attn.attention_backend("auto"):
+        compiled = jax.jit(step).lower(*args, md2).compile()
+        got = compiled(*args, md2)
+        hlo = compiled.as_text()
+        assert "xla.gpu.triton" in hlo or "__gpu$xla.gpu.triton" in hlo
+        for op in ("all-reduce", "all-gather", "collective-permute", "all-to-all"):
+            assert op not in hlo, op
+        assert got[1].sharding.is_equivalent_to(caches, 4)
+        one = jax.jit(step)
+        for i in range(2):
+            h, g = slice(i * nh // 2, (i + 1) * nh // 2), slice(i * nkv // 2, (i + 1) * nkv // 2)
+            want = one(q[:, h], k[:, g], v[:, g], cache.k[:, :, g], cache.v[:, :, g], md)
+            np.testing.assert_array_equal(np.asarray(got[0][:, h]), np.asarray(want[0]))
+            np.testing.assert_array_equal(np.asarray(got[1][:, :, g]), np.asarray(want[1]))
+            np.testing.assert_array_equal(np.asarray(got[2][:, :, g]), np.asarray(want[2]))
+        # and close to the whole attention on one device
+        whole = one(q, k, v, cache.k, cache.v, md)
+        assert_close(got[0], whole[0], 2e-2, f"B={b} fused={fused} vs one device")
+
 #: Llama-3.1-8B-shaped EAGLE-3 head (as benchmarks/proposers.py): H, I, heads, kv heads,
 #: head_dim, target vocab, draft vocab, block size.
 EAGLE3_8B = (4096, 14336, 32, 8, 128, 128256, 32000, 16)
