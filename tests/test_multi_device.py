@@ -332,7 +332,8 @@ print("engine tp errors ok", flush=True)
 #: The Pallas attention kernel (interpret mode on CPU) under SPMD partitioning
 #: (``models/attention.py``'s ``custom_partitioning`` wrapper), called through ``attend`` --
 #: with the cache write fused into the kernel and without -- inside one ``jax.jit`` between
-#: XLA ops: per-shard results bit-identical to one device's; with the caches split by kv
+#: XLA ops (causal, and at tp = 2 non-causal and tree masks): per-shard results
+#: bit-identical to one device's; with the caches split by kv
 #: heads (tp = 2 and 4, GQA groups 2 and 1) or replicated, and inside a ``shard_map`` over
 #: ``dp`` of a (dp, tp) mesh, the partitioned program has no collective at all (each device
 #: attends over its own heads and its own cache shard), and the caches stay as placed.
@@ -403,6 +404,24 @@ for nh, nkv in ((4, 2), (4, 4)):
                     same([g[i] for g in got], want2[i], what)
                 assert got[1].sharding.is_equivalent_to(NS(mesh, specs[3]), 5), what
                 print("attn ok", what, flush=True)
+
+# non-causal (DFlash) and tree masks: the static arguments pass through the partitioning
+TREE = ((True, False, False, False), (True, True, False, False), (True, False, True, False),
+        (True, True, False, True))
+args = (f32(T, 4, HD), f32(T, 2, HD), f32(T, 2, HD), f32(NB, BS, 2, HD), f32(NB, BS, 2, HD))
+mesh = Mesh(DEV[:2], ("tp",))
+heads, caches = NS(mesh, P(None, "tp", None)), NS(mesh, P(None, None, "tp", None))
+placed = [jax.device_put(x, s) for x, s in zip(args, [heads] * 3 + [caches] * 2)]
+for name, mdv in (("noncausal", md.replace(causal=False)), ("tree", md.replace(tree_mask=TREE))):
+    for fused in ("0", "1"):
+        attn.FUSED_KV_WRITE = fused
+        with attn.attention_backend("pallas"):
+            want = jax.jit(step)(*args, mdv)
+            compiled = jax.jit(step).lower(*placed, jax.device_put(mdv, NS(mesh, P()))).compile()
+            what = f"{name} fused={fused} tp=2"
+            no_collectives(compiled, what)
+            same(compiled(*placed, jax.device_put(mdv, NS(mesh, P()))), want, what)
+            print("attn ok", what, flush=True)
 
 # the partition callback itself: the kv-head split passes through, anything else replicates
 mesh = Mesh(DEV[:2], ("tp",))
@@ -530,7 +549,7 @@ def test_engine_tensor_parallel_generates_the_one_device_tokens(jobs):
 def test_pallas_attention_partitioned_by_kv_heads(jobs):
     """The Pallas kernel under tensor parallelism / DP x TP: see ATTN_BODY."""
     out = _wait(jobs[0]["attn"])
-    assert out.count("attn ok") == 14 and "attn partition ok" in out, out
+    assert out.count("attn ok") == 18 and "attn partition ok" in out, out
 
 
 def test_eagle3_tensor_and_data_parallel_through_the_pallas_kernel(jobs):
