@@ -444,7 +444,8 @@ print("attn partition ok", flush=True)
 
 #: TP_BODY's EAGLE-3 case (tp = 2, then DP and DP x TP) with every attention through the
 #: Pallas kernel (interpret mode): head_dim 16 so that the kernel takes the shapes, the
-#: backend forced, and a check that it was used.
+#: backend forced, and a check that it was used; then ragged batches of one bucket through
+#: the tensor-parallel ``propose`` without a recompilation.
 TP_PALLAS_BODY = """
 from specjax.models import attention as _attn
 import test_proposers_warmup as _warmup
@@ -456,6 +457,25 @@ _attn.resolve_attention_backend = lambda *a, **k: _used.append(_resolve(*a, **k)
 CASES = [("eagle3", 2, True)]
 """ + TP_BODY + """
 assert _used and set(_used) == {"pallas"}, set(_used)
+# ragged batches inside one bucket: no recompilation of the partitioned program
+import logging
+class _Compiles(logging.Handler):
+    n = 0
+    def emit(self, record):
+        self.n += record.getMessage().startswith("Compiling")
+prop, params = build("eagle3")
+p, sp, ss = tensor_parallel(prop, params, prop.init_state(NUM_BLOCKS), Mesh(DEV[:2], ("tp",)),
+                            local_argmax=True)
+rng = np.random.default_rng(3)
+for n in (4, 2):     # the first call's state comes back with the step's own output shardings
+    _, ss = p.propose(sp, ss, make_inputs("eagle3", bucket, n, rng))
+size, counter = type(p).propose._cache_size(), _Compiles()
+logging.getLogger("jax").addHandler(counter)
+logging.getLogger("jax").setLevel(logging.DEBUG)
+with jax.log_compiles():
+    for n in (1, 3, 2):
+        _, ss = p.propose(sp, ss, make_inputs("eagle3", bucket, n, rng))
+assert type(p).propose._cache_size() == size and counter.n == 0, (size, counter.n)
 print("tp pallas ok", flush=True)
 """
 
