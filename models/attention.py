@@ -20,7 +20,7 @@ max_blocks * block_size]``), so the block table's width is the static context bu
 callers pass a table sliced to the bucket they need. Queries are laid out per request
 up to ``attn_metadata.max_query_len`` (static).
 
-Backends. :func:`paged_attention` runs one of two implementations of the same function:
+Backends. :func:`paged_attention` runs one of three implementations of the same function:
 
 - ``"xla"``: the pure jax.numpy reference below (:func:`paged_attention_xla`).
 - ``"pallas"``: :func:`specjax.kernels.pallas.paged_attention.paged_attention`, a Pallas
@@ -30,6 +30,10 @@ Backends. :func:`paged_attention` runs one of two implementations of the same fu
   (:func:`~specjax.kernels.pallas.paged_attention.unsupported_reason`: head_dim not a power
   of two >= 16, ``max_query_len * group > 128`` rows, trees over 31 nodes) fall back to
   ``"xla"``.
+- ``"triton"``: :func:`specjax.kernels.triton.paged_attention`, the same kernel written in
+  Triton's own language and called through jax-triton (GPU only; JAX deprecates the Pallas
+  Triton backend the ``"pallas"`` kernel is lowered through). Same fallbacks to ``"xla"``;
+  the step's K/V are written by two scatters first (the fused write is Pallas-only).
 - ``"auto"`` (default): ``"pallas"`` when JAX's default backend is the GPU,
   ``max_query_len <= AUTO_MAX_QUERY_LEN`` (the decode-shaped steps the kernel is built for)
   and the shapes are supported; else ``"xla"``. On CPU this is always ``"xla"``.
@@ -69,7 +73,7 @@ import numpy as np
 
 from specjax.attention import CommonAttentionMetadata
 
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton")
 FUSED_KV_WRITE_MODES = ("auto", "0", "1")
 #: Whether :func:`attend` on the ``"pallas"`` backend writes the new K/V inside the attention
 #: kernel (trace-time; environment variable ``SPECJAX_FUSED_KV_WRITE``, read at import):
@@ -98,7 +102,7 @@ def _make_backend_state():
             return jax_config.config_states[_OPTION]
         return jax_config.enum_state(
             _OPTION, list(ATTENTION_BACKENDS), "auto",
-            help="paged attention backend of specjax.models.attention: auto | xla | pallas "
+            help="paged attention backend of specjax.models.attention: auto | xla | pallas | triton "
                  "(trace-time static; environment variable SPECJAX_ATTENTION_BACKEND)",
             include_in_jit_key=True, include_in_trace_context=True)
     except Exception:  # pragma: no cover - a JAX without enum_state / its keywords
@@ -116,12 +120,14 @@ _fallback_backend = [_check_backend(os.environ.get(_ENV, "auto"))] if _STATE is 
 
 
 def get_attention_backend() -> str:
-    """The configured backend (``"auto"``, ``"xla"`` or ``"pallas"``), as read at trace time."""
+    """The configured backend (``"auto"``, ``"xla"``, ``"pallas"`` or ``"triton"``), as read at
+    trace time."""
     return _STATE.value if _STATE is not None else _fallback_backend[0]
 
 
 def set_attention_backend(backend: str) -> None:
-    """Set the paged-attention backend globally: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    """Set the paged-attention backend globally: ``"auto"``, ``"xla"``, ``"pallas"`` or
+    ``"triton"``.
 
     Trace-time static: functions traced afterwards use it (jitted callers retrace).
     """
@@ -149,8 +155,9 @@ def attention_backend(backend: str) -> Iterator[None]:
 
 def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata, dtype=None,
                               backend: str | None = None) -> str:
-    """The backend ``"xla"`` or ``"pallas"`` that :func:`paged_attention` uses for these
-    static shapes under the configured (or given) backend choice."""
+    """The backend ``"xla"``, ``"pallas"`` or ``"triton"`` that :func:`paged_attention` uses
+    for these static shapes under the configured (or given) backend choice. ``"triton"``
+    needs a GPU (ValueError otherwise)."""
     backend = _check_backend(get_attention_backend() if backend is None else backend)
     if backend == "xla":
         return "xla"
@@ -162,8 +169,12 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
                                 dtype=dtype)
     if reason is not None:
         return "xla"
-    if backend == "pallas":
-        return "pallas"
+    if backend == "triton" and jax.default_backend() != "gpu":
+        raise ValueError("attention backend 'triton' needs a GPU (jax.default_backend() is "
+                         f"{jax.default_backend()!r}); use 'pallas' (interpret mode off the GPU), "
+                         "'xla' or 'auto'")
+    if backend in ("pallas", "triton"):
+        return backend
     if jax.default_backend() != "gpu" or md.max_query_len > AUTO_MAX_QUERY_LEN:
         return "xla"
     return "pallas"
@@ -215,11 +226,13 @@ def paged_attention(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *
     softmax in float32; the output has ``q.dtype``. Runs the backend chosen by
     :func:`resolve_attention_backend` (see the module docstring).
     """
-    if resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype) == "pallas":
+    backend = resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype)
+    if backend != "xla":
         args = (q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_table)
+        static = _static(backend, md, scale)
         if jax.device_count() > 1:
-            return _partitioned(False)(_static(md, scale), *args)
-        return _pallas_attention(_static(md, scale), *args)
+            return _partitioned(False)(static, *args)
+        return _kernel_attention(static, *args)
     return paged_attention_xla(q, cache, md, scale=scale)
 
 
@@ -288,7 +301,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     :func:`~specjax.kernels.pallas.paged_attention.fused_write_pays`), both happen in one
     kernel (:func:`specjax.kernels.pallas.paged_attention.paged_attention_write`: the two
     scatter kernels go away), which assumes vLLM's metadata: no request reads a slot that
-    another request's token writes in the same call.
+    another request's token writes in the same call. Every other backend (``"triton"``,
+    ``"xla"``) writes with two scatters, then attends.
     """
     if (FUSED_KV_WRITE != "0" and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype
             and resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype) == "pallas"):
@@ -305,10 +319,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
 def _attend_fused(q, k, v, cache: KVCache, md: CommonAttentionMetadata, scale: float):
     args = (q, k, v, cache.k, cache.v, md.slot_mapping, md.query_start_loc, md.seq_lens,
             md.block_table)
+    static = _static("pallas", md, scale)
     if jax.device_count() > 1:
-        out, kc, vc = _partitioned(True)(_static(md, scale), *args)
+        out, kc, vc = _partitioned(True)(static, *args)
     else:
-        out, kc, vc = _pallas_attention_write(_static(md, scale), *args)
+        out, kc, vc = _pallas_attention_write(static, *args)
     return out, KVCache(kc, vc)
 
 
@@ -316,16 +331,21 @@ def _attend_fused(q, k, v, cache: KVCache, md: CommonAttentionMetadata, scale: f
 # the Pallas kernel under SPMD partitioning (several devices)
 
 
-def _static(md: CommonAttentionMetadata, scale) -> tuple:
-    """The kernel's static keywords as a hashable tuple of pairs."""
-    return (("scale", float(scale)), ("max_query_len", int(md.max_query_len)),
-            ("causal", bool(md.causal)), ("tree_mask", md.tree_mask))
+def _static(backend: str, md: CommonAttentionMetadata, scale) -> tuple:
+    """The kernel backend and its static keywords, hashable: ``(backend, ((name, value),
+    ...))``."""
+    return backend, (("scale", float(scale)), ("max_query_len", int(md.max_query_len)),
+                     ("causal", bool(md.causal)), ("tree_mask", md.tree_mask))
 
 
-def _pallas_attention(static, q, k_cache, v_cache, qsl, seq_lens, block_table):
-    from specjax.kernels.pallas.paged_attention import paged_attention as pallas_paged
-
-    return pallas_paged(q, k_cache, v_cache, qsl, seq_lens, block_table, **dict(static))
+def _kernel_attention(static, q, k_cache, v_cache, qsl, seq_lens, block_table):
+    """The attention kernel of backend ``static[0]`` (``"pallas"`` or ``"triton"``)."""
+    backend, kw = static
+    if backend == "triton":
+        from specjax.kernels.triton import paged_attention as kernel
+    else:
+        from specjax.kernels.pallas.paged_attention import paged_attention as kernel
+    return kernel(q, k_cache, v_cache, qsl, seq_lens, block_table, **dict(kw))
 
 
 def _pallas_attention_write(static, q, k, v, k_cache, v_cache, slot_mapping, qsl, seq_lens,
@@ -334,7 +354,7 @@ def _pallas_attention_write(static, q, k, v, k_cache, v_cache, slot_mapping, qsl
 
     out, (kc, vc) = paged_attention_write(
         jnp.concatenate([q, k, v], axis=1), k_cache, v_cache, slot_mapping, qsl, seq_lens,
-        block_table, **dict(static))
+        block_table, **dict(static[1]))
     return out, kc, vc
 
 
@@ -408,18 +428,18 @@ def _partition(write: bool):
         if not consistent:
             rep = _replicated(arg_sh[0], mesh)
             arg_sh, out_sh = [rep] * len(arg_sh), [rep] * len(out_sh)
-        impl = functools.partial(_pallas_attention_write if write else _pallas_attention, static)
+        impl = functools.partial(_pallas_attention_write if write else _kernel_attention, static)
         return mesh, impl, tuple(out_sh) if write else out_sh[0], tuple(arg_sh)
     return partition
 
 
 @functools.cache
 def _partitioned(write: bool):
-    """:func:`_pallas_attention` (``write``: :func:`_pallas_attention_write`) as a
+    """:func:`_kernel_attention` (``write``: :func:`_pallas_attention_write`) as a
     ``custom_partitioning`` function: split by kv heads, never gathered."""
     from jax.experimental.custom_partitioning import custom_partitioning
 
-    fn = custom_partitioning(_pallas_attention_write if write else _pallas_attention,
+    fn = custom_partitioning(_pallas_attention_write if write else _kernel_attention,
                              static_argnums=(0,))
     fn.def_partition(_partition(write), sharding_rule=_sharding_rule(write))
     return fn

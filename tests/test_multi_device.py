@@ -427,7 +427,7 @@ for name, mdv in (("noncausal", md.replace(causal=False)), ("tree", md.replace(t
 mesh = Mesh(DEV[:2], ("tp",))
 sds = lambda shape, spec, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt, sharding=NS(mesh, spec))
 partition = attn._partition(False)
-static = attn._static(md, 0.25)
+static = attn._static("pallas", md, 0.25)
 ints = [sds((5,), P(), jnp.int32), sds((4,), P(), jnp.int32), sds((4, 4), P(), jnp.int32)]
 for cache_spec, q_spec, split in ((P(None, None, "tp"), P(None, "tp"), True),
                                   (P("tp"), P(), False),                 # blocks split

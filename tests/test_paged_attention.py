@@ -451,9 +451,41 @@ def test_default_backend_on_cpu_is_xla():
         assert attn.resolve_attention_backend(q.shape, cache.k.shape, big) == "xla"
     with attn.attention_backend("xla"):
         assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "xla"
-    with pytest.raises(ValueError, match="attention backend"):
-        attn.set_attention_backend("triton")
+    with attn.attention_backend("triton"):
+        # unsupported shapes fall back to the reference here too; supported ones need a GPU
+        assert attn.resolve_attention_backend((4, 2, 8), (9, 4, 2, 8), md) == "xla"
+        if ON_GPU:
+            assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "triton"
+        else:
+            with pytest.raises(ValueError, match="attention backend 'triton' needs a GPU"):
+                attn.resolve_attention_backend(q.shape, cache.k.shape, md)
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        attn.set_attention_backend("mosaic")
 
+
+def _interpreter_ready() -> str | None:
+    """Why the Triton interpreter check cannot run here, or None."""
+    probe = ("import numpy, triton, torch; "
+             "v = tuple(int(x) for x in numpy.__version__.split('.')[:2]); "
+             "assert v < (2, 4), 'numpy ' + numpy.__version__")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
+
+
+@pytest.mark.skipif(_interpreter_ready() is not None,
+                    reason=f"needs triton, torch and numpy < 2.4: {_interpreter_ready()}")
+def test_triton_kernel_under_the_interpreter():
+    """The jax-triton paged-attention kernels, launched under Triton's interpreter
+    (``TRITON_INTERPRET=1``, in a subprocess: it must be set before triton is imported)
+    on every float32 CPU configuration: equal to the NumPy oracle to 1e-5, padding tokens
+    zero, an empty batch all zeros (``tests/triton_interpret_paged_attention.py``)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "triton_interpret_paged_attention.py")
+    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "triton interpreter: 13 cases ok" in r.stdout, r.stdout
 
 def test_switch_retraces_jitted_callers():
     """``attend`` (what the model layers call) under one ``jax.jit``: the backend is part of
@@ -629,11 +661,45 @@ def test_gpu_fused_write_equals_unfused(b, qlen, mask, dtype):
 
 @pytest.mark.gpu
 @skip_without_gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("b", [1, 8, 64])
+@pytest.mark.parametrize("qlen", [1, 4])
+@pytest.mark.parametrize("mask", ["causal", "noncausal", "tree"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_triton_kernel_matches_reference(b, qlen, mask, dtype):
+    """The jax-triton kernels (``kernels/triton/_paged_attention.py``) against the float32
+    reference, as the Pallas kernel is tested above, and against the Pallas kernel."""
+    from specjax.kernels import triton as tk
+
+    if mask == "tree" and qlen == 1:
+        pytest.skip("a one-node tree is the causal case")
+    tree = random_tree(np.random.default_rng(b), qlen) if mask == "tree" else None
+    q, cache, md = _gpu_case(b, qlen, 1024, seed=b + qlen, dtype=jnp.dtype(dtype),
+                             causal=mask != "noncausal", tree=tree)
+    scale = 128 ** -0.5
+    kw = dict(scale=scale, max_query_len=md.max_query_len, causal=md.causal,
+              tree_mask=md.tree_mask)
+    with jax.default_matmul_precision("highest"):       # an IEEE float32 reference
+        want = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=scale))(q, cache, md)
+    args = lambda c, m: (c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table)  # noqa: E731
+    got = jax.jit(lambda q, c, m: tk.paged_attention(q, *args(c, m), **kw))(q, cache, md)
+    hlo = jax.jit(lambda q, c, m: tk.paged_attention(q, *args(c, m), **kw)).lower(
+        q, cache, md).as_text()
+    assert "triton_kernel_call" in hlo
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    assert_close(got, want, tol, f"triton B={b} q={qlen} {mask} {dtype}")
+    end = int(md.query_start_loc[-1])
+    assert np.all(np.asarray(got[end:], np.float32) == 0)
+    pallas = jax.jit(lambda q, c, m: pk.paged_attention(q, *args(c, m), **kw))(q, cache, md)
+    assert_close(got, pallas, tol, f"triton vs pallas B={b} q={qlen} {mask} {dtype}")
+
+@pytest.mark.gpu
+@skip_without_gpu
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("b", [1, 8, 64])
-@pytest.mark.parametrize("fused", ["0", "1"])
-def test_gpu_kernel_split_by_kv_heads_over_two_gpus(b, fused, monkeypatch):
+@pytest.mark.parametrize("backend,fused", [("auto", "0"), ("auto", "1"), ("triton", "0")])
+def test_gpu_kernel_split_by_kv_heads_over_two_gpus(b, backend, fused, monkeypatch):
     """``attend`` under tensor parallelism on 2 GPUs (q heads and caches split by kv
     heads): no collective in the program, caches still split, and every device's output
     and cache shard bit-identical to the compiled kernel run on that device's heads alone
@@ -657,11 +723,11 @@ def test_gpu_kernel_split_by_kv_heads_over_two_gpus(b, fused, monkeypatch):
     args = [jax.device_put(x, s) for x, s in
             zip((q, k, v, cache.k, cache.v), [heads] * 3 + [caches] * 2)]
     md2 = jax.device_put(md, NamedSharding(mesh, P()))
-    with attn.attention_backend("auto"):
+    with attn.attention_backend(backend):
         compiled = jax.jit(step).lower(*args, md2).compile()
         got = compiled(*args, md2)
         hlo = compiled.as_text()
-        assert "xla.gpu.triton" in hlo or "__gpu$xla.gpu.triton" in hlo
+        assert ("triton_kernel_call" if backend == "triton" else "xla.gpu.triton") in hlo
         for op in ("all-reduce", "all-gather", "collective-permute", "all-to-all"):
             assert op not in hlo, op
         assert got[1].sharding.is_equivalent_to(caches, 4)
@@ -746,18 +812,19 @@ def _eagle3_drafts(b, dtype, backend, k=3, ctx=1024, geo=EAGLE3_8B):
 @skip_without_gpu
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("b", [1, 8, 64])
-def test_gpu_eagle3_propose_pallas_equals_xla(b):
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+def test_gpu_eagle3_propose_pallas_equals_xla(b, backend):
     # float32 with IEEE matmuls everywhere: the backends agree to ~1e-6, so the greedy drafts
     # must be identical
     with jax.default_matmul_precision("highest"):
         want, used_x = _eagle3_drafts(b, jnp.float32, "xla")
-        got, used_p = _eagle3_drafts(b, jnp.float32, "pallas")
-    assert (used_x, used_p) == ("xla", "pallas")
+        got, used_p = _eagle3_drafts(b, jnp.float32, backend)
+    assert (used_x, used_p) == ("xla", backend)
     np.testing.assert_array_equal(got, want)
     # bfloat16: the attention outputs differ by bf16 rounding, which can flip a near-tied
     # argmax of random weights now and then
     want16, _ = _eagle3_drafts(b, jnp.bfloat16, "xla")
-    got16, _ = _eagle3_drafts(b, jnp.bfloat16, "pallas")
+    got16, _ = _eagle3_drafts(b, jnp.bfloat16, backend)
     agree = float(np.mean(got16 == want16))
     print(f"B={b}: bf16 drafts agree on {agree:.1%} of {got16.size}")
     assert agree >= 0.9, f"bf16 drafts agree on only {agree:.1%}"

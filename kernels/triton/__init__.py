@@ -18,7 +18,17 @@ __all__ = [
     "eagle_prepare_next_token_padded",
     "copy_and_expand_eagle_inputs",
     "copy_and_expand_dflash_inputs",
+    "paged_attention",
 ]
+
+
+def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, **kw):
+    """Paged attention as Triton kernels (:mod:`specjax.kernels.triton._paged_attention`);
+    the ``"triton"`` backend of :func:`specjax.models.attention.paged_attention`."""
+    from specjax.kernels.triton import _paged_attention
+
+    return _paged_attention.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                            block_table, **kw)
 
 
 def eagle_step_update_slot_mapping_and_metadata(

@@ -35,6 +35,7 @@ def triton_call(
     out_shape: Sequence[jax.ShapeDtypeStruct],
     grid: int | tuple[int, ...],
     num_warps: int = 4,
+    num_stages: int = 1,
     name: str = "",
     **metaparams: Any,
 ) -> list[jax.Array]:
@@ -42,6 +43,8 @@ def triton_call(
 
     Output pointers follow the inputs in the kernel's signature, then the constexpr
     ``metaparams`` by name. Every output element must be written by the kernel.
+    ``num_stages``: 1 (the default) for the latency-bound index kernels, more for kernels
+    with a loop whose loads Triton should pipeline (paged attention).
     """
     for i, a in enumerate(args):
         if isinstance(a, (bool, int, float, np.generic)) or a is None:
@@ -56,7 +59,7 @@ def triton_call(
         out_shape=list(out_shape),
         grid=grid,
         num_warps=num_warps,
-        num_stages=1,  # latency-bound index kernels: nothing to pipeline
+        num_stages=num_stages,
         name=name,
         **metaparams,
     )
