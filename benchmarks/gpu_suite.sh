@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|models|profile|multi|fused]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
 # kernel forced off and on, SPECJAX_FUSED_KV_WRITE=0/1 (the default, auto, picks it at small batches);
-# none of these is part of `all`, each needs several minutes)
+# none of these is part of `all`, each needs several minutes). `tests` runs every GPU test
+# but tests/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
+# Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
+# one part per device call (10 minutes at most each).
 # Each part runs under its own time limit (BENCH_S, NGRAM_S, TESTS_S seconds) so one slow
 # part cannot starve the others inside a device lease. Logs and JSON go to $OUT.
 set -uo pipefail
@@ -63,7 +66,13 @@ if [ "$what" = multi ]; then
     --json "$OUT/e2e_tp2.jsonl" 2>&1 | tee "$OUT/e2e_tp2.log" | tail -12
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout "${TESTS_S:-570}" python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  timeout "${TESTS_S:-500}" python -m pytest -m gpu -q -p no:cacheprovider tests \
+    --ignore=tests/test_paged_attention.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$what" = attention ]; then
+  timeout "${ATTN_TESTS_S:-560}" python -m pytest -m gpu -q -p no:cacheprovider tests/test_paged_attention.py \
+    2>&1 | tee "$OUT/pytest_gpu_attention.log" | tail -25
   rc=${PIPESTATUS[0]}
 fi
 exit $rc
