@@ -38,8 +38,9 @@ Backends. :func:`paged_attention` runs one of three implementations of the same 
   ``max_query_len <= AUTO_MAX_QUERY_LEN`` (the decode-shaped steps the kernel is built for)
   and the shapes are supported; else ``"xla"``. On CPU this is always ``"xla"``.
 
-Several devices. When the process sees more than one device the Pallas kernel is called
-through ``jax.experimental.custom_partitioning`` (:func:`_partitioned`), with a Shardy rule
+Several devices. When the process sees more than one device the kernel (``"pallas"`` or
+``"triton"``) is called through ``jax.experimental.custom_partitioning``
+(:func:`_partitioned`), with a Shardy rule
 that lets the kv-head dimension be sharded (``q [T, (kv_heads group), hd]`` with the caches
 ``[blocks, block_size, kv_heads, hd]``) and nothing else: under tensor parallelism
 (:mod:`specjax.sharding`, caches ``P(None, None, "tp", None)``) each device runs the kernel
@@ -328,7 +329,7 @@ def _attend_fused(q, k, v, cache: KVCache, md: CommonAttentionMetadata, scale: f
 
 
 # ----------------------------------------------------------------------------------------
-# the Pallas kernel under SPMD partitioning (several devices)
+# the kernels under SPMD partitioning (several devices)
 
 
 def _static(backend: str, md: CommonAttentionMetadata, scale) -> tuple:
