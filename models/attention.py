@@ -158,7 +158,7 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
                               backend: str | None = None) -> str:
     """The backend ``"xla"``, ``"pallas"`` or ``"triton"`` that :func:`paged_attention` uses
     for these static shapes under the configured (or given) backend choice. ``"triton"``
-    needs a GPU (ValueError otherwise)."""
+    needs an NVIDIA GPU and jax-triton (ValueError naming what is missing otherwise)."""
     backend = _check_backend(get_attention_backend() if backend is None else backend)
     if backend == "xla":
         return "xla"
@@ -170,10 +170,13 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
                                 dtype=dtype)
     if reason is not None:
         return "xla"
-    if backend == "triton" and jax.default_backend() != "gpu":
-        raise ValueError("attention backend 'triton' needs a GPU (jax.default_backend() is "
-                         f"{jax.default_backend()!r}); use 'pallas' (interpret mode off the GPU), "
-                         "'xla' or 'auto'")
+    if backend == "triton":
+        from specjax.kernels._api import _triton_available
+
+        ok, why = _triton_available()
+        if not ok:
+            raise ValueError(f"attention backend 'triton' is unavailable: {why}; use 'pallas' "
+                             "(interpret mode off the GPU), 'xla' or 'auto'")
     if backend in ("pallas", "triton"):
         return backend
     if jax.default_backend() != "gpu" or md.max_query_len > AUTO_MAX_QUERY_LEN:
