@@ -598,22 +598,37 @@ def _gpu_case(b, qlen, ctx, seed, dtype=jnp.bfloat16, causal=True, tree=None, wi
 @pytest.mark.parametrize("qlen", [1, 4])
 @pytest.mark.parametrize("mask", ["causal", "noncausal", "tree"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_kernel_matches_reference(b, qlen, mask, dtype):
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+def test_gpu_kernel_matches_reference(b, qlen, mask, dtype, backend):
+    """The compiled kernel of ``backend`` (the Pallas one, or the jax-triton one of
+    ``kernels/triton/_paged_attention.py``) against the float32 reference; the Triton one
+    also against the Pallas kernel."""
     if mask == "tree" and qlen == 1:
         pytest.skip("a one-node tree is the causal case")
     tree = random_tree(np.random.default_rng(b), qlen) if mask == "tree" else None
     q, cache, md = _gpu_case(b, qlen, 1024, seed=b + qlen, dtype=jnp.dtype(dtype),
                              causal=mask != "noncausal", tree=tree)
     scale = 128 ** -0.5
+    kw = dict(scale=scale, max_query_len=md.max_query_len, causal=md.causal,
+              tree_mask=md.tree_mask)
     with jax.default_matmul_precision("highest"):       # an IEEE float32 reference
         want = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=scale))(q, cache, md)
-    got = jax.jit(lambda q, c, m: pk.paged_attention(
-        q, c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table, scale=scale,
-        max_query_len=m.max_query_len, causal=m.causal, tree_mask=m.tree_mask))(q, cache, md)
+    pallas = jax.jit(lambda q, c, m: pk.paged_attention(
+        q, c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table, **kw))
+    kernel = pallas
+    if backend == "triton":
+        from specjax.kernels import triton as tk
+
+        kernel = jax.jit(lambda q, c, m: tk.paged_attention(
+            q, c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table, **kw))
+        assert "triton_kernel_call" in kernel.lower(q, cache, md).as_text()
+    got = kernel(q, cache, md)
     tol = 2e-5 if dtype == "float32" else 2e-2
-    assert_close(got, want, tol, f"B={b} q={qlen} {mask} {dtype}")
+    assert_close(got, want, tol, f"{backend} B={b} q={qlen} {mask} {dtype}")
     end = int(md.query_start_loc[-1])
     assert np.all(np.asarray(got[end:], np.float32) == 0)
+    if backend == "triton":
+        assert_close(got, pallas(q, cache, md), tol, f"triton vs pallas B={b} q={qlen} {mask} {dtype}")
 
 
 @pytest.mark.gpu
@@ -658,41 +673,6 @@ def test_gpu_fused_write_equals_unfused(b, qlen, mask, dtype):
     np.testing.assert_array_equal(np.asarray(gv), np.asarray(wc.v))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
-
-
-@pytest.mark.gpu
-@skip_without_gpu
-@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("b", [1, 8, 64])
-@pytest.mark.parametrize("qlen", [1, 4])
-@pytest.mark.parametrize("mask", ["causal", "noncausal", "tree"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_triton_kernel_matches_reference(b, qlen, mask, dtype):
-    """The jax-triton kernels (``kernels/triton/_paged_attention.py``) against the float32
-    reference, as the Pallas kernel is tested above, and against the Pallas kernel."""
-    from specjax.kernels import triton as tk
-
-    if mask == "tree" and qlen == 1:
-        pytest.skip("a one-node tree is the causal case")
-    tree = random_tree(np.random.default_rng(b), qlen) if mask == "tree" else None
-    q, cache, md = _gpu_case(b, qlen, 1024, seed=b + qlen, dtype=jnp.dtype(dtype),
-                             causal=mask != "noncausal", tree=tree)
-    scale = 128 ** -0.5
-    kw = dict(scale=scale, max_query_len=md.max_query_len, causal=md.causal,
-              tree_mask=md.tree_mask)
-    with jax.default_matmul_precision("highest"):       # an IEEE float32 reference
-        want = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=scale))(q, cache, md)
-    args = lambda c, m: (c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table)  # noqa: E731
-    got = jax.jit(lambda q, c, m: tk.paged_attention(q, *args(c, m), **kw))(q, cache, md)
-    hlo = jax.jit(lambda q, c, m: tk.paged_attention(q, *args(c, m), **kw)).lower(
-        q, cache, md).as_text()
-    assert "triton_kernel_call" in hlo
-    tol = 2e-5 if dtype == "float32" else 2e-2
-    assert_close(got, want, tol, f"triton B={b} q={qlen} {mask} {dtype}")
-    end = int(md.query_start_loc[-1])
-    assert np.all(np.asarray(got[end:], np.float32) == 0)
-    pallas = jax.jit(lambda q, c, m: pk.paged_attention(q, *args(c, m), **kw))(q, cache, md)
-    assert_close(got, pallas, tol, f"triton vs pallas B={b} q={qlen} {mask} {dtype}")
 
 @pytest.mark.gpu
 @skip_without_gpu

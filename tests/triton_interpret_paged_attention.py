@@ -9,7 +9,7 @@ The cases: every float32 configuration of ``CPU_CFGS`` (GQA 1/2/3/4, causal / no
 tree, 1-3 context splits, block sizes below / at / above the key tile), two seeds each, plus
 an empty-batch edge (no request: zeros). Not bfloat16: Triton 3.6's interpreter computes
 bfloat16 dots and casts wrongly (a 16 x 16 ``tl.dot`` of bfloat16 inputs is off by ~1e10), so
-bfloat16 is checked on the GPU only (``test_gpu_triton_kernel_matches_reference``). With
+bfloat16 is checked on the GPU only (``test_gpu_kernel_matches_reference[triton-*]``). With
 NumPy >= 2.4 the interpreter cannot run a loop with loaded bounds (it converts a
 one-element array with ``int()``): use NumPy < 2.4.
 """
