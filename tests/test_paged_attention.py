@@ -464,6 +464,23 @@ def test_default_backend_on_cpu_is_xla():
         attn.set_attention_backend("mosaic")
 
 
+def test_kernel_config_defaults_and_errors():
+    """The static configuration both kernels (Pallas, Triton) take from ``kernel_config``:
+    defaults filled in, bad knobs and shapes refused by name."""
+    kw = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, max_blocks=64,
+              max_query_len=1, tree_mask=None, dtype=jnp.bfloat16, block_k=None,
+              num_splits=None, num_warps=None)
+    # B = 1: 1024 keys = 16 tiles of 64, 8 kv heads -> 8 splits (capped at half the tiles)
+    assert pk.kernel_config("pallas", batch=1, **kw) == (4, 16, 64, 8, 4)
+    assert pk.kernel_config("pallas", batch=64, **kw) == (4, 16, 64, 1, 4)
+    assert pk.kernel_config("triton", batch=8, **dict(kw, max_query_len=16))[1:] == (64, 64, 4, 8)
+    for bad, match in ((dict(block_k=24), "block_k=24 must be a power of two >= 16"),
+                       (dict(block_k=8), "block_k=8 must be a power of two >= 16"),
+                       (dict(num_splits=0), "num_splits=0 must be >= 1"),
+                       (dict(head_dim=96), r"paged_attention \(triton\): unsupported shapes: head_dim")):
+        with pytest.raises(ValueError, match=match):
+            pk.kernel_config("triton", batch=1, **dict(kw, **bad))
+
 def _interpreter_ready() -> str | None:
     """Why the Triton interpreter check cannot run here, or None."""
     probe = ("import numpy, triton, torch; "

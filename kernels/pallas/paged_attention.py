@@ -143,6 +143,34 @@ def fused_write_pays(num_requests: int, num_kv_heads: int, context: int, *,
                               _cdiv(int(context), block_k or DEFAULT_BLOCK_K), num_sms) > 1
 
 
+def kernel_config(who: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                  block_size: int, max_blocks: int, batch: int, max_query_len: int, tree_mask,
+                  dtype, block_k: int | None, num_splits: int | None,
+                  num_warps: int | None) -> tuple[int, int, int, int, int]:
+    """The static configuration shared by this kernel and its Triton twin
+    (``kernels/triton/_paged_attention.py``): ``(group, rows, block_k, num_splits,
+    num_warps)`` with the defaults filled in; ValueError (naming ``who``'s kernel and the
+    argument) for shapes or knobs the kernels do not take."""
+    reason = unsupported_reason(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                head_dim=head_dim, max_query_len=max_query_len,
+                                tree_mask=tree_mask, dtype=dtype)
+    if reason:
+        raise ValueError(f"paged_attention ({who}): unsupported shapes: {reason}")
+    group = num_heads // num_kv_heads
+    rows = num_rows(max_query_len, group)
+    block_k = DEFAULT_BLOCK_K if block_k is None else int(block_k)
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power of two >= 16")
+    if num_splits is None:
+        num_splits = default_num_splits(max(batch, 1), num_kv_heads,
+                                        _cdiv(max_blocks * block_size, block_k))
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if num_warps is None:
+        num_warps = 4 if rows <= 32 else 8
+    return group, rows, block_k, num_splits, num_warps
+
+
 def _tree_bits(tree_mask) -> tuple[int, ...]:
     """Row ``i`` of the mask as an int: bit ``j`` set iff query ``i`` sees block query ``j``."""
     return tuple(sum(1 << j for j, x in enumerate(row) if x) for row in tree_mask)
@@ -405,25 +433,12 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
     nb, bs, nkv, hd_k = k_cache.shape
     if v_cache.shape != k_cache.shape or hd_k != hd:
         raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
-    reason = unsupported_reason(num_heads=nh, num_kv_heads=nkv, head_dim=hd,
-                                max_query_len=max_query_len, tree_mask=tree_mask, dtype=q.dtype)
-    if reason:
-        raise ValueError(f"paged_attention (pallas): unsupported shapes: {reason}")
     b_pad = query_start_loc.shape[0] - 1
     max_blocks = block_table.shape[1]
-    group = nh // nkv
-    rows = num_rows(max_query_len, group)
-    if block_k is None:
-        block_k = DEFAULT_BLOCK_K
-    if block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"block_k={block_k} must be a power of two >= 16")
-    max_tiles = _cdiv(max_blocks * bs, block_k)
-    if num_splits is None:
-        num_splits = default_num_splits(max(b_pad, 1), nkv, max_tiles)
-    if num_splits < 1:
-        raise ValueError(f"num_splits={num_splits} must be >= 1")
-    if num_warps is None:
-        num_warps = 4 if rows <= 32 else 8
+    group, rows, block_k, num_splits, num_warps = kernel_config(
+        "pallas", num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=bs,
+        max_blocks=max_blocks, batch=b_pad, max_query_len=max_query_len, tree_mask=tree_mask,
+        dtype=q.dtype, block_k=block_k, num_splits=num_splits, num_warps=num_warps)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if b_pad == 0 or t_pad == 0:

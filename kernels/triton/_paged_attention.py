@@ -183,22 +183,13 @@ def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_qu
     b_pad, max_blocks = block_table_shape
     if hd_k != hd:
         raise ValueError(f"cache head_dim {hd_k} does not match q {q_shape}")
-    reason = _pk.unsupported_reason(num_heads=nh, num_kv_heads=nkv, head_dim=hd,
-                                    max_query_len=max_query_len, tree_mask=tree_mask, dtype=dtype)
-    if reason:
-        raise ValueError(f"paged_attention (triton): unsupported shapes: {reason}")
-    group = nh // nkv
-    rows = _pk.num_rows(max_query_len, group)
-    block_k = _pk.DEFAULT_BLOCK_K if block_k is None else int(block_k)
-    if block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"block_k={block_k} must be a power of two >= 16")
-    if num_splits is None:
-        num_splits = _pk.default_num_splits(max(b_pad, 1), nkv, _jt.cdiv(max_blocks * bs, block_k))
-    if num_splits < 1:
-        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    group, rows, block_k, num_splits, num_warps = _pk.kernel_config(
+        "triton", num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=bs,
+        max_blocks=max_blocks, batch=b_pad, max_query_len=max_query_len, tree_mask=tree_mask,
+        dtype=dtype, block_k=block_k, num_splits=num_splits, num_warps=num_warps)
     tree_rows = 0 if tree_mask is None else len(tree_mask)
     attention = dict(
-        grid=(b_pad, nkv, num_splits), num_warps=num_warps or (4 if rows <= 32 else 8),
+        grid=(b_pad, nkv, num_splits), num_warps=num_warps,
         meta=dict(SCALE=float(scale), NH=nh, NKV=nkv, HD=hd, GROUP=group, ROWS=rows,
                   BLOCK_K=block_k, BLOCK_SIZE=bs, MAX_BLOCKS=max_blocks, NUM_BLOCKS=nb,
                   NUM_SPLITS=num_splits, NUM_TOKENS=t_pad, CAUSAL=bool(causal), TREE=tree_rows),
