@@ -17,11 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import _compat
 from specjax.constants import check_index_range
 
 BACKENDS = ("auto", "xla", "pallas", "triton")
 
-# Fastest correct backend per platform, as measured in benchmarks/RESULTS.md.
+# Fastest correct backend per platform, as measured in benchmarks/RESULTS.md: XLA everywhere
+# (the index kernels are launch-bound and XLA fuses them into the step), so "auto" never
+# needs the Pallas or Triton backends and picks a backend that exists on every JAX in range.
 _AUTO = {"cpu": "xla", "gpu": "xla", "cuda": "xla", "rocm": "xla", "tpu": "xla"}
 
 
@@ -29,20 +32,15 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-@functools.cache
 def _triton_available() -> tuple[bool, str]:
-    if _platform() not in ("gpu", "cuda"):
-        return False, f"no NVIDIA GPU: jax.default_backend() is {_platform()!r}"
-    try:
-        import jax_triton  # noqa: F401
-        import triton  # noqa: F401
-    except Exception as e:  # ImportError, or jax-triton's own GPU check
-        return False, f"jax-triton is not importable ({e}); install specjax[gpu]"
-    return True, ""
+    """An NVIDIA GPU and an importable jax-triton (:func:`specjax._compat.jax_triton_available`)."""
+    return _compat.jax_triton_available()
 
 
 def resolve_backend(backend: str) -> str:
-    """Map ``backend`` to a concrete backend name, or raise ValueError naming it."""
+    """Map ``backend`` to a concrete backend name, or raise ValueError naming it (also when
+    the backend cannot run on this JAX / machine: ``"triton"`` without a GPU or jax-triton,
+    ``"pallas"`` on a JAX without a usable Pallas Mosaic GPU)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "auto":
@@ -51,6 +49,10 @@ def resolve_backend(backend: str) -> str:
         ok, why = _triton_available()
         if not ok:
             raise ValueError(f"backend='triton' is unavailable: {why}")
+    if backend == "pallas":
+        plgpu, why = _compat.pallas_mosaic_gpu()
+        if plgpu is None:
+            raise ValueError(f"backend='pallas' is unavailable: {why}")
     return backend
 
 

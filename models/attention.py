@@ -34,9 +34,12 @@ Backends. :func:`paged_attention` runs one of three implementations of the same 
   Triton's own language and called through jax-triton (GPU only; JAX deprecates the Pallas
   Triton backend the ``"pallas"`` kernel is lowered through). Same fallbacks to ``"xla"``;
   the step's K/V are written by two scatters first (the fused write is Pallas-only).
-- ``"auto"`` (default): ``"pallas"`` when JAX's default backend is the GPU,
+- ``"auto"`` (default): a kernel when JAX's default backend is the GPU,
   ``max_query_len <= AUTO_MAX_QUERY_LEN`` (the decode-shaped steps the kernel is built for)
-  and the shapes are supported; else ``"xla"``. On CPU this is always ``"xla"``.
+  and the shapes are supported; else ``"xla"``. On CPU this is always ``"xla"``. The kernel
+  is ``"pallas"`` where this JAX has the Pallas Triton backend (every JAX in the supported
+  range, 0.10.2-0.12, has it), else ``"triton"`` when jax-triton is installed, else
+  ``"xla"`` with one warning naming the cost (:func:`auto_kernel_backend`).
 
 Several devices. When the process sees more than one device the kernel (``"pallas"`` or
 ``"triton"``) is called through ``jax.experimental.custom_partitioning``
@@ -72,6 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import _compat
 from specjax.attention import CommonAttentionMetadata
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton")
@@ -94,20 +98,12 @@ _ENV = "SPECJAX_ATTENTION_BACKEND"
 
 
 def _make_backend_state():
-    """A JAX config option (so the choice keys ``jax.jit``'s cache), or a plain holder when
-    this JAX has no such private API (then the choice is read at trace time only)."""
-    try:
-        from jax._src import config as jax_config
-
-        if _OPTION in jax_config.config_states:       # module re-imported
-            return jax_config.config_states[_OPTION]
-        return jax_config.enum_state(
-            _OPTION, list(ATTENTION_BACKENDS), "auto",
-            help="paged attention backend of specjax.models.attention: auto | xla | pallas | triton "
-                 "(trace-time static; environment variable SPECJAX_ATTENTION_BACKEND)",
-            include_in_jit_key=True, include_in_trace_context=True)
-    except Exception:  # pragma: no cover - a JAX without enum_state / its keywords
-        return None
+    """A JAX config option (so the choice keys ``jax.jit``'s cache), or None when this JAX
+    has no such private API (then a plain holder: the choice is read at trace time only)."""
+    return _compat.enum_config_state(
+        _OPTION, ATTENTION_BACKENDS, "auto",
+        help="paged attention backend of specjax.models.attention: auto | xla | pallas | triton "
+             "(trace-time static; environment variable SPECJAX_ATTENTION_BACKEND)")
 
 
 def _check_backend(backend) -> str:
@@ -171,17 +167,49 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
     if reason is not None:
         return "xla"
     if backend == "triton":
-        from specjax.kernels._api import _triton_available
-
-        ok, why = _triton_available()
+        ok, why = _compat.jax_triton_available()
         if not ok:
             raise ValueError(f"attention backend 'triton' is unavailable: {why}; use 'pallas' "
                              "(interpret mode off the GPU), 'xla' or 'auto'")
+    if backend == "pallas":
+        pltr, why = _compat.pallas_triton()
+        if pltr is None:
+            raise ValueError(f"attention backend 'pallas' is unavailable: {why}; use 'triton' "
+                             "(GPU, jax-triton), 'xla' or 'auto'")
     if backend in ("pallas", "triton"):
         return backend
-    if jax.default_backend() != "gpu" or md.max_query_len > AUTO_MAX_QUERY_LEN:
+    if _platform() != "gpu" or md.max_query_len > AUTO_MAX_QUERY_LEN:
         return "xla"
-    return "pallas"
+    return auto_kernel_backend()
+
+
+def _platform() -> str:
+    return jax.default_backend()
+
+
+#: What ``"auto"`` gives up on the GPU when it has to use the XLA reference (measured on the
+#: H200, benchmarks/RESULTS.md, "Pallas paged attention").
+XLA_FALLBACK_COST = ("the XLA reference gathers each request's whole context bucket: an "
+                     "8B-shaped EAGLE-3 propose at B=64 took 2.42 ms instead of 1.14 ms with "
+                     "the Pallas kernel on an H200 (2.1x), attention alone 6x slower")
+
+
+def auto_kernel_backend() -> str:
+    """The attention kernel ``"auto"`` uses on the GPU: ``"pallas"`` where this JAX has the
+    Pallas Triton backend, else ``"triton"`` when jax-triton is importable, else ``"xla"``
+    with one :class:`UserWarning` per process naming the cost."""
+    pltr, why_pallas = _compat.pallas_triton()
+    if pltr is not None:
+        return "pallas"
+    ok, why_triton = _compat.jax_triton_available()
+    if ok:
+        return "triton"
+    _compat.warn_once(
+        "attention-auto-xla",
+        f"specjax: paged attention falls back to the XLA reference on the GPU ({why_pallas}; "
+        f"{why_triton}): {XLA_FALLBACK_COST}. Install specjax[gpu] (jax-triton) or a JAX "
+        "with the Pallas Triton backend.")
+    return "xla"
 
 
 class KVCache(NamedTuple):
@@ -406,13 +434,7 @@ def _head_tiles(sharding, ndim: int, head_dim: int | None) -> int | None:
 
 
 def _replicated(sharding, mesh):
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(mesh, P())
-    from jax._src.sharding_impls import GSPMDSharding
-
-    return GSPMDSharding.get_replicated(sharding._device_assignment)
+    return _compat.replicated_like(sharding, mesh)
 
 
 def _partition(write: bool):
@@ -441,9 +463,6 @@ def _partition(write: bool):
 def _partitioned(write: bool):
     """:func:`_kernel_attention` (``write``: :func:`_pallas_attention_write`) as a
     ``custom_partitioning`` function: split by kv heads, never gathered."""
-    from jax.experimental.custom_partitioning import custom_partitioning
-
-    fn = custom_partitioning(_pallas_attention_write if write else _kernel_attention,
-                             static_argnums=(0,))
-    fn.def_partition(_partition(write), sharding_rule=_sharding_rule(write))
-    return fn
+    return _compat.custom_partitioning_shardy(
+        _pallas_attention_write if write else _kernel_attention, static_argnums=(0,),
+        partition=_partition(write), sharding_rule=_sharding_rule(write))

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from specjax import _compat
 from specjax.models.attention import KVCache
 from specjax.models.config import ModelConfig
 
@@ -358,6 +359,6 @@ class DataParallel:
             expand = functools.partial(jax.tree.map, lambda x: x[None])
             return expand(out), expand(st)
 
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), spec, spec),
-                             out_specs=(spec, spec), axis_names={self.axis},
-                             check_vma=False)(params, states, inputs)
+        return _compat.shard_map(local, mesh=self.mesh, in_specs=(P(), spec, spec),
+                                 out_specs=(spec, spec), axis_names={self.axis},
+                                 check_vma=False)(params, states, inputs)

@@ -11,8 +11,9 @@ Mosaic GPU has no vector gather on Hopper, so a value that lives at a data-depen
 address is fetched with a scalar load inside a loop and merged into the lane vector with
 a select (see ``extract`` and the per-op modules).
 
-On CPU the kernels run in GPU interpret mode (``plgpu.InterpretGPUParams``), chosen
-automatically when ``jax.default_backend() != "gpu"``. Every ref access is one host
+On CPU the kernels run in GPU interpret mode (``plgpu.InterpretGPUParams``, through
+:mod:`specjax._compat`: public only from JAX 0.11.2), chosen automatically when
+``jax.default_backend() != "gpu"``. Every ref access is one host
 callback there, so the kernels keep the number of loads and stores per chunk small.
 """
 
@@ -26,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from specjax import _compat
 
 # Imported for its side effect: it defines a config option that is part of every jit cache
 # key. Interpret mode imports it lazily during the first kernel call, which would otherwise
@@ -43,9 +46,7 @@ BIG = jnp.iinfo(jnp.int32).max
 
 def interpret_params():
     """GPU interpret mode off the GPU, compiled Mosaic GPU on it."""
-    if jax.default_backend() != "gpu":
-        return plgpu.InterpretGPUParams()
-    return None
+    return _compat.interpret_gpu_params()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -72,8 +73,7 @@ def program_id():
 
 def lanes():
     """``[LANES] int32`` iota in the strided warpgroup layout (lane i holds i)."""
-    return plgpu.broadcasted_iota(
-        I32, (LANES,), 0, layout=plgpu.Layout.WG_STRIDED((LANES,), vec_size=1))
+    return _compat.mosaic_gpu_strided_iota(I32, LANES)
 
 
 def full(value, dtype=I32):

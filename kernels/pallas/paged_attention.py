@@ -42,9 +42,9 @@ from ``qkv`` through an exact one-hot product, since programs run in no fixed or
 from :func:`specjax.models.attention.attend` (``SPECJAX_FUSED_KV_WRITE=1``).
 
 On the GPU this is a Triton-lowered ``pl.pallas_call`` (the Pallas Triton backend, which
-JAX deprecates since 0.11 and warns about once per compilation); elsewhere it runs in
-Pallas interpret mode (``interpret=True``), which does not check Triton's rules (power-of-two
-shapes), so :func:`unsupported_reason` checks them up front.
+JAX deprecates: a warning once per compilation from JAX 0.11.2, none in 0.10.2 / 0.11.0);
+elsewhere it runs in Pallas interpret mode (``interpret=True``), which does not check
+Triton's rules (power-of-two shapes), so :func:`unsupported_reason` checks them up front.
 """
 
 from __future__ import annotations
@@ -56,7 +56,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltr
+
+from specjax import _compat
+
+#: ``jax.experimental.pallas.triton`` (None, with the reason, on a JAX without the Pallas
+#: Triton backend: then :func:`paged_attention` raises and ``"auto"`` never picks it).
+pltr, PLTR_MISSING = _compat.pallas_triton()
 
 #: Masked scores; finite so that ``max - max`` of a fully masked tile is 0, not NaN.
 _NEG = -0.7 * float(np.finfo(np.float32).max)
@@ -427,6 +432,8 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
                num_warps, num_stages, interpret):
     """Both entry points: ``slot_mapping is None`` -> attention only (``q [T, nh, hd]``),
     else ``q`` is ``qkv`` with ``num_heads`` query heads and the write is fused."""
+    if pltr is None:
+        raise ValueError(f"the Pallas paged-attention kernel is unavailable: {PLTR_MISSING}")
     write = slot_mapping is not None
     t_pad, width, hd = q.shape
     nh = num_heads if write else width

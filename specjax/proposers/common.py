@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 import specjax.kernels as K
+from specjax import _compat
 from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.constants import check_index_range
@@ -287,11 +288,11 @@ def _vocab_shard_map(fn, mesh: Mesh, vocab_axis: str, spec: PartitionSpec, **kw)
     Inside an outer ``shard_map`` over other axes of the same mesh
     (``specjax.sharding.DataParallel`` over ``dp`` with a tensor-parallel proposer), JAX
     wants the context's (partly manual) mesh and only ``vocab_axis`` made manual."""
-    ctx = jax.sharding.get_abstract_mesh()
+    ctx = _compat.get_abstract_mesh()
     if getattr(ctx, "manual_axes", ()) and vocab_axis in ctx.axis_names:
-        return jax.shard_map(fn, mesh=ctx, in_specs=spec, out_specs=PartitionSpec(),
-                             axis_names={vocab_axis}, **kw)
-    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(), **kw)
+        return _compat.shard_map(fn, mesh=ctx, in_specs=spec, out_specs=PartitionSpec(),
+                                 axis_names={vocab_axis}, **kw)
+    return _compat.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(), **kw)
 
 
 def greedy_top_k(logits: jax.Array, c: int, *, mesh: Mesh | None = None,
