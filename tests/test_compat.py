@@ -1,0 +1,118 @@
+"""specjax._compat: the JAX-version shims, and the backend fallbacks built on them."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import tomllib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import specjax.kernels as K
+from specjax import _compat
+from specjax.models import attention as attn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ON_GPU = jax.default_backend() == "gpu"
+
+pytestmark = pytest.mark.smoke
+
+
+def _pin(name: str) -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(d for d in deps if re.match(rf"{name}\b", d))
+
+
+def test_running_jax_is_in_the_pinned_range():
+    """pyproject's jax pin, _compat's range and the running JAX agree."""
+    lo = ".".join(map(str, _compat.MIN_JAX))
+    hi = ".".join(map(str, _compat.END_JAX))
+    assert _pin("jax") == f"jax>={lo},<{hi}"
+    assert _compat.jax_in_supported_range(), jax.__version__
+    assert _compat._parse("0.12.0.1") == (0, 12, 0, 1)
+    assert _compat._parse("0.11.0.dev20250101") == (0, 11, 0)
+    assert _compat._parse("0.11.1rc1") == (0, 11, 1)
+
+
+def test_pallas_pieces_exist_on_this_jax():
+    """Every JAX in the range has both Pallas backends specjax uses (so "auto" picks the
+    kernel on a GPU); a JAX without them would make these None with a reason."""
+    plgpu, why = _compat.pallas_mosaic_gpu()
+    assert plgpu is not None, why
+    pltr, why = _compat.pallas_triton()
+    assert pltr is not None, why
+    assert pltr.CompilerParams(num_warps=4, num_stages=1).num_warps == 4
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpret mode is the off-GPU path")
+def test_interpret_params_are_the_class_pallas_recognizes():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    p = _compat.interpret_gpu_params()
+    assert isinstance(p, InterpretGPUParams)   # pallas_call dispatches on this class
+    iota = _compat.mosaic_gpu_strided_iota(jnp.int32, 8)
+    np.testing.assert_array_equal(np.asarray(iota), np.arange(8))
+
+
+def test_shard_map_keywords():
+    """``check_vma`` and ``axis_names`` reach jax.shard_map (a psum over the mapped axis)."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    x = jnp.arange(4.0)
+    for check in (True, False):
+        f = _compat.shard_map(lambda a: jax.lax.psum(a, "x") * 2, mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x"), axis_names={"x"}, check_vma=check)
+        np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), np.arange(4.0) * 2)
+    fn, kw = _compat._shard_map_impl()
+    assert kw == "check_vma" and fn is jax.shard_map      # the spelling of 0.10.2-0.12
+
+
+def test_kernel_backend_auto_and_missing_pallas(monkeypatch):
+    assert K.resolve_backend("auto") == "xla"       # XLA on every platform (measured fastest)
+    assert K.resolve_backend("pallas") == "pallas"
+    monkeypatch.setattr(_compat, "pallas_mosaic_gpu", lambda: (None, "JAX 9.9 has no Mosaic GPU"))
+    with pytest.raises(ValueError, match="backend='pallas' is unavailable: JAX 9.9 has no Mosaic"):
+        K.resolve_backend("pallas")
+    assert K.resolve_backend("auto") == "xla"
+
+
+class _MD:
+    max_query_len = 1
+    tree_mask = None
+
+
+def _resolve(backend="auto"):
+    return attn.resolve_attention_backend((4, 4, 16), (8, 4, 2, 16), _MD(), jnp.float32, backend)
+
+
+def test_attention_auto_on_a_gpu_prefers_pallas_then_triton_then_xla(monkeypatch):
+    """``"auto"`` on the GPU: Pallas where it exists, else Triton (jax-triton), else XLA with
+    one warning naming the cost; never an error."""
+    monkeypatch.setattr(attn, "_platform", lambda: "gpu")
+    monkeypatch.setattr(_compat, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # no warning while a kernel exists
+        assert _resolve() == "pallas"
+        monkeypatch.setattr(_compat, "pallas_triton", lambda: (None, "no Pallas Triton"))
+        monkeypatch.setattr(_compat, "jax_triton_available", lambda: (True, ""))
+        assert _resolve() == "triton"
+    monkeypatch.setattr(_compat, "jax_triton_available", lambda: (False, "no jax-triton"))
+    with pytest.warns(UserWarning, match=r"falls back to the XLA reference.*no Pallas Triton.*"
+                                         r"no jax-triton.*2\.1x"):
+        assert _resolve() == "xla"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # once per process
+        assert _resolve() == "xla"
+    # an explicit choice that cannot run is an error naming why
+    with pytest.raises(ValueError, match="attention backend 'pallas' is unavailable: no Pallas"):
+        _resolve("pallas")
+    # off the GPU "auto" is XLA without a warning
+    monkeypatch.setattr(attn, "_platform", lambda: "cpu")
+    monkeypatch.setattr(_compat, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _resolve() == "xla"
