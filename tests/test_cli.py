@@ -20,6 +20,7 @@ def _fast_compiles():
     jax.config.update("jax_disable_most_optimizations", old)
 
 
+@pytest.mark.smoke
 def test_demo_quick(capsys):
     rc = cli.main(["demo", "--method", "ngram", "eagle", "--max-tokens", "12", "--k", "2",
                    "--device", "cpu"])

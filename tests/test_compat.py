@@ -116,3 +116,18 @@ def test_attention_auto_on_a_gpu_prefers_pallas_then_triton_then_xla(monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _resolve() == "xla"
+
+
+def test_smoke_subset_covers_every_area():
+    """``-m smoke`` (CI's run on the oldest pins) keeps tests of each area the compat layer
+    and the pins touch."""
+    areas = ["test_kernels", "test_paged_attention", "test_multi_device", "test_local_argmax",
+             "test_proposers_eagle", "test_proposers_medusa", "test_proposers_dflash",
+             "test_proposers_draft_model", "test_ngram", "test_suffix", "test_sampler",
+             "test_converters", "test_demo_models", "test_cli", "test_engine", "test_training"]
+    for name in areas:
+        text = (ROOT / "tests" / f"{name}.py").read_text()
+        assert "pytest.mark.smoke" in text, f"tests/{name}.py has no smoke test"
+    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"]["markers"]
+    assert any(m.startswith("smoke:") for m in markers)

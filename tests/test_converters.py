@@ -93,6 +93,7 @@ def _sample(dtype, shape=(3, 5), seed=0):
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
 
 
+@pytest.mark.smoke
 def test_safetensors_reader_every_dtype(tmp_path):
     arrays = {f"t{i}": _sample(dt, seed=i) for i, dt in enumerate(DTYPES)}
     arrays["scalar"] = np.array(7, np.int64)
@@ -112,6 +113,7 @@ def test_safetensors_reader_refuses_bad_offsets(tmp_path):
         read_safetensors_header(path)
 
 
+@pytest.mark.smoke
 def test_torch_zip_reader_every_dtype(tmp_path):
     arrays = {f"t{i}": _sample(dt, seed=i) for i, dt in enumerate(DTYPES)}
     write_torch_zip(tmp_path / "pytorch_model.bin", arrays)
@@ -148,6 +150,7 @@ def test_torch_zip_reader_refuses_out_of_bounds_view(tmp_path):
         read_torch_file(tmp_path / "x.pt")
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("module,name", [("os", "system"), ("posix", "system"),
                                          ("subprocess", "check_call"),
                                          ("builtins", "exec")])
@@ -262,6 +265,7 @@ def test_normalizer(tmp_path, name):
         assert norm.hf_config.get(field) == want, field
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_convert_and_orbax_round_trip_exact(tmp_path, name):
     case = CASES[name]

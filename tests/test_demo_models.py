@@ -86,6 +86,7 @@ def target_out(loaded, ref):
     return hidden, aux.reshape(t, -1), model.compute_logits(params, hidden)
 
 
+@pytest.mark.smoke
 def test_target_matches_transformers(target_out, ref):
     hidden, aux, logits = target_out
     close(logits, ref["target_logits"])
@@ -93,6 +94,7 @@ def test_target_matches_transformers(target_out, ref):
     close(aux, ref["target_aux"])
 
 
+@pytest.mark.smoke
 def test_draft_model_matches_transformers(loaded, ref):
     _, cfg, params = loaded["draft_model"]
     model = registry.make_model("llama", cfg)
@@ -103,6 +105,7 @@ def test_draft_model_matches_transformers(loaded, ref):
     close(model.compute_logits(params, h), ref["draft_model_logits"])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["eagle", "eagle3"])
 def test_eagle_heads_match_reference(name, loaded, ref, target_out):
     hidden, aux, _ = target_out
@@ -124,6 +127,7 @@ def test_eagle_heads_match_reference(name, loaded, ref, target_out):
         np.testing.assert_array_equal(np.asarray(tid), ref["eagle3_target_ids"])
 
 
+@pytest.mark.smoke
 def test_dflash_matches_reference(loaded, ref, target_out):
     _, aux, _ = target_out
     _, cfg, params = loaded["dflash"]
@@ -140,6 +144,7 @@ def test_dflash_matches_reference(loaded, ref, target_out):
     close(head.compute_logits(p, h), ref["dflash_logits"])
 
 
+@pytest.mark.smoke
 def test_medusa_matches_reference(loaded, ref, target_out):
     hidden = target_out[0]
     _, cfg, params = loaded["medusa"]
@@ -148,6 +153,7 @@ def test_medusa_matches_reference(loaded, ref, target_out):
     close(logits[:, -24:], ref["medusa_logits"])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", demo_models.NAMES)
 def test_specjax_convert_round_trip(name, loaded, tmp_path):
     dst = tmp_path / name

@@ -151,6 +151,7 @@ def _dense_forward(model):
     return jax.jit(lambda p, ids, pos, kv, md: model.forward(p, ids, pos, kv, md)[0])
 
 
+@pytest.mark.smoke
 def test_plain_greedy_matches_naive_loop():
     base = baseline("A")
     for p, sp, o in zip(PROMPTS_A, PARAMS_A, base.outputs):
@@ -169,9 +170,12 @@ def test_plain_greedy_matches_naive_loop():
 # --- lossless, every method -----------------------------------------------------------
 
 CASES = [(m, k) for m in METHODS for k in ((1,) if m == "extract_hidden_states" else (1, 3, 5))]
+#: ``-m smoke`` runs every method once (k = 3; extract_hidden_states: k = 1).
+SMOKE_CASES = [pytest.param(m, k, marks=pytest.mark.smoke)
+               if k == 3 or m == "extract_hidden_states" else (m, k) for m, k in CASES]
 
 
-@pytest.mark.parametrize("method, k", CASES)
+@pytest.mark.parametrize("method, k", SMOKE_CASES)
 def test_greedy_speculative_equals_plain(method, k):
     prop = build(method, k)
     for which in ("A", "B"):

@@ -87,6 +87,7 @@ def test_every_converter_format_has_an_exporter():
     assert set(EXPORT_FORMATS) == set(FORMATS) == set(CASES)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", list(CASES))
 def test_export_round_trip(tmp_path, fmt, dtype):

@@ -266,6 +266,7 @@ def test_oracle_hand_worked(name):
     assert_outputs_equal(op, oracle.OPS[op](**kwargs), want, context=name)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("name", sorted(HAND_CASES))
 def test_backend_hand_worked(name, backend):
@@ -364,6 +365,7 @@ def call_jitted(op, kwargs, backend):
 
 # Under jax.jit on CPU: the XLA backend only (what is checked is the public op on tracers;
 # Pallas under jit runs compiled in tests/test_kernels_gpu.py).
+@pytest.mark.smoke
 @pytest.mark.parametrize("backend", ["xla"])
 @pytest.mark.parametrize("op", cases.OP_NAMES)
 def test_backend_under_jit(op, backend):
@@ -397,6 +399,7 @@ ZERO_ROW_CASES = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("op", cases.OP_NAMES)
 def test_backend_zero_rows(op, backend):
@@ -502,6 +505,7 @@ ERROR_CASES = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", sorted(ERROR_CASES))
 def test_argument_errors(name):
     (op, kwargs), arg = ERROR_CASES[name]
@@ -517,6 +521,7 @@ def test_unknown_backend(op, backend):
         run_op(op, kwargs, backend)
 
 
+@pytest.mark.smoke
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="Triton is available on a GPU")
 @pytest.mark.parametrize("op", cases.OP_NAMES)
 def test_triton_on_cpu_is_refused(op):

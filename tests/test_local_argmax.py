@@ -50,6 +50,7 @@ def run_with_4_devices(body: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.smoke
 def test_local_reduction_equals_argmax_on_4_shards():
     out = run_with_4_devices("""
         rng = np.random.default_rng(0)

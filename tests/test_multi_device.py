@@ -507,21 +507,41 @@ def _wait(proc: subprocess.Popen) -> str:
     return out
 
 
+#: The subprocess each test of this module reads (the fixture starts only those whose tests
+#: were selected: ``-m smoke`` runs one of them).
+JOB_OF_TEST = {
+    "test_eagle_tensor_and_data_parallel_match_one_device": "tp",
+    "test_dflash_and_draft_model_tensor_parallel_match_one_device": "tp_more",
+    "test_eagle_tree_drafting_tensor_parallel_matches_one_device": "tp_tree_parallel",
+    "test_eagle3_parallel_drafting_tensor_parallel_matches_one_device": "tp_tree_parallel",
+    "test_engine_tensor_parallel_generates_the_one_device_tokens": "engine_tp",
+    "test_pallas_attention_partitioned_by_kv_heads": "attn",
+    "test_eagle3_tensor_and_data_parallel_through_the_pallas_kernel": "tp_pallas",
+    "test_benchmark_script_smoke": "bench",
+}
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """The multi-device subprocesses, started at once (they overlap on two cores)."""
+def jobs(request, tmp_path_factory):
+    """The multi-device subprocesses the selected tests need, started at once (they overlap
+    on two cores)."""
     out_json = str(tmp_path_factory.mktemp("bench") / "multi_gpu.json")
-    procs = {
-        "tp": _start(f"CASES = {TP_CASES!r}\n" + TP_BODY, 4),
-        "tp_more": _start(f"CASES = {TP_CASES_MORE!r}\n" + TP_BODY, 4),
-        "tp_tree_parallel": _start(f"CASES = {TP_TREE_PARALLEL_CASES!r}\n" + TP_TREE_PARALLEL_BODY, 4),
-        "engine_tp": _start(f"CASES = {ENGINE_TP_CASES!r}\n" + ENGINE_TP_BODY, 4),
-        "attn": _start(ATTN_BODY, 4),
-        "tp_pallas": _start(TP_PALLAS_BODY, 4),
-        "bench": _start("", 2, os.path.join(ROOT, "benchmarks", "multi_gpu.py"), "--small",
-                        "--iters", "2", "--batches", "8", "--dp", "--dp-batches", "8",
-                        "--out", out_json),
+    starters = {
+        "tp": lambda: _start(f"CASES = {TP_CASES!r}\n" + TP_BODY, 4),
+        "tp_more": lambda: _start(f"CASES = {TP_CASES_MORE!r}\n" + TP_BODY, 4),
+        "tp_tree_parallel": lambda: _start(
+            f"CASES = {TP_TREE_PARALLEL_CASES!r}\n" + TP_TREE_PARALLEL_BODY, 4),
+        "engine_tp": lambda: _start(f"CASES = {ENGINE_TP_CASES!r}\n" + ENGINE_TP_BODY, 4),
+        "attn": lambda: _start(ATTN_BODY, 4),
+        "tp_pallas": lambda: _start(TP_PALLAS_BODY, 4),
+        "bench": lambda: _start("", 2, os.path.join(ROOT, "benchmarks", "multi_gpu.py"),
+                                "--small", "--iters", "2", "--batches", "8", "--dp",
+                                "--dp-batches", "8", "--out", out_json),
     }
+    assert set(JOB_OF_TEST.values()) == set(starters)
+    needed = {JOB_OF_TEST[item.originalname] for item in request.session.items
+              if item.module is request.module and item.originalname in JOB_OF_TEST}
+    procs = {key: start() for key, start in starters.items() if key in needed}
     yield procs, out_json
     for p in procs.values():
         if p.poll() is None:
@@ -566,6 +586,7 @@ def test_engine_tensor_parallel_generates_the_one_device_tokens(jobs):
     assert "engine tp errors ok" in out
 
 
+@pytest.mark.smoke
 def test_pallas_attention_partitioned_by_kv_heads(jobs):
     """The Pallas kernel under tensor parallelism / DP x TP: see ATTN_BODY."""
     out = _wait(jobs[0]["attn"])
@@ -608,6 +629,7 @@ def _flat(specs):
     return {".".join(str(getattr(k, "key", k)) for k in path): s for path, s in leaves}
 
 
+@pytest.mark.smoke
 def test_eagle3_rules():
     cfg = _cfg("eagle3", num_key_value_heads=2, draft_vocab_size=32, target_hidden_size=24,
                has_d2t=True, has_embed_tokens=True, eagle_aux_hidden_state_layer_ids=[1, 3, 5])

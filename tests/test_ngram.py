@@ -46,6 +46,7 @@ def oracle_draft(context, min_n: int, max_n: int, k: int, max_model_len: int) ->
     return []
 
 
+@pytest.mark.smoke
 def test_oracle_on_hand_cases():
     # The oracle itself, on cases worked out by hand.
     assert oracle_draft([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 3, 3, 2, 100) == [9, 1]
@@ -190,6 +191,7 @@ def check_all(config, mml, contexts, data):
     assert gpu_stateful(gpu, contexts, num_new, width) == want_stateful
 
 
+@pytest.mark.smoke
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=st.sampled_from(CONFIGS), contexts=batch_of_contexts(SHORT_MML), data=st.data())
 def test_matches_oracle_short(config, contexts, data):
@@ -284,6 +286,7 @@ def test_buffer_narrower_than_max_n():
         assert oracle_draft(ctx, 1, 4, 2, 64) == want
 
 
+@pytest.mark.smoke
 def test_vllm_request_filtering_cpu():
     cpu = cpu_proposer(3, 1, 3, 16)
     ctx = [1, 2, 3, 1, 2]
@@ -297,6 +300,7 @@ def test_vllm_request_filtering_cpu():
     assert cpu.propose([], np.zeros((0,), np.int32), big) == []
 
 
+@pytest.mark.smoke
 def test_vllm_request_filtering_gpu():
     gpu = gpu_proposer(3, 1, 3, 16)
     ctx = [1, 2, 3, 1, 2]
@@ -392,6 +396,7 @@ def test_state_add_remove_move_and_donation():
     assert (np.asarray(state.num_tokens) == before[1]).all()
 
 
+@pytest.mark.smoke
 def test_propose_rows_and_packed_match_the_condensed_batch():
     """Requests in arbitrary buffer rows (a slot allocator) draft exactly as in a condensed
     batch; padding rows (-1) and rows not named are left alone; grow_state keeps rows."""

@@ -200,6 +200,7 @@ CPU_CFGS = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", list(CPU_CFGS))
 def test_kernel_matches_reference(name):
     cfg = CPU_CFGS[name]
@@ -300,6 +301,7 @@ def test_fused_write_with_no_request_still_writes():
     np.testing.assert_array_equal(np.asarray(gv), np.asarray(want.v))
 
 
+@pytest.mark.smoke
 def test_fused_write_through_attend_and_errors(monkeypatch):
     """With ``FUSED_KV_WRITE="1"``, ``attend`` on the pallas backend takes the fused kernel
     (same caches and outputs as the xla backend); ``"0"``: the scatters; ``"auto"``: the
@@ -403,6 +405,7 @@ def test_unsupported_shapes():
                            md.seq_lens, md.block_table, scale=1.0, max_query_len=cfg.qmax)
 
 
+@pytest.mark.smoke
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_triton_lowering_on_cpu(monkeypatch):
     """Lower the non-interpreted kernel to Triton IR for an H200 on the CPU (no PTX): catches
@@ -439,6 +442,7 @@ def test_triton_lowering_on_cpu(monkeypatch):
 # the backend switch in models/attention.py
 
 
+@pytest.mark.smoke
 def test_default_backend_on_cpu_is_xla():
     cfg = CPU_CFGS["f32-g1-causal"]
     q, cache, md = make_case(cfg, 2)
@@ -508,6 +512,7 @@ def test_triton_kernel_under_the_interpreter():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "triton interpreter: 13 cases ok" in r.stdout, r.stdout
 
+@pytest.mark.smoke
 def test_switch_retraces_jitted_callers():
     """``attend`` (what the model layers call) under one ``jax.jit``: the backend is part of
     the jit cache key, so switching it retraces and each backend gives its own result."""

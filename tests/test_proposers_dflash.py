@@ -165,6 +165,7 @@ def _check(out, model, params, reqs, k, n, limit=MML):
         np.testing.assert_array_equal(got[i], want, err_msg=f"request {i} (L={r['L']}, rej={r['rej']})")
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["full", "reduced"])
 @pytest.mark.parametrize("k, chunked, padded", [(3, False, True), (3, True, True), (1, False, False),
                                                 (1, True, True), (3, True, False)])

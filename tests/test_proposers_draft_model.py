@@ -144,6 +144,7 @@ def _propose_requests(prop, params, reqs, table, *, chunked, padded, rng):
     return prop.propose(params, state, inp)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("k, chunked, padded, parallel", [
     (3, False, True, False), (3, True, True, False), (1, False, True, False), (3, True, False, False),
     (3, False, True, True)])

@@ -135,6 +135,7 @@ def _inputs(method, reqs, table, lo_hi, with_rejected, rng, *, b_pad=B_PAD, t_pa
         attn_metadata=md)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 @pytest.mark.parametrize("k, chunked, padded", [(3, False, True), (3, True, True), (1, False, False),
                                                 (4, True, False)])
@@ -231,6 +232,7 @@ def test_construction_errors(kwargs, match):
         EagleProposer(**args)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_single_row_batch(method):
     """B_pad = 1: the chain's single-token steps run on a batch padded with a dummy row

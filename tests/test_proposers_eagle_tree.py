@@ -86,6 +86,7 @@ def _proposer(method, tree, mml, k=None):
     return cfg, model, params, prop, t
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("method, tree, padded", [
     ("eagle", "wide", True), ("eagle", "2x2", False), ("eagle", "2-1-2", True),
     ("eagle3", "1-3-1", False), ("eagle3", "2-1-2", True),

@@ -104,6 +104,7 @@ def _paged(state, table_row, n):
     return cache.reshape((-1, N_AUX, H))[slots]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("chunked, padded", [(False, True), (True, True), (True, False), (False, False)])
 def test_propose_matches_naive_reference(chunked, padded):
     rng = np.random.default_rng([chunked, padded])

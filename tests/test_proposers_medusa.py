@@ -97,6 +97,7 @@ def _inputs(reqs, lo_hi, with_rejected, rng):
         num_rejected_tokens=padb(rej) if with_rejected else None, attn_metadata=md)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("k, chunked, padded", [(3, False, True), (1, True, True), (4, False, False),
                                                 (3, True, False)])

@@ -58,6 +58,7 @@ def _logits(meta, rows, bonus_rows, vocab, n_pad, b_pad):
     return jnp.asarray(logits)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("seed", range(5))
 def test_greedy_matches_oracle_with_padding(seed):
     rng = np.random.default_rng(seed)
@@ -77,6 +78,7 @@ def test_greedy_matches_oracle_with_padding(seed):
         np.testing.assert_array_equal(out[r], exp + [-1] * (kmax + 1 - len(exp)))
 
 
+@pytest.mark.smoke
 def test_all_accepted_gets_bonus_and_first_mismatch_recovers():
     vocab = 5
     lg = np.full((3, vocab), 0.0, np.float32)
@@ -98,6 +100,7 @@ P_T = np.array([0.4, 0.25, 0.15, 0.12, 0.08])
 P_D_DISAGREE = np.array([0.05, 0.1, 0.15, 0.3, 0.4])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("case", ["agree", "disagree", "no_probs"])
 def test_random_rows_emit_the_target_distribution(case):
     """First emitted token ~ p_target whatever the draft distribution (chi-square, alpha=1e-3)."""
@@ -123,6 +126,7 @@ def test_random_rows_emit_the_target_distribution(case):
     assert abs(acc - want) < 0.02
 
 
+@pytest.mark.smoke
 def test_seeded_request_reproducible_across_batches():
     rng = np.random.default_rng(3)
     vocab = 11
@@ -144,6 +148,7 @@ def test_seeded_request_reproducible_across_batches():
     np.testing.assert_array_equal(out_a[0], out_b[1])
 
 
+@pytest.mark.smoke
 def test_top_k_top_p_against_numpy():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(6, 9)).astype(np.float32)

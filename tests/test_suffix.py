@@ -77,6 +77,7 @@ def test_defaults_match_vllm():
     assert p.suffix_cache.max_cached_requests == 10000
 
 
+@pytest.mark.smoke
 @needs_arctic
 def test_lifecycle_start_add_speculate_stop():
     p = SuffixDecodingProposer(max_model_len=100, num_speculative_tokens=4)
@@ -228,6 +229,7 @@ def test_max_model_len_and_dynamic_lengths():
     assert padded.token_ids.shape == (3, 5) and padded.num_drafts.tolist() == [1, 0, 2]
 
 
+@pytest.mark.smoke
 @needs_arctic
 def test_propose_arrays_and_min_token_prob():
     p = SuffixDecodingProposer(max_model_len=100, num_speculative_tokens=3, suffix_decoding_min_token_prob=0.6)

@@ -22,6 +22,7 @@ SMALL = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_lay
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
 
 
+@pytest.mark.smoke
 def test_lr_schedule_matches_optax_warmup_cosine():
     import optax
 
@@ -40,6 +41,7 @@ def test_train_config_rejects(field, value):
         TrainConfig(**kw)
 
 
+@pytest.mark.smoke
 def test_target_lm_learns_a_periodic_sequence():
     """Loss falls from ~log(V) to near 0 on a sequence with period 5 (a test that fails if
     the step, the schedule or the objective is broken)."""
