@@ -5,7 +5,7 @@ The same algorithm, grid and numerics as the Pallas kernel
 num_kv_heads, num_splits)``, one ``ROWS x head_dim`` tile of query rows per program, keys
 ``BLOCK_K`` at a time through the block table, online softmax in float32, split-K partials
 merged by a second kernel of grid ``(T, num_kv_heads)``), written against Triton's own
-language instead of the Pallas Triton backend, which JAX 0.11 deprecates ("to keep using
+language instead of the Pallas Triton backend, which JAX deprecates from 0.11.2 ("to keep using
 Triton, switch to the official Triton bindings and jax_triton"). The cache write is not
 folded in here (that variant stays Pallas-only): :func:`specjax.models.attention.attend`
 writes the step's K/V with two scatters first on this backend.
