@@ -158,6 +158,13 @@ def pallas_mosaic_gpu() -> tuple[Any, str]:
     return plgpu, ""
 
 
+def mosaic_gpu_warpgroup_semantics():
+    """``jax.experimental.mosaic.gpu.LoweringSemantics.Warpgroup``."""
+    from jax.experimental.mosaic import gpu as mgpu
+
+    return mgpu.LoweringSemantics.Warpgroup
+
+
 @functools.cache
 def _interpret_gpu_params_cls():
     from jax.experimental.pallas import mosaic_gpu as plgpu

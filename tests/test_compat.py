@@ -131,3 +131,49 @@ def test_smoke_subset_covers_every_area():
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
         "ini_options"]["markers"]
     assert any(m.startswith("smoke:") for m in markers)
+
+
+def test_a_jax_without_pallas_gpu_backends_imports_and_falls_back(tmp_path):
+    """With ``jax.experimental.pallas.mosaic_gpu`` and ``.triton`` unimportable (a JAX that
+    dropped them), specjax still imports, ``"auto"`` runs, an explicit ``"pallas"`` is
+    refused by name, and on a GPU attention falls back with the warning."""
+    import subprocess
+    import sys
+
+    body = """
+import sys, warnings
+sys.modules["jax.experimental.pallas.mosaic_gpu"] = None
+sys.modules["jax.experimental.pallas.triton"] = None
+import jax, jax.numpy as jnp
+from specjax import _compat
+assert _compat.pallas_mosaic_gpu()[0] is None and _compat.pallas_triton()[0] is None
+import specjax.kernels as K
+import specjax.kernels.pallas
+from specjax.kernels.pallas import paged_attention as pk
+from specjax.models import attention as attn
+assert K.resolve_backend("auto") == "xla"
+try:
+    K.resolve_backend("pallas")
+    raise SystemExit("pallas was not refused")
+except ValueError as e:
+    assert "no usable Pallas Mosaic GPU" in str(e), e
+class MD:
+    max_query_len = 1
+    tree_mask = None
+shape = ((4, 4, 16), (8, 4, 2, 16), MD(), jnp.float32)
+assert attn.resolve_attention_backend(*shape, "auto") == "xla"
+attn._platform = lambda: "gpu"
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    assert attn.resolve_attention_backend(*shape, "auto") == "xla"
+assert len(w) == 1 and "falls back to the XLA reference" in str(w[0].message), w
+try:
+    attn.resolve_attention_backend(*shape, "pallas")
+    raise SystemExit("pallas attention was not refused")
+except ValueError as e:
+    assert "no Pallas Triton backend" in str(e), e
+print("fallback ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0 and "fallback ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]

@@ -25,20 +25,24 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from specjax import _compat
+
+#: ``jax.experimental.pallas.mosaic_gpu``, or None (with the reason) on a JAX that cannot
+#: run these kernels: importing this package still works, :func:`run_kernel` raises, and
+#: ``specjax.kernels.resolve_backend("pallas")`` refuses up front.
+plgpu, MOSAIC_GPU_MISSING = _compat.pallas_mosaic_gpu()
 
 # Imported for its side effect: it defines a config option that is part of every jit cache
 # key. Interpret mode imports it lazily during the first kernel call, which would otherwise
 # make the first jitted op miss its cache once.
-from jax.experimental.pallas import fuser as _fuser  # noqa: F401,E402
+try:
+    from jax.experimental.pallas import fuser as _fuser  # noqa: F401,E402
+except ImportError:  # pragma: no cover - a JAX without it has no such option either
+    pass
 
 #: Lanes of one chunk: one element per thread of a warpgroup.
 LANES = 128
-#: Warpgroup semantics (the Mosaic GPU default) infers layouts of values and loop carries.
-LOWERING_SEMANTICS = mgpu.LoweringSemantics.Warpgroup
 I32 = jnp.int32
 #: Larger than every int32 index the kernels compare against (a "no lane" sentinel).
 BIG = jnp.iinfo(jnp.int32).max
@@ -55,12 +59,16 @@ def cdiv(a: int, b: int) -> int:
 
 def run_kernel(body: Callable, out_type, num_programs: int, name: str):
     """``plgpu.kernel`` with a 1-D grid of ``num_programs`` programs named ``"blk"``."""
+    if plgpu is None:
+        raise ValueError(f"the Pallas index kernels are unavailable: {MOSAIC_GPU_MISSING}")
     return plgpu.kernel(
         body,
         out_type=out_type,
         grid=(num_programs,),
         grid_names=("blk",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=LOWERING_SEMANTICS),
+        # Warpgroup semantics (the Mosaic GPU default) infers layouts of values and loop carries
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=_compat.mosaic_gpu_warpgroup_semantics()),
         interpret=interpret_params(),
         kernel_name=name,
     )
