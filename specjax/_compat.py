@@ -6,13 +6,21 @@ other module imports the version-sensitive pieces from here; nothing else in spe
 version number, so a patch release that back- or forward-ports an API just works; the
 version where each difference was measured is noted next to it.
 
-What differs inside the range (measured by reading each installed JAX's source and by
-running the CPU suite on 0.10.2, 0.11.0, 0.11.2, 0.12.0.1):
+What differs inside the range (measured by reading each installed JAX's source, the whole
+CPU suite on 0.12.0.1 and ``pytest -m smoke`` on 0.10.2, 0.11.0 and 0.11.2):
 
 - ``plgpu.InterpretGPUParams`` (Mosaic GPU interpret mode, the CPU path of the Pallas
   index kernels) is exported from ``jax.experimental.pallas.mosaic_gpu`` only from 0.11.2;
   0.10.2 and 0.11.0 have the same class at ``jax._src.pallas.mosaic_gpu.interpret.params``
   (same keywords for what specjax passes: none). :func:`interpret_gpu_params`.
+- The GPU interpreter of 0.10.2 / 0.11.0 has no rule for ``layout_cast`` (what
+  ``plgpu.broadcasted_iota(..., layout=...)`` emits); 0.11.2+ interprets it as the
+  identity. :func:`mosaic_gpu_strided_iota` leaves the layout out in interpret mode.
+- ``plgpu.kernel`` drops its deprecated ``out_shape`` / ``scratch_shapes`` aliases in
+  0.12; specjax passes ``out_type`` (every version in range has it).
+- Lowering a Pallas Triton kernel without a GPU: 0.10.2 targets compute capability 9.0,
+  0.11.0+ asks ``jax._src.pallas.triton.gpu_info`` (only tests/test_paged_attention.py's
+  Triton-lowering test cares).
 - The Pallas Triton backend (``jax.experimental.pallas.triton``, the GPU lowering of the
   Pallas paged-attention kernel) warns "deprecated" on every lowering from 0.11.2 on (not
   in 0.10.2 / 0.11.0); it is still present in 0.12.0.1. :func:`pallas_triton` reports
