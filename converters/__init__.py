@@ -11,8 +11,10 @@ import importlib
 
 _EXPORTS = {
     "CheckpointError": "errors",
+    "DestinationError": "errors",
     "DestinationExistsError": "errors",
     "FormatDetectionError": "errors",
+    "Interrupted": "errors",
     "TensorMismatchError": "errors",
     "UnsafePickleError": "errors",
     "FORMATS": "formats",

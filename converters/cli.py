@@ -3,17 +3,23 @@
 Converts a checkpoint (HF Llama/Qwen2/Qwen3, EAGLE, EAGLE-3, DFlash, Medusa; safetensors
 or PyTorch files, read without torch) into a specjax checkpoint: orbax params plus
 ``specjax.json``. Exit status 0 on success, 1 on a conversion error (the message names
-every unknown, missing or mis-shaped tensor), 2 on bad arguments, 130 when interrupted.
-Nothing is left at DST after a failure.
+every unknown, missing or mis-shaped tensor; or DST exists), 2 on bad arguments (a DST
+refused by the destination rules included), 130 on SIGINT, 143 on SIGTERM. Nothing is left
+at DST, or beside it, after a failure or an interrupt.
+
+DST rules (checked before anything is read): not empty, not SRC nor inside or containing
+it, not the current or home directory nor one containing them, not a symbolic link, in a
+writable directory; an existing DST must be an empty directory, or with ``--force`` a
+previous specjax output (``specjax.json`` + ``params/`` and nothing else).
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
-from specjax.converters.errors import DestinationExistsError
+from specjax.converters.destination import sigterm_raises
+from specjax.converters.errors import DestinationError, DestinationExistsError, Interrupted
 from specjax.converters.formats import FORMATS
 
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
@@ -56,18 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC",
                    help="checkpoint directory (config.json + weights) or one weight file")
-    p.add_argument("dst", metavar="DST", help="output directory (must not exist)")
+    p.add_argument("dst", metavar="DST", help="output directory (new, or an empty directory)")
     p.add_argument("--format", choices=sorted(FORMATS), default=None,
                    help="source format (default: auto-detect)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="float dtype of the output (default: the checkpoint's)")
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--force", action="store_true", help="replace DST if it is a previous specjax output")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
 
 
-def _on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through the cleanup in convert()
+def _note(msg: str) -> None:
+    print(f"specjax-convert: note: {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     from specjax.converters.pipeline import convert  # noqa: PLC0415 (imports jax)
 
     try:
-        old = signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread
-        old = None
-    try:
-        summary = convert(args.src, args.dst, format=args.format, dtype=args.dtype,
-                          force=args.force,
-                          progress=None if args.quiet else ProgressBar(sys.stderr))
+        with sigterm_raises():
+            summary = convert(args.src, args.dst, format=args.format, dtype=args.dtype,
+                              force=args.force, log=_note,
+                              progress=None if args.quiet else ProgressBar(sys.stderr))
+    except DestinationError as e:
+        print(f"specjax-convert: error: {e}", file=sys.stderr)
+        return 2
     except DestinationExistsError as e:
         print(f"specjax-convert: error: {e}", file=sys.stderr)
         return 1
@@ -89,13 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specjax-convert: error: {e}", file=sys.stderr)
         print(f"specjax-convert: nothing was written to {args.dst}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"\nspecjax-convert: interrupted; nothing was written to {args.dst}",
-              file=sys.stderr)
-        return 130
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+    except (KeyboardInterrupt, Interrupted) as e:
+        name, code = ("SIGINT", 130) if isinstance(e, KeyboardInterrupt) else ("SIGTERM", e.code)
+        if getattr(e, "specjax_committed", False):
+            what = f"the conversion had completed: {args.dst} holds it"
+        else:
+            what = f"nothing was written to {args.dst}"
+        print(f"\nspecjax-convert: interrupted ({name}); {what}", file=sys.stderr)
+        return code
     print(summary.text())
     return 0
 

@@ -1,5 +1,6 @@
-"""Errors raised by the converters. All are ``ValueError`` subclasses except the
-destination check, which is a ``FileExistsError``."""
+"""Errors raised by the converters. All are ``ValueError`` subclasses except
+:class:`DestinationExistsError` (a ``FileExistsError``) and :class:`Interrupted` (a
+``SystemExit``: SIGTERM turned into an exception so that cleanup runs)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,18 @@ class TensorMismatchError(CheckpointError):
 
 class DestinationExistsError(FileExistsError):
     """The conversion output directory already exists (pass ``force=True`` / ``--force``)."""
+
+
+class DestinationError(ValueError):
+    """The output directory is not a place specjax will write to: empty, the source or inside
+    it, the current or home directory (or one containing them), a symbolic link, or a
+    directory whose parent is not writable. Raised before anything is read."""
+
+
+class Interrupted(SystemExit):
+    """A conversion or export was stopped by SIGTERM (``code`` 128 + signal number, 143).
+    Raised in the main thread once the write in progress has finished or been removed."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(128 + self.signum)

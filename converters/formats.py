@@ -541,10 +541,16 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 )}
 
 
-def normalize(fmt: str, config: dict, tensors: Tensors) -> Normalized:
-    """Normalize a checkpoint read in format ``fmt`` (a key of :data:`FORMATS`)."""
+def check_format_name(fmt: str) -> None:
+    """FormatDetectionError naming the allowed formats unless ``fmt`` is a key of
+    :data:`FORMATS`."""
     if fmt not in FORMATS:
         raise FormatDetectionError(f"unknown format {fmt!r} (allowed: {', '.join(FORMATS)})")
+
+
+def normalize(fmt: str, config: dict, tensors: Tensors) -> Normalized:
+    """Normalize a checkpoint read in format ``fmt`` (a key of :data:`FORMATS`)."""
+    check_format_name(fmt)
     f = FORMATS[fmt]
     notes: list[str] = []
     cfg, out = f.normalize(dict(config or {}), dict(tensors), notes)

@@ -7,17 +7,17 @@ Output directory layout (``specjax-convert SRC DST``)::
                        tensor table, e.g. a P-EAGLE ``mask_hidden``)
     DST/params/        the params pytree, written by orbax's StandardCheckpointer
 
-The directory appears only when complete: everything is written to a temporary
-directory beside ``DST`` and renamed at the end; a failed or interrupted run removes it.
+The directory appears only when complete: everything is written to a staging directory
+beside ``DST`` and renamed at the end; a failed or interrupted run removes it
+(:mod:`specjax.converters.destination`: the destination rules and the staging).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,14 +25,22 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from specjax.converters.destination import (
+    Log,
+    check_destination,
+    destination_in_use,
+    held_signals,
+    sigterm_raises,
+    write_dir_atomically,
+)
 from specjax.converters.errors import (
     CheckpointError,
-    DestinationExistsError,
     TensorMismatchError,
 )
 from specjax.converters.formats import (
     FORMATS,
     Normalized,
+    check_format_name,
     detect_format,
     normalize,
     parallel_drafting_token_id,
@@ -213,17 +221,23 @@ def prepare(src, *, format: str | None = None, dtype=None,
                     norm.notes, ckpt.files, total, n_values, str(ckpt.path))
 
 
-def save_prepared(prep: Prepared, out_dir: Path) -> None:
+def save_prepared(prep: Prepared, out_dir: Path, log: Log | None = None) -> None:
     """Write ``prep`` into the (new, empty) directory ``out_dir``."""
+    log = log or _log_warning
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     out_dir = Path(out_dir).absolute()
     ckptr = ocp.StandardCheckpointer()
-    try:
-        ckptr.save(out_dir / PARAMS_DIR, prep.params)
-        ckptr.wait_until_finished()
-    finally:
-        ckptr.close()
+    # orbax commits in background threads: SIGINT / SIGTERM wait for the commit (the
+    # staging directory is then removed whole), and a failure waits for it too.
+    with held_signals(log, doing="the orbax commit"):
+        try:
+            ckptr.save(out_dir / PARAMS_DIR, prep.params)
+        finally:
+            try:
+                ckptr.wait_until_finished()
+            finally:
+                ckptr.close()
     meta = {
         "specjax_checkpoint_version": METADATA_VERSION,
         "kind": prep.kind,
@@ -263,50 +277,60 @@ class Summary:
         return "\n".join(lines)
 
 
-def write_dir_atomically(dst: Path, fill: Callable[[Path], None], *,
-                         replace: Callable[[Path], bool], what: str) -> None:
-    """Build directory ``dst`` atomically: ``fill(tmp)`` writes into a temporary sibling
-    directory, which is then renamed to ``dst``. An existing ``dst`` is replaced only when
-    ``replace(dst)`` is True (else ``DestinationExistsError``). On any failure (or Ctrl-C)
-    the temporary directory is removed and a replaced ``dst`` is put back: nothing
-    half-written is ever left at ``dst``."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    old = None
+def previous_output_reason(path: Path) -> str | None:
+    """None when the directory ``path`` is a previous ``specjax-convert`` output (just
+    ``specjax.json``, written by specjax, and ``params/``), which ``force`` may replace;
+    else what makes it something else."""
+    entries = sorted(e.name for e in path.iterdir())
+    others = [e for e in entries if e not in (METADATA_FILE, PARAMS_DIR)]
+    if others:
+        return f"it holds {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}"
     try:
-        fill(tmp)
-        if dst.exists() or dst.is_symlink():
-            if not replace(dst):
-                raise DestinationExistsError(f"{dst} appeared during {what}")
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.rename(dst, old / "x")
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "x").exists() and not dst.exists():
-            os.rename(old / "x", dst)  # put the previous directory back
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        meta = json.loads((path / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return f"it has no readable {METADATA_FILE}"
+    if not isinstance(meta, dict) or "specjax_checkpoint_version" not in meta:
+        return f"its {METADATA_FILE} was not written by specjax"
+    return None
+
+
+def _log_warning(msg: str) -> None:
+    logging.getLogger("specjax.converters").warning("%s", msg)
 
 
 def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = False,
-            progress: Progress | None = None) -> Summary:
+            progress: Progress | None = None, log: Log | None = None) -> Summary:
     """Convert the checkpoint at ``src`` into ``dst`` (orbax params + ``specjax.json``).
 
-    ``dst`` must not exist unless ``force``. The output is written to a temporary
-    directory beside ``dst`` and renamed into place at the end, so a failed or interrupted
-    run leaves nothing at ``dst`` (and, with ``force``, the old ``dst`` untouched).
+    ``dst`` follows the destination rules of :mod:`specjax.converters.destination`, checked
+    before anything is read: it must be new or an empty directory, or with ``force`` a
+    previous specjax output; never SRC, inside it or containing it, the current or home
+    directory, or a symbolic link. The output is staged beside ``dst`` and renamed into
+    place at the end, so a failed or interrupted run (Ctrl-C, SIGTERM) leaves nothing at
+    ``dst`` or beside it, and with ``force`` the old ``dst`` untouched. ``log`` gets notes
+    (stale staging directories of killed runs removed, a signal held); default: the
+    ``specjax.converters`` logger.
     """
     t0 = time.perf_counter()
-    dst = Path(dst).absolute()
-    if (dst.exists() or dst.is_symlink()) and not force:
-        raise DestinationExistsError(f"{dst} already exists (use --force to replace it)")
-    prep = prepare(src, format=format, dtype=dtype, progress=progress)
-    write_dir_atomically(dst, lambda tmp: save_prepared(prep, tmp), replace=lambda _: force,
-                         what="the conversion")
+    log = log or _log_warning
+    parse_dtype(dtype)
+    if format is not None:
+        check_format_name(format)
+    dst = check_destination(dst, src=src, force=force, replaceable=previous_output_reason)
+    result: list[Prepared] = []
+
+    def fill(out_dir: Path) -> None:
+        prep = prepare(src, format=format, dtype=dtype, progress=progress)
+        save_prepared(prep, out_dir, log)
+        result.append(prep)
+
+    def replace(path: Path) -> bool:
+        return path.is_dir() and not path.is_symlink() and \
+            destination_in_use(path, force, previous_output_reason) is None
+
+    with sigterm_raises():
+        write_dir_atomically(dst, fill, replace=replace, what="the conversion", log=log)
+    prep = result[0]
     return Summary(prep.kind, prep.format, dtype_name(prep.dtype), prep.n_tensors,
                    prep.n_values, prep.notes, str(dst), time.perf_counter() - t0)
 

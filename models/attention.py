@@ -466,3 +466,12 @@ def _partitioned(write: bool):
     return _compat.custom_partitioning_shardy(
         _pallas_attention_write if write else _kernel_attention, static_argnums=(0,),
         partition=_partition(write), sharding_rule=_sharding_rule(write))
+
+
+# JAX config states kept in the trace context (Pallas' fuser flag, defined when the Pallas
+# kernels are imported) must exist before a caller's first trace: imported during it, they
+# change the context and the second call of every jitted step or propose compiles again.
+try:
+    import specjax.kernels.pallas  # noqa: E402,F401
+except ImportError:   # a JAX without Mosaic GPU: the kernels fall back to XLA
+    pass

@@ -6,7 +6,9 @@ from specjax.converters import _specjax_getattr as _converters_getattr  # lazy l
 __version__ = "0.1.0.dev0"
 
 __all__ = ["PADDING_SLOT_ID", "next_power_of_2", "__version__", "generate", "make_proposer",
-           "SamplingParams", "SpeculativeConfig", "TargetModel", "TokenTree"]
+           "SamplingParams", "SpeculativeConfig", "TargetModel", "TokenTree", "Engine",
+           "make_step", "Step", "StepBatch", "StepOutput", "build_batch", "Feed",
+           "load_pretrained"]
 
 # Lazy: ``import specjax`` stays light (no models, no numba) until these are used.
 _LAZY = {
@@ -17,6 +19,13 @@ _LAZY = {
     "make_proposer": "specjax.proposers",
     "SpeculativeConfig": "specjax.config",
     "TokenTree": "specjax.tree",
+    # the public step (docs/integration.md)
+    "make_step": "specjax.step",
+    "Step": "specjax.step",
+    "StepBatch": "specjax.step",
+    "StepOutput": "specjax.step",
+    "build_batch": "specjax.batch",
+    "Feed": "specjax.proposers",
 }
 
 

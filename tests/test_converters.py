@@ -500,8 +500,15 @@ def test_cli_refuses_existing_dst_unless_force(tmp_path, capsys):
     assert (dst / "keep.txt").read_text() == "precious"
     with pytest.raises(DestinationExistsError):
         convert(src, dst)
+    # --force replaces only a previous specjax output: keep.txt is not one.
+    assert cli.main([str(src), str(dst), "--force", "-q"]) == 1
+    assert "keep.txt" in capsys.readouterr().err
+    assert (dst / "keep.txt").read_text() == "precious"
+    (dst / "keep.txt").unlink()
+    assert cli.main([str(src), str(dst), "-q"]) == 0          # an empty directory is fine
+    assert cli.main([str(src), str(dst), "-q"]) == 1          # now it holds an output
     assert cli.main([str(src), str(dst), "--force", "-q"]) == 0
-    assert not (dst / "keep.txt").exists() and (dst / "specjax.json").exists()
+    assert sorted(os.listdir(dst)) == ["params", "specjax.json"]
 
 
 def test_cli_bad_dtype_and_format(tmp_path, capsys):
@@ -521,8 +528,8 @@ def test_failure_midway_leaves_nothing_at_dst(tmp_path, monkeypatch):
     dst = tmp_path / "out"
     real_save = pipeline.save_prepared
 
-    def save_then_fail(prep, out_dir):
-        real_save(prep, out_dir)             # params and metadata fully written to the temp dir
+    def save_then_fail(prep, out_dir, log=None):
+        real_save(prep, out_dir, log)        # params and metadata fully written to the temp dir
         assert (Path(out_dir) / "params").exists()
         raise OSError("disk full (simulated)")
 
@@ -533,11 +540,13 @@ def test_failure_midway_leaves_nothing_at_dst(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["src"]
 
     # With --force over an existing output, a failure keeps the old output intact.
-    dst.mkdir()
-    (dst / "old.txt").write_text("old")
+    monkeypatch.setattr(pipeline, "save_prepared", real_save)
+    convert(src, dst, dtype="fp16")
+    old_meta = (dst / "specjax.json").read_text()
+    monkeypatch.setattr(pipeline, "save_prepared", save_then_fail)
     with pytest.raises(OSError, match="simulated"):
         convert(src, dst, force=True)
-    assert (dst / "old.txt").read_text() == "old"
+    assert (dst / "specjax.json").read_text() == old_meta
     assert sorted(os.listdir(tmp_path)) == ["out", "src"]
 
 

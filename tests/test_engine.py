@@ -23,7 +23,7 @@ from specjax.config import SpeculativeConfig
 from specjax.engine import Engine, SamplingParams, TargetModel, generate, step_cache_size
 from specjax.metrics import SpecDecodingLogging
 from specjax.models import registry
-from specjax.proposers import (DraftOutput, Proposer, TokenHistory, available_methods,
+from specjax.proposers import (DraftOutput, Feed, Proposer, TokenHistory, available_methods,
                                make_proposer)
 
 V = 64
@@ -200,7 +200,7 @@ def test_non_padded_drafter_batch_is_lossless():
     """vLLM's non-padded mode: the host drops rejected tokens (prepare_inputs), then drafts
     from the kept tokens' aux hidden states."""
     prop = build("eagle3", 3, disable_padded_drafter_batch=True)
-    assert not prop.padded_drafter_batch
+    assert prop.feed.drafts_in == "split"
     for which in ("A", "B"):
         assert run(prop, which).token_ids == baseline(which).token_ids
 
@@ -328,13 +328,15 @@ def test_synthetic_acceptance_mode():
 class _FixedDraft(Proposer):
     """A custom host proposer through the same interface: always drafts the same tokens."""
 
-    runs_on = "host"
-    needs_token_history = True
-
     def __init__(self, k, tokens):
         self.config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+        self._feed = Feed(drafts_in="history", num_speculative_tokens=k, lookahead=k + 1)
         self.tokens = tokens
         self.calls = 0
+
+    @property
+    def feed(self):
+        return self._feed
 
     def propose_from_history(self, h: TokenHistory) -> DraftOutput:
         self.calls += 1
@@ -433,7 +435,7 @@ def test_seeded_requests_reproducible_whatever_the_batch():
 
 
 def test_numpy_metadata_builders_match_the_library_constructors():
-    from specjax.engine import attn_metadata_np, spec_metadata_np
+    from specjax.batch import attn_metadata_np, spec_metadata_np
     from specjax.metadata import SpecDecodeMetadata
 
     rng = np.random.default_rng(3)
@@ -503,14 +505,18 @@ def test_bad_input_raises_before_generation():
 def test_make_proposer_declarations_and_errors():
     for m in METHODS:
         p = build(m, 1)
-        assert p.method == m and p.runs_on in ("device", "host")
-        assert p.needs_token_history == (m in ("ngram", "ngram_gpu", "suffix"))
-        if p.needs_aux_hidden_states:
-            assert p.aux_layer_ids == AUX
-    assert build("ngram", 1).runs_on == "host" and build("ngram_gpu", 1).runs_on == "device"
+        f = p.feed
+        assert p.method == m and f.num_speculative_tokens == 1
+        assert (f.drafts_in == "history") == (m in ("ngram", "ngram_gpu", "suffix"))
+        assert f.aux_layer_ids == (AUX if m in ("eagle3", "dflash", "extract_hidden_states") else ())
+        assert f.hidden_states == (m in ("eagle", "eagle3", "medusa"))
+        assert f.lookahead == 1 + p.max_new_slots + 1
+        assert (f.token_tree is not None) == (m in ("eagle", "eagle3"))
     if "eagle" in METHODS:
         p = build("eagle", 2)
-        assert p.needs_hidden_states and not p.needs_aux_hidden_states and p.params is not None
+        assert p.feed.hidden_states and not p.feed.aux_layer_ids and p.params is not None
+        with pytest.warns(DeprecationWarning, match="feed.hidden_states"):
+            assert p.needs_hidden_states
         with pytest.raises(ValueError, match="draft"):
             make_proposer(SpeculativeConfig(method="eagle", num_speculative_tokens=2),
                           max_model_len=MML)
@@ -524,7 +530,7 @@ def test_make_proposer_declarations_and_errors():
 def test_missing_method_module_is_not_implemented(monkeypatch):
     import specjax.proposers as P
 
-    monkeypatch.setitem(P._MODEL_METHODS, "medusa", ("no_such_module", "X"))
+    monkeypatch.setitem(P._MODEL_METHODS, "medusa", ("no_such_module", "X", False))
     with pytest.raises(NotImplementedError, match="medusa"):
         make_proposer(SpeculativeConfig(method="medusa", num_speculative_tokens=2), max_model_len=MML)
 

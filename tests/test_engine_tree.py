@@ -24,8 +24,10 @@ import numpy as np
 import pytest
 
 from specjax.config import SpeculativeConfig
-from specjax.engine import Engine, SamplingParams, compact_tree_kv, tree_chain_inputs
+from specjax.engine import Engine, SamplingParams
 from specjax.proposers import DraftOutput, ModelProposer
+from specjax.proposers.common import PaddedBatchHelpers
+from specjax.step import compact_tree_kv, tree_chain_inputs
 from specjax.tree import TokenTree
 
 from scipy import stats
@@ -55,7 +57,7 @@ def branch(root_pos, level, tree: TokenTree):
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeStub:
+class TreeStub(PaddedBatchHelpers):
     """Device tree proposer that knows the answers: ``params`` holds the plain greedy
     sequences (prompt + output) of every workload; the state keeps each running request's
     tokens, written from the chain-shaped inputs the loop hands over (the prompt at
@@ -73,7 +75,7 @@ class TreeStub:
 
     needs_hidden_states = False
     needs_aux_hidden_states = False
-    runs_on = "device"
+    kernel_backend = "xla"        # PaddedBatchHelpers (every in-step proposer has them)
 
     def init_state(self, num_blocks, dtype=jnp.float32):
         """``[num_blocks, max_model_len]`` token rows, keyed by a request's first block."""
@@ -351,14 +353,14 @@ def test_real_tree_eagle_proposer_is_lossless(method):
 
 
 @dataclasses.dataclass(frozen=True)
-class TableStub:
+class TableStub(PaddedBatchHelpers):
     """Device tree proposer drafting ``params[root token]`` (``[V, N]``, a lookup table
     of the token the tree will be verified on)."""
 
     token_tree: TokenTree
     needs_hidden_states = False
     needs_aux_hidden_states = False
-    runs_on = "device"
+    kernel_backend = "xla"        # PaddedBatchHelpers (every in-step proposer has them)
 
     def init_state(self, num_blocks, dtype=jnp.float32):
         return jnp.zeros((1,), jnp.int32)

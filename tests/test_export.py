@@ -297,11 +297,11 @@ def test_existing_directory(tmp_path):
     out.mkdir()
     export_checkpoint(kind, config, params, out, format="qwen3")  # empty: fine
     (out / "README.md").write_text("old")
-    with pytest.raises(FileExistsError, match=r"exists and is not empty \(pass overwrite=True"):
+    with pytest.raises(FileExistsError, match=r"exists and is not empty \(README.md, .*\); pass overwrite=True"):
         export_checkpoint(kind, config, params, out, format="qwen3")
     assert (out / "README.md").read_text() == "old"
     (tmp_path / "file").write_text("x")
-    with pytest.raises(FileExistsError, match="is not a directory"):
+    with pytest.raises(FileExistsError, match="is a file"):
         export_checkpoint(kind, config, params, tmp_path / "file", format="qwen3",
                           overwrite=True)
     _, _, params2 = make("qwen3", seed=5)

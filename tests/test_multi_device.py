@@ -309,7 +309,7 @@ for method, n, flag in CASES:
     assert not big, (what, big)
     gate = eng.target.params["layers"][0]["mlp"]["gate_proj"]["kernel"]
     assert gate.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), 2), what
-    if prop.impl is not None:     # the caller's proposer is left as it was
+    if prop.params is not None:   # a placed copy; the caller's proposer is left as it was
         assert eng.proposer is not prop and getattr(prop.impl, "mesh", None) is None
         assert getattr(eng.proposer.impl, "mesh", mesh) is mesh
     print("engine tp ok", what, flush=True)

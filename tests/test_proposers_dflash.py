@@ -244,7 +244,7 @@ def test_needs_aux_hidden_states():
     inp = _inputs(cfg, reqs, table, [(0, r["L"]) for r in reqs], False, rng)
     with pytest.raises(ValueError, match="aux_hidden_states"):
         prop.propose(params, prop.init_state(NUM_BLOCKS), inp._replace(aux_hidden_states=None))
-    assert prop.needs_aux_hidden_states and prop.runs_on == "device"
+    assert prop.needs_aux_hidden_states and not prop.needs_hidden_states
     assert prop.mask_token_id == V - 1 and prop.num_speculative_tokens == 1
     assert hash(prop) == hash(_proposer(model, 1))
 

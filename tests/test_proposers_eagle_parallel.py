@@ -422,7 +422,7 @@ def test_make_proposer_end_to_end(tmp_path):
                       draft=dcfg, draft_params=dparams, block_size=BS, max_model_len=MML,
                       kernel_backend="xla")
     assert p.impl.parallel_drafting_token_id == 13 and p.max_new_slots == k - 1
-    assert p.needs_aux_hidden_states and p.aux_layer_ids == (1, 3, 5)
+    assert p.feed.aux_layer_ids == p.aux_layer_ids == (1, 3, 5)
     # an explicit option wins over the draft config
     q = make_proposer(_spec("eagle3", k), draft=dcfg, draft_params=p.params, block_size=BS,
                       max_model_len=MML, kernel_backend="xla", parallel_drafting_token_id=2)

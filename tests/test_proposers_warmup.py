@@ -43,7 +43,7 @@ BUCKETS = [(2, 16, C, 8), ProposeBucket(num_reqs_pad=4, num_tokens_pad=32, max_b
                                         max_query_len=8)]
 #: hidden-state input widths by method: (target_hidden_states H, aux (n_aux, Ht)), the
 #: layout Engine feeds (written out here, not taken from the code under test)
-WIDTHS = {"eagle": (32, None), "eagle3": (HT, (3, HT)), "dflash": (HT, (3, HT)),
+WIDTHS = {"eagle": (32, None), "eagle3": (HT, (3, HT)), "dflash": (None, (3, HT)),   # DFlash reads the aux states only
           "draft_model": (None, None), "medusa": (32, None), "extract_hidden_states": (None, (3, HT))}
 
 

@@ -1,27 +1,12 @@
 """Proposers, one module per method, and the uniform interface a decoding loop drives.
 
 ``make_proposer(config, ...)`` builds any method of a ``SpeculativeConfig`` and returns a
-:class:`Proposer`: the method's own proposer object (``impl``) plus a declaration of what
-the serving loop must feed it and where it runs. The loop branches on these declarations
-only, never on the method name:
-
-==========================  =============================================================
-attribute                   meaning
-==========================  =============================================================
-``runs_on``                 ``"device"`` (jit-compiled XLA) or ``"host"`` (numba, C++)
-``needs_token_history``     True: call ``propose_from_history(TokenHistory)`` after each
-                            verification (n-gram CPU / GPU, suffix decoding)
-``needs_hidden_states``     the final post-norm target hidden states ``[T, H]``
-``needs_aux_hidden_states`` the aux-layer inputs ``[T, n_aux, H]`` of the target layers
-                            ``aux_layer_ids`` (build the target with them)
-``params`` / ``impl``       device model proposers: ``impl.propose(params, state,
-                            ProposerInputs)`` inside the jitted step (``impl`` is static)
-``vocab_size``              vocabulary the drafts are in (None: any, n-gram / suffix)
-``max_new_slots``           extra KV slots a request may use while drafting (draft model,
-                            parallel drafting); the loop allocates that much lookahead
-``padded_drafter_batch``    True: padded-batch mode (``prepare_*_padded`` on device, no
-                            host round trip); False: vLLM's non-padded ``prepare_inputs``
-==========================  =============================================================
+:class:`Proposer`: the method's own proposer object (``impl``), its ``params`` (device
+model proposers) and its :class:`Feed` (``proposer.feed``): where it drafts (inside the
+jitted step, in a second call after vLLM's host ``prepare_inputs``, or from the token
+history), which target activations it needs, how many KV slots it writes ahead, its token
+tree and vocabulary. A decoding loop reads the Feed only, never the method name
+(``specjax.step.make_step`` does).
 
 Model-free proposers (``ngram``, ``ngram_gpu``, ``suffix``) each keep their own vLLM-shaped
 API in their module; :class:`NgramProposerAdapter`, :class:`NgramGPUProposerAdapter` and
@@ -41,23 +26,25 @@ import numpy as np
 
 from specjax.config import SpeculativeConfig
 from specjax.constants import next_power_of_2
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, Feed, ProposerInputs
 
 __all__ = [
-    "DRAFT_PADDING_ID", "DraftOutput", "ProposerInputs", "TokenHistory", "Proposer",
+    "DRAFT_PADDING_ID", "DraftOutput", "Feed", "ProposerInputs", "TokenHistory", "Proposer",
     "ModelProposer", "NgramProposerAdapter", "NgramGPUProposerAdapter",
     "SuffixProposerAdapter", "make_proposer", "available_methods",
     "prepare_next_token_ids_padded", "prepare_inputs_padded",
 ]
 
-#: Module of each model-based method under ``specjax.proposers`` and its proposer class.
+#: Module of each model-based method under ``specjax.proposers``, its proposer class, and
+#: whether that class takes ``mesh`` / ``vocab_axis`` (``specjax.sharding.tensor_parallel``:
+#: vocabulary-parallel argmax) or only has its params placed on a mesh.
 _MODEL_METHODS = {
-    "eagle": ("eagle", "EagleProposer"),
-    "eagle3": ("eagle", "EagleProposer"),
-    "dflash": ("dflash", "DFlashProposer"),
-    "medusa": ("medusa", "MedusaProposer"),
-    "draft_model": ("draft_model", "DraftModelProposer"),
-    "extract_hidden_states": ("extract_hidden_states", "ExtractHiddenStatesProposer"),
+    "eagle": ("eagle", "EagleProposer", True),
+    "eagle3": ("eagle", "EagleProposer", True),
+    "dflash": ("dflash", "DFlashProposer", True),
+    "medusa": ("medusa", "MedusaProposer", False),
+    "draft_model": ("draft_model", "DraftModelProposer", True),
+    "extract_hidden_states": ("extract_hidden_states", "ExtractHiddenStatesProposer", False),
 }
 
 
@@ -84,24 +71,30 @@ class TokenHistory(NamedTuple):
     rows_pad: int | None = None
 
 
-class Proposer:
-    """A proposer as the decoding loop sees it (see the module docstring).
+def _deprecated(name: str, instead: str, read):
+    """A property that warns and reads ``proposer.feed`` (a declaration the Feed replaced)."""
+    def get(self):
+        import warnings
 
-    Subclasses fill the declarations and implement either ``init_state`` / ``impl.propose``
-    (device model proposers) or ``propose_from_history`` (token-history proposers).
-    """
+        warnings.warn(f"Proposer.{name} is deprecated: use proposer.feed.{instead}",
+                      DeprecationWarning, stacklevel=2)
+        return read(self.feed)
+    return property(get)
+
+
+class Proposer:
+    """A proposer as the decoding loop sees it: ``feed`` (a :class:`Feed`, the only thing a
+    loop reads), and either ``init_state`` / ``impl.propose(params, state, ProposerInputs)``
+    inside the jitted step (device model proposers) or ``propose_from_history`` after it
+    (token-history proposers)."""
 
     config: SpeculativeConfig
     impl: Any = None
     params: Any = None
-    runs_on: str = "device"
-    needs_token_history: bool = False
-    needs_hidden_states: bool = False
-    needs_aux_hidden_states: bool = False
-    aux_layer_ids: tuple[int, ...] = ()
-    vocab_size: int | None = None
-    block_size: int | None = None
-    max_model_len: int | None = None
+
+    @property
+    def feed(self) -> Feed:
+        raise NotImplementedError(f"{type(self).__name__} declares no Feed")
 
     @property
     def method(self) -> str:
@@ -116,8 +109,35 @@ class Proposer:
         return self.config.max_num_new_slots_for_drafting()
 
     @property
-    def padded_drafter_batch(self) -> bool:
-        return not self.config.disable_padded_drafter_batch
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.feed.aux_layer_ids
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.feed.vocab_size
+
+    @property
+    def block_size(self) -> int | None:
+        return self.feed.block_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.feed.max_model_len
+
+    # The declarations the Feed replaced (kept for old callers).
+    needs_token_history = _deprecated("needs_token_history", "drafts_in == 'history'",
+                                      lambda f: f.drafts_in == "history")
+    needs_hidden_states = _deprecated("needs_hidden_states", "hidden_states",
+                                      lambda f: f.hidden_states)
+    needs_aux_hidden_states = _deprecated("needs_aux_hidden_states", "aux_layer_ids",
+                                          lambda f: f.aux_hidden_states)
+    padded_drafter_batch = _deprecated("padded_drafter_batch", "drafts_in != 'split'",
+                                       lambda f: f.drafts_in != "split")
+    runs_on = _deprecated("runs_on", "drafts_in", lambda f: "host" if f.drafts_in == "history"
+                          else "device")
+
+    def _lookahead(self) -> int:
+        return self.num_speculative_tokens + self.max_new_slots + 1
 
     def init_state(self, num_blocks: int, dtype=None) -> Any:
         """Device state pytree (draft KV cache and buffers) for a pool of ``num_blocks``
@@ -137,9 +157,15 @@ class Proposer:
     def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
         """The loop calls this when requests leave for good (per-request host state)."""
 
+    def on_mesh(self, mesh: Any, axis: str = "tp") -> "Proposer":
+        """This proposer for tensor parallelism over ``mesh[axis]`` (params and the
+        vocabulary-parallel argmax placed; see ``ModelProposer.on_mesh``). Token-history
+        proposers have nothing to place and return themselves."""
+        return self
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(method={self.method!r}, k={self.num_speculative_tokens}, "
-                f"runs_on={self.runs_on!r})")
+                f"drafts_in={self.feed.drafts_in!r})")
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,25 +175,33 @@ class Proposer:
 class ModelProposer(Proposer):
     """A model-based device proposer (EAGLE / EAGLE-3 / DFlash / Medusa / draft model /
     extract-hidden-states): ``impl`` is the method's frozen, hashable proposer whose
-    ``propose(params, state, ProposerInputs)`` the loop calls inside its jitted step."""
-
-    runs_on = "device"
+    ``propose(params, state, ProposerInputs)`` the loop calls inside its jitted step. Every
+    such ``impl`` declares ``needs_hidden_states`` / ``needs_aux_hidden_states`` and has
+    the padded-batch helpers (``prepare_next_token_ids_padded``,
+    ``prepare_inputs_padded``)."""
 
     def __init__(self, config: SpeculativeConfig, impl: Any, params: Any, *, vocab_size: int | None,
-                 aux_layer_ids: Sequence[int] = ()) -> None:
+                 aux_layer_ids: Sequence[int] = (), mesh_fields: bool = False) -> None:
         self.config = config
         self.impl = impl
         self.params = params
-        self.vocab_size = vocab_size
-        self.needs_hidden_states = bool(getattr(impl, "needs_hidden_states", False))
-        self.needs_aux_hidden_states = bool(getattr(impl, "needs_aux_hidden_states", False))
-        self.aux_layer_ids = tuple(int(i) for i in aux_layer_ids) if self.needs_aux_hidden_states else ()
-        if self.needs_aux_hidden_states and not self.aux_layer_ids:
+        self.mesh_fields = bool(mesh_fields)
+        aux = tuple(int(i) for i in aux_layer_ids) if impl.needs_aux_hidden_states else ()
+        if impl.needs_aux_hidden_states and not aux:
             raise ValueError(f"method={config.method!r} needs aux hidden states: give aux_layer_ids "
                              "(the target layers whose inputs it reads)")
-        self.block_size = getattr(impl, "block_size", None)
-        self.max_model_len = getattr(impl, "max_model_len", None)
-        self.runs_on = getattr(impl, "runs_on", "device")
+        tree = impl.token_tree if config.method in ("eagle", "eagle3") else None
+        self._feed = Feed(
+            drafts_in="split" if config.disable_padded_drafter_batch else "step",
+            num_speculative_tokens=config.num_speculative_tokens,
+            hidden_states=bool(impl.needs_hidden_states), aux_layer_ids=aux,
+            lookahead=self._lookahead(), token_tree=tree, vocab_size=vocab_size,
+            block_size=getattr(impl, "block_size", None),
+            max_model_len=getattr(impl, "max_model_len", None))
+
+    @property
+    def feed(self) -> Feed:
+        return self._feed
 
     def init_state(self, num_blocks: int, dtype=None) -> Any:
         import jax.numpy as jnp
@@ -184,8 +218,8 @@ class ModelProposer(Proposer):
         ``state``: the state ``propose`` will get (only its shapes are used), else one is
         derived abstractly from ``num_blocks`` / ``dtype`` (float32) as ``init_state``
         builds it. Returns the resolved buckets; bad ones raise ValueError before anything
-        compiles. This compiles the standalone ``impl.propose``; ``specjax.Engine`` fuses
-        propose into its own step and has its own ``warmup``.
+        compiles. This compiles the standalone ``impl.propose``; ``specjax.step.Step``
+        fuses propose into its own step and ``Engine.warmup`` compiles that.
         """
         import jax.numpy as jnp
 
@@ -193,6 +227,32 @@ class ModelProposer(Proposer):
                                 dtype=jnp.float32 if dtype is None else dtype,
                                 hidden_dtype=hidden_dtype)
 
+    def on_mesh(self, mesh: Any, axis: str = "tp") -> "ModelProposer":
+        """A copy for tensor parallelism over ``mesh[axis]``: EAGLE / EAGLE-3 / DFlash /
+        draft model through ``specjax.sharding.tensor_parallel`` (params sharded, ``impl``
+        given ``mesh`` / ``vocab_axis`` so ``config.use_local_argmax_reduction`` reduces over
+        the vocabulary shards); Medusa and extract-hidden-states get their params placed
+        by the same rules (replicated without a model config)."""
+        import copy
+
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from specjax import sharding as sh
+
+        impl, params = self.impl, self.params
+        if self.mesh_fields:
+            impl, params, _ = sh.tensor_parallel(
+                impl, params, None, mesh, axis=axis,
+                local_argmax=impl.config.use_local_argmax_reduction)
+        elif params is not None:
+            model_cfg = getattr(impl.model, "config", None)
+            params = jax.device_put(params, (
+                jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+                if model_cfg is None else sh.param_shardings(params, mesh, model_cfg, axis=axis)))
+        out = copy.copy(self)
+        out.impl, out.params = impl, params
+        return out
 
 def prepare_next_token_ids_padded(impl: Any, sampled_token_ids, discard_request_mask,
                                   backup_next_token_ids, *, vocab_size: int, num_reqs=None,
@@ -231,22 +291,35 @@ def prepare_inputs_padded(impl: Any, spec_decode_metadata, valid_sampled_tokens_
 # token-history adapters
 
 
+def _history_feed(config: SpeculativeConfig, max_model_len: int) -> Feed:
+    return Feed(drafts_in="history", num_speculative_tokens=config.num_speculative_tokens,
+                lookahead=config.num_speculative_tokens + config.max_num_new_slots_for_drafting() + 1,
+                max_model_len=max_model_len)
+
+
+class _HistoryProposer(Proposer):
+    """A proposer that drafts from the token history (``feed.drafts_in == "history"``)."""
+
+    _feed: Feed
+
+    @property
+    def feed(self) -> Feed:
+        return self._feed
+
+
 def _valid_mask(history: TokenHistory) -> np.ndarray:
     return np.fromiter((len(s) > 0 for s in history.sampled_token_ids), dtype=np.bool_,
                        count=len(history.sampled_token_ids))
 
 
-class NgramProposerAdapter(Proposer):
+class NgramProposerAdapter(_HistoryProposer):
     """``method="ngram"``: vLLM's CPU n-gram proposer (numba) on the token history."""
-
-    runs_on = "host"
-    needs_token_history = True
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
         from specjax.proposers.ngram_cpu import NgramProposer
 
         self.config = config
-        self.max_model_len = max_model_len
+        self._feed = _history_feed(config, max_model_len)
         self.impl = NgramProposer(num_speculative_tokens=config.num_speculative_tokens,
                                   max_model_len=max_model_len,
                                   prompt_lookup_min=config.prompt_lookup_min,
@@ -256,7 +329,7 @@ class NgramProposerAdapter(Proposer):
         return self.impl.propose_arrays(history.num_tokens, history.token_ids, _valid_mask(history))
 
 
-class NgramGPUProposerAdapter(Proposer):
+class NgramGPUProposerAdapter(_HistoryProposer):
     """``method="ngram_gpu"``: the jit-compiled n-gram search on the accelerator, over a
     token buffer that stays on the device (``NgramGPUState``).
 
@@ -271,14 +344,11 @@ class NgramGPUProposerAdapter(Proposer):
     buffer grows by powers of two, so each batch bucket compiles once.
     """
 
-    runs_on = "device"
-    needs_token_history = True
-
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
         from specjax.proposers.ngram_gpu import NgramGPUProposer
 
         self.config = config
-        self.max_model_len = max_model_len
+        self._feed = _history_feed(config, max_model_len)
         self.impl = NgramGPUProposer(num_speculative_tokens=config.num_speculative_tokens,
                                      max_model_len=max_model_len,
                                      prompt_lookup_min=config.prompt_lookup_min,
@@ -376,19 +446,16 @@ class NgramGPUProposerAdapter(Proposer):
             self._release(rid)
 
 
-class SuffixProposerAdapter(Proposer):
+class SuffixProposerAdapter(_HistoryProposer):
     """``method="suffix"``: suffix decoding over Arctic Inference (host C++). The request
     lifecycle (start, append, stop) follows the ids in the history; ``finish_requests``
     stops requests so their responses join the global cache."""
-
-    runs_on = "host"
-    needs_token_history = True
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
         from specjax.proposers.suffix import SuffixDecodingProposer
 
         self.config = config
-        self.max_model_len = max_model_len
+        self._feed = _history_feed(config, max_model_len)
         self.impl = SuffixDecodingProposer(
             max_model_len=max_model_len,
             num_speculative_tokens=config.num_speculative_tokens,
@@ -423,7 +490,7 @@ def available_methods() -> tuple[str, ...]:
             if m == "suffix":
                 importlib.import_module("arctic_inference.suffix_decoding")
             elif m in _MODEL_METHODS:
-                mod, cls = _MODEL_METHODS[m]
+                mod, cls, _ = _MODEL_METHODS[m]
                 getattr(importlib.import_module(f"specjax.proposers.{mod}"), cls)
         except (ImportError, AttributeError):
             continue
@@ -432,7 +499,7 @@ def available_methods() -> tuple[str, ...]:
 
 
 def _load_impl_class(method: str):
-    mod, cls = _MODEL_METHODS[method]
+    mod, cls, _ = _MODEL_METHODS[method]
     try:
         module = importlib.import_module(f"specjax.proposers.{mod}")
     except ModuleNotFoundError as err:
@@ -569,4 +636,5 @@ def _make_model_proposer(cls, config, *, target, target_params, draft, draft_par
     kwargs = {k: v for k, v in offered.items() if k in names and v is not None}
     kwargs.update(options)
     impl = cls(config, model, **kwargs)
-    return ModelProposer(config, impl, params, vocab_size=vocab, aux_layer_ids=aux_layer_ids or ())
+    return ModelProposer(config, impl, params, vocab_size=vocab, aux_layer_ids=aux_layer_ids or (),
+                         mesh_fields=_MODEL_METHODS[method][2])

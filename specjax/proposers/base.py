@@ -1,13 +1,14 @@
-"""What every proposer returns.
-
-Kept deliberately small: the model-based proposers extend this module later.
-"""
+"""What every proposer returns (``DraftOutput``), receives (``ProposerInputs``) and
+declares to the decoding loop (``Feed``), plus small argument checks."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+import dataclasses
+from typing import Any, Literal, NamedTuple, Sequence
 
 import numpy as np
+
+from specjax.tree import TokenTree
 
 #: Value of an unused draft slot in ``DraftOutput.token_ids``.
 DRAFT_PADDING_ID: int = -1
@@ -134,3 +135,60 @@ class ProposerInputs(NamedTuple):
     token_indices_to_sample: Any
     num_rejected_tokens: Any
     attn_metadata: Any
+
+
+#: Where a proposer drafts: ``"step"`` inside the fused jitted step (padded drafter batch),
+#: ``"split"`` in a second jitted call after vLLM's host ``prepare_inputs`` (non-padded
+#: mode, ``disable_padded_drafter_batch=True``), ``"history"`` from the committed token
+#: history after the step (``Proposer.propose_from_history``: n-gram CPU / GPU, suffix).
+DraftsIn = Literal["step", "split", "history"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """Everything a decoding loop needs to know about a proposer: the one record it reads
+    (``Proposer.feed``), never the method name.
+
+    Attributes:
+      drafts_in: where it drafts (:data:`DraftsIn`).
+      num_speculative_tokens: ``k``, the draft columns (a tree's node count).
+      hidden_states: feed the target's final post-norm hidden states ``[T, H]``.
+      aux_layer_ids: feed the inputs of these target layers ``[T, n_aux, H]`` (build the
+        target with them); ``()``: none.
+      lookahead: KV slots past each request's scheduled tokens the proposer may write
+        (``k + max_num_new_slots_for_drafting + 1``, vLLM's ``num_lookahead_tokens``):
+        allocate blocks that far ahead.
+      token_tree: the draft tree (``specjax.tree.TokenTree``; a chain when it does not
+        branch) for proposers that draft trees (EAGLE / EAGLE-3), else None.
+      vocab_size: vocabulary the drafts are in (None: any, n-gram / suffix); must equal
+        the target's.
+      block_size / max_model_len: what the proposer was built for (None: unconstrained);
+        the loop must use the same.
+    """
+
+    drafts_in: DraftsIn
+    num_speculative_tokens: int
+    hidden_states: bool = False
+    aux_layer_ids: tuple[int, ...] = ()
+    lookahead: int = 0
+    token_tree: TokenTree | None = None
+    vocab_size: int | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.drafts_in not in ("step", "split", "history"):
+            raise ValueError(f"Feed.drafts_in must be 'step', 'split' or 'history', got "
+                             f"{self.drafts_in!r}")
+        check_int("Feed.num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        check_int("Feed.lookahead", self.lookahead, minimum=0)
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+
+    @property
+    def in_step(self) -> bool:
+        """The jitted step runs the proposer (``drafts_in`` ``"step"`` or ``"split"``)."""
+        return self.drafts_in != "history"
+
+    @property
+    def aux_hidden_states(self) -> bool:
+        return bool(self.aux_layer_ids)

@@ -106,10 +106,10 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     mesh: Mesh | None = None
     vocab_axis: str = "tp"
 
-    #: What a serving loop must feed (see ``ProposerInputs``): the aux hidden states.
-    needs_hidden_states = True
+    #: What a serving loop must feed (see ``ProposerInputs``): the aux hidden states only
+    #: (the context comes from ``fc`` over them; the final hidden states are never read).
+    needs_hidden_states = False
     needs_aux_hidden_states = True
-    runs_on = "device"
 
     def __post_init__(self) -> None:
         check_proposer(self, "dflash", DFlashHead)

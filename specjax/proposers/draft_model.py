@@ -101,7 +101,6 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     #: What a serving loop must feed (see ``ProposerInputs``): token ids only.
     needs_hidden_states = False
     needs_aux_hidden_states = False
-    runs_on = "device"
 
     def __post_init__(self) -> None:
         cfg = check_proposer(self, "draft_model", DecoderLM,

@@ -134,7 +134,6 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
 
     #: What a serving loop must feed (see ``ProposerInputs``).
     needs_hidden_states = True
-    runs_on = "device"
 
     def __post_init__(self) -> None:
         method = getattr(self.config, "method", None)

@@ -56,7 +56,6 @@ class ExtractHiddenStatesProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     #: What a serving loop must feed (see ``ProposerInputs``).
     needs_hidden_states = False
     needs_aux_hidden_states = True
-    runs_on = "device"
 
     def __post_init__(self) -> None:
         cfg = check_proposer(self, "extract_hidden_states", ExtractHiddenStates, positive=())

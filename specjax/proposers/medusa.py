@@ -58,7 +58,6 @@ class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     #: What a serving loop must feed (see ``ProposerInputs``).
     needs_hidden_states = True
     needs_aux_hidden_states = False
-    runs_on = "device"
 
     def __post_init__(self) -> None:
         cfg = check_proposer(self, "medusa", MedusaHeads, positive=())

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -61,8 +60,13 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file as _save_file
 
-from specjax.converters.errors import DestinationExistsError
-from specjax.converters.pipeline import PARALLEL_TOKEN_KINDS, write_dir_atomically
+from specjax.converters.destination import (
+    check_destination,
+    destination_in_use,
+    sigterm_raises,
+    write_dir_atomically,
+)
+from specjax.converters.pipeline import PARALLEL_TOKEN_KINDS
 from specjax.converters.formats import FORMATS, detect_format, normalize
 from specjax.converters.tensor_ref import TensorRef
 
@@ -470,12 +474,6 @@ def _merge(base: dict, extra: Mapping) -> dict:
     return out
 
 
-def _is_nonempty(p: Path) -> bool:
-    if p.is_dir() and not p.is_symlink():
-        return any(p.iterdir())
-    return p.exists() or p.is_symlink()
-
-
 # -- the entry point --------------------------------------------------------------------------
 
 def export_checkpoint(kind: str, config, params, out_dir, *, format: str, dtype: str = "bf16",
@@ -494,19 +492,16 @@ def export_checkpoint(kind: str, config, params, out_dir, *, format: str, dtype:
     ``params`` may hold a P-EAGLE ``mask_hidden`` (``registry.mask_hidden_abstract``) for the
     EAGLE-1 / EAGLE-3 formats; it is written as the tensor ``mask_hidden`` (module docstring).
     ``out_dir`` must not exist or be an empty directory unless ``overwrite``, in which case
-    it is replaced atomically. Everything is validated, and the layout read back in memory
+    it is replaced atomically; the destination rules of
+    :mod:`specjax.converters.destination` apply (never the current or home directory, nor a
+    symbolic link). Everything is validated, and the layout read back in memory
     by the converters, before anything is written; the files go to a temporary sibling
     directory renamed into place at the end, so a failure leaves nothing behind (and an
     overwritten ``out_dir`` untouched). Returns the absolute ``out_dir``.
     """
     _check_args(kind, config, format, dtype, overwrite, extra_config)
-    out_dir = Path(out_dir).absolute()
-    if (out_dir.exists() or out_dir.is_symlink()) and not (out_dir.is_dir()
-                                                          and not out_dir.is_symlink()):
-        raise DestinationExistsError(f"{out_dir} exists and is not a directory")
-    if _is_nonempty(out_dir) and not overwrite:
-        raise DestinationExistsError(f"{out_dir} exists and is not empty "
-                                     "(pass overwrite=True to replace it)")
+    out_dir = check_destination(out_dir, force=overwrite, replaceable=_any_directory,
+                                force_flag="overwrite=True")
     _check_params(kind, config, params, format)
     registry = _registry()
     np_dtype, torch_dtype = EXPORT_DTYPES[dtype]
@@ -545,17 +540,20 @@ def _parallel_token(kind, config, extra_config) -> dict:
     return {"pard_token": int(config.mask_token_id)}
 
 
-def _write_atomically(out_dir: Path, config_text: str, files: Files, overwrite: bool) -> None:
-    def fill(tmp: Path) -> None:
-        (tmp / "config.json").write_text(config_text)
-        for name, tensors in files.items():
-            _save_file(tensors, str(tmp / name), metadata=dict(_ST_METADATA))
-        # mkdtemp makes 0700; a checkpoint is ordinary data (0755 dir, 0644 files)
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)
-        tmp.chmod(0o777 & ~umask)
+def _any_directory(_path: Path) -> None:
+    """``overwrite=True`` replaces any directory that the destination rules allow."""
+    return None
 
-    write_dir_atomically(out_dir, fill, replace=lambda d: overwrite or not _is_nonempty(d),
-                         what="the export")
+
+def _write_atomically(out_dir: Path, config_text: str, files: Files, overwrite: bool) -> None:
+    def fill(new: Path) -> None:  # made with the umask's permissions, as are the files
+        (new / "config.json").write_text(config_text)
+        for name, tensors in files.items():
+            _save_file(tensors, str(new / name), metadata=dict(_ST_METADATA))
+
+    def replace(path: Path) -> bool:
+        return path.is_dir() and not path.is_symlink() and \
+            destination_in_use(path, overwrite, _any_directory, "overwrite=True") is None
+
+    with sigterm_raises():
+        write_dir_atomically(out_dir, fill, replace=replace, what="the export")

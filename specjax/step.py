@@ -1,0 +1,580 @@
+"""The fused speculative step as public API: what a serving loop calls once per iteration.
+
+``make_step(target, proposer)`` returns a :class:`Step`. Calling it,
+``step(target_params, draft_params, target_kv, draft_state, batch)``, runs one decoding
+iteration on a padded :class:`StepBatch` (``specjax.batch.build_batch`` makes one on the
+host) and returns ``(StepOutput, target_kv, draft_state)``:
+
+1. the target forward over the batch (its paged KV cache written through the slot
+   mapping), logits at every draft and bonus position;
+2. verification: ``specjax.sampler.rejection_sample`` (greedy, random with per-request
+   keys ``fold_in(key(seed), num_output_tokens)``, or synthetic), or, for a batch built with
+   a token tree (``batch.attn.tree_mask`` set), ``tree_rejection_sample``, moving the
+   accepted path's KV into place (:func:`compact_tree_kv`);
+3. drafting, as the proposer's :class:`specjax.proposers.Feed` says: ``"step"``, inside the
+   same compiled program (``prepare_next_token_ids_padded`` / ``prepare_inputs_padded`` on
+   the device); ``"split"`` (vLLM's non-padded mode), after the host's ``prepare_inputs``
+   in a second jitted call; ``"history"`` (n-gram, suffix), not here: the loop calls
+   ``proposer.propose_from_history`` after committing the tokens, and the step only
+   verifies.
+
+The target KV caches and the proposer state are donated (updated in place); the step
+compiles once per bucket (the padded shapes, ``all_greedy``, a tree batch or not) and
+never because real counts change inside one. Plain decoding is ``make_step(target, None)``
+with batches of one token per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Defines the attention-backend jit option and imports the kernels before the step is first
+# traced (config states in the trace context; see the end of models/attention.py).
+import specjax.models.attention  # noqa: F401
+from specjax.attention import CommonAttentionMetadata
+from specjax.metadata import SpecDecodeMetadata
+from specjax.proposers import Proposer, ProposerInputs
+from specjax.sampler import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_sample,
+                             tree_rejection_sample, unconditional_to_conditional_rates)
+from specjax.tree import TokenTree
+
+__all__ = ["StepBatch", "StepOutput", "Step", "make_step", "compact_tree_kv",
+           "tree_chain_inputs", "step_cache_size"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """The padded inputs of one step (a pytree; build it with
+    ``specjax.batch.build_batch``). ``B`` rows (requests, padding included), ``T = B * Q``
+    token slots.
+
+    Attributes:
+      input_ids: ``[T] int32``: each request's uncomputed tokens, then its drafts (a tree
+        batch: the root, then the tree's nodes in order), requests back to back, then 0.
+      positions: ``[T] int32`` (a tree node's: the root's plus its depth).
+      attn: ``CommonAttentionMetadata`` (``tree_mask`` set for a tree-verification batch).
+      sdm: ``SpecDecodeMetadata`` of the drafts (chain batches).
+      temperature: ``[B] float32`` (0: greedy); top_k ``[B] int32`` (0: off); top_p
+        ``[B] float32`` (1: off).
+      seeds: ``[B] uint32``; counters ``[B] int32`` (tokens generated so far, folded into
+        each request's key: a seeded request's tokens do not depend on the batch).
+      backup_next: ``[B] int32``, each request's last committed token.
+      discard: ``[B] bool``, requests whose sampled token is ignored (a partial prefill).
+      all_greedy: static; every real request has temperature 0 (skips the random path).
+      block_size: static; tokens per KV block of ``attn.block_table`` (tree batches move
+        KV through it).
+    """
+
+    input_ids: Any
+    positions: Any
+    attn: CommonAttentionMetadata
+    sdm: SpecDecodeMetadata
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    seeds: Any
+    counters: Any
+    backup_next: Any
+    discard: Any
+    all_greedy: bool = False
+    block_size: int = 16
+
+    @property
+    def num_reqs_pad(self) -> int:
+        return int(np.shape(self.temperature)[0])
+
+    @property
+    def is_tree(self) -> bool:
+        return self.attn.tree_mask is not None
+
+
+jax.tree_util.register_dataclass(
+    StepBatch, data_fields=["input_ids", "positions", "attn", "sdm", "temperature", "top_k",
+                            "top_p", "seeds", "counters", "backup_next", "discard"],
+    meta_fields=["all_greedy", "block_size"])
+
+
+class StepOutput:
+    """What one step returns: a pytree over ONE packed ``[B, 2k + 3] int32`` array (so
+    ``jax.device_get(out)`` is a single device-to-host copy; on the host the fields are
+    free NumPy views, on the device slices), plus ``logprobs``.
+
+    Fields:
+      sampled: ``[B, k+1] int32``: the accepted drafts, then the recovered token at the
+        first rejection or the bonus token; -1 after (a tree batch: the accepted path's
+        tokens then the bonus, -1 padded). Padding rows are all -1.
+      drafts: ``[B, k] int32``, the next step's drafts (-1 padded; all -1 for a
+        ``"history"`` proposer, which drafts after the step, and ``[B, 0]`` for plain
+        decoding).
+      num_drafts: ``[B] int32``, valid leading columns of ``drafts``.
+      num_accepted: ``[B] int32``, accepted drafts per request (0 on padding rows).
+      logprobs: reserved for the sampler's logprobs (None).
+      packed: ``[sampled | drafts | num_drafts | num_accepted]`` along axis 1.
+    """
+
+    __slots__ = ("packed", "k", "logprobs")
+    _fields = ("sampled", "num_accepted", "drafts", "num_drafts", "logprobs")
+
+    def __init__(self, packed, k: int, logprobs=None):
+        self.packed, self.k, self.logprobs = packed, int(k), logprobs
+
+    @property
+    def sampled(self):
+        return self.packed[:, : self.k + 1]
+
+    @property
+    def drafts(self):
+        return self.packed[:, self.k + 1: 2 * self.k + 1]
+
+    @property
+    def num_drafts(self):
+        return self.packed[:, 2 * self.k + 1]
+
+    @property
+    def num_accepted(self):
+        return self.packed[:, 2 * self.k + 2]
+
+    def _asdict(self) -> dict:
+        return {f: getattr(self, f) for f in self._fields}
+
+    def __repr__(self) -> str:
+        return f"StepOutput(k={self.k}, packed={self.packed!r})"
+
+
+jax.tree_util.register_pytree_node(
+    StepOutput, lambda o: ((o.packed, o.logprobs), o.k),
+    lambda k, leaves: StepOutput(leaves[0], k, leaves[1]))
+
+
+class _Spec(NamedTuple):
+    """Static part of a step (hashable; the jit cache key besides the batch's shapes)."""
+
+    target: Any                 # DecoderLM (with the proposer's aux layers)
+    impl: Any                   # the in-step proposer (static) or None
+    k: int                      # draft columns (0: plain decoding)
+    vocab_size: int
+    synthetic_rates: tuple[float, ...] | None
+    drafts_in: str              # "none" | "step" | "split" | "history"
+    hidden: bool
+    aux: bool
+    tree: Any                   # TokenTree verified on tree batches, else None
+
+
+def _sampling(b: StepBatch) -> SamplingMetadata:
+    keys = jax.vmap(lambda s, c: jax.random.key_data(jax.random.fold_in(jax.random.key(s), c)))(
+        b.seeds, b.counters)
+    return SamplingMetadata(b.temperature, b.top_k, b.top_p, keys, all_greedy=b.all_greedy)
+
+
+def _output(sampled, drafts=None, num_drafts=None, k: int = 0) -> StepOutput:
+    """Pack one step's results (one output buffer: one device-to-host copy)."""
+    bp = sampled.shape[0]
+    n_acc = jnp.maximum(jnp.sum(sampled != PLACEHOLDER_TOKEN_ID, axis=1, dtype=jnp.int32) - 1, 0)
+    if drafts is None:
+        drafts = jnp.full((bp, k), PLACEHOLDER_TOKEN_ID, jnp.int32)
+        num_drafts = jnp.zeros((bp,), jnp.int32)
+    packed = jnp.concatenate([sampled.astype(jnp.int32), drafts.astype(jnp.int32),
+                              num_drafts.astype(jnp.int32)[:, None], n_acc[:, None]], axis=1)
+    return StepOutput(packed, drafts.shape[1])
+
+
+def _propose_padded(spec: _Spec, dparams, draft_state, sampled, b: StepBatch, hidden, aux):
+    impl, cad = spec.impl, b.attn
+    next_ids, valid = impl.prepare_next_token_ids_padded(
+        sampled, b.discard, b.backup_next, vocab_size=spec.vocab_size, num_reqs=cad.num_reqs)
+    out = impl.prepare_inputs_padded(b.sdm, valid, cad)
+    tis, nrej = out[-2], out[-1]      # vLLM's form returns (cad, indices, rejected)
+    inputs = ProposerInputs(b.input_ids, b.positions, hidden if spec.hidden else None,
+                            aux if spec.aux else None, next_ids, tis, nrej, cad)
+    return impl.propose(dparams, draft_state, inputs)
+
+
+def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
+    hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv,
+                                                 b.attn)
+    logits = spec.target.compute_logits(tparams, hidden[b.sdm.logits_indices])
+    rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates,
+                                                                  jnp.float32)
+    sampled = rejection_sample(b.sdm, None, logits, _sampling(b), rates)
+    if spec.drafts_in == "step":
+        drafts, draft_state = _propose_padded(spec, dparams, draft_state, sampled, b, hidden, aux)
+        return _output(sampled, drafts.token_ids, drafts.num_drafts), target_kv, draft_state, None
+    extra = (hidden if spec.hidden else None, aux if spec.aux else None) \
+        if spec.drafts_in == "split" else None
+    return _output(sampled, k=spec.k), target_kv, draft_state, extra
+
+
+def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
+    """One tree-verification step (every request's query block is ``[root, node 0, ...,
+    node n_r - 1]``, ``n_r`` a breadth-first prefix of the tree; ``b.attn.tree_mask`` the
+    tree's ancestor mask with the root): target forward with tree attention; logits at
+    every slot; ``tree_rejection_sample``; :func:`compact_tree_kv`; then the proposer drafts
+    the next tree from the chain-shaped batch chain drafting would have given it
+    (:func:`tree_chain_inputs`)."""
+    tree = spec.tree
+    n_nodes = tree.num_nodes
+    cad = b.attn
+    hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv, cad)
+    bp = cad.query_start_loc.shape[0] - 1
+    t_pad = b.input_ids.shape[0]
+    qsl = cad.query_start_loc
+    qlen = qsl[1:] - qsl[:-1]
+    real = jnp.arange(bp, dtype=jnp.int32) < cad.num_reqs
+    # slot 0 = root, slot 1 + j = node j (rows past a request's block are masked out by
+    # num_drafts below)
+    idx = jnp.clip(qsl[:-1, None] + jnp.arange(n_nodes + 1, dtype=jnp.int32)[None, :], 0, t_pad - 1)
+    logits = spec.target.compute_logits(tparams, hidden[idx.reshape(-1)]).reshape(bp, n_nodes + 1, -1)
+    num_drafts = jnp.where(real, qlen - 1, 0)
+    out, acc_nodes, n_acc = tree_rejection_sample(logits, b.input_ids[idx[:, 1:]], num_drafts,
+                                                  _sampling(b), tree=tree, num_reqs=cad.num_reqs)
+    root_pos = jnp.where(real, cad.seq_lens - qlen, 0)          # logical position p of the root
+    target_kv = compact_tree_kv(target_kv, cad.block_table, root_pos, acc_nodes, n_acc, real,
+                                block_size=b.block_size)
+    sampled = jnp.concatenate(
+        [out, jnp.full((bp, n_nodes - tree.depth), PLACEHOLDER_TOKEN_ID, jnp.int32)], axis=1)
+    impl = spec.impl
+    next_ids, _ = impl.prepare_next_token_ids_padded(
+        sampled, b.discard, b.backup_next, vocab_size=spec.vocab_size, num_reqs=cad.num_reqs)
+    padded = spec.drafts_in == "step"
+    ids, pos, src, md, tis, nrej = tree_chain_inputs(
+        b.input_ids, cad, acc_nodes, n_acc, tree=tree, block_size=b.block_size, padded=padded)
+    inputs = ProposerInputs(ids, pos, hidden[src] if spec.hidden else None,
+                            aux[src] if spec.aux else None, next_ids, tis, nrej, md)
+    drafts, draft_state = impl.propose(dparams, draft_state, inputs)
+    return _output(sampled, drafts.token_ids, drafts.num_drafts), target_kv, draft_state, None
+
+
+def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
+    if b.attn.tree_mask is not None:
+        return _tree_step(spec, tparams, dparams, target_kv, draft_state, b)
+    return _chain_step(spec, tparams, dparams, target_kv, draft_state, b)
+
+
+_step_jit = jax.jit(_step, static_argnums=0, donate_argnums=(3, 4))
+
+
+def _split_propose(impl, dparams, draft_state, out: StepOutput, input_ids, positions, hidden,
+                   aux, token_indices, next_token_ids, attn):
+    """Non-padded mode, after the host's ``prepare_inputs``: keep the accepted tokens, draft,
+    and put the drafts into the step's packed output."""
+    take = lambda x: None if x is None else x[token_indices]  # noqa: E731
+    inputs = ProposerInputs(take(input_ids), take(positions), take(hidden), take(aux),
+                            next_token_ids, None, None, attn)
+    drafts, draft_state = impl.propose(dparams, draft_state, inputs)
+    k = out.k
+    packed = out.packed.at[:, k + 1: 2 * k + 1].set(drafts.token_ids.astype(jnp.int32))
+    packed = packed.at[:, 2 * k + 1].set(drafts.num_drafts.astype(jnp.int32))
+    return StepOutput(packed, k), draft_state
+
+
+_split_propose_jit = jax.jit(_split_propose, static_argnums=0, donate_argnums=(2, 3))
+
+
+def step_cache_size() -> int:
+    """Number of compiled variants of the decoding step (for recompilation checks)."""
+    return _step_jit._cache_size()
+
+
+# ---------------------------------------------------------------------------------------
+# tree verification pieces (traceable)
+
+
+def _slots(block_table, rows, pos, block_size: int):
+    """Flat KV slot of logical position ``pos`` of request ``rows`` (same shapes)."""
+    c = block_table.shape[1]
+    blk = block_table[rows, jnp.clip(pos // block_size, 0, c - 1)]
+    return blk * block_size + pos % block_size
+
+
+def compact_tree_kv(kv_caches, block_table, root_pos, accepted_nodes, num_accepted, real, *,
+                    block_size: int):
+    """Move the accepted nodes' KV to where the accepted tokens now sit (traceable).
+
+    The verification pass wrote node ``j``'s K and V at logical position ``p + 1 + j``
+    (``p`` = ``root_pos``, the root's); after accepting nodes ``a_1..a_m`` (one per level)
+    the sequence continues ``p + 1 .. p + m``, so ``p + 1 + a_i`` is copied to ``p + i``
+    for every leaf array of ``kv_caches`` (``[num_blocks, block_size, ...]``: every layer's
+    K and V), through ``block_table``. All sources are gathered before anything is written
+    (``p + 1 + a_i >= p + i``: a later source may be an earlier destination); entries with
+    ``a_i + 1 == i`` (already in place), past ``num_accepted`` or on rows that are not
+    ``real`` write nothing.
+    """
+    from specjax.models.attention import scatter_slots
+
+    b, depth = accepted_nodes.shape
+    i = jnp.arange(1, depth + 1, dtype=jnp.int32)[None, :]
+    move = real[:, None] & (i <= num_accepted[:, None]) & (accepted_nodes + 1 != i)
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, depth))
+    src = _slots(block_table, rows, root_pos[:, None] + 1 + jnp.maximum(accepted_nodes, 0), block_size)
+    dst = _slots(block_table, rows, root_pos[:, None] + i, block_size)
+    src = jnp.where(move, src, 0).reshape(-1)
+    dst = jnp.where(move, dst, -1).reshape(-1)
+
+    def copy(cache):
+        flat = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
+        return scatter_slots(cache, flat[src], dst)
+
+    return jax.tree.map(copy, kv_caches)
+
+
+def tree_chain_inputs(input_ids, cad: CommonAttentionMetadata, accepted_nodes, num_accepted, *,
+                      tree: TokenTree, block_size: int, padded: bool = True):
+    """The proposer's chain-shaped batch after a tree verification (traceable).
+
+    Request ``r`` of the verified batch (block ``[root, node 0 .. node n_r-1]`` at
+    ``query_start_loc[r]``, root at logical position ``p = seq_len - query_len``) becomes
+    the block ``[root, a_1, .., a_m, rejected...]``: the root and its accepted nodes
+    (gathered), then, in padded mode, ``D_r - m`` rejected slots (``D_r`` = depth of the
+    request's deepest node, 0 without drafts) as the chain engine leaves rejected drafts in
+    the batch: they hold nodes of the request's block, are counted in
+    ``num_rejected_tokens`` and are overwritten later. Non-padded mode keeps the root and
+    the accepted nodes only (vLLM's ``prepare_inputs``).
+
+    Positions and KV slots are contiguous, ``p .. p + len - 1``: the accepted node ``a_i``
+    sits at level ``i`` (one per level on the path), so its position in the verification
+    pass, ``p + depth(a_i)``, is ``p + i`` already, and its target KV was moved to ``p + i``
+    (``compact_tree_kv``).
+
+    Returns ``(token_ids [T], positions [T], src [T], attn_metadata, token_indices_to_sample
+    [B], num_rejected_tokens [B])``: ``src`` indexes the verified batch (to gather hidden
+    states); the last two are None in non-padded mode.
+    """
+    depth = tree.depth
+    t_pad = input_ids.shape[0]
+    qsl = cad.query_start_loc
+    bp = qsl.shape[0] - 1
+    qlen = qsl[1:] - qsl[:-1]
+    real = jnp.arange(bp, dtype=jnp.int32) < cad.num_reqs
+    n_nodes = jnp.where(real, qlen - 1, 0)
+    d_r = jnp.asarray((0,) + tree.depths, jnp.int32)[n_nodes]   # a prefix's last node is deepest
+    m = jnp.where(real, num_accepted, 0)
+    length = jnp.where(real, 1 + (d_r if padded else m), 0)
+    qsl_c = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(length).astype(jnp.int32)])
+    p = jnp.where(real, cad.seq_lens - qlen, 0)
+    t = jnp.arange(t_pad, dtype=jnp.int32)
+    r_t = jnp.minimum(jnp.sum(qsl_c[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32), bp - 1)
+    i_t = t - qsl_c[r_t]
+    valid = t < qsl_c[-1]
+    node = accepted_nodes[r_t, jnp.clip(i_t - 1, 0, depth - 1)]
+    off = jnp.where(i_t == 0, 0, jnp.where(i_t <= m[r_t], node + 1, i_t))
+    src = jnp.clip(jnp.where(valid, qsl[r_t] + off, 0), 0, t_pad - 1)
+    pos = jnp.where(valid, p[r_t] + i_t, 0)
+    slots = jnp.where(valid, _slots(cad.block_table, r_t, pos, block_size), -1)
+    seq = jnp.where(real, p + length, 0)
+    md = cad.replace(query_start_loc=qsl_c, seq_lens=seq, slot_mapping=slots.astype(jnp.int32),
+                     num_actual_tokens=qsl_c[-1], max_seq_len=jnp.max(seq).astype(jnp.int32),
+                     causal=True, tree_mask=None)
+    ids = jnp.where(valid, input_ids[src], 0)
+    if not padded:
+        return ids, pos, src, md, None, None
+    tis = jnp.where(real, qsl_c[:-1] + m, 0)
+    nrej = jnp.where(real, d_r - m, 0)
+    return ids, pos, src, md, tis, nrej
+
+
+# ---------------------------------------------------------------------------------------
+# the public step
+
+
+class Step:
+    """One decoding iteration of ``target`` with ``proposer`` (see the module docstring).
+    Build it with :func:`make_step`.
+
+    Attributes:
+      target: the ``DecoderLM`` the step runs (rebuilt with the proposer's
+        ``feed.aux_layer_ids`` when it needs aux hidden states).
+      proposer: the proposer (on ``mesh``, a placed copy: pass ``step.proposer.params`` as
+        ``draft_params``), or None for plain decoding.
+      feed: ``proposer.feed`` (None for plain decoding).
+      k: draft columns (``feed.num_speculative_tokens``; 0 for plain decoding).
+      tree: the token tree a tree batch is verified on (the proposer's, when it drafts
+        trees and tree verification is on), else None.
+      mesh, tp_axis: tensor parallelism (None: one device).
+    """
+
+    def __init__(self, target, proposer: Proposer | None, *, mesh: Any = None,
+                 tp_axis: str = "tp", tree_verification: bool | None = None) -> None:
+        from specjax.models import DecoderLM
+
+        if not isinstance(target, DecoderLM):
+            raise ValueError(f"target must be a specjax.models.DecoderLM, got {type(target).__name__}")
+        if proposer is not None and not isinstance(proposer, Proposer):
+            raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be "
+                             f"None, got {type(proposer).__name__}")
+        feed = None if proposer is None else proposer.feed
+        vocab = target.config.vocab_size
+        if feed is not None:
+            if feed.vocab_size is not None and feed.vocab_size != vocab:
+                raise ValueError(f"the proposer's vocabulary ({feed.vocab_size}) does not match "
+                                 f"the target's ({vocab})")
+            if feed.aux_layer_ids and tuple(target.aux_layer_ids) != feed.aux_layer_ids:
+                target = dataclasses.replace(target, aux_layer_ids=feed.aux_layer_ids)
+        self.mesh, self.tp_axis = mesh, tp_axis
+        if mesh is not None:
+            from jax.sharding import Mesh
+
+            if not isinstance(mesh, Mesh):
+                raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got "
+                                 f"{type(mesh).__name__}")
+            if tp_axis not in mesh.axis_names:
+                raise ValueError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: "
+                                 f"{mesh.axis_names})")
+            if proposer is not None:
+                proposer = proposer.on_mesh(mesh, tp_axis)
+        self.target, self.proposer, self.feed = target, proposer, feed
+        self.k = 0 if feed is None else feed.num_speculative_tokens
+        self.vocab_size = vocab
+        self.tree = _resolve_tree(proposer, tree_verification)
+        self.synthetic_rates = _synthetic_rates(proposer, self.tree)
+        in_step = feed is not None and feed.in_step
+        self._spec = _Spec(
+            target=target, impl=proposer.impl if in_step else None, k=self.k, vocab_size=vocab,
+            synthetic_rates=self.synthetic_rates,
+            drafts_in="none" if feed is None else feed.drafts_in,
+            hidden=in_step and feed.hidden_states, aux=in_step and feed.aux_hidden_states,
+            tree=self.tree)
+
+    # -- placement -----------------------------------------------------------------
+
+    def place_target_params(self, params):
+        """``params`` placed for this step: sharded by ``specjax.sharding``'s Megatron rules
+        over ``tp_axis`` on a mesh (indivisible sizes raise ValueError naming them); as given
+        on one device."""
+        if self.mesh is None:
+            return params
+        from specjax import sharding as sh
+
+        return jax.device_put(params, sh.param_shardings(params, self.mesh, self.target.config,
+                                                         axis=self.tp_axis))
+
+    def init_caches(self, num_blocks: int, block_size: int, kv_dtype=jnp.float32):
+        """``(target_kv, draft_state)``: the target's paged KV caches and the proposer's
+        state for a pool of ``num_blocks`` blocks of ``block_size`` (sharded by kv head on a
+        mesh; ``draft_state`` None without a proposer)."""
+        if self.feed is not None and self.feed.block_size not in (None, block_size):
+            raise ValueError(f"the proposer was built with block_size={self.feed.block_size}, "
+                             f"got {block_size}")
+        kv = self.target.init_kv_caches(num_blocks, block_size, kv_dtype)
+        state = None if self.proposer is None else self.proposer.init_state(num_blocks, kv_dtype)
+        if self.mesh is not None:
+            from specjax.sharding import state_shardings
+
+            kv, state = (jax.device_put(x, state_shardings(x, self.mesh, axis=self.tp_axis))
+                         for x in (kv, state))
+        return kv, state
+
+    @property
+    def draft_params(self):
+        """The params to pass as ``draft_params`` (the proposer's, placed on ``mesh``)."""
+        return None if self.proposer is None else self.proposer.params
+
+    # -- the call ------------------------------------------------------------------
+
+    def _check(self, batch: StepBatch) -> None:
+        if not isinstance(batch, StepBatch):
+            raise ValueError(f"batch must be a StepBatch (specjax.batch.build_batch), got "
+                             f"{type(batch).__name__}")
+        if batch.is_tree and self.tree is None:
+            raise ValueError("batch is a tree-verification batch (attn.tree_mask set) but this "
+                             "step verifies chains (no branching token tree, or "
+                             "tree_verification=False)")
+        if self.feed is not None and self.feed.block_size not in (None, batch.block_size):
+            raise ValueError(f"batch was built with block_size={batch.block_size}; the proposer "
+                             f"uses {self.feed.block_size}")
+        if batch.sdm.max_spec_len != self.k:
+            raise ValueError(f"batch was built for max_spec_len={batch.sdm.max_spec_len}; this "
+                             f"step verifies k={self.k} drafts")
+
+    def __call__(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch
+                 ) -> tuple[StepOutput, Any, Any]:
+        """One step; ``target_kv`` and ``draft_state`` are donated (do not reuse the ones
+        passed in). Returns ``(StepOutput, target_kv, draft_state)``."""
+        self._check(batch)
+        spec = self._spec
+        dparams = draft_params if spec.impl is not None else None
+        out, target_kv, draft_state, extra = _step_jit(spec, target_params, dparams, target_kv,
+                                                       draft_state, batch)
+        if extra is not None and not batch.is_tree:
+            out, draft_state = self._split_propose(draft_params, draft_state, batch, out, extra)
+        return out, target_kv, draft_state
+
+    def _split_propose(self, draft_params, draft_state, batch: StepBatch, out: StepOutput, extra):
+        """Non-padded mode (``drafts_in == "split"``): vLLM's host ``prepare_inputs`` drops
+        the rejected tokens, then the proposer drafts from the kept ones (second jitted
+        call; the step's packed output is donated and returned with the drafts in it)."""
+        from specjax.proposers.eagle import prepare_inputs
+
+        attn = jax.tree.map(np.asarray, batch.attn)
+        n = int(attn.num_reqs)
+        sampled = np.asarray(out.sampled)
+        lists = [[int(t) for t in sampled[i] if t != PLACEHOLDER_TOKEN_ID] for i in range(n)]
+        num_drafts = np.asarray(batch.sdm.num_draft_tokens)[:n].tolist()
+        md, idx = prepare_inputs(attn, lists, num_drafts)
+        nxt = np.zeros(batch.num_reqs_pad, np.int32)
+        nxt[:n] = [lst[-1] for lst in lists]
+        hidden, aux = extra
+        return _split_propose_jit(self.proposer.impl, draft_params, draft_state, out,
+                                  batch.input_ids, batch.positions, hidden, aux, idx, nxt, md)
+
+    def lower(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch):
+        """The ``jax.stages.Lowered`` of the fused step on ``batch`` (for inspection:
+        ``.as_text()``, ``.compile().as_text()``)."""
+        self._check(batch)
+        spec = self._spec
+        return _step_jit.lower(spec, target_params, draft_params if spec.impl is not None else None,
+                               target_kv, draft_state, batch)
+
+
+def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: str = "tp",
+              tree_verification: bool | None = None) -> Step:
+    """The fused speculative step of ``target`` (a ``specjax.models.DecoderLM``) with
+    ``proposer`` (``specjax.make_proposer``; None for plain decoding).
+
+    ``mesh`` / ``tp_axis``: tensor parallelism (the proposer placed with
+    ``Proposer.on_mesh``; place the target's params with ``step.place_target_params`` and
+    make the caches with ``step.init_caches``). ``tree_verification``: None (default)
+    verifies trees when the proposer's token tree branches; True forces the tree path for a
+    chain tree (needs an in-step proposer with a tree); False verifies chains.
+    Raises ValueError (vocabulary mismatch, a tree of the wrong size, synthetic acceptance
+    with trees, ...) before anything compiles.
+    """
+    return Step(target, proposer, mesh=mesh, tp_axis=tp_axis, tree_verification=tree_verification)
+
+
+def _resolve_tree(proposer: Proposer | None, tree_verification) -> TokenTree | None:
+    """The token tree to verify (``proposer.feed.token_tree``) when it branches
+    (``tree_verification=None``) or when forced (True); None for chain verification."""
+    if tree_verification not in (None, True, False):
+        raise ValueError(f"tree_verification must be None, True or False, got {tree_verification!r}")
+    tree = None if proposer is None else proposer.feed.token_tree
+    use = (tree is not None and not tree.is_chain) if tree_verification is None else tree_verification
+    if not use:
+        return None
+    if tree is None:
+        raise ValueError("tree_verification=True needs a proposer with a token tree "
+                         "(speculative_token_tree)")
+    if proposer.feed.drafts_in == "history":
+        raise ValueError(f"tree verification needs a device model proposer (EAGLE / EAGLE-3), "
+                         f"got method={proposer.method!r}")
+    if tree.num_nodes != proposer.num_speculative_tokens:
+        raise ValueError(f"the token tree has {tree.num_nodes} nodes but the proposer drafts "
+                         f"num_speculative_tokens={proposer.num_speculative_tokens}; they must match")
+    return tree
+
+
+def _synthetic_rates(proposer: Proposer | None, tree) -> tuple[float, ...] | None:
+    cfg = None if proposer is None else proposer.config
+    if cfg is None or cfg.rejection_sample_method != "synthetic":
+        return None
+    if cfg.synthetic_acceptance_rates is None:
+        raise ValueError("rejection_sample_method='synthetic' needs synthetic_acceptance_rates "
+                         "in the reference loop (synthetic_acceptance_length is not supported)")
+    if tree is not None:
+        raise ValueError("rejection_sample_method='synthetic' is not supported with tree "
+                         "verification (a branching speculative_token_tree)")
+    return tuple(unconditional_to_conditional_rates(cfg.synthetic_acceptance_rates))
