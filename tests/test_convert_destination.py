@@ -101,6 +101,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_destination_refused_before_reading(tmp_path, monkeypatch, capsys, home, no_read, case):
     rel, force, needle = REFUSED[case]
@@ -158,6 +159,7 @@ def test_symlink_and_unwritable_and_file_parent(tmp_path, monkeypatch, no_read):
     assert sorted(os.listdir(tmp_path)) == ["afile", "link", "real", "ro", "src"]
 
 
+@pytest.mark.smoke
 def test_force_replaces_only_a_previous_specjax_output(tmp_path, capsys):
     src = _src(tmp_path)
     dst = tmp_path / "out"
@@ -307,7 +309,7 @@ SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143)}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pause", ["read", "commit"])
-@pytest.mark.parametrize("name", sorted(SIGNALS))
+@pytest.mark.parametrize("name", [pytest.param("SIGINT", marks=pytest.mark.smoke), "SIGTERM"])
 def test_signal_mid_conversion_leaves_nothing(tmp_path, pause, name):
     signum, code = SIGNALS[name]
     src = _src(tmp_path)

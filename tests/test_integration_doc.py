@@ -33,6 +33,8 @@ def _serve():
 
 PROMPTS = [[5, 9, 2, 17] * 3, [3, 3, 7], list(range(1, 14)), [40, 41, 40, 41, 40]]
 TREE = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]
+#: ``-m smoke``: a tree method greedy, a history method sampled
+SMOKE = {("eagle3-tree", 0.0), ("ngram", 0.8)}
 CASES = {
     "eagle3": lambda: build("eagle3", 3),
     "eagle3-tree": lambda: build("eagle3", len(TREE), speculative_token_tree=str(TREE)),
@@ -41,8 +43,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case, temperature", [
+    pytest.param(c, t, id=f"{c}-{'greedy' if t == 0 else 'seeded'}",
+                 marks=[pytest.mark.smoke] if (c, t) in SMOKE else [])
+    for c in sorted(CASES) for t in (0.0, 0.8)])
 def test_documented_loop_gets_generates_tokens(case, temperature):
     if case.split("-")[0] not in METHODS + ("plain",):
         pytest.skip(f"{case} is not available in this install")

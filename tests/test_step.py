@@ -19,6 +19,8 @@ from specjax.tree import TokenTree
 from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, MML, V, build, target
 
+pytestmark = pytest.mark.smoke
+
 
 
 
