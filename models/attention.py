@@ -77,6 +77,7 @@ import numpy as np
 
 from specjax import _compat
 from specjax.attention import CommonAttentionMetadata
+from specjax.kernels.kv_cache import scatter_slots  # noqa: F401  (re-exported: the cache write)
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton")
 FUSED_KV_WRITE_MODES = ("auto", "0", "1")
@@ -224,25 +225,6 @@ def init_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_hea
     """Zero caches for ``num_layers`` layers."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
-
-
-def scatter_slots(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Write ``values [T, ...]`` into ``cache [num_blocks, block_size, ...]`` at flat slots.
-
-    Slots < 0 are dropped (mapped out of range and scattered with ``mode="drop"``; a
-    negative index would otherwise wrap around to the end).
-    """
-    nb, bs = cache.shape[:2]
-    flat = cache.reshape((nb * bs,) + cache.shape[2:])
-    idx = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)
-    if values.shape[0] == 1:
-        # XLA rewrites a one-row scatter into a dynamic-update-slice, after which the
-        # compiled step copies the whole (donated) cache every call; a second, dropped row
-        # keeps it an in-place scatter (tests/test_engine.py counts the copies).
-        values = jnp.concatenate([values, values], axis=0)
-        idx = jnp.concatenate([idx, jnp.full((1,), nb * bs, idx.dtype)])
-    flat = flat.at[idx].set(values.astype(cache.dtype), mode="drop")
-    return flat.reshape(cache.shape)
 
 
 def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:

@@ -304,7 +304,7 @@ def compact_tree_kv(kv_caches, block_table, root_pos, accepted_nodes, num_accept
     ``a_i + 1 == i`` (already in place), past ``num_accepted`` or on rows that are not
     ``real`` write nothing.
     """
-    from specjax.models.attention import scatter_slots
+    from specjax.kernels.kv_cache import scatter_slots
 
     b, depth = accepted_nodes.shape
     i = jnp.arange(1, depth + 1, dtype=jnp.int32)[None, :]

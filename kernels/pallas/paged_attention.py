@@ -506,8 +506,8 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
 
 
 def _scatter(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """The unfused cache write (no request, hence no kernel to fold it into) (``specjax.models.attention.scatter_slots``)."""
-    from specjax.models.attention import scatter_slots
+    """The unfused cache write (no request, hence no kernel to fold it into) (``specjax.kernels.kv_cache.scatter_slots``)."""
+    from specjax.kernels.kv_cache import scatter_slots
 
     return scatter_slots(cache, values, slot_mapping)
 
