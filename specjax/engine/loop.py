@@ -1,255 +1,34 @@
-"""Reference decoding loop: batched speculative decoding with any proposer.
-
-``generate(target, proposer, prompts, sampling_params)`` runs the loop a serving engine
-runs (vLLM v1's scheduler + GPU model runner, reduced to what speculative decoding needs):
-
-1. **Schedule (host).** Admit waiting requests while there is a free row and enough KV
-   blocks; every running request is scheduled each step: its uncomputed tokens (the whole
-   prompt at prefill, else the last sampled token) followed by its drafts. Blocks of the
-   paged KV cache are allocated as the request grows (block 0 is a never-allocated null
-   block that padding entries of the block table point at) and freed when it finishes.
-2. **Step (device): the public step**, ``specjax.step.make_step(target, proposer)``, on a
-   batch from ``specjax.batch.build_batch``: target forward over the ragged batch (paged
-   KV cache written through the slot mapping), ``specjax.sampler.rejection_sample``, and,
-   as the proposer's ``feed.drafts_in`` says, its ``propose`` in the same compiled step
-   (``"step"``) or in a second call after vLLM's host ``prepare_inputs`` (``"split"``),
-   with the KV caches and the proposer state donated. Shapes are padded to buckets
-   (requests, query length, context blocks), so the step compiles once per bucket.
-3. **Commit (host).** Accepted tokens and the bonus / recovered token are appended;
-   requests stop on a stop token, ``max_tokens`` or ``max_model_len``. Token-history
-   proposers (``feed.drafts_in == "history"``: n-gram, suffix) draft now, from the
-   updated histories.
-
-Plain (non-speculative) decoding is the same loop with ``proposer=None``: one token per
-request per step, sampled by the same sampler. Greedy speculative decoding emits exactly
-the tokens of plain greedy decoding (``tests/test_engine.py`` proves it for every method).
-
-**Tree verification** (specjax's own; vLLM v0.20 verifies every draft as a chain). When
-the proposer's ``token_tree`` branches (EAGLE / EAGLE-3 with a
-``speculative_token_tree``; ``Engine(tree_verification=True)`` forces it for a chain), a
-step in which every request has one uncomputed token verifies trees: each request's
-query block is ``[root, node 0, ..., node n-1]`` (root = the last committed token at
-position ``p``; node ``j`` at position ``p + depth(j)``, its KV at logical position
-``p + 1 + j``) under the tree's ancestor mask (``CommonAttentionMetadata.tree_mask``);
-``specjax.sampler.tree_rejection_sample`` walks the tree from the root (greedy rows on the
-target's argmax, random rows by multi-draft rejection sampling over each node's drafted
-children, lossless; per-request keys as in a chain step); the accepted nodes' KV is
-moved to ``p + 1 .. p + m`` (``compact_tree_kv``); and
-the proposer drafts the next tree from the chain-shaped batch chain drafting would have
-given it (``tree_chain_inputs``), all inside the jitted step. The tree mask is static
-for the whole batch and prompts need causal attention, so a step that prefills a prompt
-is a chain step in which no request verifies drafts (decoding requests verify just their
-root, gaining one token, and are redrafted). Near the end of a request it verifies a
-breadth-first prefix of its tree (every ancestor of a node precedes it): the levels it
-can still use (``max_tokens`` / ``max_model_len``), at most as many nodes as KV slots
-remain before ``max_model_len``; possibly none (root only). Greedy and random
-(``temperature > 0``, top-k / top-p, seeded) requests mix as in chain steps;
-``rejection_sample_method='synthetic'`` is refused with a tree. (A seeded random request
-is reproducible, but in tree mode its tokens may depend on the rest of the batch: whether
-a step verifies a tree does, and a tree step draws from other key streams than a chain
-step without drafts; its distribution does not.) Metrics: a request-step counts its
-deepest verified level as its draft tokens (the most it can accept) and the accepted
-path's levels as accepted positions (``SpecDecodingStats.num_spec_tokens`` = the tree's
-depth); a chain tree gives exactly chain verification's numbers.
-
-Not supported (yet): chunked prefill, preemption (admission reserves each request's
-worst-case block count instead), synthetic acceptance with tree verification, logprobs,
-penalties and other logits processors (see ``specjax.sampler``).
-"""
+"""The reference decoding loop: ``Engine`` (scheduler, block pool, the public step per
+iteration, commit) and ``generate``."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import itertools
-import math
-import re
 import time
-import warnings
-from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
-from specjax.constants import next_power_of_2
+from specjax.engine.diagnostics import Diagnostics
+from specjax.engine.scheduler import _pick, _Request
+from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
 from specjax.sampler import PLACEHOLDER_TOKEN_ID
 from specjax.step import StepBatch, StepOutput, make_step, step_cache_size
-
-__all__ = ["SamplingParams", "RequestOutput", "GenerateResult", "TargetModel", "Engine",
-           "generate"]
-
-#: Names that moved out of this module: old import paths keep working, with a warning.
-_MOVED = {"attn_metadata_np": "specjax.batch", "spec_metadata_np": "specjax.batch",
-          "compact_tree_kv": "specjax.step", "tree_chain_inputs": "specjax.step"}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        import importlib
-
-        warnings.warn(f"specjax.engine.{name} moved to {_MOVED[name]}.{name}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'specjax.engine' has no attribute {name!r}")
-
 
 _NULL_BLOCK = NULL_BLOCK
 _I32 = np.int32
 _req_counter = itertools.count()
 
 
-# ---------------------------------------------------------------------------------------
-# public types
 
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling parameters (vLLM's names).
-
-    Attributes:
-      max_tokens: most tokens to generate (>= 1).
-      temperature: 0 is greedy; > 0 samples.
-      top_k: 0 disables; top_p: 1 disables.
-      seed: per-request seed; None draws one from ``generate``'s ``seed``. A seeded request
-        gives the same tokens whatever else is in the batch.
-      stop_token_ids: generation stops after emitting any of these (the token is kept).
-      ignore_eos: do not stop on ``generate``'s ``eos_token_id``.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        def is_int(v):
-            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 disables), got {self.top_k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
-        stops = tuple(self.stop_token_ids)
-        if not all(is_int(s) and s >= 0 for s in stops):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
-
-
-class RequestOutput(NamedTuple):
-    """One request's result: ``token_ids`` generated (prompt excluded), ``finish_reason``
-    ``"stop"`` (stop / EOS token, kept in ``token_ids``) or ``"length"`` (``max_tokens`` or
-    ``max_model_len``), and its draft counts."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-    num_draft_tokens: int
-    num_accepted_tokens: int
-
-
-@dataclasses.dataclass
-class GenerateResult:
-    """Outputs in prompt order plus the run's speculative-decoding metrics.
-
-    ``spec_stats`` sums every step's ``SpecDecodingStats`` (vLLM's counters);
-    ``elapsed_s`` is the wall time of the loop (compilation included unless warmed up).
-    """
-
-    outputs: list[RequestOutput]
-    spec_stats: SpecDecodingStats
-    num_steps: int
-    elapsed_s: float
-
-    @property
-    def token_ids(self) -> list[list[int]]:
-        return [o.token_ids for o in self.outputs]
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """``1 + accepted / drafts`` (vLLM's; the bonus token counts); nan without drafts."""
-        s = self.spec_stats
-        return 1 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else math.nan
-
-    @property
-    def acceptance_rate_per_position(self) -> list[float]:
-        s = self.spec_stats
-        return [a / s.num_drafts if s.num_drafts else math.nan for a in s.num_accepted_tokens_per_pos]
-
-
-class TargetModel(NamedTuple):
-    """The target: a ``specjax.models.DecoderLM`` runner and its params dict."""
-
-    model: Any
-    params: dict
-
-
-# ---------------------------------------------------------------------------------------
-# requests and blocks
-
-
-@dataclasses.dataclass
-class _Request:
-    index: int
-    req_id: Hashable
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    stop_ids: frozenset
-    output: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0
-    drafts: list[int] = dataclasses.field(default_factory=list)
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    reserve: int = 0            # worst-case block count over the request's life
-    row: int = -1               # row of the token-history buffer
-    finish_reason: str | None = None
-    num_drafted: int = 0
-    num_accepted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def token(self, i: int) -> int:
-        p = len(self.prompt)
-        return self.prompt[i] if i < p else self.output[i - p]
-
-
-def _pick(buckets: Sequence[int] | None, n: int, cap: int | None = None) -> int:
-    """Smallest bucket >= n (powers of two when ``buckets`` is None), at most ``cap``."""
-    if buckets is None:
-        b = next_power_of_2(n)
-    else:
-        fits = [x for x in buckets if x >= n]
-        if not fits:
-            raise ValueError(f"no bucket in {tuple(buckets)} holds {n}")
-        b = min(fits)
-    return b if cap is None else min(max(b, n), cap)
-
-
-# ---------------------------------------------------------------------------------------
-# the engine
-
-
-class Engine:
+class Engine(Diagnostics):
     """A target, a proposer (or None), a paged KV cache, and the decoding loop.
 
     Args:
@@ -476,116 +255,6 @@ class Engine:
             batch = self._dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g))
             jax.block_until_ready(self._run(batch))
         return step_cache_size() - before
-
-    def time_decode_step(self, num_reqs: int, context_len: int, *, iters: int = 20, seed: int = 0
-                         ) -> dict[str, float]:
-        """Cost of one steady-state decode step (benchmarks).
-
-        ``num_reqs`` requests, each with ``context_len`` tokens in the KV cache and ``k``
-        random drafts to verify (none for plain decoding), run through the jitted step
-        (target forward + verification + device drafting) ``iters`` times, each synced
-        on the sampled tokens as the loop does. Token-history proposers also draft after
-        each step, from histories that grow by one token a call as the loop's do (lengths
-        ``context_len - iters + 1 .. context_len``, after an untimed first call at
-        ``context_len - iters`` that hands the proposer the whole contexts), so stateful
-        ones (``ngram_gpu``, suffix) are timed in their steady state. Returns seconds:
-        ``step_s`` (median), ``host_propose_s`` (median of the drafting calls, 0 for device
-        proposers) and ``compile_s`` (first call).
-        """
-        reqs = self._bench_requests(num_reqs, context_len, seed)
-        try:
-            tv = self.tree is not None
-            batch, _, b_pad = self._build_batch(reqs, tree_verify=tv)
-            t0 = time.perf_counter()
-            jax.device_get(self._run(batch))   # compiles
-            compile_s = time.perf_counter() - t0
-            drafting = self.drafts_in == "history"
-            if drafting:
-                ids = [r.req_id for r in reqs]
-                rows = self.tok_buf[[r.row for r in reqs]]
-                first = max(1, context_len - iters)
-
-                def history(i: int) -> TokenHistory:
-                    n = min(first + i, context_len)
-                    return TokenHistory(ids, rows, np.full(num_reqs, n, _I32),
-                                        np.full(num_reqs, first - 1, _I32),
-                                        [[int(rows[j, n - 1])] for j in range(num_reqs)],
-                                        rows_pad=b_pad)
-
-                self.proposer.propose_from_history(history(0))
-            step, host = [], []
-            for i in range(1, iters + 1):
-                t0 = time.perf_counter()
-                jax.device_get(self._run(batch))   # what the loop fetches each step
-                step.append(time.perf_counter() - t0)
-                if drafting:
-                    hist = history(i)
-                    t0 = time.perf_counter()
-                    self.proposer.propose_from_history(hist)
-                    host.append(time.perf_counter() - t0)
-        finally:
-            if self.proposer is not None:
-                self.proposer.finish_requests([r.req_id for r in reqs])
-            for r in reqs:
-                self._release(r)
-        return {"step_s": float(np.median(step)), "host_propose_s": float(np.median(host)) if host else 0.0,
-                "compile_s": compile_s}
-
-    def lower_decode_step(self, num_reqs: int, context_len: int, *, seed: int = 0):
-        """The ``jax.stages.Lowered`` of the step ``time_decode_step`` times (same buckets),
-        for inspecting what XLA makes of it: ``.as_text()`` (donation shows as
-        ``tf.aliasing_output``), ``.compile().as_text()`` (see ``kv_cache_copies``)."""
-        reqs = self._bench_requests(num_reqs, context_len, seed)
-        try:
-            tv = self.tree is not None
-            batch, _, _ = self._build_batch(reqs, tree_verify=tv)
-            return self.step.lower(self.target.params, self.step.draft_params, self.target_kv,
-                                   self.draft_state, batch)
-        finally:
-            for r in reqs:
-                self._release(r)
-
-    def kv_cache_copies(self, compiled_hlo: str) -> int:
-        """How many instructions of a compiled step's HLO text copy a whole KV-cache-shaped
-        buffer (target or draft; ``copy`` ops and copy fusions). 0 when the donated caches
-        are updated in place."""
-        shapes = set()
-        for x in jax.tree.leaves((self.target_kv, self.draft_state)):
-            if getattr(x, "ndim", 0) == 4:        # [num_blocks, block_size, heads, head_dim]
-                for dims in (x.shape, (x.shape[0] * x.shape[1],) + x.shape[2:]):
-                    shapes.add(f"{jnp.dtype(x.dtype).name}[{','.join(map(str, dims))}]"
-                               .replace("float32", "f32").replace("bfloat16", "bf16")
-                               .replace("float16", "f16"))
-        n = 0
-        for line in compiled_hlo.splitlines():
-            m = re.match(r"\s*(?:ROOT\s+)?%(\S+)\s*=\s*([a-z0-9]+\[[0-9,]*\])\S*\s+([a-z-]+)\(", line)
-            if m and m.group(2) in shapes and (m.group(3) == "copy" or
-                                               (m.group(3) == "fusion" and "copy" in m.group(1))):
-                n += 1
-        return n
-
-    def _bench_requests(self, num_reqs: int, context_len: int, seed: int) -> list[_Request]:
-        """Requests in the steady decode state: ``context_len`` tokens (all but the last in
-        the KV cache) and ``k`` random drafts; each holds a token-history row."""
-        if not 1 <= num_reqs <= self.max_num_seqs:
-            raise ValueError(f"num_reqs must be in [1, max_num_seqs={self.max_num_seqs}], got {num_reqs}")
-        if not 2 <= context_len <= self.max_model_len - self.k - 1:
-            raise ValueError(f"context_len must be in [2, max_model_len - k - 1 = "
-                             f"{self.max_model_len - self.k - 1}], got {context_len}")
-        rng = np.random.default_rng(seed)
-        reqs = []
-        for i in range(num_reqs):
-            toks = rng.integers(0, self.vocab_size, context_len).tolist()
-            r = _Request(index=i, req_id=f"bench-{next(_req_counter)}", prompt=toks[:-1],
-                         params=SamplingParams(max_tokens=self.max_model_len), seed=i,
-                         stop_ids=frozenset(), output=toks[-1:], num_computed=context_len - 1,
-                         drafts=rng.integers(0, self.vocab_size, self.k).tolist())
-            r.row = self.free_rows.pop()
-            self.tok_buf[r.row, :context_len] = toks
-            reqs.append(r)
-        return reqs
-
-    # -- scheduling ----------------------------------------------------------------
 
     def _admit(self, waiting, running) -> None:
         while waiting and len(running) < self.max_num_seqs:
