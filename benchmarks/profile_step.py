@@ -183,6 +183,8 @@ def main(argv=None) -> int:
                     help="also list the last call's kernels in launch order, with the idle "
                          "gaps between them")
     ap.add_argument("--out", default="/tmp/specjax_profile")
+    ap.add_argument("--min-tokens", type=int, default=2,
+                    help="Engine(min_tokens_per_step=...): 1 profiles the unpadded one-token step")
     args = ap.parse_args(argv)
     dtype = jax.numpy.bfloat16 if gpu else jax.numpy.float32
     models = Models(args.target, dtype)
@@ -194,7 +196,8 @@ def main(argv=None) -> int:
 
     def engine(prop):
         return Engine(models.target, prop, max_model_len=mml, block_size=BS, max_num_seqs=args.batch,
-                      batch_buckets=(args.batch,), context_buckets=(mml // BS,), kv_dtype=dtype)
+                      batch_buckets=(args.batch,), context_buckets=(mml // BS,), kv_dtype=dtype,
+                      min_tokens_per_step=args.min_tokens)
 
     results = {}
     if not args.no_engine:
