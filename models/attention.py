@@ -317,7 +317,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     scatter kernels go away), which assumes vLLM's metadata: no request reads a slot that
     another request's token writes in the same call. Every other backend (``"triton"``,
     ``"xla"``) writes with two scatters, then attends.
+
+    One token (``T == 1``): XLA rewrites the K / V projections (``[1, H] @ [H, kv * hd]``)
+    as a multiply + reduce and fuses that into the consumer, the ``q|k|v`` concatenation
+    of the fused write or the cache scatter, where it runs as one serial 4096-long loop per
+    output element: 36.8 of the 41.8 ms of an 8B-shaped step on the H200
+    (benchmarks/RESULTS.md). An optimization barrier on ``k`` and ``v`` keeps the
+    projections their own (reduction) kernels; programs of two or more tokens are unchanged.
     """
+    if q.shape[0] == 1:
+        k, v = jax.lax.optimization_barrier((k, v))
     if (FUSED_KV_WRITE != "0" and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype
             and resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype) == "pallas"):
         from specjax.kernels.pallas import paged_attention as pk
