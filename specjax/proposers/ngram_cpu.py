@@ -33,7 +33,19 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, check_int, resolve_prompt_lookup
+from specjax.config import SpeculativeConfig
+from specjax.proposers.base import (
+    DRAFT_PADDING_ID,
+    DraftOutput,
+    check_int,
+    resolve_prompt_lookup,
+)
+from specjax.proposers.interface import (
+    HistoryProposer,
+    TokenHistory,
+    history_feed,
+    valid_mask,
+)
 
 #: vLLM's threshold: below this many context tokens in a batch, one thread is used.
 NUM_TOKENS_THRESHOLD: int = 8192
@@ -388,3 +400,22 @@ def _as_int_array(name: str, value, *, ndim: int) -> np.ndarray:
             raise ValueError(f"{name} has values outside the int32 range")
         array = array.astype(np.int32)
     return np.ascontiguousarray(array)
+
+
+# ---------------------------------------------------------------------------------------
+# the adapter a decoding loop drives (``make_proposer``)
+
+
+class NgramProposerAdapter(HistoryProposer):
+    """``method="ngram"``: vLLM's CPU n-gram proposer (numba) on the token history."""
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
+        self.config = config
+        self._feed = history_feed(config, max_model_len)
+        self.impl = NgramProposer(num_speculative_tokens=config.num_speculative_tokens,
+                                  max_model_len=max_model_len,
+                                  prompt_lookup_min=config.prompt_lookup_min,
+                                  prompt_lookup_max=config.prompt_lookup_max)
+
+    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
+        return self.impl.propose_arrays(history.num_tokens, history.token_ids, valid_mask(history))

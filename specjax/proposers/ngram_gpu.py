@@ -29,14 +29,22 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import NamedTuple, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from specjax.constants import INT32_LIMIT
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, check_int, resolve_prompt_lookup
+from specjax.config import SpeculativeConfig
+from specjax.constants import INT32_LIMIT, next_power_of_2
+from specjax.proposers.base import (
+    DRAFT_PADDING_ID,
+    DraftOutput,
+    check_int,
+    resolve_prompt_lookup,
+)
+from specjax.proposers.interface import HistoryProposer, TokenHistory, history_feed
 
 
 class NgramGPUState(NamedTuple):
@@ -466,3 +474,122 @@ def _check_batch(state: NgramGPUState, sampled, num_sampled) -> None:
         )
     if sampled.shape[0] > state.num_tokens.shape[0]:
         raise ValueError(f"batch size {sampled.shape[0]} exceeds the buffer's {state.num_tokens.shape[0]} rows")
+
+
+# ---------------------------------------------------------------------------------------
+# the adapter a decoding loop drives (``make_proposer``)
+
+
+class NgramGPUProposerAdapter(HistoryProposer):
+    """``method="ngram_gpu"``: the jit-compiled n-gram search on the accelerator, over a
+    token buffer that stays on the device (``NgramGPUState``).
+
+    Each request owns a buffer row for its life. Per call only this step's new tokens
+    (``sampled_token_ids``: accepted drafts + bonus) go up, packed with the row indices and
+    counts into one ``[rows_pad, 2 + S]`` int32 array, and the drafts come back as one
+    ``[rows_pad, k + 1]`` array: one transfer each way. A request seen for the first time
+    (or whose length is not its last length plus its new tokens: the history was not
+    appended to as the interface says) has its context uploaded into its row first.
+    Requests absent from a call have left (as for suffix decoding) and their rows are
+    reused. The batch is padded to ``history.rows_pad`` (else a power of two) and the
+    buffer grows by powers of two, so each batch bucket compiles once.
+    """
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
+        self.config = config
+        self._feed = history_feed(config, max_model_len)
+        self.impl = NgramGPUProposer(num_speculative_tokens=config.num_speculative_tokens,
+                                     max_model_len=max_model_len,
+                                     prompt_lookup_min=config.prompt_lookup_min,
+                                     prompt_lookup_max=config.prompt_lookup_max)
+        self.state = None                 # NgramGPUState, [capacity, max_model_len]
+        self._slots: dict = {}            # req_id -> [row, length held on the device]
+        self._free_rows: list[int] = []
+        self.num_context_uploads = 0      # contexts uploaded whole (joins and re-syncs)
+
+    def _ensure_rows(self, needed: int) -> None:
+        cap = 0 if self.state is None else int(self.state.num_tokens.shape[0])
+        if needed <= cap:
+            return
+        new_cap = next_power_of_2(needed)
+        self.state = (self.impl.init_state(new_cap) if self.state is None
+                      else self.impl.grow_state(self.state, new_cap))
+        self._free_rows.extend(range(new_cap - 1, cap - 1, -1))   # pop() -> lowest first
+
+    def _release(self, req_id) -> None:
+        slot = self._slots.pop(req_id, None)
+        if slot is not None:
+            self._free_rows.append(slot[0])
+
+    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
+        import jax.numpy as jnp
+
+        ids = list(history.req_ids)
+        b = len(ids)
+        sampled = history.sampled_token_ids
+        if len(sampled) != b or len(history.num_tokens) != b:
+            raise ValueError(f"history has {b} req_ids, {len(sampled)} sampled lists and "
+                             f"{len(history.num_tokens)} lengths; they must agree")
+        if len(set(ids)) != b:
+            raise ValueError("req_ids must be distinct")
+        k, width = self.impl.k, self.max_model_len
+        present = set(ids)
+        for rid in [r for r in self._slots if r not in present]:
+            self._release(rid)
+        pad = history.rows_pad if (history.rows_pad or 0) >= b else next_power_of_2(max(b, 1))
+        self._ensure_rows(pad)
+        counts = np.fromiter((len(s) for s in sampled), np.int64, count=b)
+        lengths = np.asarray(history.num_tokens, np.int64)
+        if b and ((counts > lengths).any() or (lengths > history.token_ids.shape[1]).any()):
+            raise ValueError("need len(sampled_token_ids[b]) <= num_tokens[b] <= token_ids.shape[1]")
+        rows = np.empty(b, np.int64)
+        uploads = []
+        for j, rid in enumerate(ids):
+            n, c = int(lengths[j]), int(counts[j])
+            slot = self._slots.get(rid)
+            if slot is None:
+                slot = self._slots[rid] = [self._free_rows.pop(), -1]
+            rows[j] = slot[0]
+            if n > width:              # past max_model_len: no draft; forget the row
+                slot[1] = -1
+                counts[j] = 0
+                continue
+            if slot[1] != n - c:
+                uploads.append(j)
+            slot[1] = n
+        if uploads:
+            self._upload(history, uploads, rows, lengths - counts)
+        s = max(k + 1, int(counts.max(initial=1)))
+        s = s if s == k + 1 else next_power_of_2(s)
+        packed = np.full((pad, 2 + s), -1, np.int32)
+        packed[:b, 0] = rows
+        packed[:, 1] = 0
+        packed[:b, 1] = counts
+        for j in range(b):
+            if counts[j]:
+                packed[j, 2 : 2 + counts[j]] = sampled[j]
+        out, self.state = self.impl.propose_packed(self.state, jnp.asarray(packed))
+        out = np.asarray(out)
+        return DraftOutput(out[:b, :k], out[:b, k])
+
+    def _upload(self, history: TokenHistory, which: list[int], rows: np.ndarray,
+                base: np.ndarray) -> None:
+        """Write whole contexts (minus this step's new tokens) into their rows."""
+        import jax.numpy as jnp
+
+        r = next_power_of_2(len(which))
+        w = min(next_power_of_2(max(int(base[which].max(initial=1)), 1)), self.max_model_len)
+        tok = np.zeros((r, w), np.int32)
+        row_ids = np.full(r, -1, np.int32)
+        num = np.zeros(r, np.int32)
+        for i, j in enumerate(which):
+            n = int(base[j])
+            tok[i, :n] = history.token_ids[j, :n]
+            row_ids[i], num[i] = rows[j], n
+        self.state = self.impl.add_requests(self.state, jnp.asarray(row_ids), jnp.asarray(tok),
+                                            jnp.asarray(num))
+        self.num_context_uploads += len(which)
+
+    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
+        for rid in req_ids:
+            self._release(rid)

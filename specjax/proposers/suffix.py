@@ -27,7 +27,9 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from specjax.config import SpeculativeConfig
 from specjax.proposers.base import DraftOutput, check_int
+from specjax.proposers.interface import HistoryProposer, TokenHistory, history_feed
 
 _INSTALL_HINT = 'suffix decoding needs Arctic Inference: pip install "specjax[suffix]"'
 
@@ -219,3 +221,35 @@ def _token_list(tokens, index: int) -> list[int]:
     if array.ndim != 1 or array.dtype == object or not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"sampled_token_ids[{index}] must be a flat sequence of integer token ids")
     return array.astype(np.int64).tolist()
+
+
+# ---------------------------------------------------------------------------------------
+# the adapter a decoding loop drives (``make_proposer``)
+
+
+class SuffixProposerAdapter(HistoryProposer):
+    """``method="suffix"``: suffix decoding over Arctic Inference (host C++). The request
+    lifecycle (start, append, stop) follows the ids in the history; ``finish_requests``
+    stops requests so their responses join the global cache."""
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
+        self.config = config
+        self._feed = history_feed(config, max_model_len)
+        self.impl = SuffixDecodingProposer(
+            max_model_len=max_model_len,
+            num_speculative_tokens=config.num_speculative_tokens,
+            suffix_decoding_max_tree_depth=config.suffix_decoding_max_tree_depth,
+            suffix_decoding_max_cached_requests=config.suffix_decoding_max_cached_requests,
+            suffix_decoding_max_spec_factor=config.suffix_decoding_max_spec_factor,
+            suffix_decoding_min_token_prob=config.suffix_decoding_min_token_prob)
+
+    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
+        return self.impl.propose_arrays(history.req_ids, history.sampled_token_ids,
+                                        history.num_tokens, history.token_ids,
+                                        history.num_prompt_tokens)
+
+    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
+        cache = self.impl.suffix_cache
+        for r in req_ids:
+            if r in cache.active_requests:
+                cache.stop_request(r)

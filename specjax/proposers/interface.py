@@ -1,0 +1,281 @@
+"""The interface a decoding loop drives: ``Proposer`` (its ``feed`` is everything a loop
+reads), ``ModelProposer`` (device model proposers), ``TokenHistory`` (what token-history
+proposers see) and the padded-batch helpers; plus the base of the token-history adapters,
+which live with their methods (``ngram_cpu``, ``ngram_gpu``, ``suffix``)."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, NamedTuple, Sequence
+
+import numpy as np
+
+from specjax.config import SpeculativeConfig
+from specjax.proposers.base import DraftOutput, Feed, ProposerInputs  # noqa: F401
+
+
+class TokenHistory(NamedTuple):
+    """What a token-history proposer sees after a verification step (host arrays).
+
+    Attributes:
+      req_ids: ``B`` distinct hashable request ids (stable over a request's life).
+      token_ids: ``[B, W] int32``; row ``b`` holds request ``b``'s context (prompt and every
+        output token, this step's included) in its first ``num_tokens[b]`` columns.
+      num_tokens: ``[B] int32`` context lengths.
+      num_prompt_tokens: ``[B] int32``.
+      sampled_token_ids: ``B`` lists, the tokens each request gained this step (accepted
+        drafts plus the bonus / recovered token); empty -> no draft for that request.
+      rows_pad: the loop's padded batch size for this step (>= B) or None; device
+        proposers pad to it so they compile once per batch bucket, like the step.
+    """
+
+    req_ids: Sequence[Hashable]
+    token_ids: np.ndarray
+    num_tokens: np.ndarray
+    num_prompt_tokens: np.ndarray
+    sampled_token_ids: Sequence[Sequence[int]]
+    rows_pad: int | None = None
+
+
+def _deprecated(name: str, instead: str, read):
+    """A property that warns and reads ``proposer.feed`` (a declaration the Feed replaced)."""
+    def get(self):
+        import warnings
+
+        warnings.warn(f"Proposer.{name} is deprecated: use proposer.feed.{instead}",
+                      DeprecationWarning, stacklevel=2)
+        return read(self.feed)
+    return property(get)
+
+
+class Proposer:
+    """A proposer as the decoding loop sees it: ``feed`` (a :class:`Feed`, the only thing a
+    loop reads), and either ``init_state`` / ``impl.propose(params, state, ProposerInputs)``
+    inside the jitted step (device model proposers) or ``propose_from_history`` after it
+    (token-history proposers)."""
+
+    config: SpeculativeConfig
+    impl: Any = None
+    params: Any = None
+
+    @property
+    def feed(self) -> Feed:
+        raise NotImplementedError(f"{type(self).__name__} declares no Feed")
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    @property
+    def max_new_slots(self) -> int:
+        return self.config.max_num_new_slots_for_drafting()
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.feed.aux_layer_ids
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.feed.vocab_size
+
+    @property
+    def block_size(self) -> int | None:
+        return self.feed.block_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.feed.max_model_len
+
+    # The declarations the Feed replaced (kept for old callers).
+    needs_token_history = _deprecated("needs_token_history", "drafts_in == 'history'",
+                                      lambda f: f.drafts_in == "history")
+    needs_hidden_states = _deprecated("needs_hidden_states", "hidden_states",
+                                      lambda f: f.hidden_states)
+    needs_aux_hidden_states = _deprecated("needs_aux_hidden_states", "aux_layer_ids",
+                                          lambda f: f.aux_hidden_states)
+    padded_drafter_batch = _deprecated("padded_drafter_batch", "drafts_in != 'split'",
+                                       lambda f: f.drafts_in != "split")
+    runs_on = _deprecated("runs_on", "drafts_in", lambda f: "host" if f.drafts_in == "history"
+                          else "device")
+
+    def _lookahead(self) -> int:
+        return self.num_speculative_tokens + self.max_new_slots + 1
+
+    def init_state(self, num_blocks: int, dtype=None) -> Any:
+        """Device state pytree (draft KV cache and buffers) for a pool of ``num_blocks``
+        KV blocks laid out by the target's block table; None when there is none."""
+        return None
+
+    def warmup(self, buckets: Any, state: Any = None, *, num_blocks: int | None = None,
+               dtype=None, hidden_dtype=None) -> tuple:
+        """Compile the device ``propose`` for every shape bucket ahead of time (see
+        ``ModelProposer.warmup``). Token-history proposers compile nothing here and
+        return ``()``."""
+        return ()
+
+    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
+        raise NotImplementedError(f"method={self.method!r} does not draft from token history")
+
+    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
+        """The loop calls this when requests leave for good (per-request host state)."""
+
+    def on_mesh(self, mesh: Any, axis: str = "tp") -> "Proposer":
+        """This proposer for tensor parallelism over ``mesh[axis]`` (params and the
+        vocabulary-parallel argmax placed; see ``ModelProposer.on_mesh``). Token-history
+        proposers have nothing to place and return themselves."""
+        return self
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(method={self.method!r}, k={self.num_speculative_tokens}, "
+                f"drafts_in={self.feed.drafts_in!r})")
+
+
+# ---------------------------------------------------------------------------------------
+# device model proposers
+
+
+class ModelProposer(Proposer):
+    """A model-based device proposer (EAGLE / EAGLE-3 / DFlash / Medusa / draft model /
+    extract-hidden-states): ``impl`` is the method's frozen, hashable proposer whose
+    ``propose(params, state, ProposerInputs)`` the loop calls inside its jitted step. Every
+    such ``impl`` declares ``needs_hidden_states`` / ``needs_aux_hidden_states`` and has
+    the padded-batch helpers (``prepare_next_token_ids_padded``,
+    ``prepare_inputs_padded``)."""
+
+    def __init__(self, config: SpeculativeConfig, impl: Any, params: Any, *, vocab_size: int | None,
+                 aux_layer_ids: Sequence[int] = (), mesh_fields: bool = False) -> None:
+        self.config = config
+        self.impl = impl
+        self.params = params
+        self.mesh_fields = bool(mesh_fields)
+        aux = tuple(int(i) for i in aux_layer_ids) if impl.needs_aux_hidden_states else ()
+        if impl.needs_aux_hidden_states and not aux:
+            raise ValueError(f"method={config.method!r} needs aux hidden states: give aux_layer_ids "
+                             "(the target layers whose inputs it reads)")
+        tree = impl.token_tree if config.method in ("eagle", "eagle3") else None
+        self._feed = Feed(
+            drafts_in="split" if config.disable_padded_drafter_batch else "step",
+            num_speculative_tokens=config.num_speculative_tokens,
+            hidden_states=bool(impl.needs_hidden_states), aux_layer_ids=aux,
+            lookahead=self._lookahead(), token_tree=tree, vocab_size=vocab_size,
+            block_size=getattr(impl, "block_size", None),
+            max_model_len=getattr(impl, "max_model_len", None))
+
+    @property
+    def feed(self) -> Feed:
+        return self._feed
+
+    def init_state(self, num_blocks: int, dtype=None) -> Any:
+        import jax.numpy as jnp
+
+        return self.impl.init_state(num_blocks, jnp.float32 if dtype is None else dtype)
+
+    def warmup(self, buckets: Any, state: Any = None, *, num_blocks: int | None = None,
+               dtype=None, hidden_dtype=None) -> tuple:
+        """Compile ``impl.propose(self.params, state, inputs)`` for every bucket ahead of
+        time, so calls whose real counts vary inside them never compile.
+
+        ``buckets``: ``ProposeBucket``s (``specjax.proposers.common``) or tuples
+        ``(num_reqs_pad, num_tokens_pad[, max_blocks_per_req[, max_query_len]])``;
+        ``state``: the state ``propose`` will get (only its shapes are used), else one is
+        derived abstractly from ``num_blocks`` / ``dtype`` (float32) as ``init_state``
+        builds it. Returns the resolved buckets; bad ones raise ValueError before anything
+        compiles. This compiles the standalone ``impl.propose``; ``specjax.step.Step``
+        fuses propose into its own step and ``Engine.warmup`` compiles that.
+        """
+        import jax.numpy as jnp
+
+        return self.impl.warmup(buckets, self.params, state, num_blocks=num_blocks,
+                                dtype=jnp.float32 if dtype is None else dtype,
+                                hidden_dtype=hidden_dtype)
+
+    def on_mesh(self, mesh: Any, axis: str = "tp") -> "ModelProposer":
+        """A copy for tensor parallelism over ``mesh[axis]``: EAGLE / EAGLE-3 / DFlash /
+        draft model through ``specjax.sharding.tensor_parallel`` (params sharded, ``impl``
+        given ``mesh`` / ``vocab_axis`` so ``config.use_local_argmax_reduction`` reduces over
+        the vocabulary shards); Medusa and extract-hidden-states get their params placed
+        by the same rules (replicated without a model config)."""
+        import copy
+
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from specjax import sharding as sh
+
+        impl, params = self.impl, self.params
+        if self.mesh_fields:
+            impl, params, _ = sh.tensor_parallel(
+                impl, params, None, mesh, axis=axis,
+                local_argmax=impl.config.use_local_argmax_reduction)
+        elif params is not None:
+            model_cfg = getattr(impl.model, "config", None)
+            params = jax.device_put(params, (
+                jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+                if model_cfg is None else sh.param_shardings(params, mesh, model_cfg, axis=axis)))
+        out = copy.copy(self)
+        out.impl, out.params = impl, params
+        return out
+
+def prepare_next_token_ids_padded(impl: Any, sampled_token_ids, discard_request_mask,
+                                  backup_next_token_ids, *, vocab_size: int, num_reqs=None,
+                                  kernel_backend: str = "auto"):
+    """``(next_token_ids [B], valid_sampled_tokens_count [B])`` int32: the proposer's own
+    ``prepare_next_token_ids_padded`` when it has one (extract-hidden-states differs from
+    EAGLE), else the ``eagle_prepare_next_token_padded`` kernel. Traceable."""
+    fn = getattr(impl, "prepare_next_token_ids_padded", None)
+    if fn is not None:
+        return fn(sampled_token_ids, discard_request_mask, backup_next_token_ids,
+                  vocab_size=vocab_size, num_reqs=num_reqs)
+    import specjax.kernels as K
+
+    return K.eagle_prepare_next_token_padded(sampled_token_ids, discard_request_mask,
+                                             backup_next_token_ids, vocab_size=vocab_size,
+                                             num_reqs=num_reqs, backend=kernel_backend)
+
+
+def prepare_inputs_padded(impl: Any, spec_decode_metadata, valid_sampled_tokens_count,
+                          attn_metadata, *, kernel_backend: str = "auto"):
+    """``(token_indices_to_sample [B], num_rejected_tokens [B])`` int32 (padded-batch
+    mode): the proposer's ``prepare_inputs_padded`` or the kernel. Traceable."""
+    fn = getattr(impl, "prepare_inputs_padded", None)
+    if fn is not None:
+        out = fn(spec_decode_metadata, valid_sampled_tokens_count, attn_metadata)
+        return out[-2], out[-1]      # vLLM's form returns (cad, indices, rejected)
+    import specjax.kernels as K
+
+    return K.eagle_prepare_inputs_padded(spec_decode_metadata.cu_num_draft_tokens,
+                                         valid_sampled_tokens_count,
+                                         attn_metadata.query_start_loc,
+                                         num_reqs=attn_metadata.num_reqs, backend=kernel_backend)
+
+
+# ---------------------------------------------------------------------------------------
+# token-history adapters
+
+
+# ---------------------------------------------------------------------------------------
+# token-history proposers (the adapters live with their methods)
+
+
+def history_feed(config: SpeculativeConfig, max_model_len: int) -> Feed:
+    return Feed(drafts_in="history", num_speculative_tokens=config.num_speculative_tokens,
+                lookahead=config.num_speculative_tokens + config.max_num_new_slots_for_drafting() + 1,
+                max_model_len=max_model_len)
+
+
+class HistoryProposer(Proposer):
+    """A proposer that drafts from the token history (``feed.drafts_in == "history"``)."""
+
+    _feed: Feed
+
+    @property
+    def feed(self) -> Feed:
+        return self._feed
+
+
+def valid_mask(history: TokenHistory) -> np.ndarray:
+    return np.fromiter((len(s) > 0 for s in history.sampled_token_ids), dtype=np.bool_,
+                       count=len(history.sampled_token_ids))
