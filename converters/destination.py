@@ -303,10 +303,25 @@ def write_dir_atomically(dst, fill: Callable[[Path], None], *,
     then renamed onto ``dst``. An existing ``dst`` is replaced only when ``replace(dst)`` is
     True at that moment (else :class:`DestinationExistsError`). On any failure, Ctrl-C or
     SIGTERM, the staging directory is removed and a replaced ``dst`` put back: nothing
-    half-written is left at ``dst`` or beside it. Stale staging directories of killed runs
-    are removed first (:func:`remove_stale_stages`)."""
+    half-written is left at ``dst`` or beside it, and parent directories this call created
+    are removed again. Stale staging directories of killed runs are removed first
+    (:func:`remove_stale_stages`)."""
     dst = Path(os.path.abspath(os.fspath(dst)))
+    made = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]   # deepest first
     dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _write_staged(dst, fill, replace, what, log)
+    except BaseException:
+        for p in made:                 # parents this call created, if still empty
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _write_staged(dst: Path, fill: Callable[[Path], None], replace: Callable[[Path], bool],
+                  what: str, log: Log) -> None:
     remove_stale_stages(dst, log)
     stage: Path | None = None
     committed = False

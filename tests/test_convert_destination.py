@@ -214,6 +214,19 @@ def test_export_follows_the_rules(tmp_path, monkeypatch, home):
     assert "config.json" in os.listdir(out) and not _stages(tmp_path)
 
 
+def test_failure_removes_the_parents_it_created(tmp_path, monkeypatch):
+    src = _src(tmp_path)
+    before = _snapshot(tmp_path)
+
+    def fail(*a, **k):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(pipeline, "save_prepared", fail)
+    with pytest.raises(OSError, match="simulated"):
+        convert(src, tmp_path / "a" / "b" / "out")
+    assert _snapshot(tmp_path) == before         # no a/, no a/b/, no staging directory
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o027])
 def test_output_gets_the_umask_permissions(tmp_path, umask):
     src = _src(tmp_path)

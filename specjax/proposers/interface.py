@@ -13,6 +13,13 @@ from specjax.config import SpeculativeConfig
 from specjax.proposers.base import DraftOutput, Feed, ProposerInputs  # noqa: F401
 
 
+def lookahead(config: SpeculativeConfig) -> int:
+    """KV slots a request may use past its scheduled tokens while drafting (``Feed.lookahead``,
+    vLLM's ``num_lookahead_tokens``): the draft chain, the extra slots of draft-model /
+    parallel drafting, and one more."""
+    return config.num_speculative_tokens + config.max_num_new_slots_for_drafting() + 1
+
+
 class TokenHistory(NamedTuple):
     """What a token-history proposer sees after a verification step (host arrays).
 
@@ -101,9 +108,6 @@ class Proposer:
     runs_on = _deprecated("runs_on", "drafts_in", lambda f: "host" if f.drafts_in == "history"
                           else "device")
 
-    def _lookahead(self) -> int:
-        return self.num_speculative_tokens + self.max_new_slots + 1
-
     def init_state(self, num_blocks: int, dtype=None) -> Any:
         """Device state pytree (draft KV cache and buffers) for a pool of ``num_blocks``
         KV blocks laid out by the target's block table; None when there is none."""
@@ -160,7 +164,7 @@ class ModelProposer(Proposer):
             drafts_in="split" if config.disable_padded_drafter_batch else "step",
             num_speculative_tokens=config.num_speculative_tokens,
             hidden_states=bool(impl.needs_hidden_states), aux_layer_ids=aux,
-            lookahead=self._lookahead(), token_tree=tree, vocab_size=vocab_size,
+            lookahead=lookahead(config), token_tree=tree, vocab_size=vocab_size,
             block_size=getattr(impl, "block_size", None),
             max_model_len=getattr(impl, "max_model_len", None))
 
@@ -262,8 +266,7 @@ def prepare_inputs_padded(impl: Any, spec_decode_metadata, valid_sampled_tokens_
 
 def history_feed(config: SpeculativeConfig, max_model_len: int) -> Feed:
     return Feed(drafts_in="history", num_speculative_tokens=config.num_speculative_tokens,
-                lookahead=config.num_speculative_tokens + config.max_num_new_slots_for_drafting() + 1,
-                max_model_len=max_model_len)
+                lookahead=lookahead(config), max_model_len=max_model_len)
 
 
 class HistoryProposer(Proposer):
