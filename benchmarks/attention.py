@@ -13,7 +13,7 @@ one ``block_until_ready``, divided by ``--reps``.
 
 ``--sweep`` also times the Pallas kernel's knobs (key tile ``block_k``, ``num_stages``,
 ``num_splits``) and prints the best per shape. ``--propose`` runs benchmarks/proposers.py's
-``main`` once per backend (``specjax.models.attention.attention_backend``).
+``main`` once per backend (``specjax.kernels.paged_attention.attention_backend``).
 
 Usage: python benchmarks/attention.py [--batches 1,8,64] [--qlens 1,4] [--context 1024]
        [--reps 20] [--sweep] [--propose] [--out F.json]
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.attention import CommonAttentionMetadata
-from specjax.kernels.pallas import paged_attention as pk
-from specjax.models import attention as attn
+from specjax.kernels.paged_attention import pallas as pk
+from specjax.kernels import paged_attention as attn
 
 HBM_BPS = 4.3e12
 NH, NKV, HD, BS = 32, 8, 128, 16

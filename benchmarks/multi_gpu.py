@@ -183,7 +183,7 @@ def main(argv=None):
 
     model, params, own_keys = build_head(geo, dtype)
     own_bytes = sum(x.nbytes for key in own_keys for x in jax.tree.leaves(params[key]))
-    from specjax.models.attention import get_attention_backend
+    from specjax.kernels.paged_attention import get_attention_backend
 
     print(f"# attention backend {get_attention_backend()} (SPECJAX_ATTENTION_BACKEND); "
           f"jax {jax.__version__}, {len(devs)} x {devs[0].device_kind}; head "

@@ -41,7 +41,7 @@ Heads whose checkpoint lacks the embedding or lm_head use the target's, as vLLM 
 
 from __future__ import annotations
 
-from specjax.models.attention import KVCache, init_kv_caches, paged_attention, write_kv
+from specjax.kernels.paged_attention import KVCache, init_kv_caches, paged_attention, write_kv
 from specjax.models.config import KINDS, ModelConfig
 from specjax.models.dflash import DFlashHead
 from specjax.models.eagle import EagleHead

@@ -18,7 +18,7 @@ from flax import nnx
 
 from specjax.attention import CommonAttentionMetadata
 from specjax.models import base, rope
-from specjax.models.attention import KVCache, init_kv_caches, write_kv
+from specjax.kernels.paged_attention import KVCache, init_kv_caches, write_kv
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, RMSNorm, linear, rms_norm
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from specjax.attention import CommonAttentionMetadata
 from specjax.models import base, rope
-from specjax.models.attention import KVCache, init_kv_caches
+from specjax.kernels.paged_attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig
 from specjax.models.eagle import mask_hidden_values, without_mask_hidden
 from specjax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, linear

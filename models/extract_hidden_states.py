@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.attention import CommonAttentionMetadata
-from specjax.models.attention import scatter_slots
+from specjax.kernels.paged_attention import scatter_slots
 
 
 @dataclasses.dataclass(frozen=True)

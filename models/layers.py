@@ -2,7 +2,7 @@
 
 Flax NNX modules. Weights are ``nnx.Param``; linear kernels are ``[in, out]`` (the
 transpose of PyTorch's ``[out, in]``). The paged attention itself lives in
-:mod:`specjax.models.attention`.
+:mod:`specjax.kernels.paged_attention`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.attention import CommonAttentionMetadata
-from specjax.models import attention as attn_lib
-from specjax.models.attention import KVCache
+from specjax.kernels import paged_attention as attn_lib
+from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.rope import apply_rope
 

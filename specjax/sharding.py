@@ -62,7 +62,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax import _compat
-from specjax.models.attention import KVCache
+from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig
 
 __all__ = [

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 # Defines the attention-backend jit option and imports the kernels before the step is first
-# traced (config states in the trace context; see the end of models/attention.py).
-import specjax.models.attention  # noqa: F401
+# traced (config states in the trace context; see the end of kernels/paged_attention/__init__.py).
+import specjax.kernels.paged_attention  # noqa: F401
 from specjax.attention import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
 from specjax.proposers import Proposer, ProposerInputs
@@ -304,7 +304,7 @@ def compact_tree_kv(kv_caches, block_table, root_pos, accepted_nodes, num_accept
     ``a_i + 1 == i`` (already in place), past ``num_accepted`` or on rows that are not
     ``real`` write nothing.
     """
-    from specjax.kernels.kv_cache import scatter_slots
+    from specjax.kernels.paged_attention.kv_cache import scatter_slots
 
     b, depth = accepted_nodes.shape
     i = jnp.arange(1, depth + 1, dtype=jnp.int32)[None, :]

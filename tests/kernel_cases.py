@@ -396,6 +396,15 @@ def make_case(op: str, rng: np.random.Generator, config: dict, num_real: int | N
 
 
 #: Names of each op's outputs, in order (for error messages).
+#: The kernels/ folder of each op.
+FAMILY = {
+    "eagle_step_update_slot_mapping_and_metadata": "eagle_step",
+    "eagle_prepare_inputs_padded": "prepare",
+    "eagle_prepare_next_token_padded": "prepare",
+    "copy_and_expand_eagle_inputs": "copy_expand",
+    "copy_and_expand_dflash_inputs": "copy_expand",
+}
+
 OUTPUT_NAMES = {
     "eagle_step_update_slot_mapping_and_metadata": (
         "clamped_positions", "slot_mapping", "seq_lens"),

@@ -132,11 +132,11 @@ def test_update_num_computed_tokens_for_batch_change():
 
 @pytest.mark.parametrize("t", [1, 2])
 def test_one_token_attend_keeps_the_kv_projections_unfused(t):
-    """``models.attention.attend`` puts an optimization barrier on ``k`` / ``v`` for a
+    """``specjax.kernels.paged_attention.attend`` puts an optimization barrier on ``k`` / ``v`` for a
     one-token step only (on the H200 XLA otherwise fused the V projection, rewritten as a
     reduce, into the cache write: 44.6 ms instead of 7.6 ms for an 8B step); programs of
     two or more tokens carry none."""
-    from specjax.models.attention import KVCache, attend
+    from specjax.kernels.paged_attention import KVCache, attend
 
     nh, nkv, hd, nb, bs = 4, 2, 8, 4, 4
     md = CommonAttentionMetadata.from_query_lens([t], [t + 2], np.array([[1, 2]]), block_size=bs,

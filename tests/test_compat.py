@@ -15,7 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import specjax.kernels as K
 from specjax import _compat
-from specjax.models import attention as attn
+from specjax.kernels import paged_attention as attn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ON_GPU = jax.default_backend() == "gpu"
@@ -148,9 +148,9 @@ import jax, jax.numpy as jnp
 from specjax import _compat
 assert _compat.pallas_mosaic_gpu()[0] is None and _compat.pallas_triton()[0] is None
 import specjax.kernels as K
-import specjax.kernels.pallas
-from specjax.kernels.pallas import paged_attention as pk
-from specjax.models import attention as attn
+import specjax.kernels.paged_attention.pallas
+from specjax.kernels.paged_attention import pallas as pk
+from specjax.kernels import paged_attention as attn
 assert K.resolve_backend("auto") == "xla"
 try:
     K.resolve_backend("pallas")

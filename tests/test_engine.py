@@ -233,7 +233,7 @@ def test_one_token_steps_do_not_copy_the_kv_cache():
     """The e2e anomaly (plain step at B=1 slower than a speculative one): a one-token step
     wrote each layer's KV cache with a one-row scatter, which XLA turns into a
     dynamic-update-slice and then copied every donated K and V cache around. The cache
-    write (models.attention.scatter_slots) now keeps one-row writes in place: no cache
+    write (specjax.kernels.paged_attention.scatter_slots) now keeps one-row writes in place: no cache
     copy in any step, target or draft (EAGLE's one-token chain steps), padded or not. (The
     engine still pads one-token steps to two by default: on the H200 a one-row matmul
     step is slower, see Engine's min_tokens_per_step.)"""
@@ -267,7 +267,7 @@ def test_one_token_steps_do_not_copy_the_kv_cache():
 def test_one_row_cache_write_is_in_place():
     """Without the dropped second row, XLA's one-row scatter copies the cache: the check
     above can see copies (a control), and the write's values are unchanged by the fix."""
-    from specjax.models.attention import scatter_slots
+    from specjax.kernels.paged_attention import scatter_slots
 
     cache = jnp.zeros((8, 4, 2, 8))
     vals = jnp.ones((1, 2, 8))

@@ -38,10 +38,11 @@ EXAMPLES = {"xla": 100, "pallas": 16}
 
 def skip_if_missing(backend: str, op: str) -> None:
     if backend == "pallas":
-        import specjax.kernels.pallas as pallas_mod
+        import importlib
 
-        if getattr(pallas_mod, op, None) is None:
-            pytest.skip(f"specjax.kernels.pallas has no {op} yet")
+        mod = importlib.import_module(f"specjax.kernels.{cases.FAMILY[op]}.pallas")
+        if getattr(mod, op, None) is None:
+            pytest.skip(f"specjax.kernels.{cases.FAMILY[op]}.pallas has no {op}")
 
 
 def assert_outputs_equal(op, got, want, context=""):

@@ -68,13 +68,13 @@ def skip_if_missing(backend: str, op: str) -> None:
             K.resolve_backend("triton")
         except ValueError as e:
             pytest.skip(str(e))
-        import specjax.kernels.triton as mod
-    elif backend == "pallas":
-        import specjax.kernels.pallas as mod
-    else:
+    elif backend != "pallas":
         return
+    import importlib
+
+    mod = importlib.import_module(f"specjax.kernels.{cases.FAMILY[op]}.{backend}")
     if getattr(mod, op, None) is None:
-        pytest.skip(f"specjax.kernels.{backend} has no {op} yet")
+        pytest.skip(f"specjax.kernels.{cases.FAMILY[op]}.{backend} has no {op}")
 
 
 def assert_outputs_equal(op, got, want, context):

@@ -330,7 +330,7 @@ print("engine tp errors ok", flush=True)
 
 
 #: The Pallas attention kernel (interpret mode on CPU) under SPMD partitioning
-#: (``models/attention.py``'s ``custom_partitioning`` wrapper), called through ``attend`` --
+#: (``kernels/paged_attention/partition.py``'s ``custom_partitioning`` wrapper), called through ``attend`` --
 #: with the cache write fused into the kernel and without -- inside one ``jax.jit`` between
 #: XLA ops (causal, and at tp = 2 non-causal and tree masks): per-shard results
 #: bit-identical to one device's; with the caches split by kv
@@ -340,7 +340,7 @@ print("engine tp errors ok", flush=True)
 #: Operand shardings other than the kv-head split run the call whole on every device.
 ATTN_BODY = """
 from specjax.attention import CommonAttentionMetadata
-from specjax.models import attention as attn
+from specjax.kernels import paged_attention as attn
 from jax.sharding import NamedSharding as NS
 
 rng = np.random.default_rng(5)
@@ -426,8 +426,8 @@ for name, mdv in (("noncausal", md.replace(causal=False)), ("tree", md.replace(t
 # the partition callback itself: the kv-head split passes through, anything else replicates
 mesh = Mesh(DEV[:2], ("tp",))
 sds = lambda shape, spec, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt, sharding=NS(mesh, spec))
-partition = attn._partition(False)
-static = attn._static("pallas", md, 0.25)
+partition = attn.partition._partition(False)
+static = attn.partition.static("pallas", md, 0.25)
 ints = [sds((5,), P(), jnp.int32), sds((4,), P(), jnp.int32), sds((4, 4), P(), jnp.int32)]
 for cache_spec, q_spec, split in ((P(None, None, "tp"), P(None, "tp"), True),
                                   (P("tp"), P(), False),                 # blocks split
@@ -447,7 +447,7 @@ print("attn partition ok", flush=True)
 #: backend forced, and a check that it was used; then ragged batches of one bucket through
 #: the tensor-parallel ``propose`` without a recompilation.
 TP_PALLAS_BODY = """
-from specjax.models import attention as _attn
+from specjax.kernels import paged_attention as _attn
 import test_proposers_warmup as _warmup
 _warmup.GEO["head_dim"] = 16
 _attn.set_attention_backend("pallas")
@@ -720,7 +720,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="config must be a specjax ModelConfig"):
         param_specs(params, None, 3)
     with pytest.raises(ValueError, match="KV cache leaves"):
-        from specjax.models.attention import KVCache
+        from specjax.kernels.paged_attention import KVCache
         state_specs([KVCache(jnp.zeros((2, 3)), jnp.zeros((2, 3)))], 2)
     # string layer keys (orbax restores) are read as ints
     specs = _flat(param_specs(dict(params, layers={"0": params["layers"][0]}), cfg, 3))

@@ -1,5 +1,5 @@
-"""The Pallas paged-attention kernel (kernels/pallas/paged_attention.py) against the jnp
-reference (models/attention.py) and a NumPy brute-force oracle, plus the backend switch.
+"""The Pallas paged-attention kernel (kernels/paged_attention/pallas.py) against the jnp
+reference (kernels/paged_attention/reference.py) and a NumPy brute-force oracle, plus the backend switch.
 
 CPU: the kernel runs in Pallas interpret mode on small random ragged batches (empty
 requests, padding rows, GQA groups 1/2/4, causal, non-causal and tree masks, contexts at the
@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 
 from specjax.attention import CommonAttentionMetadata
-from specjax.kernels.pallas import paged_attention as pk
-from specjax.models import attention as attn
-from specjax.models.attention import KVCache
+from specjax.kernels.paged_attention import pallas as pk
+from specjax.kernels import paged_attention as attn
+from specjax.kernels.paged_attention import KVCache
 
 ON_GPU = jax.default_backend() == "gpu"
 skip_without_gpu = pytest.mark.skipif(
@@ -328,7 +328,7 @@ def test_fused_write_through_attend_and_errors(monkeypatch):
     def fused(mode, pays=None):
         monkeypatch.setattr(attn, "FUSED_KV_WRITE", mode)
         if pays is not None:
-            monkeypatch.setattr(pk, "fused_write_pays", lambda *a, **kw: pays)
+            monkeypatch.setattr(attn, "fused_write_pays", lambda *a, **kw: pays)
         with attn.attention_backend("pallas"):
             text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(q, k, k, c, m, scale=0.3))(
                 q, kn, cache, md))
@@ -439,7 +439,7 @@ def test_triton_lowering_on_cpu(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------
-# the backend switch in models/attention.py
+# the backend switch in kernels/paged_attention/__init__.py
 
 
 @pytest.mark.smoke
@@ -546,7 +546,7 @@ def test_set_attention_backend_and_env_var():
         assert attn.get_attention_backend() == "xla"
     finally:
         attn.set_attention_backend(prev)
-    code = ("from specjax.models import attention as a; print(a.get_attention_backend())")
+    code = ("from specjax.kernels import paged_attention as a; print(a.get_attention_backend())")
     env = dict(os.environ, SPECJAX_ATTENTION_BACKEND="pallas", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
@@ -626,7 +626,7 @@ def _gpu_case(b, qlen, ctx, seed, dtype=jnp.bfloat16, causal=True, tree=None, wi
 @pytest.mark.parametrize("backend", ["pallas", "triton"])
 def test_gpu_kernel_matches_reference(b, qlen, mask, dtype, backend):
     """The compiled kernel of ``backend`` (the Pallas one, or the jax-triton one of
-    ``kernels/triton/_paged_attention.py``) against the float32 reference; the Triton one
+    ``kernels/paged_attention/triton.py``) against the float32 reference; the Triton one
     also against the Pallas kernel."""
     if mask == "tree" and qlen == 1:
         pytest.skip("a one-node tree is the causal case")
@@ -642,7 +642,7 @@ def test_gpu_kernel_matches_reference(b, qlen, mask, dtype, backend):
         q, c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table, **kw))
     kernel = pallas
     if backend == "triton":
-        from specjax.kernels import triton as tk
+        from specjax.kernels.paged_attention import triton as tk
 
         kernel = jax.jit(lambda q, c, m: tk.paged_attention(
             q, c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table, **kw))

@@ -15,7 +15,7 @@ import pytest
 
 from specjax.attention import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
-from specjax.models.attention import KVCache, paged_attention
+from specjax.kernels.paged_attention import KVCache, paged_attention
 from specjax.proposers.eagle import EagleProposer
 from specjax.tree import TokenTree
 from test_proposers_eagle import (B_PAD, BS, DENSE, NUM_BLOCKS, V, _batch, _dense_forward,

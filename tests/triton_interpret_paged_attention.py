@@ -1,4 +1,4 @@
-"""Run the Triton paged-attention kernels (kernels/triton/_paged_attention.py) under Triton's
+"""Run the Triton paged-attention kernels (kernels/paged_attention/triton.py) under Triton's
 interpreter on CPU and compare them with the NumPy oracle of tests/test_paged_attention.py.
 
 Needs ``triton`` and ``torch`` (the interpreter takes torch tensors); run as a script with
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_paged_attention import CPU_CFGS, make_case, oracle, random_tree  # noqa: E402
 
-from specjax.kernels.triton import _paged_attention as tpa  # noqa: E402
+from specjax.kernels.paged_attention import triton as tpa  # noqa: E402
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

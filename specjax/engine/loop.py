@@ -52,7 +52,7 @@ class Engine(Diagnostics):
         padded to two (``benchmarks/RESULTS.md``): XLA's code for one-row matrix products
         is far slower than for two rows. (A one-row KV-cache write also used to become a
         dynamic-update-slice that copied the donated caches every step; the cache write,
-        ``models.attention.scatter_slots``, now keeps it in place whatever the padding.)
+        ``specjax.kernels.paged_attention.scatter_slots``, now keeps it in place whatever the padding.)
         The padding token writes nothing (slot -1) and is not sampled.
       tree_verification: None (default): verify trees when the proposer's token tree
         branches (see the module docstring), chains otherwise; True: the tree path even

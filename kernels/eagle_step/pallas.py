@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.constants import PADDING_SLOT_ID
-from specjax.kernels.pallas import _common as c
+from specjax.kernels import _pallas as c
 
 
 def _body(pos_ref, seq_ref, bt_ref, n_ref, pos_out, slot_out, seq_out, *, rows, block_size,

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from specjax.constants import PADDING_SLOT_ID
-from specjax.kernels.triton import _jt
-from specjax.kernels.triton._common import slot_of
+from specjax.kernels import _jt
+from specjax.kernels._triton import slot_of
 
 _TOKEN_BLOCK = 128  # tokens per loop step of a request program
 _FILL_BLOCK = 1024  # elements per fill program

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels.pallas import _common as c
+from specjax.kernels import _pallas as c
 
 _INT32_MAX = 2**31 - 1
 

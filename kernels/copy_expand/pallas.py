@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from specjax.constants import PADDING_SLOT_ID
-from specjax.kernels.pallas import _common as c
+from specjax.kernels import _pallas as c
 
 L = c.LANES
 

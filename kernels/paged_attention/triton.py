@@ -1,16 +1,16 @@
 """Paged attention over ragged batches as plain Triton kernels, called through jax-triton.
 
 The same algorithm, grid and numerics as the Pallas kernel
-(:mod:`specjax.kernels.pallas.paged_attention`, whose docstring describes them: grid ``(B,
+(:mod:`specjax.kernels.paged_attention.pallas`, whose docstring describes them: grid ``(B,
 num_kv_heads, num_splits)``, one ``ROWS x head_dim`` tile of query rows per program, keys
 ``BLOCK_K`` at a time through the block table, online softmax in float32, split-K partials
 merged by a second kernel of grid ``(T, num_kv_heads)``), written against Triton's own
 language instead of the Pallas Triton backend, which JAX deprecates from 0.11.2 ("to keep using
 Triton, switch to the official Triton bindings and jax_triton"). The cache write is not
-folded in here (that variant stays Pallas-only): :func:`specjax.models.attention.attend`
+folded in here (that variant stays Pallas-only): :func:`specjax.kernels.paged_attention.attend`
 writes the step's K/V with two scatters first on this backend.
 
-Shapes it takes are those of :func:`~specjax.kernels.pallas.paged_attention.unsupported_reason`
+Shapes it takes are those of :func:`~specjax.kernels.paged_attention.limits.unsupported_reason`
 (head_dim a power of two >= 16, ``max_query_len * group <= 128`` rows, trees of at most 31
 nodes). Tree masks are passed as one int32 bitmask per query row (a small device array).
 Addresses into the caches and outputs are computed in int64 (caches past 2**31 elements).
@@ -29,10 +29,10 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from specjax.kernels.pallas import paged_attention as _pk
-from specjax.kernels.triton import _jt
+from specjax.kernels.paged_attention import limits as _pk
+from specjax.kernels import _jt
 
-_NEG = tl.constexpr(_pk._NEG)
+_NEG = tl.constexpr(_pk.NEG)
 _INT32_MAX = tl.constexpr(int(np.iinfo(np.int32).max))
 
 
@@ -197,10 +197,10 @@ def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_qu
                     (b_pad, nkv, num_splits, rows)])
     merge = dict(
         grid=(t_pad, nkv), num_warps=4,
-        meta=dict(B=b_pad, B2=_pk._pow2_at_least(b_pad), NH=nh, NKV=nkv, HD=hd, GROUP=group,
-                  G2=_pk._pow2_at_least(group), NUM_SPLITS=num_splits,
-                  S2=_pk._pow2_at_least(num_splits), ROWS=rows, QMAX=max(int(max_query_len), 1)))
-    tree = np.asarray(_pk._tree_bits(tree_mask) if tree_mask is not None else (0,), np.int32)
+        meta=dict(B=b_pad, B2=_pk.pow2_at_least(b_pad), NH=nh, NKV=nkv, HD=hd, GROUP=group,
+                  G2=_pk.pow2_at_least(group), NUM_SPLITS=num_splits,
+                  S2=_pk.pow2_at_least(num_splits), ROWS=rows, QMAX=max(int(max_query_len), 1)))
+    tree = np.asarray(_pk.tree_bits(tree_mask) if tree_mask is not None else (0,), np.int32)
     return dict(attention=attention, merge=merge, tree_bits=tree)
 
 
@@ -216,7 +216,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     block_k: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
     """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads,
-    head_dim]`` in ``q.dtype``: :func:`specjax.kernels.pallas.paged_attention.paged_attention`
+    head_dim]`` in ``q.dtype``: :func:`specjax.kernels.paged_attention.pallas.paged_attention`
     (same arguments and knobs, same semantics) as two Triton kernels. Needs a GPU."""
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from specjax.kernels.triton import _jt
+from specjax.kernels import _jt
 
 
 @triton.jit

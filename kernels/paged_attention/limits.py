@@ -1,0 +1,126 @@
+"""The limits and static configuration shared by the paged-attention kernels
+(``pallas.py`` and ``triton.py``): which shapes they take, the row tile, the context
+splits (flash-decoding), and when the fused cache write pays."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Masked scores; finite so that ``max - max`` of a fully masked tile is 0, not NaN.
+NEG = -0.7 * float(np.finfo(np.float32).max)
+#: Largest row tile (``max_query_len * G`` rounded up): the float32 accumulator is
+#: ``ROWS x head_dim`` registers per program.
+MAX_ROWS = 128
+#: Largest tree: one int32 bitmask per query row.
+MAX_TREE = 31
+#: Keys per inner step of a program, unless ``block_k`` says otherwise.
+DEFAULT_BLOCK_K = 64
+#: Cap on the context splits per request.
+MAX_SPLITS = 16
+#: Streaming multiprocessors assumed when the device does not say (H200: 132).
+DEFAULT_NUM_SMS = 132
+
+
+def pow2_at_least(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def num_rows(max_query_len: int, group: int) -> int:
+    """Rows of one program's query tile: ``max_query_len * group`` as a power of two >= 16."""
+    return pow2_at_least(max(int(max_query_len), 1) * group, 16)
+
+
+def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
+                       tree_mask=None, dtype=None) -> str | None:
+    """Why the kernel cannot take these shapes, or ``None`` if it can."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim={head_dim} is not a power of two >= 16"
+    rows = num_rows(max_query_len, num_heads // num_kv_heads)
+    if rows > MAX_ROWS:
+        return (f"max_query_len={max_query_len} x group={num_heads // num_kv_heads} needs "
+                f"{rows} rows per program (> {MAX_ROWS})")
+    if tree_mask is not None and len(tree_mask) > MAX_TREE:
+        return f"tree_mask has {len(tree_mask)} rows (> {MAX_TREE})"
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.float32),
+                                                      jnp.dtype(jnp.bfloat16),
+                                                      jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype)} is not float32, bfloat16 or float16"
+    return None
+
+
+def _num_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", DEFAULT_NUM_SMS) or DEFAULT_NUM_SMS)
+    except Exception:  # pragma: no cover - no device info
+        pass
+    return DEFAULT_NUM_SMS
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int,
+                       num_sms: int | None = None) -> int:
+    """Context splits per request: the smallest power of two that gives every SM of the GPU
+    a program (``batch * num_kv_heads * splits >= num_sms``), at most ``MAX_SPLITS`` and at
+    most half the tiles of a full-width request (at least two tiles a split at capacity).
+    """
+    target = num_sms or _num_sms()
+    cap = max(1, min(MAX_SPLITS, max_tiles // 2))
+    s = 1
+    while batch * num_kv_heads * s < target and s * 2 <= cap:
+        s *= 2
+    return s
+
+
+def fused_write_pays(num_requests: int, num_kv_heads: int, context: int, *,
+                     block_k: int | None = None, num_sms: int | None = None) -> bool:
+    """Whether :func:`paged_attention_write` should replace the two scatters and
+    :func:`paged_attention` (``SPECJAX_FUSED_KV_WRITE=auto``): when
+    :func:`default_num_splits` splits each request's context (``context`` keys of block
+    table, ``num_requests`` rows) over several programs. Each program then walks few tiles,
+    and the scatter kernels saved outweigh the kernel's extra work; with one split per
+    request (B = 64 of an 8-kv-head model on the H200) the fused kernel measured 4-16%
+    slower (benchmarks/RESULTS.md)."""
+    return default_num_splits(max(int(num_requests), 1), num_kv_heads,
+                              cdiv(int(context), block_k or DEFAULT_BLOCK_K), num_sms) > 1
+
+
+def kernel_config(who: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                  block_size: int, max_blocks: int, batch: int, max_query_len: int, tree_mask,
+                  dtype, block_k: int | None, num_splits: int | None,
+                  num_warps: int | None) -> tuple[int, int, int, int, int]:
+    """The static configuration shared by this kernel and its Triton twin
+    (``triton.py``): ``(group, rows, block_k, num_splits,
+    num_warps)`` with the defaults filled in; ValueError (naming ``who``'s kernel and the
+    argument) for shapes or knobs the kernels do not take."""
+    reason = unsupported_reason(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                head_dim=head_dim, max_query_len=max_query_len,
+                                tree_mask=tree_mask, dtype=dtype)
+    if reason:
+        raise ValueError(f"paged_attention ({who}): unsupported shapes: {reason}")
+    group = num_heads // num_kv_heads
+    rows = num_rows(max_query_len, group)
+    block_k = DEFAULT_BLOCK_K if block_k is None else int(block_k)
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power of two >= 16")
+    if num_splits is None:
+        num_splits = default_num_splits(max(batch, 1), num_kv_heads,
+                                        cdiv(max_blocks * block_size, block_k))
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if num_warps is None:
+        num_warps = 4 if rows <= 32 else 8
+    return group, rows, block_k, num_splits, num_warps
+
+
+def tree_bits(tree_mask) -> tuple[int, ...]:
+    """Row ``i`` of the mask as an int: bit ``j`` set iff query ``i`` sees block query ``j``."""
+    return tuple(sum(1 << j for j, x in enumerate(row) if x) for row in tree_mask)

@@ -1,0 +1,454 @@
+"""Paged attention over ragged batches: a Pallas kernel lowered through Triton.
+
+The specification is :func:`specjax.kernels.paged_attention.paged_attention` (pure jax.numpy); this
+kernel computes the same function without gathering every request's whole context.
+
+Layout: ``q [T, num_heads, head_dim]``; ``k_cache``, ``v_cache`` ``[num_blocks, block_size,
+num_kv_heads, head_dim]``; ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_table [B,
+max_blocks]`` int32 (see :class:`specjax.attention.CommonAttentionMetadata`).
+
+Grid ``(B, num_kv_heads, num_splits)``. Program ``(r, h, s)`` owns request ``r``'s queries
+for the ``G = num_heads // num_kv_heads`` query heads that read kv head ``h``: one tile of
+``ROWS`` rows, row ``m`` = query ``m // G`` of the request, query head ``h * G + m % G``;
+``ROWS`` is ``max_query_len * G`` rounded up to a power of two, at least 16 (``tl.dot``
+wants M >= 16; the Triton lowering wants power-of-two loads). It walks the request's keys
+``BLOCK_K`` at a time (several pages per step when ``block_size < BLOCK_K``): key ``j`` is
+read at page ``block_table[r, j // block_size]``, offset ``j % block_size`` (one gathered
+load of ``BLOCK_K`` rows of ``head_dim`` contiguous elements), with an online softmax in
+float32. Masks, as in the reference: key ``< seq_len``; row's query ``< query_len``;
+causal (key ``<= seq_len - query_len + i``) or the static ``tree_mask`` (baked into the
+kernel as one int32 bitmask per query row). Only tiles below ``seq_len`` are read, and
+requests with no queries (padding rows) read nothing.
+
+Split-K (flash-decoding): with few programs (small batches), the tiles of each request are
+divided among ``num_splits`` programs (by the request's actual length); each writes its
+unnormalized float32 accumulator with its running max and sum, and a second small kernel
+(grid ``(T, num_kv_heads)``, one program per token and kv head) merges the splits,
+normalizes and writes the rows back in token order (with ``num_splits == 1`` it only
+normalizes and reorders). Tokens past ``query_start_loc[-1]`` get zeros.
+
+Numerics: scores, softmax and accumulation in float32 (dots take ``q.dtype`` inputs with
+float32 accumulation, ``Precision.HIGHEST`` so float32 dots are IEEE, not TF32); the
+probabilities enter the second dot in the cache dtype, like the reference. The result is
+not bit-identical to the reference: the online softmax sums in a different order and
+rescales the accumulator per tile (float32: ~1e-6 relative), and in bfloat16 the
+probabilities are rounded before, not after, normalization. A query row with no visible key
+(not produced by valid metadata) gives zeros here and a uniform average in the reference.
+
+:func:`paged_attention_write` is the same kernel with the step's cache write folded in
+(``qkv`` in, the caches aliased in and out): program ``(r, h, 0)`` stores request ``r``'s
+new K/V of head ``h``, and the tiles that can hold one of those slots take the new values
+from ``qkv`` through an exact one-hot product, since programs run in no fixed order. Opt-in
+from :func:`specjax.kernels.paged_attention.attend` (``SPECJAX_FUSED_KV_WRITE=1``).
+
+On the GPU this is a Triton-lowered ``pl.pallas_call`` (the Pallas Triton backend, which
+JAX deprecates: a warning once per compilation from JAX 0.11.2, none in 0.10.2 / 0.11.0);
+elsewhere it runs in Pallas interpret mode (``interpret=True``), which does not check
+Triton's rules (power-of-two shapes), so :func:`unsupported_reason` checks them up front.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from specjax import _compat
+from specjax.kernels.paged_attention.kv_cache import scatter_slots
+from specjax.kernels.paged_attention.limits import (  # noqa: F401  (re-exported)
+    DEFAULT_BLOCK_K, DEFAULT_NUM_SMS, MAX_ROWS, MAX_SPLITS, MAX_TREE, NEG, cdiv, default_num_splits,
+    fused_write_pays, kernel_config, num_rows, pow2_at_least, tree_bits, unsupported_reason)
+
+#: ``jax.experimental.pallas.triton`` (None, with the reason, on a JAX without the Pallas
+#: Triton backend: then :func:`paged_attention` raises and ``"auto"`` never picks it).
+pltr, PLTR_MISSING = _compat.pallas_triton()
+
+def _load_new(qkv_ref, tok, nh: int, nkv: int, h, col):
+    """Kv head ``h`` of tokens ``tok [W]`` from ``qkv [T, nh + 2 nkv, hd]``: ``(k, v)``."""
+    return (pltr.load(qkv_ref.at[tok[:, None], nh + h, col]),
+            pltr.load(qkv_ref.at[tok[:, None], nh + nkv + h, col]))
+
+
+def _write_new(qkv_ref, ko_ref, vo_ref, tok, slot, ok, nh: int, h, col, block_size: int):
+    """Store kv head ``h`` of tokens ``tok [W]`` (from ``qkv``) at ``slot`` of the output
+    caches where ``ok``; nothing is loaded or stored when no row is ``ok``.
+
+    Rows not ``ok`` are pointed at the first ``ok`` row (same slot, same value): the store is
+    masked, but interpret mode implements a masked store as a read-select-scatter, where a
+    masked row aimed at a slot that another row writes would race with it."""
+    w = tok.shape[0]
+    i = jnp.arange(w, dtype=jnp.int32)
+    first = jnp.min(jnp.where(ok, i, w))
+
+    def write():
+        t = jnp.where(ok, tok, jnp.sum(jnp.where(i == first, tok, 0)))
+        sl = jnp.where(ok, slot, jnp.sum(jnp.where(i == first, slot, 0)))
+        kn, vn = _load_new(qkv_ref, t, nh, ko_ref.shape[2], h, col)
+        page = lax.div(sl, jnp.int32(block_size))[:, None]
+        off = lax.rem(sl, jnp.int32(block_size))[:, None]
+        pltr.store(ko_ref.at[page, off, h, col], kn.astype(ko_ref.dtype))
+        pltr.store(vo_ref.at[page, off, h, col], vn.astype(vo_ref.dtype))
+
+    lax.cond(first < w, write, lambda: None)
+
+
+def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int,
+            block_k: int, block_size: int, max_blocks: int, num_blocks: int, num_splits: int,
+            num_tokens: int, causal: bool, tree_bits: tuple[int, ...] | None, precision,
+            write_rows: int = 0):
+    """``refs``: ``q, k_cache, v_cache`` (inputs, whole arrays), then ``o, m, l`` (this
+    program's tile). With ``write_rows`` (the fused cache write, see
+    :func:`paged_attention_write`): ``slot_mapping, qkv, k_cache, v_cache`` in, then ``o, m,
+    l, k_cache_out, v_cache_out`` (aliased to the caches in), and ``q_ref`` is ``qkv``."""
+    if write_rows:
+        sm_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, ko_ref, vo_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, m_ref, l_ref = refs
+    r = pl.program_id(0)
+    h = pl.program_id(1)
+    s = pl.program_id(2)
+    start = qsl_ref[r]
+    qlen = qsl_ref[r + 1] - start
+    seq = seq_ref[r]
+
+    m_idx = jnp.arange(rows, dtype=jnp.int32)
+    qi = lax.div(m_idx, jnp.int32(group))                     # query index in the request
+    row_ok = qi < qlen
+    tok = jnp.minimum(start + qi, num_tokens - 1)
+    head = h * group + lax.rem(m_idx, jnp.int32(group))
+    # every dimension indexed by an int array (interpret mode cannot mix gathers and slices;
+    # the Triton lowering builds the same pointer tensor either way)
+    hd = q_ref.shape[-1]
+    col = jnp.arange(hd, dtype=jnp.int32)[None, :]
+    q = pltr.load(q_ref.at[tok[:, None], head[:, None], col], mask=row_ok[:, None],
+                  other=0)                                     # [ROWS, hd]
+    if write_rows:
+        nh, nkv = k_ref.shape[2] * group, k_ref.shape[2]
+        # this request's new keys / values (heads nh + h and nh + nkv + h of qkv) and slots
+        ni = jnp.arange(write_rows, dtype=jnp.int32)
+        ntok = jnp.minimum(start + ni, num_tokens - 1)
+        nslot = pltr.load(sm_ref.at[ntok], mask=ni < qlen, other=-1)
+        n_ok = (ni < qlen) & (nslot >= 0) & (nslot < num_blocks * block_size)
+        _write_new(q_ref, ko_ref, vo_ref, ntok, nslot, n_ok & (s == 0), nh, h, col, block_size)
+        # rows past every request (query_start_loc[-1] .. num_tokens) with a slot are
+        # written too (as the unfused scatter does), by the programs of request 0
+        tail = qsl_ref[qsl_ref.shape[0] - 1]
+        n_tail = jnp.where((r == 0) & (s == 0), cdiv(num_tokens - tail, write_rows), 0)
+
+        def write_tail(c, carry):
+            ttok = jnp.minimum(tail + c * write_rows + ni, num_tokens - 1)
+            t_ok = tail + c * write_rows + ni < num_tokens
+            tslot = pltr.load(sm_ref.at[ttok], mask=t_ok, other=-1)
+            t_ok = t_ok & (tslot >= 0) & (tslot < num_blocks * block_size)
+            _write_new(q_ref, ko_ref, vo_ref, ttok, tslot, t_ok, nh, h, col, block_size)
+            return carry
+
+        lax.fori_loop(0, n_tail, write_tail, 0)
+        # vLLM's metadata: token i's slot is that of its position seq - qlen + i in the
+        # request's table, so only the tiles from seq - qlen on can hold a written key;
+        # any other slot (a bug upstream, or a test) makes every tile check
+        npos = seq - qlen + ni
+        npage = pltr.load(bt_ref.at[r, jnp.clip(lax.div(npos, jnp.int32(block_size)), 0,
+                                                 max_blocks - 1)])
+        nexp = (jnp.clip(npage, 0, num_blocks - 1) * block_size
+                + lax.rem(jnp.maximum(npos, 0), jnp.int32(block_size)))
+        irregular = jnp.max(jnp.where(n_ok & ((nslot != nexp) | (npos < 0)), 1, 0)) > 0
+
+    if tree_bits is not None:
+        qt = len(tree_bits)
+        # the reference clamps the query index to the mask's last row
+        bits = jnp.full((rows,), tree_bits[-1], jnp.int32)
+        for i, b in enumerate(tree_bits[:-1]):
+            bits = jnp.where(qi == i, jnp.int32(b), bits)
+        block_start = seq - qlen                               # first key of the query block
+    elif causal:
+        qpos = seq - qlen + qi                                 # [ROWS] position of each row
+
+    n_tiles = jnp.where(qlen > 0, cdiv(seq, block_k), 0)
+    per = cdiv(n_tiles, num_splits)
+    lo = jnp.minimum(s * per, n_tiles)
+    hi = jnp.minimum(lo + per, n_tiles)
+    kk0 = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(t, carry, overlay_new: bool = False):
+        acc, m_prev, l_prev = carry
+        kk = t * block_k + kk0                                 # [BK] key positions
+        kv_ok = kk < seq
+        page = bt_ref[r, jnp.minimum(lax.div(kk, jnp.int32(block_size)), max_blocks - 1)]
+        page = jnp.clip(page, 0, num_blocks - 1)
+        off = lax.rem(kk, jnp.int32(block_size))
+        k = pltr.load(k_ref.at[page[:, None], off[:, None], h, col], mask=kv_ok[:, None],
+                      other=0)                                 # [BK, hd]
+        v = pltr.load(v_ref.at[page[:, None], off[:, None], h, col], mask=kv_ok[:, None],
+                      other=0)
+        if overlay_new:
+            # keys this call writes (this request's slots) read the new values, whether or
+            # not the write above has landed: a one-hot [BK, W] x [W, hd] product (exact)
+            hit = ((page * block_size + off)[:, None] == nslot[None, :]) & n_ok[None, :]
+            any_hit = jnp.max(hit.astype(jnp.int32), axis=1) > 0
+            kn, vn = _load_new(q_ref, ntok, nh, nkv, h, col)
+            onehot = hit.astype(k.dtype)
+            dims = (((1,), (0,)), ((), ()))
+            new_k = lax.dot_general(onehot, kn, dims, precision=precision,
+                                    preferred_element_type=jnp.float32)
+            new_v = lax.dot_general(onehot, vn, dims, precision=precision,
+                                    preferred_element_type=jnp.float32)
+            k = jnp.where(any_hit[:, None], new_k.astype(k.dtype), k)
+            v = jnp.where(any_hit[:, None], new_v.astype(v.dtype), v)
+
+        sc = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32) * scale    # [ROWS, BK]
+        mask = row_ok[:, None] & kv_ok[None, :]
+        if tree_bits is not None:
+            rel = kk - block_start                             # index in the query block
+            relc = jnp.clip(rel, 0, qt - 1)
+            seen = lax.shift_right_logical(bits[:, None], relc[None, :]) & 1
+            mask = mask & ((rel < 0)[None, :] | ((rel < qt)[None, :] & (seen != 0)))
+        elif causal:
+            mask = mask & (kk[None, :] <= qpos[:, None])
+        sc = jnp.where(mask, sc, NEG)
+        m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1))
+        corr = jnp.exp(m_prev - m_new)
+        p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
+        l_new = corr * l_prev + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)            # [ROWS, hd]
+        return corr[:, None] * acc + pv, m_new, l_new
+
+    init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    if write_rows:
+        # two loops without a branch inside (Triton pipelines their loads): the tiles
+        # before the first new position, then those that can hold a written key (every
+        # tile when the slots are irregular)
+        first_new = jnp.where(irregular, 0, lax.div(jnp.maximum(seq - qlen, 0),
+                                                    jnp.int32(block_k)))
+        mid = jnp.clip(first_new, lo, hi)
+        init = lax.fori_loop(lo, mid, body, init)
+        acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, overlay_new=True), init)
+    else:
+        acc, m, l = lax.fori_loop(lo, hi, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+_STATIC = ("scale", "max_query_len", "causal", "tree_mask", "block_k", "num_splits", "num_warps",
+           "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    query_start_loc: jax.Array, seq_lens: jax.Array, block_table: jax.Array, *,
+                    scale: float, max_query_len: int, causal: bool = True,
+                    tree_mask: tuple[tuple[bool, ...], ...] | None = None,
+                    block_k: int | None = None, num_splits: int | None = None,
+                    num_warps: int | None = None, num_stages: int = 2,
+                    interpret: bool | None = None) -> jax.Array:
+    """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads,
+    head_dim]`` in ``q.dtype`` (semantics: :func:`specjax.kernels.paged_attention.paged_attention`).
+
+    ``max_query_len`` (static) bounds every request's query length; ``tree_mask`` (static
+    ``Q x Q`` bools or ``None``) replaces the causal mask when given. Tuning knobs (static):
+    ``block_k`` keys per step (default 64, a power of two >= 16), ``num_splits`` context
+    splits per request (default: :func:`default_num_splits`), ``num_warps`` (default 4, 8
+    for tiles of more than 32 rows), ``num_stages``. ``interpret`` (default: off the GPU)
+    runs the kernel in Pallas interpret mode.
+    """
+    out, _ = _attention(q, None, k_cache, v_cache, None, query_start_loc, seq_lens, block_table,
+                        scale=scale, max_query_len=max_query_len, causal=causal,
+                        tree_mask=tree_mask, block_k=block_k, num_splits=num_splits,
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_attention_write(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                          slot_mapping: jax.Array, query_start_loc: jax.Array,
+                          seq_lens: jax.Array, block_table: jax.Array, *, scale: float,
+                          max_query_len: int, causal: bool = True,
+                          tree_mask: tuple[tuple[bool, ...], ...] | None = None,
+                          block_k: int | None = None, num_splits: int | None = None,
+                          num_warps: int | None = None, num_stages: int = 2,
+                          interpret: bool | None = None
+                          ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """This step's K/V written into the paged cache and the attention over it, in one kernel:
+    :func:`specjax.kernels.paged_attention.attend` (``write_kv`` then :func:`paged_attention`)
+    without the two scatter kernels.
+
+    ``qkv [T, num_heads + 2 * num_kv_heads, head_dim]``: the queries, then the new keys, then
+    the new values, in the caches' dtype (one array, so that XLA produces it with one fusion
+    out of the projection). Returns ``(out [T, num_heads, head_dim], (k_cache, v_cache))``;
+    the kernel's cache outputs alias its cache inputs, so under a ``jax.jit`` that donates
+    the caches (every proposer's ``propose``, the engine step) they are updated in place.
+
+    Writes: program ``(r, h, 0)`` stores kv head ``h`` of request ``r``'s tokens at their
+    ``slot_mapping`` entries (slots ``< 0`` or past the cache dropped, as the scatter does);
+    tokens past ``query_start_loc[-1]`` with a slot are stored by the programs of request 0.
+    Reads: a key whose slot one of the request's own tokens writes takes the new value from
+    ``qkv`` instead of the cache (programs run in no fixed order). Same result as
+    ``write_kv`` then :func:`paged_attention` -- the caches bit-identical, the output too --
+    when no request reads a slot that another request's (or a padding) token writes this call:
+    true of vLLM's metadata, where each token's slot is a page of its own request's block
+    table.
+    """
+    t_pad, width, hd = qkv.shape
+    nb, bs, nkv, hd_k = k_cache.shape
+    nh = width - 2 * nkv
+    if nh <= 0 or hd_k != hd or v_cache.shape != k_cache.shape:
+        raise ValueError(f"qkv {qkv.shape} does not fit caches {k_cache.shape}, {v_cache.shape}: "
+                         "want [T, num_heads + 2 * num_kv_heads, head_dim]")
+    if qkv.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"qkv ({qkv.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) "
+                         "must share one dtype")
+    if slot_mapping.shape != (t_pad,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] = [{t_pad}]")
+    return _attention(qkv, nh, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens,
+                      block_table, scale=scale, max_query_len=max_query_len, causal=causal,
+                      tree_mask=tree_mask, block_k=block_k, num_splits=num_splits,
+                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens,
+               block_table, *, scale, max_query_len, causal, tree_mask, block_k, num_splits,
+               num_warps, num_stages, interpret):
+    """Both entry points: ``slot_mapping is None`` -> attention only (``q [T, nh, hd]``),
+    else ``q`` is ``qkv`` with ``num_heads`` query heads and the write is fused."""
+    if pltr is None:
+        raise ValueError(f"the Pallas paged-attention kernel is unavailable: {PLTR_MISSING}")
+    write = slot_mapping is not None
+    t_pad, width, hd = q.shape
+    nh = num_heads if write else width
+    nb, bs, nkv, hd_k = k_cache.shape
+    if v_cache.shape != k_cache.shape or hd_k != hd:
+        raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
+    b_pad = query_start_loc.shape[0] - 1
+    max_blocks = block_table.shape[1]
+    group, rows, block_k, num_splits, num_warps = kernel_config(
+        "pallas", num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=bs,
+        max_blocks=max_blocks, batch=b_pad, max_query_len=max_query_len, tree_mask=tree_mask,
+        dtype=q.dtype, block_k=block_k, num_splits=num_splits, num_warps=num_warps)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if b_pad == 0 or t_pad == 0:
+        out = jnp.zeros((t_pad, nh, hd), q.dtype)
+        if write:       # no request: every token is past query_start_loc[-1]
+            k_cache = _scatter(k_cache, q[:, nh:nh + nkv], slot_mapping)
+            v_cache = _scatter(v_cache, q[:, nh + nkv:], slot_mapping)
+        return out, (k_cache, v_cache)
+    # the first dot in the promoted dtype (as the reference's einsum), the second in the
+    # cache dtype (the reference casts the probabilities to it)
+    q_in = q if write else q.astype(jnp.promote_types(q.dtype, k_cache.dtype))
+
+    kernel = functools.partial(
+        _kernel, scale=float(scale), group=group, rows=rows, block_k=block_k, block_size=bs,
+        max_blocks=max_blocks, num_blocks=nb, num_splits=num_splits, num_tokens=t_pad,
+        causal=bool(causal), tree_bits=None if tree_mask is None else tree_bits(tree_mask),
+        precision=lax.Precision.HIGHEST,
+        write_rows=pow2_at_least(max(int(max_query_len), 1), 16) if write else 0)
+    grid = (b_pad, nkv, num_splits)
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, hd), lambda r, h, s: (r, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows, hd), jnp.float32),
+        jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
+    ]
+    ints = [query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
+            block_table.astype(jnp.int32)]
+    if write:
+        args = ints + [slot_mapping.astype(jnp.int32), q_in, k_cache, v_cache]
+        out_specs += [pl.no_block_spec, pl.no_block_spec]
+        out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+        aliases = {5: 3, 6: 4}
+    else:
+        args, aliases = ints + [q_in, k_cache, v_cache], {}
+    outs = pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention{'_write' if write else ''}_r{rows}_k{block_k}_s{num_splits}",
+    )(*args)
+    o, m, l = outs[:3]
+    caches = (outs[3], outs[4]) if write else (k_cache, v_cache)
+
+    # merge the splits (flash-decoding), normalize, rows -> token order: one small kernel
+    out = _merge(query_start_loc.astype(jnp.int32), o, m, l, t_pad=t_pad, num_heads=nh,
+                 max_query_len=max(int(max_query_len), 1), out_dtype=q.dtype,
+                 interpret=interpret)
+    return out, caches
+
+
+def _scatter(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """The unfused cache write (no request, hence no kernel to fold it into)."""
+    return scatter_slots(cache, values, slot_mapping)
+
+
+def _merge_kernel(qsl_ref, o_ref, m_ref, l_ref, out_ref, *, b_pad: int, group: int,
+                  num_splits: int, rows: int, qmax: int):
+    """Program ``(t, h)``: token ``t``'s ``group`` query heads of kv head ``h``. Finds the
+    token's request ``r`` (``qsl[r] <= t < qsl[r + 1]``) and query index ``i``, merges the
+    ``num_splits`` partial results of rows ``i * group + g`` (flash-decoding), normalizes,
+    writes ``out[t, h, g]`` (``g`` padded to a power of two); zeros for tokens past
+    ``qsl[b_pad]``."""
+    t = pl.program_id(0)
+    h = pl.program_id(1)
+    bi = jnp.arange(pow2_at_least(b_pad), dtype=jnp.int32)
+    ends = pltr.load(qsl_ref.at[jnp.minimum(bi + 1, b_pad)], mask=bi < b_pad,
+                     other=np.iinfo(np.int32).max)             # qsl[1 : b_pad + 1]
+    r = jnp.minimum(jnp.sum((ends <= t).astype(jnp.int32)), b_pad - 1)
+    i = jnp.clip(t - qsl_ref[r], 0, qmax - 1)
+    valid = t < qsl_ref[b_pad]
+
+    g = jnp.arange(pow2_at_least(group), dtype=jnp.int32)
+    g_ok = g < group
+    row = jnp.minimum(i * group + g, rows - 1)
+    s = jnp.arange(pow2_at_least(num_splits), dtype=jnp.int32)
+    sc = jnp.minimum(s, num_splits - 1)
+    ok = (s < num_splits)[:, None] & g_ok[None, :]                # [S2, G2]
+    hd = o_ref.shape[-1]
+    col = jnp.arange(hd, dtype=jnp.int32)
+    m = pltr.load(m_ref.at[r, h, sc[:, None], row[None, :]], mask=ok, other=NEG)
+    l = pltr.load(l_ref.at[r, h, sc[:, None], row[None, :]], mask=ok, other=0.0)
+    o = pltr.load(o_ref.at[r, h, sc[:, None, None], row[None, :, None], col[None, None, :]],
+                  mask=ok[:, :, None], other=0.0)              # [S2, G2, hd]
+    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])
+    acc = jnp.sum(o * w[:, :, None], axis=0)                  # [G2, hd]
+    den = jnp.sum(l * w, axis=0)
+    out = acc / jnp.where(den > 0, den, 1.0)[:, None]
+    out_ref[...] = jnp.where(valid, out, 0.0).astype(out_ref.dtype)
+
+
+def _merge(qsl: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, *, t_pad: int,
+           num_heads: int, max_query_len: int, out_dtype, interpret: bool) -> jax.Array:
+    """The split-K epilogue as one kernel: ``o [B, nkv, S, ROWS, hd]``, ``m``, ``l [B, nkv,
+    S, ROWS]`` -> ``[t_pad, num_heads, hd]`` in ``out_dtype`` (replaces four XLA fusions:
+    max, exp, two sums, the normalization and the gather back to token order)."""
+    b_pad, nkv, splits, rows, hd = o.shape
+    group = num_heads // nkv
+    g2 = pow2_at_least(group)
+    kernel = functools.partial(_merge_kernel, b_pad=b_pad, group=group,
+                               num_splits=splits, rows=rows, qmax=max_query_len)
+    out = pl.pallas_call(
+        kernel,
+        grid=(t_pad, nkv),
+        out_specs=pl.BlockSpec((None, None, g2, hd), lambda t, h: (t, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((t_pad, nkv, g2, hd), out_dtype),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"paged_attention_merge_s{splits}",
+    )(qsl, o, m, l)
+    # a power-of-two group (every usual model): the slice is a no-op and the reshape free
+    return out[:, :, :group].reshape(t_pad, num_heads, hd)

@@ -1,0 +1,127 @@
+"""How the paged-attention kernels are called, on one device and under SPMD partitioning.
+
+On several devices the kernel (``"pallas"`` or ``"triton"``) is called through
+``jax.experimental.custom_partitioning`` (:func:`partitioned`) with a Shardy rule that lets
+the kv-head dimension be sharded (``q [T, (kv_heads group), hd]`` with the caches
+``[blocks, block_size, kv_heads, hd]``) and nothing else: under tensor parallelism each
+device runs the kernel on its own heads and its own cache shard, with no collective;
+replicated caches run it whole on every device; inside a ``jax.shard_map`` it is inlined.
+Without it, XLA's partitioner cannot split the kernel's custom call and would gather the
+whole cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from specjax import _compat
+from specjax.attention import CommonAttentionMetadata
+
+
+
+
+def static(backend: str, md: CommonAttentionMetadata, scale) -> tuple:
+    """The kernel backend and its static keywords, hashable: ``(backend, ((name, value),
+    ...))``."""
+    return backend, (("scale", float(scale)), ("max_query_len", int(md.max_query_len)),
+                     ("causal", bool(md.causal)), ("tree_mask", md.tree_mask))
+
+
+def kernel_attention(static, q, k_cache, v_cache, qsl, seq_lens, block_table):
+    """The attention kernel of backend ``static[0]`` (``"pallas"`` or ``"triton"``)."""
+    backend, kw = static
+    if backend == "triton":
+        from specjax.kernels.paged_attention.triton import paged_attention as kernel
+    else:
+        from specjax.kernels.paged_attention.pallas import paged_attention as kernel
+    return kernel(q, k_cache, v_cache, qsl, seq_lens, block_table, **dict(kw))
+
+
+def pallas_attention_write(static, q, k, v, k_cache, v_cache, slot_mapping, qsl, seq_lens,
+                            block_table):
+    from specjax.kernels.paged_attention.pallas import paged_attention_write
+
+    out, (kc, vc) = paged_attention_write(
+        jnp.concatenate([q, k, v], axis=1), k_cache, v_cache, slot_mapping, qsl, seq_lens,
+        block_table, **dict(static[1]))
+    return out, kc, vc
+
+
+#: Shardy factors: t tokens, h = (k g) query heads, k kv heads, d head_dim, n / s cache
+#: blocks / block offsets, a / r / c query_start_loc / requests / table width. Only ``k``
+#: (and with it the query heads, kv-head major) may stay sharded.
+_RULES = {
+    False: "t H d, n s k d, n s k d, a, r, r c -> t H d",
+    True: "t H d, t k d, t k d, n s k d, n s k d, t, a, r, r c -> t H d, n s k d, n s k d",
+}
+
+
+def _sharding_rule(write: bool):
+    def rule(static, mesh, operand_types, result_types):
+        group = operand_types[0].shape[1] // operand_types[3 if write else 1].shape[2]
+        text = _RULES[write].replace("H", "(k g)" if group > 1 else "k")
+        # Shardy wants the special factors in order of first appearance
+        order = list(dict.fromkeys(text.replace("(", " ").replace(")", " ").replace(",", " ")
+                                   .replace("->", " ").split()))
+        replicated = tuple(f for f in order if f != "k")
+        return text, dict(need_replication_factors=replicated, **({"g": group} if group > 1 else {}))
+    return rule
+
+
+#: Per operand / result of the partitioned call: the dimension that holds (kv) heads, or
+#: ``None`` (int metadata, slot mapping: replicated).
+_HEAD_DIMS = {
+    False: ((1, 2, 2, None, None, None), (1,)),
+    True: ((1, 1, 1, 2, 2, None, None, None, None), (1, 2, 2)),
+}
+
+
+def _head_tiles(sharding, ndim: int, head_dim: int | None) -> int | None:
+    """How many shards ``sharding`` splits the head dimension into (1: replicated), or
+    ``None`` when it splits any other dimension."""
+    hlo = sharding._to_xla_hlo_sharding(ndim)
+    if hlo.is_replicated():
+        return 1
+    if not hlo.is_tiled():
+        return None
+    dims = list(hlo.tile_assignment_dimensions())[:ndim]     # the rest: replication subgroups
+    tiles = dims[head_dim] if head_dim is not None else 1
+    others = [d for i, d in enumerate(dims) if i != head_dim]
+    return tiles if all(d == 1 for d in others) else None
+
+
+def _replicated(sharding, mesh):
+    return _compat.replicated_like(sharding, mesh)
+
+
+def _partition(write: bool):
+    """Run the kernel per shard on the shardings Shardy chose under :data:`_RULES` (the
+    kv-head split, or replicated). Anything else -- which the rule's replication factors
+    should rule out -- falls back to running the whole call on every device."""
+    def partition(static, mesh, arg_shapes, result_shape):
+        results = tuple(result_shape) if write else (result_shape,)
+        arrays = tuple(arg_shapes) + results
+        head_dims = _HEAD_DIMS[write][0] + _HEAD_DIMS[write][1]
+        tiles = [_head_tiles(x.sharding, len(x.shape), d) for x, d in zip(arrays, head_dims)]
+        split = {t for t, d in zip(tiles, head_dims) if d is not None}
+        consistent = (None not in tiles and len(split) == 1
+                      and all(t == 1 for t, d in zip(tiles, head_dims) if d is None))
+        arg_sh = [x.sharding for x in arg_shapes]
+        out_sh = [x.sharding for x in results]
+        if not consistent:
+            rep = _replicated(arg_sh[0], mesh)
+            arg_sh, out_sh = [rep] * len(arg_sh), [rep] * len(out_sh)
+        impl = functools.partial(pallas_attention_write if write else kernel_attention, static)
+        return mesh, impl, tuple(out_sh) if write else out_sh[0], tuple(arg_sh)
+    return partition
+
+
+@functools.cache
+def partitioned(write: bool):
+    """:func:`kernel_attention` (``write``: :func:`pallas_attention_write`) as a
+    ``custom_partitioning`` function: split by kv heads, never gathered."""
+    return _compat.custom_partitioning_shardy(
+        pallas_attention_write if write else kernel_attention, static_argnums=(0,),
+        partition=_partition(write), sharding_rule=_sharding_rule(write))

@@ -1,0 +1,67 @@
+"""The pure jax.numpy reference of paged attention (the ``"xla"`` backend): the
+specification the kernels are tested against, and the CPU path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.kernels.paged_attention.kv_cache import KVCache
+
+
+def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *,
+                        scale: float) -> jax.Array:
+    """The pure jax.numpy reference of :func:`paged_attention` (the ``"xla"`` backend)."""
+    t_pad, nh, hd = q.shape
+    nb, bs, nkv, _ = cache.k.shape
+    group = nh // nkv
+    b_pad = md.query_start_loc.shape[0] - 1
+    qmax = max(int(md.max_query_len), 1)
+    max_blocks = md.block_table.shape[1]
+    ctx = max_blocks * bs
+
+    qsl = md.query_start_loc
+    qlen = qsl[1:] - qsl[:-1]                                   # [B]
+    seq = md.seq_lens                                           # [B]
+
+    # queries laid out per request: [B, Q, nkv, G, hd]
+    qi = jnp.arange(qmax, dtype=jnp.int32)
+    tok = jnp.clip(qsl[:-1, None] + qi[None, :], 0, t_pad - 1)
+    q_valid = qi[None, :] < qlen[:, None]                       # [B, Q]
+    qr = q[tok].reshape(b_pad, qmax, nkv, group, hd)
+
+    # K/V of each request: [B, C, nkv, hd]
+    table = jnp.clip(md.block_table, 0, nb - 1)
+    kr = cache.k[table].reshape(b_pad, ctx, nkv, hd)
+    vr = cache.v[table].reshape(b_pad, ctx, nkv, hd)
+
+    kj = jnp.arange(ctx, dtype=jnp.int32)
+    mask = q_valid[:, :, None] & (kj[None, None, :] < seq[:, None, None])
+    if md.tree_mask is not None:
+        tm = jnp.asarray(np.asarray(md.tree_mask, dtype=bool))   # [Qt, Qt]
+        qt = tm.shape[0]
+        rel = kj[None, :] - (seq - qlen)[:, None]                # [B, C]: index in the block
+        allowed = tm[jnp.clip(qi, 0, qt - 1)[None, :, None],
+                     jnp.clip(rel, 0, qt - 1)[:, None, :]]           # [B, Q, C]
+        mask = mask & ((rel < 0)[:, None, :] | ((rel < qt)[:, None, :] & allowed))
+    elif md.causal:
+        qpos = seq[:, None] - qlen[:, None] + qi[None, :]       # [B, Q]
+        mask = mask & (kj[None, None, :] <= qpos[:, :, None])
+
+    s = jnp.einsum("bqkgd,bckd->bkgqc", qr, kr, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgqc,bckd->bqkgd", p.astype(vr.dtype), vr,
+                   preferred_element_type=jnp.float32)          # [B, Q, nkv, G, hd]
+    o = o.reshape(b_pad, qmax, nh, hd)
+
+    # back to token order
+    t = jnp.arange(t_pad, dtype=jnp.int32)
+    # request of token t = number of request ends <= t (B_pad is small: a compare beats a search)
+    r_t = jnp.minimum(jnp.sum(qsl[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32), b_pad - 1)
+    i_t = jnp.clip(t - qsl[r_t], 0, qmax - 1)
+    out = o[r_t, i_t]
+    valid = t < qsl[-1]
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)

@@ -1,0 +1,145 @@
+"""The kernel backend choice: per call, the process default (context manager, setter,
+``SPECJAX_KERNEL_BACKEND``), the attention-scoped alias, their precedence, the jit cache
+key, and the deprecated import paths that re-export the moved modules."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax.kernels as K
+from specjax.kernels import backend as B
+from specjax.kernels import paged_attention as attn
+
+pytestmark = pytest.mark.smoke
+
+
+class _MD:
+    max_query_len = 1
+    tree_mask = None
+
+
+SHAPE = ((4, 4, 16), (8, 4, 2, 16), _MD(), jnp.float32)
+
+
+def test_default_backend_context_and_setter():
+    assert K.get_default_backend() == "auto"
+    assert K.resolve_backend("auto") == "xla"          # the index ops' own auto rule
+    with K.default_backend("pallas"):
+        assert K.get_default_backend() == "pallas"
+        assert K.resolve_backend("auto") == "pallas"   # auto consults the default
+        assert K.resolve_backend("xla") == "xla"       # a named backend wins
+        with K.default_backend("xla"):
+            assert K.resolve_backend("auto") == "xla"
+        assert K.resolve_backend("auto") == "pallas"
+    assert K.get_default_backend() == "auto"
+    try:
+        K.set_default_backend("xla")
+        assert K.resolve_backend("auto") == "xla" and K.get_default_backend() == "xla"
+    finally:
+        K.set_default_backend("auto")
+    for bad in ("mosaic", None, 3):
+        with pytest.raises(ValueError, match=r"backend=.* is not one of \('auto', 'xla', 'pallas', 'triton'\)"):
+            K.set_default_backend(bad)
+
+
+def test_default_refused_when_it_cannot_run():
+    ok, _ = B._triton_available()
+    if ok:
+        pytest.skip("this machine runs Triton")
+    with K.default_backend("triton"):
+        with pytest.raises(ValueError, match="backend='triton' is unavailable"):
+            K.resolve_backend("auto")
+
+
+def test_attention_precedence():
+    # per call > attention alias > process default > auto
+    assert attn.resolve_attention_backend(*SHAPE) == "xla"              # CPU auto
+    with K.default_backend("pallas"):
+        assert attn.resolve_attention_backend(*SHAPE) == "pallas"
+        assert attn.resolve_attention_backend(*SHAPE, "xla") == "xla"
+        with attn.attention_backend("xla"):
+            assert attn.resolve_attention_backend(*SHAPE) == "xla"
+            assert attn.resolve_attention_backend(*SHAPE, "pallas") == "pallas"
+    with attn.attention_backend("pallas"):
+        with K.default_backend("xla"):
+            assert attn.resolve_attention_backend(*SHAPE) == "pallas"
+
+
+def test_default_is_part_of_the_jit_key():
+    traced = []
+
+    @jax.jit
+    def f(cu, valid, qsl):
+        traced.append(K.get_default_backend())
+        return K.eagle_prepare_inputs_padded(cu, valid, qsl)
+
+    cu = jnp.asarray([1, 3], jnp.int32)
+    valid = jnp.asarray([2, 1], jnp.int32)
+    qsl = jnp.asarray([0, 2, 5], jnp.int32)
+    want = f(cu, valid, qsl)
+    with K.default_backend("pallas"):
+        got = f(cu, valid, qsl)
+    f(cu, valid, qsl)
+    assert traced == ["auto", "pallas"], traced        # retraced once, then cached again
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def _run(code: str, **env):
+    e = dict(os.environ, JAX_PLATFORMS="cpu", **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
+                          timeout=300)
+
+
+def test_environment_variable():
+    code = "import specjax.kernels as K; print(K.get_default_backend(), K.resolve_backend('auto'))"
+    r = _run(code, SPECJAX_KERNEL_BACKEND="xla")
+    assert r.returncode == 0 and r.stdout.split() == ["xla", "xla"], r.stderr[-2000:]
+    r = _run(code, SPECJAX_KERNEL_BACKEND="cuda")
+    assert r.returncode != 0 and "SPECJAX_KERNEL_BACKEND" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("old, new, names", [
+    ("specjax.models.attention", "specjax.kernels.paged_attention",
+     ("attend", "paged_attention", "KVCache", "set_attention_backend", "scatter_slots")),
+    ("specjax.kernels.kv_cache", "specjax.kernels.paged_attention.kv_cache", ("scatter_slots",)),
+    ("specjax.kernels.pallas.paged_attention", "specjax.kernels.paged_attention.pallas",
+     ("paged_attention", "paged_attention_write", "unsupported_reason")),
+    ("specjax.kernels.xla", "specjax.kernels.copy_expand.xla", ("copy_and_expand_eagle_inputs",)),
+    ("specjax.kernels.pallas", "specjax.kernels.prepare.pallas", ("eagle_prepare_inputs_padded",)),
+])
+def test_moved_paths_reexport_with_a_warning(old, new, names):
+    sys.modules.pop(old, None)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        mod = importlib.import_module(old)
+    assert any(issubclass(x.category, DeprecationWarning) and "moved" in str(x.message)
+               for x in w), [str(x.message) for x in w]
+    target = importlib.import_module(new)
+    for n in names:
+        assert getattr(mod, n) is getattr(target, n), n
+
+
+def test_triton_path_forwards_lazily():
+    sys.modules.pop("specjax.kernels.triton", None)
+    with pytest.warns(DeprecationWarning, match="moved"):
+        mod = importlib.import_module("specjax.kernels.triton")
+    assert set(mod.__all__) == {"paged_attention", "eagle_step_update_slot_mapping_and_metadata",
+                                "eagle_prepare_inputs_padded", "eagle_prepare_next_token_padded",
+                                "copy_and_expand_eagle_inputs", "copy_and_expand_dflash_inputs"}
+    for name in mod.__all__:
+        assert getattr(mod, name).__name__ == name
+        # each forwards to a module that exists in its op's folder
+        family = "paged_attention" if name == "paged_attention" else None
+        assert importlib.util.find_spec(
+            f"specjax.kernels.{family or mod._OPS[name]}.triton") is not None, name
