@@ -63,7 +63,7 @@ def run(methods, ks, prompts, max_tokens, log=print, trees=()) -> dict:
                 f"{'OK' if ok else 'MISMATCH'} ({time.perf_counter() - t0:.0f}s)")
     for m in [m for m in methods if m in ("eagle", "eagle3")] if trees else []:
         for tree in trees:
-            from specjax.tree import TokenTree
+            from specjax.token_tree import TokenTree
             t = TokenTree.from_choices(tree)
             t0 = time.perf_counter()
             res = engine(demo.demo_proposer(m, t.num_nodes, target, tree=tree)).generate(prompts, sp)

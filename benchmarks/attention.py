@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels.paged_attention import pallas as pk
 from specjax.kernels import paged_attention as attn
 

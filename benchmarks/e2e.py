@@ -146,7 +146,7 @@ class Models:
         cfg = registry.config_from_hf(kind, hf)
         params = random_params(kind, cfg, self.dtype, jax.random.key(1))
         if tree is not None:
-            from specjax.tree import TokenTree
+            from specjax.token_tree import TokenTree
             k = TokenTree.from_choices(tree).num_nodes
         spec = SpeculativeConfig(method=method, num_speculative_tokens=k, speculative_token_tree=tree,
                                  **({"model": "draft"} if method == "draft_model" else {}))
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
             mk = 1 if m == "extract_hidden_states" else k
             label = m if tree is None else f"{m} tree"
             if tree is not None:      # a tree verifies up to its depth: that caps tau
-                from specjax.tree import TokenTree
+                from specjax.token_tree import TokenTree
                 mk = TokenTree.from_choices(tree).depth
             try:
                 if tree is not None and models.size == "demo":

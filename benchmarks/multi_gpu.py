@@ -50,10 +50,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import proposers as single  # noqa: E402  (benchmarks/proposers.py)
 
-from specjax.attention import CommonAttentionMetadata  # noqa: E402
+from specjax.attention_metadata import CommonAttentionMetadata  # noqa: E402
 from specjax.config import SpeculativeConfig  # noqa: E402
 from specjax.models import registry, share_target_weights  # noqa: E402
-from specjax.proposers.base import ProposerInputs  # noqa: E402
+from specjax.proposers.types import ProposerInputs  # noqa: E402
 from specjax.proposers.eagle import EagleProposer  # noqa: E402
 from specjax.sharding import DataParallel, tensor_parallel  # noqa: E402
 

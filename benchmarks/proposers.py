@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.models import registry, share_target_weights
-from specjax.proposers.base import ProposerInputs
+from specjax.proposers.types import ProposerInputs
 from specjax.proposers.eagle import EagleProposer
 
 HBM_BPS = 4.3e12
@@ -82,7 +82,7 @@ def propose_case(model, b: int, k: int, ctx: int, *, tree: str | None = None, dt
     q = k + 1
     n_spec = k
     if tree is not None:
-        from specjax.tree import TokenTree
+        from specjax.token_tree import TokenTree
         n_spec = TokenTree.from_choices(tree).num_nodes
     width = -(-(ctx + max(k, n_spec) + 8) // BS)
     width = 1 << (width - 1).bit_length()          # power-of-two context bucket
@@ -252,7 +252,7 @@ def main(argv=None):
         print(f"B={b:4d}  latency {r['latency_ms']:.3f} ms  pipelined {r['pipelined_ms']:.3f} ms  "
               f"floor {r['floor_ms']:.3f} ms  ({r['pipelined_ms'] / r['floor_ms']:.2f}x)", flush=True)
         for tree in args.tree or ():
-            from specjax.tree import TokenTree
+            from specjax.token_tree import TokenTree
             t = TokenTree.from_choices(tree)
             prop, state, inputs = propose_case(model, b, k, ctx, tree=tree, dtype=dtype)
             lat, pipe, state = time_propose(prop, params, state, inputs, args.reps)

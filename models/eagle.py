@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import base, rope
 from specjax.kernels.paged_attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels import paged_attention as attn_lib
 from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig

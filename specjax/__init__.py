@@ -18,7 +18,7 @@ _LAZY = {
     "Engine": "specjax.engine",
     "make_proposer": "specjax.proposers",
     "SpeculativeConfig": "specjax.config",
-    "TokenTree": "specjax.tree",
+    "TokenTree": "specjax.token_tree",
     # the public step (docs/integration.md)
     "make_step": "specjax.step",
     "Step": "specjax.step",

@@ -16,10 +16,10 @@ from typing import Sequence
 
 import numpy as np
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
 from specjax.step import StepBatch
-from specjax.tree import TokenTree
+from specjax.token_tree import TokenTree
 
 __all__ = ["build_batch", "trim_drafts", "attn_metadata_np", "spec_metadata_np", "NULL_BLOCK"]
 

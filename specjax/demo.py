@@ -93,7 +93,7 @@ def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL
     _, cfg, params = demo_models.load(method)
     extra = {"model": "specjax/demo_models/draft_model"} if method == "draft_model" else {}
     if tree is not None:
-        from specjax.tree import TokenTree
+        from specjax.token_tree import TokenTree
 
         extra["speculative_token_tree"] = tree
         k = TokenTree.from_choices(tree).num_nodes

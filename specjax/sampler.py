@@ -291,7 +291,7 @@ def tree_greedy_verify(target_token_ids: jax.Array, draft_token_ids: jax.Array,
       num_drafts: ``[B] int32`` or None (all ``N``): nodes ``j >= num_drafts[b]`` are
         absent. A prefix of the breadth-first node order holds every ancestor of its
         nodes, so any prefix is a valid (truncated) tree; 0 verifies the root only.
-      tree: a ``specjax.tree.TokenTree`` (static).
+      tree: a ``specjax.token_tree.TokenTree`` (static).
       num_reqs: 0-d int or None (every row real): rows ``>= num_reqs`` are padding.
 
     Returns:

@@ -36,12 +36,12 @@ import numpy as np
 # Defines the attention-backend jit option and imports the kernels before the step is first
 # traced (config states in the trace context; see the end of kernels/paged_attention/__init__.py).
 import specjax.kernels.paged_attention  # noqa: F401
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
 from specjax.proposers import Proposer, ProposerInputs
 from specjax.sampler import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_sample,
                              tree_rejection_sample, unconditional_to_conditional_rates)
-from specjax.tree import TokenTree
+from specjax.token_tree import TokenTree
 
 __all__ = ["StepBatch", "StepOutput", "Step", "make_step", "compact_tree_kv",
            "tree_chain_inputs", "step_cache_size"]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels import (
     compute_new_slot_mapping,
     extend_all_queries_by_N,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from specjax import demo_models
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.converters import load_pretrained
 from specjax.converters.cli import main as convert_main
 from specjax.models import registry, share_target_weights

@@ -18,7 +18,7 @@ import pytest
 from scipy import stats
 
 import specjax
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.engine import Engine, SamplingParams, TargetModel, generate, step_cache_size
 from specjax.metrics import SpecDecodingLogging

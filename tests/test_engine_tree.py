@@ -28,7 +28,7 @@ from specjax.engine import Engine, SamplingParams
 from specjax.proposers import DraftOutput, ModelProposer
 from specjax.proposers.common import PaddedBatchHelpers
 from specjax.step import compact_tree_kv, tree_chain_inputs
-from specjax.tree import TokenTree
+from specjax.token_tree import TokenTree
 
 from scipy import stats
 
@@ -274,7 +274,7 @@ def test_tree_chain_inputs_and_kv_compaction_match_numpy():
     qsl = np.zeros(b_pad + 1, np.int32)
     qsl[1:4] = np.cumsum(q)
     qsl[4:] = qsl[3]
-    from specjax.attention import CommonAttentionMetadata
+    from specjax.attention_metadata import CommonAttentionMetadata
 
     cad = CommonAttentionMetadata(
         jnp.asarray(qsl), jnp.asarray(np.append(seq, 0), jnp.int32), jnp.asarray(table),

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import test_models_oracle as ora
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import (
     ExtractHiddenStates,
     KVCache,

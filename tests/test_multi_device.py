@@ -192,7 +192,7 @@ TP_TREE_PARALLEL_CASES = [("eagle3", "tree", 2, False), ("eagle3", "tree", 4, Tr
 #: sharded as declared and, gathered to the host, match one device's caches.
 TP_TREE_PARALLEL_BODY = TP_HELPERS + """
 from specjax.config import SpeculativeConfig
-from specjax.tree import TokenTree
+from specjax.token_tree import TokenTree
 from test_proposers_eagle_parallel import _with_mask
 from test_proposers_eagle_tree import TREES
 
@@ -339,7 +339,7 @@ print("engine tp errors ok", flush=True)
 #: attends over its own heads and its own cache shard), and the caches stay as placed.
 #: Operand shardings other than the kv-head split run the call whole on every device.
 ATTN_BODY = """
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels import paged_attention as attn
 from jax.sharding import NamedSharding as NS
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from hypothesis import HealthCheck, given, settings, strategies as st
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specjax.proposers.base import DraftOutput
+from specjax.proposers.types import DraftOutput
 from specjax.proposers.ngram_cpu import NgramProposer
 from specjax.proposers.ngram_gpu import NgramGPUProposer, ngram_search
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels.paged_attention import pallas as pk
 from specjax.kernels import paged_attention as attn
 from specjax.kernels.paged_attention import KVCache
@@ -779,7 +779,7 @@ def _eagle3_drafts(b, dtype, backend, k=3, ctx=1024, geo=EAGLE3_8B):
     """Drafts of one EAGLE-3 propose with a Llama-3.1-8B-shaped head (benchmarks/proposers.py's
     setup, random weights), every attention through ``backend``."""
     from specjax.config import SpeculativeConfig
-    from specjax.proposers.base import ProposerInputs
+    from specjax.proposers.types import ProposerInputs
     from specjax.proposers.eagle import EagleProposer
 
     H, I, NH, NKV, HD, V, VD, BS = geo

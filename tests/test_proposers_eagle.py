@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.models import registry, share_target_weights
-from specjax.proposers.base import ProposerInputs
+from specjax.proposers.types import ProposerInputs
 from specjax.proposers.eagle import EagleProposer, prepare_inputs
 
 GEO = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from specjax import make_proposer
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.converters import CheckpointError, convert, load_pretrained, normalize, read_checkpoint
 from specjax.converters.formats import parallel_drafting_token_id

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.kernels.paged_attention import KVCache, paged_attention
 from specjax.proposers.eagle import EagleProposer
-from specjax.tree import TokenTree
+from specjax.token_tree import TokenTree
 from test_proposers_eagle import (B_PAD, BS, DENSE, NUM_BLOCKS, V, _batch, _dense_forward,
                                         _inputs, head)
 

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.models import registry
-from specjax.proposers.base import ProposerInputs
+from specjax.proposers.types import ProposerInputs
 from specjax.proposers.medusa import MedusaProposer
 
 try:

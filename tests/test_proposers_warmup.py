@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from specjax import make_proposer
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.models import registry, share_target_weights
 from specjax.models.extract_hidden_states import ExtractHiddenStates
-from specjax.proposers.base import ProposerInputs
+from specjax.proposers.types import ProposerInputs
 from specjax.proposers.common import ProposeBucket
 from specjax.proposers.dflash import DFlashProposer
 from specjax.proposers.draft_model import DraftModelProposer

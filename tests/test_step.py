@@ -14,7 +14,7 @@ import pytest
 
 from specjax.batch import build_batch, trim_drafts
 from specjax.step import StepBatch, StepOutput, make_step, step_cache_size
-from specjax.tree import TokenTree
+from specjax.token_tree import TokenTree
 
 from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, MML, V, build, target

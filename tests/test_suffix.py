@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from specjax.proposers.base import DraftOutput
+from specjax.proposers.types import DraftOutput
 from specjax.proposers.suffix import SuffixDecodingProposer
 
 try:

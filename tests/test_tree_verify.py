@@ -16,7 +16,7 @@ from scipy import stats
 from specjax.metadata import SpecDecodeMetadata
 from specjax.sampler import (SamplingMetadata, rejection_sample, tree_greedy_verify,
                              tree_rejection_sample)
-from specjax.tree import TokenTree
+from specjax.token_tree import TokenTree
 
 
 def random_tree(rng, max_depth=4, max_children=3, max_nodes=40) -> TokenTree:

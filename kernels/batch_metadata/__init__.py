@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.constants import PADDING_SLOT_ID
 from specjax.kernels._xla import _I32, _owner, _slot
 

@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import _compat
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels import backend as _backend
 from specjax.kernels.paged_attention import partition as _part
 from specjax.kernels.paged_attention.kv_cache import KVCache, scatter_slots

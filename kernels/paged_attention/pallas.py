@@ -5,7 +5,7 @@ kernel computes the same function without gathering every request's whole contex
 
 Layout: ``q [T, num_heads, head_dim]``; ``k_cache``, ``v_cache`` ``[num_blocks, block_size,
 num_kv_heads, head_dim]``; ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_table [B,
-max_blocks]`` int32 (see :class:`specjax.attention.CommonAttentionMetadata`).
+max_blocks]`` int32 (see :class:`specjax.attention_metadata.CommonAttentionMetadata`).
 
 Grid ``(B, num_kv_heads, num_splits)``. Program ``(r, h, s)`` owns request ``r``'s queries
 for the ``G = num_heads // num_kv_heads`` query heads that read kv head ``h``: one tile of

@@ -17,7 +17,7 @@ import functools
 import jax.numpy as jnp
 
 from specjax import _compat
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, Feed, ProposerInputs
+from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, Feed, ProposerInputs
 from specjax.proposers.factory import _MODEL_METHODS, available_methods, make_proposer  # noqa: F401
 from specjax.proposers.interface import (
     ModelProposer,

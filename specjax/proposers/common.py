@@ -17,11 +17,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 import specjax.kernels as K
 from specjax import _compat
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.constants import check_index_range
 from specjax.metadata import SpecDecodeMetadata
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs, check_int
+from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, ProposerInputs, check_int
 
 _I32 = jnp.int32
 

@@ -48,7 +48,7 @@ import specjax.kernels as K
 from specjax.config import SpeculativeConfig
 from specjax.constants import PADDING_SLOT_ID
 from specjax.models.dflash import DFlashHead
-from specjax.proposers.base import DraftOutput, ProposerInputs
+from specjax.proposers.types import DraftOutput, ProposerInputs
 from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,

@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 import specjax.kernels as K
 from specjax.config import SpeculativeConfig
 from specjax.models.llama import DecoderLM
-from specjax.proposers.base import DraftOutput, ProposerInputs
+from specjax.proposers.types import DraftOutput, ProposerInputs
 from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,

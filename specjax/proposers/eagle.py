@@ -43,7 +43,7 @@ given: rejected tokens stay as padding and, in chain mode, ``seq_lens`` shrink b
 chain) and the non-padded mode (``prepare_inputs`` on the host).
 
 **Tree drafting** (a branching ``speculative_token_tree``; ``num_speculative_tokens`` must
-equal its node count): the same first pass, then ``specjax.proposers.tree.tree_drafts``
+equal its node count): the same first pass, then ``specjax.proposers.tree_drafting.tree_drafts``
 (vLLM's ``propose_tree``: top-k children per level, one forward per further level over
 every node so far under tree attention). ``propose`` then returns ``[B, num_nodes]``
 drafts in tree order (``proposer.token_tree`` gives the structure); a serving loop
@@ -62,11 +62,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 import specjax.kernels as K
-from specjax.attention import CommonAttentionMetadata
+from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.models.eagle import EagleHead
 from specjax.models.eagle3 import Eagle3Head
-from specjax.proposers.base import DraftOutput, ProposerInputs
+from specjax.proposers.types import DraftOutput, ProposerInputs
 from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,
@@ -82,8 +82,8 @@ from specjax.proposers.common import (
     proposer_top_k,
     shift_in_next_tokens,
 )
-from specjax.proposers.tree import tree_drafts
-from specjax.tree import TokenTree
+from specjax.proposers.tree_drafting import tree_drafts
+from specjax.token_tree import TokenTree
 
 _I32 = jnp.int32
 

@@ -20,7 +20,7 @@ from specjax.config import SpeculativeConfig
 from specjax.models.extract_hidden_states import ExtractHiddenStates
 from specjax.proposers.common import (AheadOfTimeCompile, PaddedBatchHelpers, check_proposer,
                                       init_kv_caches)
-from specjax.proposers.base import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
 
 _I32 = jnp.int32
 

@@ -10,7 +10,7 @@ from typing import Any, Hashable, NamedTuple, Sequence
 import numpy as np
 
 from specjax.config import SpeculativeConfig
-from specjax.proposers.base import DraftOutput, Feed, ProposerInputs  # noqa: F401
+from specjax.proposers.types import DraftOutput, Feed, ProposerInputs  # noqa: F401
 
 
 def lookahead(config: SpeculativeConfig) -> int:

@@ -26,7 +26,7 @@ from specjax.models import base
 from specjax.models.medusa import MedusaHeads
 from specjax.proposers.common import (AheadOfTimeCompile, PaddedBatchHelpers, check_proposer,
                                       draft_output)
-from specjax.proposers.base import DraftOutput, ProposerInputs
+from specjax.proposers.types import DraftOutput, ProposerInputs
 
 _I32 = jnp.int32
 

@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit, prange
 
 from specjax.config import SpeculativeConfig
-from specjax.proposers.base import (
+from specjax.proposers.types import (
     DRAFT_PADDING_ID,
     DraftOutput,
     check_int,

@@ -38,7 +38,7 @@ from jax import lax
 
 from specjax.config import SpeculativeConfig
 from specjax.constants import INT32_LIMIT, next_power_of_2
-from specjax.proposers.base import (
+from specjax.proposers.types import (
     DRAFT_PADDING_ID,
     DraftOutput,
     check_int,

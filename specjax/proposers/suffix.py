@@ -28,7 +28,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from specjax.config import SpeculativeConfig
-from specjax.proposers.base import DraftOutput, check_int
+from specjax.proposers.types import DraftOutput, check_int
 from specjax.proposers.interface import HistoryProposer, TokenHistory, history_feed
 
 _INSTALL_HINT = 'suffix decoding needs Arctic Inference: pip install "specjax[suffix]"'
