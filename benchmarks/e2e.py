@@ -30,10 +30,20 @@ Usage::
     python benchmarks/e2e.py --target 8b --batch 1,8,32 --context 1024 --k 3 --json out.json
     python benchmarks/e2e.py --target demo --methods ngram eagle --batch 1,8
     python benchmarks/e2e.py --target 8b --tp 2 --methods ngram eagle3   # 2 GPUs, Engine(mesh=)
+    python benchmarks/e2e.py --target 8b --no-demo-tau --torch --out anchors.json  # + PyTorch anchors
+    python benchmarks/e2e.py --target 8b --device-methods --no-t1-check --out methods.json
+    python benchmarks/e2e.py --tiny --device-methods                     # CPU smoke run
+
+``--torch`` times ``benchmarks/torch_anchors.py``'s PyTorch steps of the same shapes
+(torch.compile + CUDA graph) after specjax's rows, in the same process, and prints each
+specjax step over its anchor (plain -> decode, n-gram -> 4-token verify, EAGLE-3 -> verify +
+propose) beside the floor (``benchmarks/floors.py``). ``--device-methods`` times every
+device method's fused step (EAGLE-1, EAGLE-3, DFlash, Medusa, draft model, the EAGLE-3 tree
+step) beside the plain step and ends with a table of ms and ratio to plain per B.
 
 Targets: ``8b`` (Llama-3.1-8B shape; draft model Llama-3.2-1B shape; EAGLE-3 draft vocab
 32000), ``1b`` (Llama-3.2-1B shape; draft model 2 layers of it), ``demo`` (the embedded
-demo model). Runs on any JAX backend.
+demo model), ``tiny`` (an 8-layer, 64-wide Llama for CPU smoke runs). Runs on any JAX backend.
 """
 
 from __future__ import annotations
@@ -50,6 +60,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import floors  # noqa: E402
 
 from specjax import demo  # noqa: E402
 from specjax.config import SpeculativeConfig  # noqa: E402
@@ -59,14 +72,16 @@ from specjax.models.config import eagle3_default_aux_layer_ids  # noqa: E402
 from specjax.proposers import available_methods, make_proposer  # noqa: E402
 
 BS = 16
-TARGETS = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
-               rms_norm_eps=1e-5),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
-               rms_norm_eps=1e-5, tie_word_embeddings=True),
-}
+#: The target geometries (``floors.TARGETS``: 8b, 1b, tiny), shared with the floors and the
+#: PyTorch anchors so all three measure the same shapes.
+TARGETS = floors.TARGETS
+#: Every device method's fused step (``--device-methods``); the tree step is EAGLE-3's with
+#: ``DEFAULT_TREE`` unless ``--tree`` names others.
+DEVICE_METHODS = ("eagle", "eagle3", "dflash", "medusa", "draft_model")
+DEFAULT_TREE = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]"
+#: specjax rows and the PyTorch anchor each is compared with (``--torch``): method -> anchor.
+TORCH_PAIRS = {"plain": "decode", "plain (T=1, unpadded)": "decode", "ngram": "verify",
+               "ngram_gpu": "verify", "suffix": "verify", "eagle3": "fused"}
 
 
 def random_params(kind, cfg, dtype, key):
@@ -137,7 +152,8 @@ class Models:
                 "eagle": dict(g, num_hidden_layers=1, bias=True),
                 "eagle3": dict(g, num_hidden_layers=1, target_hidden_size=h,
                                eagle_aux_hidden_state_layer_ids=list(self.aux),
-                               **({"draft_vocab_size": 32000, "has_d2t": True} if self.size == "8b" else {})),
+                               **({"draft_vocab_size": floors.EAGLE3_DRAFT_VOCAB_8B, "has_d2t": True}
+                                  if self.size == "8b" else {})),
                 "dflash": dict(g, num_hidden_layers=1, target_hidden_size=h,
                                aux_hidden_state_layer_ids=list(self.aux), mask_token_id=0),
                 "medusa": dict(num_heads=max(k, 4), num_hidden_layers=1, hidden_size=h,
@@ -166,19 +182,93 @@ def demo_acceptance(methods, k: int) -> dict[str, float]:
     return out
 
 
+def step_floor_ms(geo, b: int, context: int, tokens: int, dtype) -> float:
+    """The target forward's floor (``floors``) for a ``time_decode_step`` batch: ``context - 1``
+    tokens cached per request, ``tokens`` new ones; nan for the demo target."""
+    if geo is None:
+        return float("nan")
+    return floors.floor_ms(floors.target_step_bytes(geo, b, context - 1, tokens, jnp.dtype(dtype).itemsize))
+
+
+def _torch_pairs(rows: list[dict], torch_rows: list[dict]) -> list[dict]:
+    """Each specjax row with a PyTorch anchor (``TORCH_PAIRS``) beside it: specjax ms (the
+    device step; host drafting excluded), the anchor's synced / graph ms and floor, and
+    the ratios."""
+    anchors = {(r["anchor"], r["batch"]): r for r in torch_rows}
+    out = []
+    for r in rows:
+        a = anchors.get((TORCH_PAIRS.get(r["method"]), r["batch"]))
+        if a is None:
+            continue
+        ms = r["spec_ms"] if "spec_ms" in r else r["plain_ms"]
+        out.append(dict(method=r["method"], batch=r["batch"], specjax_ms=ms, anchor=a["anchor"],
+                        torch_synced_ms=a["synced_ms"], torch_graph_ms=a["graph_ms"],
+                        floor_ms=a["floor_ms"], ratio_synced=ms / a["synced_ms"],
+                        ratio_graph=ms / a["graph_ms"], specjax_x_floor=ms / a["floor_ms"],
+                        torch_x_floor=a["synced_ms"] / a["floor_ms"]))
+    return out
+
+
+def print_torch_table(pairs: list[dict]) -> None:
+    print("\n| specjax step | B | specjax ms | PyTorch anchor | torch ms (synced) | torch ms (graph) "
+          "| floor ms | specjax / torch (synced) | specjax / torch (graph) | specjax / floor | torch / floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for p in pairs:
+        print(f"| {p['method']} | {p['batch']} | {p['specjax_ms']:.3f} | {p['anchor']} | "
+              f"{p['torch_synced_ms']:.3f} | {p['torch_graph_ms']:.3f} | {p['floor_ms']:.3f} | "
+              f"{p['ratio_synced']:.2f} | {p['ratio_graph']:.2f} | {p['specjax_x_floor']:.2f} | "
+              f"{p['torch_x_floor']:.2f} |", flush=True)
+
+
+def print_methods_table(rows: list[dict], batches) -> None:
+    """Fused step of each method against the plain step, ms (ratio), one column per B."""
+    plain = {r["batch"]: r for r in rows if r["method"] == "plain"}
+    spec = [r for r in rows if "spec_ms" in r]
+    labels = list(dict.fromkeys(r["method"] for r in rows if "spec_ms" in r or "failed" in r))
+    print("\n| step | " + " | ".join(f"B = {b}: ms (x plain)" for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
+    print("| plain | " + " | ".join(f"{plain[b]['plain_ms']:.3f}" if b in plain else "" for b in batches)
+          + " |")
+    for m in labels:
+        cells = []
+        for b in batches:
+            r = next((x for x in spec if x["method"] == m and x["batch"] == b), None)
+            cells.append("failed" if r is None else f"{r['spec_ms'] + r['host_ms']:.3f} ({r['ratio']:.2f})")
+        print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--torch" in argv and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+        # before JAX's backend starts: leave PyTorch half the GPU (JAX takes 75% by default)
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
     gpu = jax.default_backend() == "gpu"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", choices=("8b", "1b", "demo"), default="8b" if gpu else "demo")
+    ap.add_argument("--target", choices=("8b", "1b", "tiny", "demo"), default="8b" if gpu else "demo")
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU smoke shapes: --target tiny, context 64, 3 iterations (unless given)")
     ap.add_argument("--batch", default="1,8,32")
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=None, help="default 1024 (64 with --tiny)")
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--methods", nargs="+", default=None, help="default: every available method")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="default: every available method (ngram eagle3 with --torch)")
+    ap.add_argument("--device-methods", action="store_true",
+                    help=f"every device method's fused step beside the plain step: {' '.join(DEVICE_METHODS)} "
+                         "and the EAGLE-3 tree step (--tree, default DEFAULT_TREE); no demo tau; a "
+                         "table of ms and ratio to plain per B at the end")
+    ap.add_argument("--torch", action="store_true",
+                    help="after specjax's rows, time the PyTorch anchors (benchmarks/torch_anchors.py: "
+                         "decode, 4-token verify, EAGLE-3 propose, verify + propose; torch.compile + "
+                         "CUDA graph) in this process and print specjax / torch beside the floor")
+    ap.add_argument("--torch-reps", type=int, default=50)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=None, help="default 20 (3 with --tiny)")
     ap.add_argument("--assume-tau", type=float, default=2.5,
                     help="mean acceptance length of a trained head, for the last column")
     ap.add_argument("--json", default=None, help="write every row as JSON lines here")
+    ap.add_argument("--out", default=None,
+                    help="write one JSON document here: the run's settings, every row, the "
+                         "PyTorch anchors and the specjax / torch pairs")
     ap.add_argument("--no-demo-tau", action="store_true",
                     help="skip measuring acceptance on the demo models (tau columns become nan)")
     ap.add_argument("--tree", action="append", default=[],
@@ -190,8 +280,16 @@ def main(argv=None) -> int:
                     help="tensor parallel over this many devices (Engine(mesh=...)): target and "
                          "device proposers sharded with specjax.sharding's rules")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.target = "tiny"
+    args.context = args.context or (64 if args.tiny else 1024)
+    args.iters = args.iters or (3 if args.tiny else 20)
     if args.tp < 1 or args.tp > len(jax.devices()):
         ap.error(f"--tp must be between 1 and the {len(jax.devices())} visible devices, got {args.tp}")
+    if args.torch and args.target == "demo":
+        ap.error("--torch needs a Llama geometry target (--target 8b, 1b or tiny), not demo")
+    if args.torch and args.tp > 1:
+        ap.error("--torch compares one device's step: use it with --tp 1")
     mesh = None
     if args.tp > 1:
         from jax.sharding import Mesh
@@ -199,14 +297,24 @@ def main(argv=None) -> int:
         mesh = Mesh(np.array(jax.devices()[: args.tp]), ("tp",))
     dtype = jnp.dtype(args.dtype)
     batches = [int(b) for b in args.batch.split(",")]
-    methods = args.methods or [m for m in demo.ALL_METHODS if m in available_methods()]
+    if args.device_methods:
+        if args.methods:
+            ap.error("--device-methods picks the methods itself: drop --methods")
+        methods = list(DEVICE_METHODS)
+        args.no_demo_tau = True
+        trees = args.tree or [DEFAULT_TREE]
+    else:
+        methods = args.methods or (["ngram", "eagle3"] if args.torch else
+                                   [m for m in demo.ALL_METHODS if m in available_methods()])
+        trees = args.tree
     k = args.k
     mml = -(-(args.context + 2 * k + 8) // BS) * BS
     dev = jax.devices()[0]
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{dev.platform} {dev.device_kind}; target {args.target} {args.dtype}; context {args.context}; "
           f"k={k}; block {BS}; iters {args.iters}; tp {args.tp}; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+          f"XLA_PYTHON_CLIENT_MEM_FRACTION={os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', '')!r}",
           flush=True)
     t0 = time.perf_counter()
     if args.no_demo_tau:
@@ -217,11 +325,18 @@ def main(argv=None) -> int:
               + ", ".join(f"{m} {t:.2f}" for m, t in tau.items()), flush=True)
     models = Models(args.target, dtype)
     sink = open(args.json, "w") if args.json else None
+    rows: list[dict] = []
     head = (f"{'method':<22} {'B':>3} {'k':>2} {'plain ms':>9} {'spec ms':>9} {'host ms':>8} "
             f"{'ratio':>6} {'tau(demo)':>9} {'speed-up':>8} {f'@tau={args.assume_tau}':>9} {'compile s':>9} "
-            f"{'T_pad':>5} {'kv copies':>9}")
+            f"{'T_pad':>5} {'kv copies':>9} {'floor ms':>8}")
     print(head)
     print("-" * len(head), flush=True)
+
+    def emit(row):
+        rows.append(row)
+        if sink:
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
 
     def timed(prop, b, **extra):
         """(time_decode_step dict, padded tokens of the step, KV-cache copies in its HLO)."""
@@ -234,12 +349,11 @@ def main(argv=None) -> int:
         return t, t_pad, eng.kv_cache_copies(low.compile().as_text())
 
     def plain_row(label, b, tp, t_pad, copies, **more):
+        fl = step_floor_ms(models.geo, b, args.context, 1, dtype)
         print(f"{label:<22} {b:>3} {'-':>2} {tp['step_s'] * 1e3:>9.3f} {'':>9} {'':>8} {'':>6} {'':>9} "
-              f"{'':>8} {'':>9} {tp['compile_s']:>9.1f} {t_pad:>5} {copies:>9}", flush=True)
-        if sink:
-            sink.write(json.dumps(dict(method=label, batch=b, k=0, plain_ms=tp["step_s"] * 1e3,
-                                       compile_s=tp["compile_s"], t_pad=t_pad, kv_copies=copies,
-                                       **more)) + "\n")
+              f"{'':>8} {'':>9} {tp['compile_s']:>9.1f} {t_pad:>5} {copies:>9} {fl:>8.3f}", flush=True)
+        emit(dict(method=label, batch=b, k=0, plain_ms=tp["step_s"] * 1e3, compile_s=tp["compile_s"],
+                  t_pad=t_pad, kv_copies=copies, floor_ms=fl, **more))
 
     for b in batches:
         tp, t_pad, copies = timed(None, b)
@@ -252,7 +366,8 @@ def main(argv=None) -> int:
             gc.collect()
             plain_row("plain (T=1, unpadded)", b, t1, t1_pad, c1)
         variants = [(m, None) for m in methods] + [
-            (m, t) for m in methods if m in ("eagle", "eagle3") for t in args.tree]
+            (m, t) for m in (["eagle3"] if args.device_methods else methods)
+            if m in ("eagle", "eagle3") for t in trees]
         for m, tree in variants:
             mk = 1 if m == "extract_hidden_states" else k
             label = m if tree is None else f"{m} tree"
@@ -269,23 +384,22 @@ def main(argv=None) -> int:
                     ts, ts_pad, sc = timed(models.proposer(m, mk, mml), b)
             except Exception as e:  # keep the other rows
                 print(f"{label:<22} {b:>3} failed: {type(e).__name__}: {e}", flush=True)
+                emit(dict(method=label, tree=tree, batch=b, failed=f"{type(e).__name__}: {e}"))
                 continue
             finally:
                 gc.collect()
             spec = ts["step_s"] + ts["host_propose_s"]
             ratio = spec / tp["step_s"]
             assumed = min(args.assume_tau, mk + 1) / ratio
-            tm = tau[m] if tree is None else float("nan")
-            row = dict(method=label, tree=tree, batch=b, k=mk, plain_ms=tp["step_s"] * 1e3,
-                       spec_ms=ts["step_s"] * 1e3, host_ms=ts["host_propose_s"] * 1e3, ratio=ratio,
-                       tau_demo=tm, speedup_demo=tm / ratio, speedup_assumed=assumed,
-                       compile_s=ts["compile_s"], t_pad=ts_pad, kv_copies=sc)
+            tm = tau.get(m, float("nan")) if tree is None else float("nan")
+            fl = step_floor_ms(models.geo, b, args.context, mk + 1, dtype)   # the verify forward
+            emit(dict(method=label, tree=tree, batch=b, k=mk, plain_ms=tp["step_s"] * 1e3,
+                      spec_ms=ts["step_s"] * 1e3, host_ms=ts["host_propose_s"] * 1e3, ratio=ratio,
+                      tau_demo=tm, speedup_demo=tm / ratio, speedup_assumed=assumed,
+                      compile_s=ts["compile_s"], t_pad=ts_pad, kv_copies=sc, verify_floor_ms=fl))
             print(f"{label:<22} {b:>3} {mk:>2} {tp['step_s'] * 1e3:>9.3f} {ts['step_s'] * 1e3:>9.3f} "
                   f"{ts['host_propose_s'] * 1e3:>8.3f} {ratio:>6.2f} {tm:>9.2f} {tm / ratio:>7.2f}x "
-                  f"{assumed:>8.2f}x {ts['compile_s']:>9.1f} {ts_pad:>5} {sc:>9}", flush=True)
-            if sink:
-                sink.write(json.dumps(row) + "\n")
-                sink.flush()
+                  f"{assumed:>8.2f}x {ts['compile_s']:>9.1f} {ts_pad:>5} {sc:>9} {fl:>8.3f}", flush=True)
         # The same plain step again after the methods (compiled already): drift / order check.
         again, _, _ = timed(None, b)
         gc.collect()
@@ -293,6 +407,32 @@ def main(argv=None) -> int:
                   drift=again["step_s"] / tp["step_s"] - 1)
     if sink:
         sink.close()
+    print("\n(floor ms: the target forward's weights + live K/V / 4.3 TB/s, benchmarks/floors.py; "
+          "a speculative row's is its verify forward's, drafting not included)")
+    if args.device_methods:
+        print_methods_table(rows, batches)
+    torch_rows: list[dict] = []
+    pairs: list[dict] = []
+    if args.torch:
+        del models
+        gc.collect()
+        import torch_anchors
+
+        print(f"\n# PyTorch anchors (torch.compile + CUDA graph), B = {args.batch}", flush=True)
+        try:
+            torch_rows = torch_anchors.measure(
+                TARGETS[args.target], batches, args.context, k=k,
+                draft_vocab=floors.EAGLE3_DRAFT_VOCAB_8B if args.target == "8b" else None,
+                dtype=args.dtype, reps=args.torch_reps)
+        except Exception as e:  # keep specjax's rows and the --out document
+            print(f"# PyTorch anchors failed: {type(e).__name__}: {e}", flush=True)
+        pairs = _torch_pairs(rows, torch_rows)
+        print_torch_table(pairs)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(settings=vars(args), methods=methods, trees=trees, jax=jax.__version__,
+                           device=dev.device_kind, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                           rows=rows, torch=torch_rows, torch_pairs=pairs), f, indent=1)
     return 0
 
 

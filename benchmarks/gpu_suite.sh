@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
 # kernel forced off and on, SPECJAX_FUSED_KV_WRITE=0/1 (the default, auto, picks it at small batches);
+# anchors: specjax's plain / n-gram verify / EAGLE-3 fused steps beside the PyTorch anchors
+# (benchmarks/torch_anchors.py: torch.compile + CUDA graph, same process) and the floor;
+# methods: every device method's fused step beside the plain step (e2e.py --device-methods);
+# both with JAX's default flags;
 # none of these is part of `all`, each needs several minutes). `tests` runs every GPU test
 # but tests/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
@@ -64,6 +68,19 @@ if [ "$what" = multi ]; then
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "${E2E_S:-420}" python benchmarks/e2e.py \
     --target 8b --tp 2 --batch 1,8,32 --k 3 --methods ngram eagle3 --no-demo-tau \
     --json "$OUT/e2e_tp2.jsonl" 2>&1 | tee "$OUT/e2e_tp2.log" | tail -12
+fi
+if [ "$what" = anchors ]; then
+  # the anchors' cached steps against an uncached forward first (tiny fp32, seconds)
+  timeout 120 python -c 'import sys; sys.path.insert(0, "benchmarks"); import torch_anchors as t; print("torch anchors check:", t.check())' \
+    2>&1 | tee "$OUT/anchors_check.log" | tail -3
+  timeout "${ANCHORS_S:-540}" python benchmarks/e2e.py --target 8b --batch "${ANCHORS_BATCH:-1,8,32}" --context 1024 --k 3 \
+    --methods ngram eagle3 --no-demo-tau --torch --json "$OUT/anchors.jsonl" --out "$OUT/anchors.json" \
+    2>&1 | tee "$OUT/anchors.log" | grep -v Warning | tail -40
+fi
+if [ "$what" = methods ]; then
+  timeout "${METHODS_S:-560}" python benchmarks/e2e.py --target 8b --batch "${METHODS_BATCH:-1,8,32}" --context 1024 --k 3 \
+    --device-methods --no-t1-check --json "$OUT/methods.jsonl" --out "$OUT/methods.json" \
+    2>&1 | tee "$OUT/methods.log" | grep -v Warning | tail -40
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-500}" python -m pytest -m gpu -q -p no:cacheprovider tests \

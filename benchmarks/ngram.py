@@ -54,7 +54,7 @@ CONTEXTS = [1024, 4096, 8192, 32768]
 TEXTS = ["repeat", "copy", "random", "random20"]
 QUICK = dict(requests=[1, 64, 256], contexts=[1024, 8192], texts=["repeat", "random"])
 REFERENCE = dict(cpu_ms=4.61, gpu_us=180.0, cpu_goal_ms=0.8 * 4.61, gpu_goal_us=0.3 * 180.0)
-COPY_RATE_BYTES_PER_S = 4.3e12
+from floors import HBM_BPS as COPY_RATE_BYTES_PER_S  # noqa: E402  (benchmarks/floors.py)
 
 
 def make_tokens(text: str, requests: int, context: int, seed: int = 0) -> np.ndarray:

@@ -33,7 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from e2e import BS, Models  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+import floors  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from e2e import BS, Models  # noqa: E402
 from specjax.engine import Engine  # noqa: E402
 
 
@@ -217,6 +218,12 @@ def main(argv=None) -> int:
         print(_table(name, r, args.top, args.sequence), "\n", flush=True)
     if results:
         print("# device processes counted:", next(iter(results.values()))["processes"])
+    if models.geo is not None:
+        nb = jax.numpy.dtype(dtype).itemsize
+        fl = {t: floors.floor_ms(floors.target_step_bytes(models.geo, args.batch, args.context - 1, t, nb))
+              for t in (1, args.k + 1)}
+        print(f"# floor (benchmarks/floors.py) of the target forward: {fl[1]:.3f} ms at 1 token, "
+              f"{fl[args.k + 1]:.3f} ms at {args.k + 1} tokens (verify); drafting not included")
     with open(os.path.join(args.out, "profile.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0

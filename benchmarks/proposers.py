@@ -30,17 +30,23 @@ import json
 import statistics
 import time
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention_metadata import CommonAttentionMetadata
-from specjax.config import SpeculativeConfig
-from specjax.models import registry, share_target_weights
-from specjax.proposers.types import ProposerInputs
-from specjax.proposers.eagle import EagleProposer
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-HBM_BPS = 4.3e12
+import floors  # noqa: E402
+from floors import HBM_BPS  # noqa: E402,F401  (re-exported: benchmarks/multi_gpu.py reads it)
+from specjax.attention_metadata import CommonAttentionMetadata  # noqa: E402
+from specjax.config import SpeculativeConfig  # noqa: E402
+from specjax.models import registry, share_target_weights  # noqa: E402
+from specjax.proposers.types import ProposerInputs  # noqa: E402
+from specjax.proposers.eagle import EagleProposer  # noqa: E402
+
 H, I, NH, NKV, HD, V, VD = 4096, 14336, 32, 8, 128, 128256, 32000
 BS = 16
 
@@ -177,22 +183,19 @@ def method_case(models, method: str, b: int, k: int, ctx: int):
     kv_tok = sum(x.shape[2] * x.shape[3] * x.dtype.itemsize for x in cache if x.ndim == 4)
     if method in ("eagle", "eagle3", "draft_model"):
         first_fc = fc if method == "eagle3" else 0       # EAGLE-1's fc runs every step
-        floor = (weight - first_fc) * k + first_fc + sum(b * (ctx + i) * kv_tok for i in range(k))
+        floor = floors.chain_bytes(weight - first_fc, kv_tok, b, [ctx + i for i in range(k)],
+                                   once_bytes=first_fc)
     elif method == "extract_hidden_states":
         floor = b * q * aux[0] * aux[1] * 2               # the stored aux states (bf16)
     else:                                                 # one forward: dflash, medusa
         if method == "medusa":                            # only heads 0 .. k-1 run
             weight = weight * k // impl.model.config.num_heads
-        floor = weight + b * (ctx + q) * kv_tok
+        floor = floors.floor_bytes(weight, kv_tok, b, ctx, q)
     return impl, params, state, inputs, floor
 
 
 def all_methods(args) -> list[dict]:
     """Every model-based method at each batch size (``--methods``)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from e2e import Models
 
     models = Models(args.target, jnp.bfloat16)
@@ -206,7 +209,7 @@ def all_methods(args) -> list[dict]:
             del state
             kk = 1 if m == "extract_hidden_states" else args.k
             r = dict(method=m, batch=b, k=kk, context=args.context, latency_ms=lat * 1e3,
-                     pipelined_ms=pipe * 1e3, floor_ms=floor_b / HBM_BPS * 1e3)
+                     pipelined_ms=pipe * 1e3, floor_ms=floors.floor_ms(floor_b))
             rows.append(r)
             print(f"| {m} | {b} | {kk} | {r['latency_ms']:.3f} | {r['pipelined_ms']:.3f} | "
                   f"{r['floor_ms']:.3f} | {r['pipelined_ms'] / r['floor_ms']:.2f}x |", flush=True)
@@ -244,10 +247,10 @@ def main(argv=None):
         prop, state, inputs = propose_case(model, b, k, ctx, dtype=dtype)
         lat, pipe, state = time_propose(prop, params, state, inputs, args.reps)
         del state
-        kv_bytes = sum(b * (ctx + i) * kv_read for i in range(k))
-        floor = ((weight_bytes - fc_bytes) * k + fc_bytes + kv_bytes) / HBM_BPS
+        floor = floors.chain_bytes(weight_bytes - fc_bytes, kv_read, b, [ctx + i for i in range(k)],
+                                   once_bytes=fc_bytes)
         r = dict(batch=b, k=k, context=ctx, latency_ms=lat * 1e3,
-                 pipelined_ms=pipe * 1e3, floor_ms=floor * 1e3)
+                 pipelined_ms=pipe * 1e3, floor_ms=floors.floor_ms(floor))
         rows.append(r)
         print(f"B={b:4d}  latency {r['latency_ms']:.3f} ms  pipelined {r['pipelined_ms']:.3f} ms  "
               f"floor {r['floor_ms']:.3f} ms  ({r['pipelined_ms'] / r['floor_ms']:.2f}x)", flush=True)
@@ -258,10 +261,11 @@ def main(argv=None):
             lat, pipe, state = time_propose(prop, params, state, inputs, args.reps)
             del state
             # first pass + one forward per further level over every node so far
-            kv_t = b * (ctx + 1) * kv_read + sum(b * (ctx + n) * kv_read for n in t.cu_level_sizes[:-1])
-            floor = ((weight_bytes - fc_bytes) * t.depth + fc_bytes + kv_t) / HBM_BPS
+            floor = floors.chain_bytes(weight_bytes - fc_bytes, kv_read, b,
+                                       [ctx + 1] + [ctx + n for n in t.cu_level_sizes[:-1]],
+                                       once_bytes=fc_bytes)
             r = dict(batch=b, k=k, context=ctx, tree=tree, nodes=t.num_nodes, depth=t.depth,
-                     latency_ms=lat * 1e3, pipelined_ms=pipe * 1e3, floor_ms=floor * 1e3)
+                     latency_ms=lat * 1e3, pipelined_ms=pipe * 1e3, floor_ms=floors.floor_ms(floor))
             rows.append(r)
             print(f"B={b:4d}  tree {tree} ({t.num_nodes} nodes, depth {t.depth})  latency "
                   f"{r['latency_ms']:.3f} ms  pipelined {r['pipelined_ms']:.3f} ms  floor "
