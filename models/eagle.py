@@ -3,7 +3,8 @@
 ``z = fc(cat(embed(x_{t+1}), h_t))`` (fc bias optional), then decoder layers where layer 0
 has no input norm (``z`` is both its attention input and its residual), **no final
 norm**: the output ``o`` feeds the target's lm_head and is the next step's hidden input.
-Embedding and lm_head are the target's (vLLM ignores the checkpoint's ``embed_tokens``).
+Embedding and lm_head: the head's own when its checkpoint has them and they differ from
+the target's, else the target's (vLLM v0.20, ``share_target_weights``).
 
 Parallel drafting (P-EAGLE): a checkpoint may carry ``mask_hidden`` (``params["mask_hidden"]``,
 ``H`` values), the hidden input of the parallel-drafting slots
