@@ -7,7 +7,9 @@ docs/vllm_config.md lists every difference).
   value and refused by name at any other; an unknown key is refused with the known ones.
 * ``method`` absent or None with a ``model``: detected from the draft's config first
   (``speculators_config.algorithm``, ``architectures``, ``model_type``, ``dflash_config``,
-  a converted directory's ``kind``), then by vLLM v0.20's path-substring rule
+  a converted directory's ``kind``), then from its format (config and tensor names, as
+  ``specjax-convert`` detects it: a SafeAILab EAGLE config says ``LlamaForCausalLM``),
+  then by vLLM v0.20's path-substring rule
   (``"eagle-"`` -> eagle, ``"eagle3"`` -> eagle3, ``"dflash"`` -> dflash), else
   ``draft_model``; config signals that disagree are refused. An explicit method that the
   draft's config contradicts is refused too (vLLM would fail later, loading weights).
@@ -46,7 +48,6 @@ VLLM_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 
 _HEAD_ARCH = (("eagle3", "eagle3"), ("dflash", "dflash"), ("medusa", "medusa"),
               ("eagle", "eagle"))
-_DECODER_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def _fields() -> tuple[str, ...]:
@@ -86,24 +87,47 @@ def _from_config(cfg: Mapping[str, Any]) -> set[str]:
             found.add(low)
     if isinstance(cfg.get("dflash_config"), Mapping):
         found.add("dflash")
-    if not found and isinstance(mt, str) and mt.lower() in _DECODER_TYPES:
-        found.add("draft_model")
     return found
+
+
+def _from_tensors(model: str) -> str | None:
+    """The method of the checkpoint's format, told from its config and tensor names
+    (``specjax.converters``' format detection; headers only, no tensor data read), None
+    when that cannot tell (or the directory is a converted one)."""
+    from specjax.converters.errors import CheckpointError
+    from specjax.converters.formats import FORMATS, detect_format
+    from specjax.converters.readers import read_checkpoint
+    from specjax.hf import DRAFT_KIND_METHODS
+
+    if (Path(model) / "specjax.json").is_file():
+        return None
+    try:
+        ck = read_checkpoint(model)
+        fmt = detect_format(ck.config, ck.tensors, ck.files)
+    except (CheckpointError, ValueError, OSError):
+        return None
+    return DRAFT_KIND_METHODS.get(FORMATS[fmt].kind)
 
 
 def detect_method(model: str, config: Mapping[str, Any] | None = None) -> str:
     """The method of the draft at ``model`` (its config read when ``config`` is None and
     ``model`` is a directory); see the module docstring for the order."""
-    if config is None and Path(model).is_dir():
+    is_dir = Path(model).is_dir()
+    if config is None and is_dir:
         from specjax.hf import read_checkpoint_config
 
         config = read_checkpoint_config(model)
     found = _from_config(config or {})
+    by_tensors = _from_tensors(model) if is_dir else None
+    if by_tensors is not None and found and by_tensors not in found:
+        found.add(by_tensors)
     if len(found) > 1:
-        raise ArgumentError(f"model={show(model)}: its config names several methods "
+        raise ArgumentError(f"model={show(model)}: its config and tensors name several methods "
                             f"{sorted(found)}; set method explicitly")
     if found:
         return found.pop()
+    if by_tensors is not None:
+        return by_tensors
     low = model.lower()          # vLLM v0.20's fallback, in its order
     if "eagle-" in low:
         return "eagle"
@@ -148,14 +172,14 @@ def from_vllm(d: Mapping[str, Any], **overrides: Any):
             from specjax.hf import read_checkpoint_config
 
             cfg = read_checkpoint_config(model)
-        elif method is None and ("/" in model or model.startswith(".")):
+        elif model.startswith(("/", ".", "~")):
             raise FileNotFoundError(f"speculative_config model={show(model)}: no such directory "
-                                    "(specjax reads local checkpoints only)")
+                                    "(a local path; specjax downloads nothing)")
         if method is None:
             kw["method"] = detect_method(model, cfg)
             logger.info("speculative_config: method %r detected for model %r", kw["method"], model)
         elif cfg is not None and method in ("eagle", "eagle3", "dflash", "medusa", "draft_model"):
-            found = _from_config(cfg) - {"draft_model"}
+            found = _from_config(cfg) | ({_from_tensors(model)} - {None})
             if found and method not in found:
                 raise ArgumentError(f"speculative_config method={method!r} but model={show(model)} "
                                     f"is a {sorted(found)[0]!r} checkpoint by its config")
