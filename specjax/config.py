@@ -293,7 +293,7 @@ class SpeculativeConfig:
         from the draft's config, vLLM-only fields refused away from their defaults)."""
         from specjax.vllm_config import from_vllm
 
-        return from_vllm(d, **overrides)
+        return cls(**from_vllm(d, tuple(f.name for f in dataclasses.fields(cls)), **overrides))
 
     # --- vLLM helpers --------------------------------------------------------------
 

@@ -17,7 +17,6 @@ docs/vllm_config.md lists every difference).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Mapping
@@ -48,12 +47,6 @@ VLLM_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 
 _HEAD_ARCH = (("eagle3", "eagle3"), ("dflash", "dflash"), ("medusa", "medusa"),
               ("eagle", "eagle"))
-
-
-def _fields() -> tuple[str, ...]:
-    from specjax.config import SpeculativeConfig
-
-    return tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
 
 
 def _from_config(cfg: Mapping[str, Any]) -> set[str]:
@@ -138,18 +131,17 @@ def detect_method(model: str, config: Mapping[str, Any] | None = None) -> str:
     return "draft_model"
 
 
-def from_vllm(d: Mapping[str, Any], **overrides: Any):
-    """``SpeculativeConfig`` from a vLLM ``speculative_config`` dict (``overrides`` are
-    applied on top, with the same rules)."""
-    from specjax.config import SpeculativeConfig
-
+def from_vllm(d: Mapping[str, Any], fields: tuple[str, ...], **overrides: Any) -> dict:
+    """The ``SpeculativeConfig`` keyword arguments (``fields``: its field names) of a vLLM
+    ``speculative_config`` dict (``overrides`` applied on top, with the same rules); used
+    by ``SpeculativeConfig.from_vllm``."""
     if not isinstance(d, Mapping):
         raise ArgumentTypeError(f"speculative_config must be a dict, got {show(d)}")
     d = {**d, **overrides}
     bad = [k for k in d if not isinstance(k, str)]
     if bad:
         raise ArgumentTypeError(f"speculative_config keys must be str, got {show(bad)}")
-    own = set(_fields())
+    own = set(fields)
     unknown = sorted(set(d) - own - set(VLLM_DEFAULT_ONLY))
     if unknown:
         raise ArgumentError(f"speculative_config: unknown key(s) {show(unknown, 200)}; known: "
@@ -183,4 +175,4 @@ def from_vllm(d: Mapping[str, Any], **overrides: Any):
             if found and method not in found:
                 raise ArgumentError(f"speculative_config method={method!r} but model={show(model)} "
                                     f"is a {sorted(found)[0]!r} checkpoint by its config")
-    return SpeculativeConfig(**kw)
+    return kw

@@ -163,7 +163,7 @@ def test_make_proposer_bad_arguments():
     with pytest.raises(ValueError, match="draft_params do not match"):
         make_proposer(SpeculativeConfig(method="eagle3", num_speculative_tokens=3),
                       **dict(ok, draft_params=other_p))
-    _, tp_other = _target(intermediate_size=96)
+    _, tp_other = _target(hidden_size=48)
     with pytest.raises(ValueError, match="target_params do not match"):
         make_proposer(SpeculativeConfig(method="eagle3", num_speculative_tokens=3),
                       **dict(ok, target_params=tp_other))
@@ -196,6 +196,9 @@ def test_generate_bad_arguments():
     for kw, exc, name in cases:
         with pytest.raises(exc, match=name):
             generate(t, None, prompts, sp, **kw)
+    _, other = _target(intermediate_size=96)
+    with pytest.raises(ValueError, match="target params do not match"):
+        generate(TargetModel(tgt, other), None, prompts, sp)
     with pytest.raises(TypeError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=5)
 

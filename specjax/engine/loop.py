@@ -15,7 +15,7 @@ import numpy as np
 
 from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
 from specjax.checks import check_int, check_opt_int
-from specjax.checks import check_engine_args as _check_engine_args
+from specjax.runtime_checks import check_engine_args as _check_engine_args
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
@@ -96,7 +96,8 @@ class Engine(Diagnostics):
                            max_num_seqs=max_num_seqs, num_blocks=num_blocks,
                            min_tokens_per_step=min_tokens_per_step, kv_dtype=kv_dtype,
                            buckets=(batch_buckets, query_buckets, context_buckets),
-                           k=0 if proposer is None else proposer.num_speculative_tokens)
+                           k=0 if proposer is None else proposer.num_speculative_tokens,
+                           params=target.params)
         feed = None if proposer is None else proposer.feed
         if feed is not None:
             for name, got, want in (("block_size", feed.block_size, block_size),

@@ -183,17 +183,28 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
     for name, v in (("target_params", target_params), ("draft_params", draft_params)):
         if v is not None and not isinstance(v, Mapping):
             raise ArgumentTypeError(f"{name} must be a params dict, got {type(v).__name__}")
-    builder = BUILDERS.get(method)
+    builder = _MODEL_METHODS.get(method) or _HISTORY_METHODS.get(method)
     if builder is None:
         raise ValueError(f"method={method!r} has no proposer; known: {sorted(BUILDERS)}")
     if not isinstance(builder, ModelBuilder):
         return builder(config, max_model_len=max_model_len)
+    _proposer_class(builder, method)      # NotImplementedError first when its module is absent
     if method != "extract_hidden_states":
         draft, draft_params = _draft_from_model(config, draft, draft_params)
     return _make_model_proposer(builder, config, target=target, target_params=target_params,
                                 draft=draft, draft_params=draft_params, block_size=block_size,
                                 max_model_len=max_model_len, aux_layer_ids=aux_layer_ids,
                                 kernel_backend=kernel_backend, options=options)
+
+
+def _proposer_class(builder: ModelBuilder, method: str) -> type:
+    try:
+        return builder.proposer_class()
+    except ModuleNotFoundError as err:
+        if not (err.name or "").startswith("specjax.proposers"):
+            raise
+        raise NotImplementedError(f"method={method!r} is not implemented in this specjax: its "
+                                  f"proposer module {err.name} does not exist") from None
 
 
 def _draft_from_model(config: SpeculativeConfig, draft: Any, draft_params: Any) -> tuple[Any, Any]:
@@ -225,13 +236,13 @@ def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params
     from specjax.models.config import eagle3_default_aux_layer_ids
 
     method = config.method
-    cls = builder.proposer_class()
+    cls = _proposer_class(builder, method)
     if target is not None and not isinstance(target, DecoderLM):
         raise ArgumentTypeError(f"target must be a specjax.models.DecoderLM or None, got "
                                 f"{type(target).__name__}")
     target_cfg = getattr(target, "config", None)
     if target_params is not None and target_cfg is not None:
-        registry.check_params(target_cfg.kind, target_cfg, target_params, name="target_params")
+        _check_shared_entries(target_cfg, target_params)
     if method == "extract_hidden_states":
         from specjax.models import ExtractHiddenStates
 
@@ -291,6 +302,19 @@ _DRAFT_KINDS = {"eagle": ("eagle",), "eagle3": ("eagle3",), "dflash": ("dflash",
                 "medusa": ("medusa",), "draft_model": ("llama", "qwen2", "qwen3")}
 
 
+def _check_shared_entries(target_cfg, target_params) -> None:
+    """The target entries a head may share (``embed_tokens`` ``[V, H]``, ``lm_head``
+    ``[H, V]``) have the target config's shapes (the rest is checked by the engine)."""
+    v, h = target_cfg.vocab_size, target_cfg.hidden_size
+    emb = target_params.get("embed_tokens", {})
+    head = target_params.get("lm_head") or {}
+    for what, arr, want in (("embed_tokens.embedding", emb.get("embedding"), (v, h)),
+                            ("lm_head.kernel", head.get("kernel"), (h, v))):
+        if arr is not None and tuple(getattr(arr, "shape", ())) != want:
+            raise ValueError(f"target_params do not match the target's config: {what} has shape "
+                             f"{tuple(getattr(arr, 'shape', ()))}, expected {want}")
+
+
 def _check_head_fits_target(method: str, dcfg, target_cfg) -> None:
     """The draft's kind fits the method and its input width is the target's hidden size
     (EAGLE-1 ``fc`` reads ``[embed, target hidden]``; EAGLE-3 / DFlash ``fc`` reads
@@ -312,7 +336,5 @@ def _check_head_fits_target(method: str, dcfg, target_cfg) -> None:
         if got != th:
             raise ValueError(f"method={method!r}: the head's target_hidden_size ({got}) differs "
                              f"from the target's hidden_size ({th})")
-    ids = getattr(dcfg, "aux_layer_ids", None)
-    if ids is not None and any(not 0 <= i < target_cfg.num_hidden_layers for i in ids):
-        raise ValueError(f"method={method!r}: the draft's aux_layer_ids {tuple(ids)} must be "
-                         f"target layers in [0, {target_cfg.num_hidden_layers})")
+    # aux layer ids are checked against the target's layers where the target runs them
+    # (DecoderLM, through make_step / generate)
