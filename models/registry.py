@@ -1,13 +1,16 @@
-"""Canonical checkpoint form -> model config and params (the interface of models/CANONICAL.md).
+"""Canonical checkpoint form -> params, table-driven (the interface of models/CANONICAL.md).
 
-One table per kind (:func:`tensor_table`) maps every canonical tensor name to its place in
+The HF-config half (``config_from_hf`` / ``config_to_dict``) is :mod:`specjax.models.hf_config`
+(re-exported here). One table per kind (:func:`tensor_table`, written in each model file:
+``llama.tensor_table``, ``eagle.tensor_table``, ``eagle3.tensor_table`` for EAGLE-3 and
+DFlash, ``medusa.tensor_table``) maps every canonical tensor name to its place in
 the params dict, its PyTorch-layout shape and how it converts (linear weights are
 transposed ``[out, in] -> [in, out]``; vectors and embeddings are copied; integer maps stay
 int32). ``expected_tensors``, ``params_from_tensors``, ``abstract_params`` and the random
 init all read that one table, so they agree by construction.
 
-Optional tensors (``embed_tokens`` of EAGLE-3 / DFlash, DFlash ``lm_head``, ``d2t``, Medusa
-``token_map``): ``params_from_tensors`` takes them when present; ``abstract_params`` follows
+Optional tensors (``embed_tokens`` of EAGLE-1 / EAGLE-3 / DFlash, EAGLE-1 / DFlash
+``lm_head``, ``d2t``, Medusa ``token_map``): ``params_from_tensors`` takes them when present; ``abstract_params`` follows
 the config's ``has_*`` flags (None counts as absent). A converter that knows which optional
 tensors it found sets the flags with :func:`config_with_tensors` (or puts ``has_embed_tokens``
 etc. into the hf_config) so that the saved config restores the same structure.
@@ -21,7 +24,6 @@ out unless asked (``mask_hidden=True``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterable, Mapping
 
 import jax
@@ -30,6 +32,7 @@ import numpy as np
 
 from specjax.models.config import DECODER_KINDS, KINDS, ModelConfig
 from specjax.models.hf_config import _PRESENCE, config_from_hf, config_to_dict
+from specjax.models.tensors import Entry, layer_entries  # noqa: F401 - re-exported
 
 __all__ = [
     "KINDS", "ModelConfig", "config_from_hf", "config_to_dict", "config_with_tensors",
@@ -42,110 +45,22 @@ __all__ = [
 # tensor table
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One canonical tensor. ``path`` None: accepted but not kept (vLLM ignores it)."""
-
-    key: str
-    path: tuple | None
-    shape: tuple[int, ...]          # PyTorch layout
-    conv: str                       # "linear" (transpose) | "copy" | "int"
-    required: bool = True
-    flag: str | None = None         # presence flag of an optional tensor
-
-
-def _layer(prefix: str, path: tuple, c: ModelConfig, *, in_features: int, input_norm: bool = True,
-           hidden_norm: bool = False) -> list[Entry]:
-    h, i = c.hidden_size, c.intermediate_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    out: list[Entry] = []
-
-    def lin(name, p, o, n, bias):
-        out.append(Entry(f"{prefix}{name}.weight", path + p + ("kernel",), (o, n), "linear"))
-        if bias:
-            out.append(Entry(f"{prefix}{name}.bias", path + p + ("bias",), (o,), "copy"))
-
-    for name, o in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-        lin(f"self_attn.{name}", ("self_attn", name), o, in_features, c.qkv_bias)
-    lin("self_attn.o_proj", ("self_attn", "o_proj"), h, q, c.o_bias)
-    if c.qk_norm:
-        for name in ("q_norm", "k_norm"):
-            out.append(Entry(f"{prefix}self_attn.{name}.weight", path + ("self_attn", name, "weight"),
-                             (c.head_dim,), "copy"))
-    lin("mlp.gate_proj", ("mlp", "gate_proj"), i, h, c.mlp_bias)
-    lin("mlp.up_proj", ("mlp", "up_proj"), i, h, c.mlp_bias)
-    lin("mlp.down_proj", ("mlp", "down_proj"), h, i, c.mlp_bias)
-    norms = ["post_attention_layernorm"] + (["input_layernorm"] if input_norm else [])
-    norms += ["hidden_norm"] if hidden_norm else []
-    for name in norms:
-        out.append(Entry(f"{prefix}{name}.weight", path + (name, "weight"), (h,), "copy"))
-    return out
-
-
 def tensor_table(kind: str, config: ModelConfig) -> list[Entry]:
-    """Every canonical tensor of ``kind`` under ``config`` (required and optional)."""
-    c = config
-    if kind != c.kind:
-        raise ValueError(f"kind {kind!r} does not match config.kind {c.kind!r}")
-    h, v = c.hidden_size, c.vocab_size
-    e: list[Entry] = []
+    """Every canonical tensor of ``kind`` under ``config`` (required and optional): the
+    table of the model file that owns the kind."""
+    if kind != config.kind:
+        raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
     if kind in DECODER_KINDS:
-        e.append(Entry("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy"))
-        for i in range(c.num_hidden_layers):
-            e += _layer(f"model.layers.{i}.", ("layers", i), c, in_features=h)
-        e.append(Entry("model.norm.weight", ("norm", "weight"), (h,), "copy"))
-        if c.tie_word_embeddings:
-            e.append(Entry("lm_head.weight", None, (v, h), "linear", required=False))
-        else:
-            e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (v, h), "linear"))
+        from specjax.models.llama import tensor_table as table
     elif kind == "eagle":
-        e.append(Entry("fc.weight", ("fc", "kernel"), (h, 2 * h), "linear"))
-        if c.fc_bias:
-            e.append(Entry("fc.bias", ("fc", "bias"), (h,), "copy"))
-        for i in range(c.num_hidden_layers):
-            e += _layer(f"layers.{i}.", ("layers", i), c, in_features=h, input_norm=i > 0)
-        # vLLM v0.20 keeps an EAGLE-1 head's own embedding / lm_head when the checkpoint
-        # has them and they differ from the target's (share_target_weights)
-        e.append(Entry("embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy",
-                       required=False, flag="has_embed_tokens"))
-        e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (v, h), "linear",
-                       required=False, flag="has_lm_head"))
+        from specjax.models.eagle import tensor_table as table
     elif kind in ("eagle3", "dflash"):
-        vd = c.draft_vocab_size
-        fc_in = c.num_aux * (c.target_hidden_size or h)
-        e.append(Entry("fc.weight", ("fc", "kernel"), (h, fc_in), "linear"))
-        if kind == "dflash":
-            e.append(Entry("hidden_norm.weight", ("hidden_norm", "weight"), (h,), "copy"))
-        for i in range(c.num_hidden_layers):
-            first3 = kind == "eagle3" and i == 0
-            e += _layer(f"layers.{i}.", ("layers", i), c, in_features=2 * h if first3 else h,
-                        hidden_norm=first3)
-        e.append(Entry("norm.weight", ("norm", "weight"), (h,), "copy"))
-        e.append(Entry("embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy",
-                       required=False, flag="has_embed_tokens"))
-        if kind == "eagle3":
-            e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (vd, h), "linear"))
-        else:
-            e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (vd, h), "linear",
-                           required=False, flag="has_lm_head"))
-        e.append(Entry("d2t", ("d2t",), (vd,), "int", required=False, flag="has_d2t"))
+        from specjax.models.eagle3 import tensor_table as table
     elif kind == "medusa":
-        vt = c.truncated_vocab_size or v
-        for k in range(c.num_heads):
-            for l in range(c.num_hidden_layers):
-                p = ("blocks", k, "layers", l)
-                e.append(Entry(f"blocks.{k}.layers.{l}.weight", p + ("kernel",), (h, h), "linear"))
-                if c.fc_bias:
-                    e.append(Entry(f"blocks.{k}.layers.{l}.bias", p + ("bias",), (h,), "copy"))
-        if c.original_lm_head:
-            e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (vt, h), "linear"))
-        else:
-            for k in range(c.num_heads):
-                e.append(Entry(f"lm_heads.{k}.weight", ("lm_heads", k, "kernel"), (vt, h), "linear"))
-        e.append(Entry("token_map", ("token_map",), (vt,), "int", required=False, flag="has_token_map"))
+        from specjax.models.medusa import tensor_table as table
     else:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return e
+    return table(config)
 
 
 def expected_tensors(kind: str, config: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
