@@ -35,8 +35,9 @@ runner                 methods
 ``ExtractHiddenStates`` ``forward(params, aux [T,n_aux,H], kv_caches, md) -> kv_caches``
 =====================  ==================================================================
 
-Heads whose checkpoint lacks the embedding or lm_head use the target's, as vLLM does:
-``share_target_weights(head_params, target_params)``.
+Heads whose checkpoint lacks the embedding or lm_head (or has a copy equal to the
+target's) use the target's, as vLLM v0.20 does: ``share_target_weights(head_params,
+target_params)``; a head whose own copy differs keeps it.
 """
 
 from __future__ import annotations
@@ -61,17 +62,42 @@ from specjax.models.registry import (
 )
 
 
+def _same(a, b) -> bool:
+    """Both concrete arrays, same shape, equal values (a traced array compares False)."""
+    import jax
+    import numpy as np
+
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same(a[k], b[k]) for k in a))
+    if a is b:
+        return True
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        return False
+    if getattr(a, "shape", None) != getattr(b, "shape", None):
+        return False
+    if isinstance(a, jax.Array) and isinstance(b, jax.Array):
+        import jax.numpy as jnp
+
+        return bool(jnp.array_equal(a, b))      # on the device: no host copy of [V, H]
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
 def share_target_weights(head_params: dict, target_params: dict, *, kind: str | None = None) -> dict:
-    """A new head params dict with the target's ``embed_tokens`` / ``lm_head`` filled in
-    where the head has none (the same arrays, never copied; a tied target's head is its
-    embedding, passed as ``{"embedding": [V, H]}``). ``kind="eagle"`` always takes the
-    target's embedding (vLLM ignores an EAGLE-1 checkpoint's own)."""
+    """A new head params dict with the target's ``embed_tokens`` / ``lm_head`` (the same
+    arrays, never copied; a tied target's head is its embedding, passed as
+    ``{"embedding": [V, H]}``) where the head has none, or has one equal to the target's
+    (vLLM v0.20 ``_maybe_share_embeddings`` / ``_maybe_share_lm_head``: a head whose own
+    copy differs keeps it, EAGLE-1 included). ``kind`` is accepted for compatibility and
+    does not change the rule."""
+    del kind
     out = dict(head_params)
-    if "embed_tokens" not in out or kind == "eagle":
-        out["embed_tokens"] = target_params["embed_tokens"]
-    if "lm_head" not in out:
-        out["lm_head"] = target_params.get("lm_head") or {
-            "embedding": target_params["embed_tokens"]["embedding"]}
+    emb = target_params["embed_tokens"]
+    if "embed_tokens" not in out or _same(out["embed_tokens"], emb):
+        out["embed_tokens"] = emb
+    head = target_params.get("lm_head") or {"embedding": emb["embedding"]}
+    if "lm_head" not in out or _same(out["lm_head"], head):
+        out["lm_head"] = head
     return out
 
 

@@ -3,7 +3,8 @@
 ``z = fc(cat(embed(x_{t+1}), h_t))`` (fc bias optional), then decoder layers where layer 0
 has no input norm (``z`` is both its attention input and its residual), **no final
 norm**: the output ``o`` feeds the target's lm_head and is the next step's hidden input.
-Embedding and lm_head are the target's (vLLM ignores the checkpoint's ``embed_tokens``).
+Embedding and lm_head: the head's own when its checkpoint has them and they differ from
+the target's, else the target's (vLLM v0.20, ``share_target_weights``).
 
 Parallel drafting (P-EAGLE): a checkpoint may carry ``mask_hidden`` (``params["mask_hidden"]``,
 ``H`` values), the hidden input of the parallel-drafting slots
@@ -24,6 +25,7 @@ from specjax.models import base, rope
 from specjax.kernels.paged_attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, linear
+from specjax.models.tensors import Entry, layer_entries
 
 
 #: The top-level params entry of a P-EAGLE checkpoint's parallel-drafting hidden state.
@@ -97,3 +99,23 @@ class EagleHead:
         c = self.config
         return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
                               c.num_key_value_heads, c.head_dim, dtype)
+
+
+# --- canonical tensors (models/CANONICAL.md) ----------------------------------------
+
+
+def tensor_table(c: ModelConfig) -> list[Entry]:
+    """The canonical tensors of an EAGLE-1 head. vLLM v0.20 keeps a head's own embedding /
+    lm_head when the checkpoint has them and they differ from the target's
+    (``share_target_weights``), so both are optional entries."""
+    h, v = c.hidden_size, c.vocab_size
+    e = [Entry("fc.weight", ("fc", "kernel"), (h, 2 * h), "linear")]
+    if c.fc_bias:
+        e.append(Entry("fc.bias", ("fc", "bias"), (h,), "copy"))
+    for i in range(c.num_hidden_layers):
+        e += layer_entries(f"layers.{i}.", ("layers", i), c, in_features=h, input_norm=i > 0)
+    e.append(Entry("embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy",
+                   required=False, flag="has_embed_tokens"))
+    e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (v, h), "linear",
+                   required=False, flag="has_lm_head"))
+    return e

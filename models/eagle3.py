@@ -28,6 +28,7 @@ from specjax.kernels.paged_attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig
 from specjax.models.eagle import mask_hidden_values, without_mask_hidden
 from specjax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, linear
+from specjax.models.tensors import Entry, layer_entries
 
 
 class Eagle3FirstLayer(nnx.Module):
@@ -130,3 +131,30 @@ class Eagle3Head:
         c = self.config
         return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
                               c.num_key_value_heads, c.head_dim, dtype)
+
+
+# --- canonical tensors (models/CANONICAL.md) ----------------------------------------
+
+
+def tensor_table(c: ModelConfig) -> list[Entry]:
+    """The canonical tensors of an EAGLE-3 head, and of a DFlash head (the same layout
+    plus ``hidden_norm``, no ``hidden_norm`` in its first layer and an optional lm_head)."""
+    kind, h, v, vd = c.kind, c.hidden_size, c.vocab_size, c.draft_vocab_size
+    fc_in = c.num_aux * (c.target_hidden_size or h)
+    e = [Entry("fc.weight", ("fc", "kernel"), (h, fc_in), "linear")]
+    if kind == "dflash":
+        e.append(Entry("hidden_norm.weight", ("hidden_norm", "weight"), (h,), "copy"))
+    for i in range(c.num_hidden_layers):
+        first3 = kind == "eagle3" and i == 0
+        e += layer_entries(f"layers.{i}.", ("layers", i), c, in_features=2 * h if first3 else h,
+                           hidden_norm=first3)
+    e.append(Entry("norm.weight", ("norm", "weight"), (h,), "copy"))
+    e.append(Entry("embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy",
+                   required=False, flag="has_embed_tokens"))
+    if kind == "eagle3":
+        e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (vd, h), "linear"))
+    else:
+        e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (vd, h), "linear",
+                       required=False, flag="has_lm_head"))
+    e.append(Entry("d2t", ("d2t",), (vd,), "int", required=False, flag="has_d2t"))
+    return e

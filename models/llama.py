@@ -19,6 +19,7 @@ from specjax.models import base, rope
 from specjax.kernels.paged_attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, RMSNorm
+from specjax.models.tensors import Entry, layer_entries
 
 
 class DecoderBody(nnx.Module):
@@ -91,3 +92,20 @@ class DecoderLM:
         c = self.config
         return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
                               c.num_key_value_heads, c.head_dim, dtype)
+
+
+# --- canonical tensors (models/CANONICAL.md) ----------------------------------------
+
+
+def tensor_table(c: ModelConfig) -> list[Entry]:
+    """The canonical tensors of a Llama / Qwen2 / Qwen3 decoder (HF names)."""
+    h, v = c.hidden_size, c.vocab_size
+    e = [Entry("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy")]
+    for i in range(c.num_hidden_layers):
+        e += layer_entries(f"model.layers.{i}.", ("layers", i), c, in_features=h)
+    e.append(Entry("model.norm.weight", ("norm", "weight"), (h,), "copy"))
+    if c.tie_word_embeddings:
+        e.append(Entry("lm_head.weight", None, (v, h), "linear", required=False))
+    else:
+        e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (v, h), "linear"))
+    return e

@@ -17,6 +17,7 @@ from flax import nnx
 from specjax.models import base
 from specjax.models.config import ModelConfig
 from specjax.models.layers import linear
+from specjax.models.tensors import Entry
 
 
 class MedusaBlock(nnx.Module):
@@ -56,3 +57,26 @@ class MedusaHeads:
         if "token_map" in p:
             logits = base.scatter_vocab(logits, p["token_map"], c.vocab_size)
         return logits
+
+
+# --- canonical tensors (models/CANONICAL.md) ----------------------------------------
+
+
+def tensor_table(c: ModelConfig) -> list[Entry]:
+    """The canonical tensors of Medusa heads (vLLM layout: ``blocks.*``, ``lm_heads.*`` or
+    one ``lm_head`` with ``original_lm_head``, optional ``token_map``)."""
+    h, vt = c.hidden_size, c.truncated_vocab_size or c.vocab_size
+    e: list[Entry] = []
+    for k in range(c.num_heads):
+        for l in range(c.num_hidden_layers):
+            p = ("blocks", k, "layers", l)
+            e.append(Entry(f"blocks.{k}.layers.{l}.weight", p + ("kernel",), (h, h), "linear"))
+            if c.fc_bias:
+                e.append(Entry(f"blocks.{k}.layers.{l}.bias", p + ("bias",), (h,), "copy"))
+    if c.original_lm_head:
+        e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (vt, h), "linear"))
+    else:
+        for k in range(c.num_heads):
+            e.append(Entry(f"lm_heads.{k}.weight", ("lm_heads", k, "kernel"), (vt, h), "linear"))
+    e.append(Entry("token_map", ("token_map",), (vt,), "int", required=False, flag="has_token_map"))
+    return e

@@ -1,13 +1,16 @@
-"""Canonical checkpoint form -> model config and params (the interface of models/CANONICAL.md).
+"""Canonical checkpoint form -> params, table-driven (the interface of models/CANONICAL.md).
 
-One table per kind (:func:`tensor_table`) maps every canonical tensor name to its place in
+The HF-config half (``config_from_hf`` / ``config_to_dict``) is :mod:`specjax.models.hf_config`
+(re-exported here). One table per kind (:func:`tensor_table`, written in each model file:
+``llama.tensor_table``, ``eagle.tensor_table``, ``eagle3.tensor_table`` for EAGLE-3 and
+DFlash, ``medusa.tensor_table``) maps every canonical tensor name to its place in
 the params dict, its PyTorch-layout shape and how it converts (linear weights are
 transposed ``[out, in] -> [in, out]``; vectors and embeddings are copied; integer maps stay
 int32). ``expected_tensors``, ``params_from_tensors``, ``abstract_params`` and the random
 init all read that one table, so they agree by construction.
 
-Optional tensors (``embed_tokens`` of EAGLE-3 / DFlash, DFlash ``lm_head``, ``d2t``, Medusa
-``token_map``): ``params_from_tensors`` takes them when present; ``abstract_params`` follows
+Optional tensors (``embed_tokens`` of EAGLE-1 / EAGLE-3 / DFlash, EAGLE-1 / DFlash
+``lm_head``, ``d2t``, Medusa ``token_map``): ``params_from_tensors`` takes them when present; ``abstract_params`` follows
 the config's ``has_*`` flags (None counts as absent). A converter that knows which optional
 tensors it found sets the flags with :func:`config_with_tensors` (or puts ``has_embed_tokens``
 etc. into the hf_config) so that the saved config restores the same structure.
@@ -21,345 +24,43 @@ out unless asked (``mask_hidden=True``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.config import DECODER_KINDS, KINDS, ModelConfig, ROPE_TYPES
+from specjax.models.config import DECODER_KINDS, KINDS, ModelConfig
+from specjax.models.hf_config import _PRESENCE, config_from_hf, config_to_dict
+from specjax.models.tensors import Entry, layer_entries  # noqa: F401 - re-exported
 
 __all__ = [
     "KINDS", "ModelConfig", "config_from_hf", "config_to_dict", "config_with_tensors",
     "expected_tensors", "params_from_tensors", "tensors_from_params", "abstract_params",
     "random_tensors", "init_params", "make_model", "tensor_table",
-    "MASK_HIDDEN", "MASK_HIDDEN_KINDS", "mask_hidden_size", "mask_hidden_abstract",
+    "MASK_HIDDEN", "MASK_HIDDEN_KINDS", "mask_hidden_size", "mask_hidden_abstract", "check_params",
 ]
-
-_PRESENCE = ("has_embed_tokens", "has_lm_head", "has_d2t", "has_token_map")
-
-
-# ---------------------------------------------------------------------------------------
-# config
-
-
-def _get(hf: Mapping, *names, default=None):
-    for n in names:
-        if n in hf and hf[n] is not None:
-            return hf[n]
-    return default
-
-
-def _freeze(v):
-    if isinstance(v, dict):
-        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
-    if isinstance(v, (list, tuple)):
-        return tuple(_freeze(x) for x in v)
-    return v
-
-
-def _thaw(v):
-    if isinstance(v, tuple) and v and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in v):
-        return {k: _thaw(x) for k, x in v}
-    if isinstance(v, tuple):
-        return [_thaw(x) for x in v]
-    return v
-
-
-def _rope(kind: str, hf: Mapping) -> tuple[float, tuple | None]:
-    params = hf.get("rope_parameters") or {}
-    theta = _get(hf, "rope_theta", default=params.get("rope_theta"))
-    if theta is None:
-        theta = 1e6 if kind == "dflash" else 10000.0
-    scaling = hf.get("rope_scaling")
-    if scaling is None and params:
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if scaling:
-        scaling = dict(scaling)
-        if "rope_type" not in scaling and "type" in scaling:
-            scaling["rope_type"] = scaling.pop("type")
-        scaling.pop("type", None)
-        rtype = scaling.get("rope_type", "default")
-        if rtype not in ROPE_TYPES:
-            raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {rtype!r}")
-        if rtype == "default":
-            scaling = None
-    return float(theta), (_freeze(scaling) if scaling else None)
-
-
-def _aux_ids(v) -> tuple[int, ...] | None:
-    return None if v is None else tuple(int(i) for i in v)
-
-
-def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
-    """Normalized HF config dict (CANONICAL.md) -> frozen ``ModelConfig``.
-
-    Also accepts the raw variants it can normalize unambiguously: speculators'
-    nested ``transformer_layer_config``, transformers-v5 ``rope_parameters``, z-lab
-    ``dflash_config`` (``target_layer_ids`` + 1), Medusa ``medusa_num_heads``. Unsupported
-    features raise ValueError naming the field.
-    """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    hf = dict(hf_config)
-    nested = hf.get("transformer_layer_config")
-    if isinstance(nested, Mapping):
-        for k, v in nested.items():
-            hf.setdefault(k, v)
-
-    if kind == "medusa":
-        if "num_heads" not in hf:
-            for k in list(hf):
-                if "num" in k and "heads" in k:
-                    hf["num_heads"] = hf[k]
-        if "num_hidden_layers" not in hf:
-            for k in list(hf):
-                if "num" in k and "layers" in k:
-                    hf["num_hidden_layers"] = hf[k]
-        return ModelConfig(
-            kind=kind,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            num_heads=int(hf["num_heads"]),
-            num_hidden_layers=int(_get(hf, "num_hidden_layers", default=1)),
-            fc_bias=bool(hf.get("medusa_fc_bias", False)),
-            truncated_vocab_size=int(_get(hf, "truncated_vocab_size", default=0)),
-            original_lm_head=bool(hf.get("original_lm_head", False)),
-            logit_scale=float(_get(hf, "logit_scale", default=1.0)),
-            has_token_map=hf.get("has_token_map"),
-        )
-
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act must be 'silu', got {act!r}")
-    if not hf.get("is_neox_style", True):
-        raise ValueError("is_neox_style must be true (specjax implements rotate-half RoPE only)")
-    if hf.get("use_sliding_window"):
-        raise ValueError("use_sliding_window must be false (sliding-window attention is not implemented)")
-    dcfg = hf.get("dflash_config") or {}
-    layer_types = hf.get("layer_types") or ()
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"layer_types must all be 'full_attention', got {sorted(set(layer_types))}")
-    if dcfg.get("use_swa") or dcfg.get("attention_sink_bias") or hf.get("attention_sink_bias"):
-        raise ValueError("dflash_config.use_swa / attention_sink_bias must be false (not implemented)")
-    for f in ("norm_before_fc", "fc_norm"):
-        if hf.get(f):
-            raise ValueError(f"{f} must be false (EAGLE-3 pre-fc norms are not implemented)")
-
-    h = int(hf["hidden_size"])
-    nh = int(hf["num_attention_heads"])
-    nkv = int(_get(hf, "num_key_value_heads", default=nh))
-    theta, scaling = _rope(kind, hf)
-    attention_bias = bool(hf.get("attention_bias", False))
-    if "qkv_bias" in hf:
-        qkv_bias = bool(hf["qkv_bias"])
-    else:
-        qkv_bias = True if kind == "qwen2" else attention_bias
-    if "o_bias" in hf:
-        o_bias = bool(hf["o_bias"])
-    else:
-        o_bias = False if kind in ("qwen2", "eagle") else attention_bias
-    if "qk_norm" in hf:
-        qk_norm = bool(hf["qk_norm"])
-    else:
-        qk_norm = kind in ("qwen3", "dflash") or (kind == "eagle3" and hf.get("model_type") == "qwen3")
-    vocab = int(hf["vocab_size"])
-    fields: dict[str, Any] = dict(
-        kind=kind,
-        vocab_size=vocab,
-        hidden_size=h,
-        intermediate_size=int(hf["intermediate_size"]),
-        num_hidden_layers=int(hf["num_hidden_layers"]),
-        num_attention_heads=nh,
-        num_key_value_heads=nkv,
-        head_dim=int(_get(hf, "head_dim", default=h // nh)),
-        rms_norm_eps=float(_get(hf, "rms_norm_eps", default=1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(_get(hf, "max_position_embeddings", default=2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)) if kind in DECODER_KINDS else False,
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=qk_norm,
-    )
-    if kind == "eagle":
-        fields["fc_bias"] = bool(hf.get("bias", True))
-    elif kind == "eagle3":
-        fields.update(
-            draft_vocab_size=int(_get(hf, "draft_vocab_size", default=vocab)),
-            target_hidden_size=int(_get(hf, "target_hidden_size", default=h)),
-            norm_before_residual=bool(hf.get("norm_before_residual", False)),
-            aux_layer_ids=_aux_ids(hf.get("eagle_aux_hidden_state_layer_ids")),
-        )
-    elif kind == "dflash":
-        ids = _get(hf, "aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids")
-        if ids is None and dcfg.get("target_layer_ids") is not None:
-            ids = [int(i) + 1 for i in dcfg["target_layer_ids"]]
-        if ids is None and hf.get("num_target_layers") is not None:
-            nt, nd = int(hf["num_target_layers"]), fields["num_hidden_layers"]
-            z = [nt // 2] if nd == 1 else [int(round(1 + i * (nt - 4) / (nd - 1))) for i in range(nd)]
-            ids = [i + 1 for i in z]
-        if ids is None:
-            raise ValueError("aux_hidden_state_layer_ids is required for dflash "
-                             "(or dflash_config.target_layer_ids / num_target_layers)")
-        causal = _get(hf, "causal", "is_causal", default=dcfg.get("causal", False))
-        fields.update(
-            draft_vocab_size=int(_get(hf, "draft_vocab_size", default=vocab)),
-            target_hidden_size=int(_get(hf, "target_hidden_size", default=h)),
-            aux_layer_ids=_aux_ids(ids),
-            block_size=int(_get(hf, "block_size", default=dcfg.get("block_size", 0)) or 0),
-            mask_token_id=int(_get(hf, "mask_token_id", default=dcfg.get("mask_token_id", -1))),
-            causal=bool(causal),
-        )
-    for f in _PRESENCE:
-        if hf.get(f) is not None:
-            fields[f] = bool(hf[f])
-    return ModelConfig(**fields)
-
-
-def config_to_dict(config: ModelConfig) -> dict[str, Any]:
-    """JSON-able dict; ``config_from_hf(config.kind, config_to_dict(config)) == config``."""
-    c = config
-    d: dict[str, Any] = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size}
-    if c.kind == "medusa":
-        d.update(num_heads=c.num_heads, num_hidden_layers=c.num_hidden_layers,
-                 medusa_fc_bias=c.fc_bias, original_lm_head=c.original_lm_head,
-                 logit_scale=c.logit_scale)
-        if c.truncated_vocab_size:
-            d["truncated_vocab_size"] = c.truncated_vocab_size
-    else:
-        d.update(
-            intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-            rope_scaling=_thaw(c.rope_scaling) if c.rope_scaling else None,
-            max_position_embeddings=c.max_position_embeddings,
-            tie_word_embeddings=c.tie_word_embeddings, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            attention_bias=c.qkv_bias or c.o_bias, mlp_bias=c.mlp_bias, qk_norm=c.qk_norm,
-            hidden_act="silu",
-        )
-        if c.kind == "eagle":
-            d["bias"] = c.fc_bias
-        elif c.kind == "eagle3":
-            d.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
-                     norm_before_residual=c.norm_before_residual,
-                     eagle_aux_hidden_state_layer_ids=(list(c.aux_layer_ids)
-                                                       if c.aux_layer_ids is not None else None))
-        elif c.kind == "dflash":
-            d.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
-                     aux_hidden_state_layer_ids=list(c.aux_layer_ids), block_size=c.block_size,
-                     mask_token_id=c.mask_token_id, causal=c.causal)
-    for f in _PRESENCE:
-        if getattr(c, f) is not None:
-            d[f] = getattr(c, f)
-    return d
-
 
 # ---------------------------------------------------------------------------------------
 # tensor table
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One canonical tensor. ``path`` None: accepted but not kept (vLLM ignores it)."""
-
-    key: str
-    path: tuple | None
-    shape: tuple[int, ...]          # PyTorch layout
-    conv: str                       # "linear" (transpose) | "copy" | "int"
-    required: bool = True
-    flag: str | None = None         # presence flag of an optional tensor
-
-
-def _layer(prefix: str, path: tuple, c: ModelConfig, *, in_features: int, input_norm: bool = True,
-           hidden_norm: bool = False) -> list[Entry]:
-    h, i = c.hidden_size, c.intermediate_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    out: list[Entry] = []
-
-    def lin(name, p, o, n, bias):
-        out.append(Entry(f"{prefix}{name}.weight", path + p + ("kernel",), (o, n), "linear"))
-        if bias:
-            out.append(Entry(f"{prefix}{name}.bias", path + p + ("bias",), (o,), "copy"))
-
-    for name, o in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-        lin(f"self_attn.{name}", ("self_attn", name), o, in_features, c.qkv_bias)
-    lin("self_attn.o_proj", ("self_attn", "o_proj"), h, q, c.o_bias)
-    if c.qk_norm:
-        for name in ("q_norm", "k_norm"):
-            out.append(Entry(f"{prefix}self_attn.{name}.weight", path + ("self_attn", name, "weight"),
-                             (c.head_dim,), "copy"))
-    lin("mlp.gate_proj", ("mlp", "gate_proj"), i, h, c.mlp_bias)
-    lin("mlp.up_proj", ("mlp", "up_proj"), i, h, c.mlp_bias)
-    lin("mlp.down_proj", ("mlp", "down_proj"), h, i, c.mlp_bias)
-    norms = ["post_attention_layernorm"] + (["input_layernorm"] if input_norm else [])
-    norms += ["hidden_norm"] if hidden_norm else []
-    for name in norms:
-        out.append(Entry(f"{prefix}{name}.weight", path + (name, "weight"), (h,), "copy"))
-    return out
-
-
 def tensor_table(kind: str, config: ModelConfig) -> list[Entry]:
-    """Every canonical tensor of ``kind`` under ``config`` (required and optional)."""
-    c = config
-    if kind != c.kind:
-        raise ValueError(f"kind {kind!r} does not match config.kind {c.kind!r}")
-    h, v = c.hidden_size, c.vocab_size
-    e: list[Entry] = []
+    """Every canonical tensor of ``kind`` under ``config`` (required and optional): the
+    table of the model file that owns the kind."""
+    if kind != config.kind:
+        raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
     if kind in DECODER_KINDS:
-        e.append(Entry("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy"))
-        for i in range(c.num_hidden_layers):
-            e += _layer(f"model.layers.{i}.", ("layers", i), c, in_features=h)
-        e.append(Entry("model.norm.weight", ("norm", "weight"), (h,), "copy"))
-        if c.tie_word_embeddings:
-            e.append(Entry("lm_head.weight", None, (v, h), "linear", required=False))
-        else:
-            e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (v, h), "linear"))
+        from specjax.models.llama import tensor_table as table
     elif kind == "eagle":
-        e.append(Entry("fc.weight", ("fc", "kernel"), (h, 2 * h), "linear"))
-        if c.fc_bias:
-            e.append(Entry("fc.bias", ("fc", "bias"), (h,), "copy"))
-        for i in range(c.num_hidden_layers):
-            e += _layer(f"layers.{i}.", ("layers", i), c, in_features=h, input_norm=i > 0)
-        e.append(Entry("embed_tokens.weight", None, (v, h), "copy", required=False))
+        from specjax.models.eagle import tensor_table as table
     elif kind in ("eagle3", "dflash"):
-        vd = c.draft_vocab_size
-        fc_in = c.num_aux * (c.target_hidden_size or h)
-        e.append(Entry("fc.weight", ("fc", "kernel"), (h, fc_in), "linear"))
-        if kind == "dflash":
-            e.append(Entry("hidden_norm.weight", ("hidden_norm", "weight"), (h,), "copy"))
-        for i in range(c.num_hidden_layers):
-            first3 = kind == "eagle3" and i == 0
-            e += _layer(f"layers.{i}.", ("layers", i), c, in_features=2 * h if first3 else h,
-                        hidden_norm=first3)
-        e.append(Entry("norm.weight", ("norm", "weight"), (h,), "copy"))
-        e.append(Entry("embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy",
-                       required=False, flag="has_embed_tokens"))
-        if kind == "eagle3":
-            e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (vd, h), "linear"))
-        else:
-            e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (vd, h), "linear",
-                           required=False, flag="has_lm_head"))
-        e.append(Entry("d2t", ("d2t",), (vd,), "int", required=False, flag="has_d2t"))
+        from specjax.models.eagle3 import tensor_table as table
     elif kind == "medusa":
-        vt = c.truncated_vocab_size or v
-        for k in range(c.num_heads):
-            for l in range(c.num_hidden_layers):
-                p = ("blocks", k, "layers", l)
-                e.append(Entry(f"blocks.{k}.layers.{l}.weight", p + ("kernel",), (h, h), "linear"))
-                if c.fc_bias:
-                    e.append(Entry(f"blocks.{k}.layers.{l}.bias", p + ("bias",), (h,), "copy"))
-        if c.original_lm_head:
-            e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (vt, h), "linear"))
-        else:
-            for k in range(c.num_heads):
-                e.append(Entry(f"lm_heads.{k}.weight", ("lm_heads", k, "kernel"), (vt, h), "linear"))
-        e.append(Entry("token_map", ("token_map",), (vt,), "int", required=False, flag="has_token_map"))
+        from specjax.models.medusa import tensor_table as table
     else:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return e
+    return table(config)
 
 
 def expected_tensors(kind: str, config: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -611,3 +312,27 @@ def make_model(kind: str, config: ModelConfig, **static: Any):
         return DecoderLM(config, **static)
     cls = {"eagle": EagleHead, "eagle3": Eagle3Head, "dflash": DFlashHead, "medusa": MedusaHeads}[kind]
     return cls(config, **static)
+
+
+def check_params(kind: str, config: ModelConfig, params: Any, *, name: str = "params",
+                 shared_ok: bool = False) -> None:
+    """ValueError naming ``name`` and the first entries that do not match ``config``:
+    missing, unexpected or mis-shaped leaves against :func:`abstract_params` (shapes only;
+    nothing is copied). ``shared_ok``: a head's ``embed_tokens`` / ``lm_head`` may be
+    absent (the target's are shared) or present though the config does not own them."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{name} must be a params dict, got {type(params).__name__}")
+    want = _leaf_paths(abstract_params(kind, config,
+                                       mask_hidden=MASK_HIDDEN in params and kind in MASK_HIDDEN_KINDS))
+    got = _leaf_paths(params)
+    skip = lambda p: bool(p) and p[0] in _SHARED and (shared_ok or kind not in DECODER_KINDS)  # noqa: E731
+    missing = sorted(_dotted(p) for p in want if p not in got and not skip(p))
+    unexpected = sorted(_dotted(p) for p in got if p not in want and not skip(p))
+    bad = [f"{_dotted(p)} {tuple(getattr(got[p], 'shape', ()))} != {tuple(want[p].shape)}"
+           for p in want if p in got and tuple(getattr(got[p], "shape", ())) != tuple(want[p].shape)]
+    if missing or unexpected or bad:
+        parts = ([f"missing {missing[:5]}"] if missing else []) + \
+                ([f"unexpected {unexpected[:5]}"] if unexpected else []) + \
+                ([f"wrong shape {bad[:5]}"] if bad else [])
+        raise ValueError(f"{name} do not match the {kind} config (built for another config?): "
+                         + "; ".join(parts))

@@ -1,8 +1,15 @@
-"""The ``specjax`` console script.
+"""The ``specjax`` console script (also ``python -m specjax``).
 
 ``specjax demo``: speculative decoding with every available method on the embedded demo
 model, checked against plain decoding (see :mod:`specjax.demo`). Runs on a fresh install
 with no network and no GPU.
+
+``specjax generate --target DIR [--speculative-config JSON] --prompt TEXT ...``: your own
+checkpoint (converted or original HF directory) with its tokenizer (the ``hf`` extra), its
+``generation_config.json`` stop ids and an optional vLLM ``speculative_config``; prints
+each completion, then acceptance and tokens/s (progress on stderr).
+
+``specjax --version``.
 """
 
 from __future__ import annotations
@@ -24,8 +31,21 @@ def _positive(v: str) -> int:
     return n
 
 
+def _temperature(v: str) -> float:
+    try:
+        t = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {v!r}") from None
+    if not t >= 0 or t == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {v!r}")
+    return t
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from specjax import __version__
+
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding for JAX.")
+    parser.add_argument("--version", action="version", version=f"specjax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo", help="run every method on the embedded demo model and compare with plain decoding",
@@ -41,6 +61,35 @@ def build_parser() -> argparse.ArgumentParser:
                       help="new tokens per prompt (default 48)")
     demo.add_argument("--k", type=_positive, default=3,
                       help="speculative tokens per step (default 3; extract_hidden_states uses 1)")
+    gen = sub.add_parser(
+        "generate", help="generate text with your own checkpoint (and a speculative_config)",
+        description="Load --target (a specjax-convert output or an original HF checkpoint "
+                    "directory) with its tokenizer (needs the hf extra: pip install "
+                    "\"specjax[hf]\"), encode each prompt (through the chat template when the "
+                    "tokenizer has one), generate, and print the text, the mean acceptance "
+                    "length and tokens/s.")
+    gen.add_argument("--target", required=True, metavar="DIR", help="the target checkpoint")
+    gen.add_argument("--speculative-config", metavar="JSON", default=None,
+                     help="a vLLM speculative_config as JSON, e.g. '{\"method\": \"eagle3\", "
+                          "\"model\": \"DIR2\", \"num_speculative_tokens\": 3}' (default: "
+                          "plain decoding)")
+    gen.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                     help="a prompt (repeat for a batch)")
+    gen.add_argument("--prompts", metavar="FILE", default=None,
+                     help="a file of prompts, one per line")
+    gen.add_argument("--max-tokens", type=_positive, default=64, help="new tokens per prompt")
+    gen.add_argument("--temperature", type=_temperature, default=0.0,
+                     help="0 (default) is greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-model-len", type=_positive, default=None,
+                     help="context cap (default: min(max_position_embeddings, 4096))")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="encode prompts as plain text even if the tokenizer has a chat template")
+    gen.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                     help="cast the weights (default: as stored)")
+    gen.add_argument("--device", choices=("auto", "cpu"), default="auto")
     return parser
 
 
@@ -50,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specjax.demo import main_demo
 
         return main_demo(args)
+    if args.command == "generate":
+        from specjax.generate_cli import main_generate
+
+        return main_generate(args)
     return 2   # unreachable: argparse requires a command
 
 

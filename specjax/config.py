@@ -1,7 +1,9 @@
 """``SpeculativeConfig``: vLLM's field names and defaults, validated at construction.
 
-Every check raises ``ValueError`` naming the field and the allowed values, before any
-model or buffer is built. The object is frozen and hashable, so proposers can keep it as
+Every check raises before any model or buffer is built, naming the field, the value and
+the allowed values (``specjax.checks``: ``ValueError``; a wrong type is a ``TypeError``
+that is also a ``ValueError``). ``SpeculativeConfig.from_vllm`` reads a vLLM
+``speculative_config`` dict (``specjax.vllm_config``). The object is frozen and hashable, so proposers can keep it as
 static configuration under ``jax.jit``.
 """
 
@@ -9,8 +11,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import warnings
-from typing import Literal
+from typing import Any, Literal, Mapping
+
+import numpy as np
+
+from specjax.checks import (ArgumentTypeError, check_bool, check_int, check_number,
+                            check_opt_int, is_int, show)
 
 MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix")
 HEAD_METHODS = ("eagle", "eagle3", "dflash", "medusa", "extract_hidden_states")
@@ -21,6 +29,13 @@ UNSUPPORTED_METHODS = ("mlp_speculator", "mtp")
 PARALLEL_DRAFTING_METHODS = ("eagle", "eagle3", "draft_model", "dflash")
 TREE_METHODS = ("eagle", "eagle3")
 REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "synthetic")
+
+#: specjax's limits (vLLM has none; a larger value would build a k^2 tree string or a
+#: k-sized host buffer before any check could say why it fails).
+MAX_SPECULATIVE_TOKENS = 128
+MAX_TREE_NODES = 1024
+MAX_TREE_CHARS = 1 << 20
+MAX_PROMPT_LOOKUP = 1 << 16
 
 RejectionSampleMethod = Literal["strict", "probabilistic", "synthetic"]
 
@@ -118,9 +133,13 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         set_ = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731
         method = self.method
+        if method is not None and not isinstance(method, str):
+            raise ArgumentTypeError(f"method must be None or a str, got {show(method)}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ArgumentTypeError(f"model must be None or a path / name str, got {show(self.model)}")
         if method is None:
             method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"
-        if isinstance(method, str) and method.endswith("_mtp"):
+        if method.endswith("_mtp"):
             warnings.warn(f"method={method!r} is deprecated; it means 'mtp'", DeprecationWarning,
                           stacklevel=3)
             method = "mtp"
@@ -130,7 +149,7 @@ class SpeculativeConfig:
                 f"supported methods: {METHODS}"
             )
         if method not in METHODS:
-            raise ValueError(f"method={method!r} is unknown; allowed values: {METHODS}")
+            raise ValueError(f"method={show(method)} is unknown; allowed values: {METHODS}")
         set_("method", method)
         if method == "draft_model" and not self.model:
             raise ValueError("model must name the draft model when method='draft_model'")
@@ -138,53 +157,52 @@ class SpeculativeConfig:
             set_("model", method)
 
         for f in ("parallel_drafting", "disable_padded_drafter_batch", "use_local_argmax_reduction"):
-            if not isinstance(getattr(self, f), bool):
-                raise ValueError(f"{f} must be a bool, got {getattr(self, f)!r}")
+            check_bool(f, getattr(self, f))
 
         # --- suffix decoding fields (checked for every method, as vLLM does)
-        if not _is_int(self.suffix_decoding_max_tree_depth) or self.suffix_decoding_max_tree_depth < 1:
-            raise ValueError("suffix_decoding_max_tree_depth must be an int >= 1, got "
-                             f"{self.suffix_decoding_max_tree_depth!r}")
-        if (not _is_int(self.suffix_decoding_max_cached_requests)
-                or self.suffix_decoding_max_cached_requests < 0):
-            raise ValueError("suffix_decoding_max_cached_requests must be an int >= 0 (0 disables "
-                             f"the global tree), got {self.suffix_decoding_max_cached_requests!r}")
-        if not _is_num(self.suffix_decoding_max_spec_factor) or self.suffix_decoding_max_spec_factor < 0:
-            raise ValueError("suffix_decoding_max_spec_factor must be a number >= 0, got "
-                             f"{self.suffix_decoding_max_spec_factor!r}")
-        if (not _is_num(self.suffix_decoding_min_token_prob)
-                or not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0):
-            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1], got "
-                             f"{self.suffix_decoding_min_token_prob!r}")
+        check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)
+        check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0,
+                  why="0 disables the global tree")
+        check_number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0.0)
+        check_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0.0, 1.0)
 
         # --- k
         k = self.num_speculative_tokens
         if k is None and method == "suffix":
+            if _is_int(self.suffix_decoding_max_tree_depth) and \
+                    self.suffix_decoding_max_tree_depth > MAX_SPECULATIVE_TOKENS:
+                raise ValueError(
+                    f"num_speculative_tokens defaults to suffix_decoding_max_tree_depth="
+                    f"{self.suffix_decoding_max_tree_depth} for suffix decoding, above specjax's "
+                    f"limit {MAX_SPECULATIVE_TOKENS}: set num_speculative_tokens")
             k = self.suffix_decoding_max_tree_depth
         if k is None:
             raise ValueError(f"num_speculative_tokens is required for method={method!r} (an int >= 1)")
-        if not _is_int(k) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an int >= 1, got {k!r}")
-        set_("num_speculative_tokens", int(k))
+        k = check_int("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS,
+                      why="specjax's limit on the draft length")
+        set_("num_speculative_tokens", k)
         if method == "extract_hidden_states" and k != 1:
             raise ValueError("num_speculative_tokens must be 1 for method='extract_hidden_states', "
                              f"got {k}")
 
-        # --- n-gram lookup window
+        # --- n-gram lookup window (each given value is checked before one copies the other)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if method in ("ngram", "ngram_gpu"):
+            lo = check_opt_int("prompt_lookup_min", lo, 1, MAX_PROMPT_LOOKUP)
+            hi = check_opt_int("prompt_lookup_max", hi, 1, MAX_PROMPT_LOOKUP)
             if lo is None and hi is None:
                 lo = hi = 5
             elif lo is None:
                 lo = hi
             elif hi is None:
                 hi = lo
-            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not _is_int(v) or v < 1:
-                    raise ValueError(f"{name} must be an int >= 1, got {v!r}")
             if lo > hi:
                 raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         else:
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if v not in (None, 0):
+                    raise ValueError(f"{name}={show(v)} is only for methods 'ngram' / 'ngram_gpu', "
+                                     f"not method={method!r}")
             lo = hi = 0
         set_("prompt_lookup_min", lo)
         set_("prompt_lookup_max", hi)
@@ -202,12 +220,22 @@ class SpeculativeConfig:
             raise ValueError("method='draft_model' needs the padded drafter batch: set "
                              "disable_padded_drafter_batch=False")
         tree = self.speculative_token_tree
+        if tree is not None and not isinstance(tree, (str, list, tuple)):
+            raise ArgumentTypeError(f"speculative_token_tree must be None, a str or a list of "
+                                    f"tuples, got {show(tree)}")
+        if isinstance(tree, str) and len(tree) > MAX_TREE_CHARS:
+            raise ValueError(f"speculative_token_tree is {len(tree)} characters long, more than "
+                             f"specjax's limit {MAX_TREE_CHARS} (at most {MAX_TREE_NODES} nodes)")
         if method in MODEL_FREE_METHODS:
             if tree is not None:
                 raise ValueError(f"speculative_token_tree is only for methods {TREE_METHODS}, "
                                  f"not method={method!r}")
         else:
             nodes = _chain_tree(int(k)) if tree is None else parse_token_tree(tree)
+            if len(nodes) > MAX_TREE_NODES or len(nodes[-1]) > MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"speculative_token_tree has {len(nodes)} nodes and depth "
+                                 f"{len(nodes[-1])}; specjax's limits: {MAX_TREE_NODES} nodes, "
+                                 f"depth {MAX_SPECULATIVE_TOKENS}")
             is_chain = nodes == _chain_tree(len(nodes))
             if not is_chain and method not in TREE_METHODS:
                 raise ValueError(f"a branching speculative_token_tree needs a method in "
@@ -217,34 +245,55 @@ class SpeculativeConfig:
                                  "parallel_drafting=True")
             set_("speculative_token_tree", str(list(nodes)))
 
-        # --- rejection sampler
+        # --- rejection sampler (vLLM's _verify_args / _resolve_synthetic_acceptance_rates)
         rsm = self.rejection_sample_method
         if rsm not in REJECTION_SAMPLE_METHODS:
-            raise ValueError(f"rejection_sample_method={rsm!r}; allowed values: "
+            raise ValueError(f"rejection_sample_method={show(rsm)}; allowed values: "
                              f"{REJECTION_SAMPLE_METHODS}")
         rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
         if rsm == "synthetic":
-            if (rates is None) == (length is None):
-                raise ValueError("rejection_sample_method='synthetic' needs exactly one of "
-                                 "synthetic_acceptance_rates and synthetic_acceptance_length")
-            if rates is not None:
-                rates = tuple(float(r) for r in rates)
-                if len(rates) != k or not all(0.0 <= r <= 1.0 for r in rates):
-                    raise ValueError(f"synthetic_acceptance_rates must hold num_speculative_tokens={k} "
-                                     f"values in [0, 1], got {rates}")
+            rates = resolve_synthetic_acceptance_rates(k, rates, length)
+            if self.synthetic_acceptance_rates is not None:
                 set_("synthetic_acceptance_rates", rates)
-            elif not _is_num(length) or not 1.0 <= length <= k + 1:
-                raise ValueError(f"synthetic_acceptance_length must be in [1, {k + 1}], got {length!r}")
+            else:
+                set_("synthetic_acceptance_length", float(length))   # type: ignore[arg-type]
         elif rates is not None or length is not None:
             raise ValueError("synthetic_acceptance_rates / synthetic_acceptance_length are only "
                              "for rejection_sample_method='synthetic'")
 
-        dtp = self.draft_tensor_parallel_size
-        if dtp is not None and (not _is_int(dtp) or dtp < 1):
-            raise ValueError(f"draft_tensor_parallel_size must be None or an int >= 1, got {dtp!r}")
-        mml = self.max_model_len
-        if mml is not None and (not _is_int(mml) or not 1 <= mml < 2**31):
-            raise ValueError(f"max_model_len must be None or an int in [1, 2**31), got {mml!r}")
+        # --- vLLM fields specjax accepts only at vLLM's default
+        if self.enforce_eager not in (None, False):
+            raise ValueError(f"enforce_eager={show(self.enforce_eager)} is not supported: specjax "
+                             "always runs jitted (use jax.disable_jit() around generate to debug); "
+                             "allowed values: None, False")
+        dtp = check_opt_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size, 1, 4096)
+        if dtp is not None and method != "draft_model":
+            raise ValueError(f"draft_tensor_parallel_size={dtp} is only read by "
+                             f"method='draft_model'; method={method!r} runs on the target's "
+                             "mesh (vLLM's default, None)")
+        check_opt_int("max_model_len", self.max_model_len, 1)
+
+    # --- vLLM helpers --------------------------------------------------------------
+
+    @property
+    def synthetic_rates(self) -> tuple[float, ...] | None:
+        """The synthetic unconditional acceptance rates (given, or resolved from
+        ``synthetic_acceptance_length`` as vLLM's ``_acceptance_length_to_rates``), None
+        unless ``rejection_sample_method='synthetic'``."""
+        if self.rejection_sample_method != "synthetic":
+            return None
+        return resolve_synthetic_acceptance_rates(self.num_speculative_tokens,
+                                                  self.synthetic_acceptance_rates,
+                                                  self.synthetic_acceptance_length)
+
+    @classmethod
+    def from_vllm(cls, d: Mapping[str, Any], **overrides: Any) -> "SpeculativeConfig":
+        """A vLLM ``speculative_config`` dict (v0.20 field names and values) ->
+        ``SpeculativeConfig``; see :func:`specjax.vllm_config.from_vllm` (method detection
+        from the draft's config, vLLM-only fields refused away from their defaults)."""
+        from specjax.vllm_config import from_vllm
+
+        return cls(**from_vllm(d, tuple(f.name for f in dataclasses.fields(cls)), **overrides))
 
     # --- vLLM helpers --------------------------------------------------------------
 
@@ -269,20 +318,62 @@ class SpeculativeConfig:
     def use_ngram_gpu(self) -> bool:
         return self.method == "ngram_gpu"
 
-    def max_num_new_slots_for_drafting(self) -> int:
+    @property
+    def max_num_new_slots_for_drafting(self) -> "SlotCount":
         """Extra KV slots a request may need while drafting: ``k-1`` if parallel drafting,
-        plus 1 for a draft model (vLLM)."""
+        plus 1 for a draft model (vLLM; a property there and here). The value is an int
+        that may also be called, as the earlier method was."""
         n = self.num_speculative_tokens - 1 if self.parallel_drafting else 0
-        return n + (1 if self.uses_draft_model() else 0)
+        return SlotCount(n + (1 if self.uses_draft_model() else 0))
 
     def __repr__(self) -> str:
         return (f"SpeculativeConfig(method={self.method!r}, model={self.model!r}, "
                 f"num_spec_tokens={self.num_speculative_tokens})")
 
 
+class SlotCount(int):
+    """An int that returns itself when called (``config.max_num_new_slots_for_drafting``
+    was a method before it became vLLM's property)."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return is_int(v)
 
 
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def acceptance_length_to_rates(length: float, k: int) -> tuple[float, ...]:
+    """vLLM's ``SpeculativeConfig._acceptance_length_to_rates``: the least-variance
+    unconditional rates with mean acceptance length ``length``: ``floor(length-1)`` ones,
+    then the fraction, then zeros, truncated to ``k``."""
+    n_full = int(math.floor(length - 1))
+    frac = (length - 1) - n_full
+    rates = [1.0] * n_full + ([frac] if n_full < k else [])
+    rates = (rates + [0.0] * k)[:k]
+    return tuple(float(r) for r in rates)
+
+
+def resolve_synthetic_acceptance_rates(k: int, rates: Any, length: Any) -> tuple[float, ...]:
+    """vLLM's ``_resolve_synthetic_acceptance_rates``: exactly one of ``rates`` (k values
+    in [0, 1], non-increasing) and ``length`` (in [1, k+1]); returns the rates."""
+    if (rates is None) == (length is None):
+        raise ValueError("rejection_sample_method='synthetic' needs exactly one of "
+                         "synthetic_acceptance_rates and synthetic_acceptance_length")
+    if length is not None:
+        length = check_number("synthetic_acceptance_length", length, 1.0, k + 1.0)
+        return acceptance_length_to_rates(length, k)
+    if isinstance(rates, (str, bytes)) or not isinstance(rates, (list, tuple, np.ndarray)):
+        raise ArgumentTypeError(f"synthetic_acceptance_rates must be a list of "
+                                f"num_speculative_tokens={k} numbers in [0, 1], got {show(rates)}")
+    rates = tuple(check_number(f"synthetic_acceptance_rates[{i}]", r, 0.0, 1.0)
+                  for i, r in enumerate(rates))
+    if len(rates) != k:
+        raise ValueError(f"synthetic_acceptance_rates must hold num_speculative_tokens={k} values "
+                         f"in [0, 1], got {len(rates)}: {show(rates)}")
+    for i in range(1, k):
+        if rates[i] > rates[i - 1]:
+            raise ValueError(f"synthetic_acceptance_rates must be non-increasing (unconditional "
+                             f"rates, as vLLM), got {show(rates)}: [{i}]={rates[i]} > "
+                             f"[{i - 1}]={rates[i - 1]}")
+    return rates

@@ -543,6 +543,9 @@ def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: s
     Raises ValueError (vocabulary mismatch, a tree of the wrong size, synthetic acceptance
     with trees, ...) before anything compiles.
     """
+    from specjax.checks import check_type
+
+    check_type("tp_axis", tp_axis, str, "a mesh axis name (str)")
     return Step(target, proposer, mesh=mesh, tp_axis=tp_axis, tree_verification=tree_verification)
 
 
@@ -571,10 +574,7 @@ def _synthetic_rates(proposer: Proposer | None, tree) -> tuple[float, ...] | Non
     cfg = None if proposer is None else proposer.config
     if cfg is None or cfg.rejection_sample_method != "synthetic":
         return None
-    if cfg.synthetic_acceptance_rates is None:
-        raise ValueError("rejection_sample_method='synthetic' needs synthetic_acceptance_rates "
-                         "in the reference loop (synthetic_acceptance_length is not supported)")
     if tree is not None:
         raise ValueError("rejection_sample_method='synthetic' is not supported with tree "
                          "verification (a branching speculative_token_tree)")
-    return tuple(unconditional_to_conditional_rates(cfg.synthetic_acceptance_rates))
+    return tuple(unconditional_to_conditional_rates(cfg.synthetic_rates))

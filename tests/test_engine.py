@@ -522,7 +522,10 @@ def test_make_proposer_declarations_and_errors():
                           max_model_len=MML)
     with pytest.raises(ValueError, match="max_model_len"):
         make_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=2))
-    with pytest.raises(ValueError, match="SpeculativeConfig"):
+    with pytest.raises(TypeError, match="SpeculativeConfig"):
+        make_proposer("ngram", max_model_len=MML)
+    # a dict is a vLLM speculative_config (SpeculativeConfig.from_vllm)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
         make_proposer({"method": "ngram"}, max_model_len=MML)
     assert specjax.make_proposer is make_proposer and specjax.generate is generate
 
@@ -530,7 +533,10 @@ def test_make_proposer_declarations_and_errors():
 def test_missing_method_module_is_not_implemented(monkeypatch):
     import specjax.proposers as P
 
-    monkeypatch.setitem(P._MODEL_METHODS, "medusa", ("no_such_module", "X", False))
+    def missing():
+        import specjax.proposers.no_such_module  # noqa: F401
+
+    monkeypatch.setitem(P._MODEL_METHODS, "medusa", P.factory.ModelBuilder(missing, False))
     with pytest.raises(NotImplementedError, match="medusa"):
         make_proposer(SpeculativeConfig(method="medusa", num_speculative_tokens=2), max_model_len=MML)
 

@@ -252,9 +252,10 @@ def test_bad_configurations():
     tree = prop.impl.token_tree
     bad = ModelProposer(SpeculativeConfig(method="eagle", num_speculative_tokens=tree.num_nodes + 1),
                         prop.impl, prop.params, vocab_size=V)
+    wide = dict(query_buckets=(32,))          # k + 1 = 17 tokens per request must fit
     with pytest.raises(ValueError, match="must match"):
-        engine(bad)
-    assert engine(bad, tree_verification=False).tree is None      # chain verification asked
+        engine(bad, **wide)
+    assert engine(bad, tree_verification=False, **wide).tree is None   # chain verification asked
 
 
 # --- the device pieces against NumPy ----------------------------------------------------

@@ -166,6 +166,11 @@ def test_eagle_fixture(name):
     _, cfg, own, ref = load(name)
     _, _, target, _ = load("llama")
     assert cfg.fc_bias == (name == "eagle")
+    # The Vicuna-era file carries the target's embedding rounded to fp16; vLLM v0.20 keeps a
+    # head's own embedding when it differs (it does here, by the rounding), while the
+    # reference used the target's fp32 one: drop the own copy to compare with it.
+    assert ("embed_tokens" in own) == (name == "eagle")
+    own = {k: v for k, v in own.items() if k != "embed_tokens"}
     params = share_target_weights(own, target, kind="eagle")
     m = model_of(name)
     fwd, logits_fn = jitted(m.forward), jitted(m.compute_logits)

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
+from specjax.checks import check_int, check_opt_int
+from specjax.runtime_checks import check_engine_args as _check_engine_args
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
@@ -90,11 +92,12 @@ class Engine(Diagnostics):
         if proposer is not None and not isinstance(proposer, Proposer):
             raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be None, "
                              f"got {type(proposer).__name__}")
-        for name, v, lo in (("max_model_len", max_model_len, 2), ("block_size", block_size, 1),
-                            ("max_num_seqs", max_num_seqs, 1),
-                            ("min_tokens_per_step", min_tokens_per_step, 1)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        _check_engine_args(target.model, max_model_len=max_model_len, block_size=block_size,
+                           max_num_seqs=max_num_seqs, num_blocks=num_blocks,
+                           min_tokens_per_step=min_tokens_per_step, kv_dtype=kv_dtype,
+                           buckets=(batch_buckets, query_buckets, context_buckets),
+                           k=0 if proposer is None else proposer.num_speculative_tokens,
+                           params=target.params)
         feed = None if proposer is None else proposer.feed
         if feed is not None:
             for name, got, want in (("block_size", feed.block_size, block_size),
@@ -193,8 +196,9 @@ class Engine(Diagnostics):
                  progress: Callable[[int, int, int], None] | None = None) -> GenerateResult:
         """Generate for every prompt; see :func:`generate`."""
         prompts, sps = self._check_inputs(prompts, sampling_params)
-        if eos_token_id is not None and not (0 <= int(eos_token_id) < self.vocab_size):
-            raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        check_opt_int("eos_token_id", eos_token_id, 0, self.vocab_size - 1,
+                      why="a token id of the target's vocabulary")
+        check_int("seed", seed, 0, 2**63 - 1)
         stat_loggers = list(stat_loggers)
         rng = np.random.default_rng(seed)
         waiting = collections.deque()

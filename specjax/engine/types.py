@@ -50,9 +50,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
-        stops = tuple(self.stop_token_ids)
-        if not all(is_int(s) and s >= 0 for s in stops):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        from specjax.checks import check_int_sequence
+
+        stops = check_int_sequence("stop_token_ids", self.stop_token_ids, 0)
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
 
 

@@ -1,27 +1,28 @@
-"""``make_proposer``: the method -> builder table (model methods: module and class, loaded
-lazily so ``import specjax.proposers`` pulls in neither numba nor the models; token-history
-methods: their adapters) and ``available_methods``."""
+"""``make_proposer``: the explicit method -> builder table (:data:`BUILDERS`; each builder
+imports its proposer module when called, so ``import specjax.proposers`` pulls in neither
+numba nor the models) and ``available_methods``.
+
+``make_proposer`` also takes a vLLM ``speculative_config`` dict
+(``SpeculativeConfig.from_vllm``): its ``model`` is loaded (a ``specjax-convert`` output
+or an original checkpoint directory) unless the caller passes ``draft=`` instead.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any, Sequence
+import logging
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
+from specjax.checks import (ArgumentTypeError, check_choice, check_int, check_int_sequence,
+                            show)
 from specjax.config import SpeculativeConfig
 from specjax.proposers.interface import ModelProposer, Proposer
 
-#: Module of each model-based method under ``specjax.proposers``, its proposer class, and
-#: whether that class takes ``mesh`` / ``vocab_axis`` (``specjax.sharding.tensor_parallel``:
-#: vocabulary-parallel argmax) or only has its params placed on a mesh.
-_MODEL_METHODS = {
-    "eagle": ("eagle", "EagleProposer", True),
-    "eagle3": ("eagle", "EagleProposer", True),
-    "dflash": ("dflash", "DFlashProposer", True),
-    "medusa": ("medusa", "MedusaProposer", False),
-    "draft_model": ("draft_model", "DraftModelProposer", True),
-    "extract_hidden_states": ("extract_hidden_states", "ExtractHiddenStatesProposer", False),
-}
+logger = logging.getLogger(__name__)
 
+KERNEL_BACKENDS = ("auto", "xla", "pallas", "triton")
 
 
 def _ngram(config: SpeculativeConfig, *, max_model_len: int) -> Proposer:
@@ -46,50 +47,91 @@ def _suffix(config: SpeculativeConfig, *, max_model_len: int) -> Proposer:
 _HISTORY_METHODS = {"ngram": _ngram, "ngram_gpu": _ngram_gpu, "suffix": _suffix}
 
 
+def _eagle_cls():
+    from specjax.proposers.eagle import EagleProposer
+
+    return EagleProposer
+
+
+def _dflash_cls():
+    from specjax.proposers.dflash import DFlashProposer
+
+    return DFlashProposer
+
+
+def _medusa_cls():
+    from specjax.proposers.medusa import MedusaProposer
+
+    return MedusaProposer
+
+
+def _draft_model_cls():
+    from specjax.proposers.draft_model import DraftModelProposer
+
+    return DraftModelProposer
+
+
+def _extract_cls():
+    from specjax.proposers.extract_hidden_states import ExtractHiddenStatesProposer
+
+    return ExtractHiddenStatesProposer
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBuilder:
+    """A model-based method: its proposer class (imported when called) and whether that
+    class takes ``mesh`` / ``vocab_axis`` (vocabulary-parallel argmax) or only has its
+    params placed on a mesh."""
+
+    proposer_class: Callable[[], type]
+    mesh_fields: bool
+
+
+#: The model-based methods.
+_MODEL_METHODS: dict[str, ModelBuilder] = {
+    "eagle": ModelBuilder(_eagle_cls, True),
+    "eagle3": ModelBuilder(_eagle_cls, True),
+    "dflash": ModelBuilder(_dflash_cls, True),
+    "medusa": ModelBuilder(_medusa_cls, False),
+    "draft_model": ModelBuilder(_draft_model_cls, True),
+    "extract_hidden_states": ModelBuilder(_extract_cls, False),
+}
+
+#: Every method -> its builder: a token-history builder ``(config, max_model_len=)`` or a
+#: :class:`ModelBuilder`.
+BUILDERS: dict[str, Any] = {**_HISTORY_METHODS, **_MODEL_METHODS}
+
+
 def available_methods() -> tuple[str, ...]:
-    """Methods ``make_proposer`` can build in this install (the proposer module exists
-    and its optional dependency imports: arctic-inference for ``suffix``)."""
+    """Methods ``make_proposer`` can build in this install (the proposer module imports,
+    and arctic-inference for ``suffix``)."""
     out = []
-    for m in ("ngram", "ngram_gpu", "suffix", "eagle", "eagle3", "draft_model", "dflash",
-              "medusa", "extract_hidden_states"):
+    for m, b in BUILDERS.items():
         try:
             if m == "suffix":
                 importlib.import_module("arctic_inference.suffix_decoding")
-            elif m in _MODEL_METHODS:
-                mod, cls, _ = _MODEL_METHODS[m]
-                getattr(importlib.import_module(f"specjax.proposers.{mod}"), cls)
-        except (ImportError, AttributeError):
+            elif isinstance(b, ModelBuilder):
+                b.proposer_class()
+        except ImportError:
             continue
         out.append(m)
     return tuple(out)
 
 
-def _load_impl_class(method: str):
-    mod, cls, _ = _MODEL_METHODS[method]
-    try:
-        module = importlib.import_module(f"specjax.proposers.{mod}")
-    except ModuleNotFoundError as err:
-        if err.name != f"specjax.proposers.{mod}":
-            raise
-        raise NotImplementedError(
-            f"method={method!r} is not implemented in this specjax yet: its proposer module "
-            f"specjax.proposers.{mod} does not exist") from None
-    try:
-        return getattr(module, cls)
-    except AttributeError:
-        raise NotImplementedError(
-            f"method={method!r} is not implemented in this specjax yet: "
-            f"specjax.proposers.{mod} has no {cls}") from None
 
-
-def make_proposer(config: SpeculativeConfig, *, target: Any = None, target_params: dict | None = None,
-                  draft: Any = None, draft_params: dict | None = None, block_size: int = 16,
+def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any = None,
+                  target_params: dict | None = None, draft: Any = None,
+                  draft_params: dict | None = None, block_size: int = 16,
                   max_model_len: int | None = None, aux_layer_ids: Sequence[int] | None = None,
                   kernel_backend: str = "auto", **options: Any) -> Proposer:
     """Build the proposer of ``config.method``.
 
     Args:
-      config: the ``SpeculativeConfig`` (method, k, n-gram / suffix / tree options).
+      config: the ``SpeculativeConfig`` (method, k, n-gram / suffix / tree options), or a
+        vLLM ``speculative_config`` dict (``SpeculativeConfig.from_vllm``; its ``model``
+        directory is loaded when ``draft=`` is not given: one call from a dict to a ready
+        proposer and its params). A ``model`` that is an existing directory and ``draft=``
+        together are refused (which one is meant?).
       target: the target runner (``specjax.models.DecoderLM``); used to check the draft's
         vocabulary and for the EAGLE-3 default aux layers.
       target_params: the target's params; heads without their own embedding / lm_head
@@ -119,39 +161,88 @@ def make_proposer(config: SpeculativeConfig, *, target: Any = None, target_param
       ValueError: bad arguments (missing draft, vocabulary mismatch, ...), before anything
         is built. NotImplementedError: the method's proposer module does not exist yet.
     """
+    if isinstance(config, Mapping):
+        config = SpeculativeConfig.from_vllm(config)
     if not isinstance(config, SpeculativeConfig):
-        raise ValueError(f"config must be a SpeculativeConfig, got {type(config).__name__}")
+        raise ArgumentTypeError(f"config must be a SpeculativeConfig or a vLLM speculative_config "
+                                f"dict, got {show(config)} of type {type(config).__name__}")
     if max_model_len is None:
         max_model_len = config.max_model_len
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
-        raise ValueError(f"max_model_len must be an int >= 2 (argument or config.max_model_len), "
-                         f"got {max_model_len!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if max_model_len is None:
+        raise ValueError("max_model_len is required (the argument or config.max_model_len), "
+                         "an int >= 2")
+    max_model_len = check_int("max_model_len", max_model_len, 2)
+    block_size = check_int("block_size", block_size, 1, 1 << 16)
+    check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
+    if aux_layer_ids is not None:
+        aux_layer_ids = check_int_sequence("aux_layer_ids", aux_layer_ids, 0, 1 << 16, min_len=1)
     method = config.method
-    if options and method in ("ngram", "ngram_gpu", "suffix"):
+    if options and method in _HISTORY_METHODS:
         raise ValueError(f"method={method!r} takes no extra options, got {sorted(options)} (its "
                          "settings live in the SpeculativeConfig)")
-    if method in _HISTORY_METHODS:
-        return _HISTORY_METHODS[method](config, max_model_len=max_model_len)
-    if method not in _MODEL_METHODS:
-        raise ValueError(f"method={method!r} has no proposer; known: {sorted(_MODEL_METHODS)}")
-    cls = _load_impl_class(method)
-    return _make_model_proposer(cls, config, target=target, target_params=target_params,
+    for name, v in (("target_params", target_params), ("draft_params", draft_params)):
+        if v is not None and not isinstance(v, Mapping):
+            raise ArgumentTypeError(f"{name} must be a params dict, got {type(v).__name__}")
+    builder = _MODEL_METHODS.get(method) or _HISTORY_METHODS.get(method)
+    if builder is None:
+        raise ValueError(f"method={method!r} has no proposer; known: {sorted(BUILDERS)}")
+    if not isinstance(builder, ModelBuilder):
+        return builder(config, max_model_len=max_model_len)
+    _proposer_class(builder, method)      # NotImplementedError first when its module is absent
+    if method != "extract_hidden_states":
+        draft, draft_params = _draft_from_model(config, draft, draft_params)
+    return _make_model_proposer(builder, config, target=target, target_params=target_params,
                                 draft=draft, draft_params=draft_params, block_size=block_size,
                                 max_model_len=max_model_len, aux_layer_ids=aux_layer_ids,
                                 kernel_backend=kernel_backend, options=options)
 
 
-def _make_model_proposer(cls, config, *, target, target_params, draft, draft_params, block_size,
-                         max_model_len, aux_layer_ids, kernel_backend, options) -> ModelProposer:
-    import dataclasses
+def _proposer_class(builder: ModelBuilder, method: str) -> type:
+    try:
+        return builder.proposer_class()
+    except ModuleNotFoundError as err:
+        if not (err.name or "").startswith("specjax.proposers"):
+            raise
+        raise NotImplementedError(f"method={method!r} is not implemented in this specjax: its "
+                                  f"proposer module {err.name} does not exist") from None
 
-    from specjax.models import ModelConfig, registry, share_target_weights
+
+def _draft_from_model(config: SpeculativeConfig, draft: Any, draft_params: Any) -> tuple[Any, Any]:
+    """``(draft, draft_params)``: the caller's, or loaded from ``config.model`` when that
+    names a directory and the caller gave no ``draft=``."""
+    model_dir = config.model is not None and Path(config.model).is_dir()
+    if draft is not None:
+        if model_dir:
+            raise ValueError(f"both draft= and config.model={show(config.model)} (a checkpoint "
+                             "directory) are given: pass one of them")
+        return draft, draft_params
+    if config.model is None or not model_dir:
+        if config.model is not None and ("/" in config.model or Path(config.model).suffix):
+            raise FileNotFoundError(f"config.model={show(config.model)}: no such checkpoint "
+                                    "directory (hub names are not downloaded: pass a local path)")
+        raise ValueError(f"method={config.method!r} needs draft= (the draft runner or its "
+                         "ModelConfig) or config.model naming a checkpoint directory")
+    if draft_params is not None:
+        raise ValueError("draft_params= without draft=: config.model's own params are loaded")
+    from specjax.hf import load_draft
+
+    return load_draft(config.model, config.method)
+
+
+def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params, draft,
+                         draft_params, block_size, max_model_len, aux_layer_ids, kernel_backend,
+                         options) -> ModelProposer:
+    from specjax.models import DecoderLM, ModelConfig, registry, share_target_weights
     from specjax.models.config import eagle3_default_aux_layer_ids
 
     method = config.method
+    cls = _proposer_class(builder, method)
+    if target is not None and not isinstance(target, DecoderLM):
+        raise ArgumentTypeError(f"target must be a specjax.models.DecoderLM or None, got "
+                                f"{type(target).__name__}")
     target_cfg = getattr(target, "config", None)
+    if target_params is not None and target_cfg is not None:
+        _check_shared_entries(target_cfg, target_params)
     if method == "extract_hidden_states":
         from specjax.models import ExtractHiddenStates
 
@@ -173,6 +264,10 @@ def _make_model_proposer(cls, config, *, target, target_params, draft, draft_par
             raise ValueError(f"method={method!r} needs draft_params= (the draft's params dict)")
         model = registry.make_model(draft.kind, draft) if isinstance(draft, ModelConfig) else draft
         dcfg = getattr(model, "config", None)
+        if isinstance(dcfg, ModelConfig):
+            registry.check_params(dcfg.kind, dcfg, draft_params, name="draft_params",
+                                  shared_ok=target_params is not None)
+            _check_head_fits_target(method, dcfg, target_cfg)
         params = draft_params
         if target_params is not None and method in ("eagle", "eagle3", "dflash"):
             params = share_target_weights(params, target_params, kind=method)
@@ -199,4 +294,47 @@ def _make_model_proposer(cls, config, *, target, target_params, draft, draft_par
     kwargs.update(options)
     impl = cls(config, model, **kwargs)
     return ModelProposer(config, impl, params, vocab_size=vocab, aux_layer_ids=aux_layer_ids or (),
-                         mesh_fields=_MODEL_METHODS[method][2])
+                         mesh_fields=builder.mesh_fields)
+
+
+#: The ``ModelConfig.kind`` values each model-based method accepts as its draft.
+_DRAFT_KINDS = {"eagle": ("eagle",), "eagle3": ("eagle3",), "dflash": ("dflash",),
+                "medusa": ("medusa",), "draft_model": ("llama", "qwen2", "qwen3")}
+
+
+def _check_shared_entries(target_cfg, target_params) -> None:
+    """The target entries a head may share (``embed_tokens`` ``[V, H]``, ``lm_head``
+    ``[H, V]``) have the target config's shapes (the rest is checked by the engine)."""
+    v, h = target_cfg.vocab_size, target_cfg.hidden_size
+    emb = target_params.get("embed_tokens", {})
+    head = target_params.get("lm_head") or {}
+    for what, arr, want in (("embed_tokens.embedding", emb.get("embedding"), (v, h)),
+                            ("lm_head.kernel", head.get("kernel"), (h, v))):
+        if arr is not None and tuple(getattr(arr, "shape", ())) != want:
+            raise ValueError(f"target_params do not match the target's config: {what} has shape "
+                             f"{tuple(getattr(arr, 'shape', ()))}, expected {want}")
+
+
+def _check_head_fits_target(method: str, dcfg, target_cfg) -> None:
+    """The draft's kind fits the method and its input width is the target's hidden size
+    (EAGLE-1 ``fc`` reads ``[embed, target hidden]``; EAGLE-3 / DFlash ``fc`` reads
+    ``num_aux`` target states of ``target_hidden_size``; Medusa reads the target's hidden
+    state)."""
+    kinds = _DRAFT_KINDS.get(method)
+    if kinds is not None and dcfg.kind not in kinds:
+        raise ValueError(f"method={method!r} needs a draft of kind {' / '.join(kinds)}, got a "
+                         f"{dcfg.kind!r} model (is config.method right?)")
+    if target_cfg is None:
+        return
+    th = target_cfg.hidden_size
+    if method in ("eagle", "medusa") and dcfg.hidden_size != th:
+        raise ValueError(f"method={method!r}: the draft's hidden_size ({dcfg.hidden_size}) "
+                         f"differs from the target's hidden_size ({th}); the head reads the "
+                         "target's hidden states")
+    if method in ("eagle3", "dflash"):
+        got = dcfg.target_hidden_size or dcfg.hidden_size
+        if got != th:
+            raise ValueError(f"method={method!r}: the head's target_hidden_size ({got}) differs "
+                             f"from the target's hidden_size ({th})")
+    # aux layer ids are checked against the target's layers where the target runs them
+    # (DecoderLM, through make_step / generate)

@@ -1,0 +1,339 @@
+"""HF config dict -> ``ModelConfig`` (:func:`config_from_hf`) and back
+(:func:`config_to_dict`): the config half of models/CANONICAL.md.
+
+Every field is type-checked and bounded (``specjax.checks``), and every attention variant a
+config can declare is implemented or refused by name: Mistral's ``sliding_window`` and
+Qwen2's ``use_sliding_window`` + ``max_window_layers`` are refused when they would change
+the attention of a context the model can reach (a window at least
+``max_position_embeddings`` long is plain causal attention and is accepted).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from specjax.checks import ArgumentError, ArgumentTypeError, check_int, check_number, show
+from specjax.models.config import DECODER_KINDS, KINDS, ModelConfig, ROPE_TYPES
+
+__all__ = ["config_from_hf", "config_to_dict", "MAX_LAYERS", "MAX_DIM"]
+
+#: Bounds on a config's sizes (a 100000-layer config is a typo or an attack, not a model).
+MAX_LAYERS = 4096
+MAX_DIM = 1 << 20
+MAX_VOCAB = 1 << 24
+
+_PRESENCE = ("has_embed_tokens", "has_lm_head", "has_d2t", "has_token_map")
+
+
+# ---------------------------------------------------------------------------------------
+# config
+
+
+def _get(hf: Mapping, *names, default=None):
+    for n in names:
+        if n in hf and hf[n] is not None:
+            return hf[n]
+    return default
+
+
+def _int(hf: Mapping, name: str, lo: int = 1, hi: int = MAX_DIM, *alts: str, default: Any = None,
+         why: str = "") -> int:
+    """The config's integer ``name`` (or the first of ``alts`` present) in ``[lo, hi]``;
+    a missing required key is a KeyError-like ValueError naming it."""
+    v = _get(hf, name, *alts, default=default)
+    if v is None:
+        raise ArgumentError(f"config key {name!r} is missing (an int in [{lo}, {hi}])")
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)                                   # 4096.0 in a hand-edited config.json
+    return check_int(f"config {name}", v, lo, hi, why=why)
+
+
+def _float(hf: Mapping, name: str, default: float, lo: float | None = None) -> float:
+    v = _get(hf, name, default=default)
+    return check_number(f"config {name}", v, lo)
+
+
+def _bool(hf: Mapping, name: str, default: bool) -> bool:
+    v = hf.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ArgumentTypeError(f"config {name} must be true or false, got {show(v)}")
+    return v
+
+
+def _freeze(v):
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _thaw(v):
+    if isinstance(v, tuple) and v and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in v):
+        return {k: _thaw(x) for k, x in v}
+    if isinstance(v, tuple):
+        return [_thaw(x) for x in v]
+    return v
+
+
+def _rope(kind: str, hf: Mapping) -> tuple[float, tuple | None]:
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ArgumentTypeError(f"config rope_parameters must be an object, got {show(params)}")
+    theta = _get(hf, "rope_theta", default=params.get("rope_theta"))
+    if theta is None:
+        theta = 1e6 if kind == "dflash" else 10000.0
+    theta = check_number("config rope_theta", theta, 1e-6)
+    scaling = hf.get("rope_scaling")
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise ArgumentTypeError(f"config rope_scaling must be null or an object, got {show(scaling)}")
+    if scaling:
+        scaling = dict(scaling)
+        if "rope_type" not in scaling and "type" in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        scaling.pop("type", None)
+        rtype = scaling.get("rope_type", "default")
+        if rtype not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {rtype!r}")
+        if rtype == "default":
+            scaling = None
+        else:
+            _check_rope_scaling(rtype, scaling)
+    return float(theta), (_freeze(scaling) if scaling else None)
+
+
+#: Keys each implemented ``rope_type`` needs (vLLM / transformers' rope init functions).
+_ROPE_KEYS = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}
+
+
+def _check_rope_scaling(rtype: str, scaling: Mapping) -> None:
+    for key in _ROPE_KEYS.get(rtype, ()):
+        if key not in scaling or scaling[key] is None:
+            raise ArgumentError(f"config rope_scaling: rope_type {rtype!r} needs {key!r} "
+                                f"(keys: {', '.join(_ROPE_KEYS[rtype])}), got {show(dict(scaling), 200)}")
+        lo = 1 if key == "original_max_position_embeddings" else 1e-6
+        check_number(f"config rope_scaling.{key}", scaling[key], lo)
+
+
+def _check_window(hf: Mapping) -> None:
+    """Sliding-window attention is not implemented: refuse a window that can bind (one
+    shorter than ``max_position_embeddings``), naming the key (Mistral ``sliding_window``;
+    Qwen2 ``use_sliding_window`` + ``sliding_window`` + ``max_window_layers``: accepted only
+    when the config itself shows no layer is windowed, i.e. ``max_window_layers >=
+    num_hidden_layers`` or a window no shorter than ``max_position_embeddings``; a missing
+    value would take transformers' defaults, so it is refused)."""
+    n_pos = _get(hf, "max_position_embeddings", default=2048)
+    win = hf.get("sliding_window")
+    qwen_flag = hf.get("use_sliding_window")
+    if qwen_flag is not None and not isinstance(qwen_flag, bool):
+        raise ArgumentTypeError(f"config use_sliding_window must be true or false, got {show(qwen_flag)}")
+    if win is not None and not (isinstance(win, int) and not isinstance(win, bool)):
+        raise ArgumentTypeError(f"config sliding_window must be null or an int, got {show(win)}")
+    if "use_sliding_window" in hf:            # Qwen2: the window applies only with the flag,
+        if not qwen_flag:                     # to layers >= max_window_layers
+            return
+        mwl = hf.get("max_window_layers")
+        layers = hf.get("num_hidden_layers")
+        if isinstance(mwl, int) and isinstance(layers, int) and mwl >= layers:
+            return                            # no layer uses the window
+        if win is not None and isinstance(n_pos, int) and win >= n_pos:
+            return                            # the window never binds
+        raise ArgumentError(f"config use_sliding_window=true with sliding_window={win} and "
+                            f"max_window_layers={mwl}: sliding-window attention is not "
+                            "implemented by specjax (set use_sliding_window=false only if the "
+                            "model was trained without it)")
+    if win is not None and isinstance(n_pos, int) and win < n_pos:
+        raise ArgumentError(f"config sliding_window={win} (< max_position_embeddings={n_pos}): "
+                            "sliding-window attention is not implemented by specjax; a Mistral-"
+                            "style window would change every position past it")
+
+
+def _aux_ids(v) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+        raise ArgumentTypeError(f"config aux layer ids must be a list of ints, got {show(v)}")
+    return tuple(check_int("config aux layer id", i, 0, MAX_LAYERS) for i in v)
+
+
+def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
+    """Normalized HF config dict (CANONICAL.md) -> frozen ``ModelConfig``.
+
+    Also accepts the raw variants it can normalize unambiguously: speculators'
+    nested ``transformer_layer_config``, transformers-v5 ``rope_parameters``, z-lab
+    ``dflash_config`` (``target_layer_ids`` + 1), Medusa ``medusa_num_heads``. Unsupported
+    features raise ValueError naming the field.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not isinstance(hf_config, Mapping):
+        raise ArgumentTypeError(f"hf_config must be a dict (config.json's object), got "
+                                f"{show(hf_config)}")
+    hf = dict(hf_config)
+    speculators = "speculators_config" in hf or "speculators_model_type" in hf
+    nested = hf.get("transformer_layer_config")
+    if isinstance(nested, Mapping):
+        for k, v in nested.items():
+            hf.setdefault(k, v)
+
+    if kind == "medusa":
+        if "num_heads" not in hf:
+            for k in list(hf):
+                if "num" in k and "heads" in k:
+                    hf["num_heads"] = hf[k]
+        if "num_hidden_layers" not in hf:
+            for k in list(hf):
+                if "num" in k and "layers" in k:
+                    hf["num_hidden_layers"] = hf[k]
+        return ModelConfig(
+            kind=kind,
+            vocab_size=_int(hf, "vocab_size", 1, MAX_VOCAB),
+            hidden_size=_int(hf, "hidden_size"),
+            num_heads=_int(hf, "num_heads", 1, 64),
+            num_hidden_layers=_int(hf, "num_hidden_layers", 1, MAX_LAYERS, default=1),
+            fc_bias=_bool(hf, "medusa_fc_bias", False),
+            truncated_vocab_size=_int(hf, "truncated_vocab_size", 0, MAX_VOCAB, default=0),
+            original_lm_head=_bool(hf, "original_lm_head", False),
+            logit_scale=_float(hf, "logit_scale", 1.0),
+            has_token_map=hf.get("has_token_map"),
+        )
+
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act must be 'silu', got {show(act)}")
+    if not hf.get("is_neox_style", True):
+        raise ValueError("is_neox_style must be true (specjax implements rotate-half RoPE only)")
+    _check_window(hf)
+    dcfg = hf.get("dflash_config") or {}
+    if not isinstance(dcfg, Mapping):
+        raise ArgumentTypeError(f"config dflash_config must be an object, got {show(dcfg)}")
+    layer_types = hf.get("layer_types") or ()
+    if not isinstance(layer_types, (list, tuple)):
+        raise ArgumentTypeError(f"config layer_types must be a list, got {show(layer_types)}")
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"layer_types must all be 'full_attention', got "
+                         f"{show(sorted(set(map(str, layer_types))))}")
+    if dcfg.get("use_swa") or dcfg.get("attention_sink_bias") or hf.get("attention_sink_bias"):
+        raise ValueError("dflash_config.use_swa / attention_sink_bias must be false (not implemented)")
+    for f in ("norm_before_fc", "fc_norm"):
+        if hf.get(f):
+            raise ValueError(f"{f} must be false (EAGLE-3 pre-fc norms are not implemented)")
+
+    h = _int(hf, "hidden_size")
+    nh = _int(hf, "num_attention_heads", 1, 4096)
+    nkv = _int(hf, "num_key_value_heads", 1, 4096, default=nh)
+    n_layers = _int(hf, "num_hidden_layers", 1, MAX_LAYERS,
+                    why=f"specjax's limit is {MAX_LAYERS} layers")
+    theta, scaling = _rope(kind, hf)
+    attention_bias = _bool(hf, "attention_bias", False)
+    qkv_bias = _bool(hf, "qkv_bias", kind == "qwen2" or attention_bias)
+    o_bias = _bool(hf, "o_bias", False if kind in ("qwen2", "eagle") else attention_bias)
+    qk_norm = _bool(hf, "qk_norm", kind in ("qwen3", "dflash")
+                    or (kind == "eagle3" and hf.get("model_type") == "qwen3"))
+    vocab = _int(hf, "vocab_size", 1, MAX_VOCAB)
+    if _get(hf, "head_dim") is None and h % nh:
+        raise ArgumentError(f"config hidden_size={h} is not a multiple of num_attention_heads={nh} "
+                            "and no head_dim is given")
+    fields: dict[str, Any] = dict(
+        kind=kind,
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=_int(hf, "intermediate_size"),
+        num_hidden_layers=n_layers,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=_int(hf, "head_dim", 2, 1 << 14, default=h // nh),
+        rms_norm_eps=check_number("config rms_norm_eps", _get(hf, "rms_norm_eps", default=1e-6),
+                                  0.0, 1.0),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=_int(hf, "max_position_embeddings", 1, 1 << 30, default=2048),
+        tie_word_embeddings=_bool(hf, "tie_word_embeddings", False) if kind in DECODER_KINDS else False,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=_bool(hf, "mlp_bias", False),
+        qk_norm=qk_norm,
+    )
+    if kind == "eagle":
+        fields["fc_bias"] = _bool(hf, "bias", True)
+    elif kind == "eagle3":
+        fields.update(
+            draft_vocab_size=_int(hf, "draft_vocab_size", 1, MAX_VOCAB, default=vocab),
+            target_hidden_size=_int(hf, "target_hidden_size", default=h),
+            # vLLM v0.20: the speculators eagle3 updater defaults it to True, the model to False
+            norm_before_residual=_bool(hf, "norm_before_residual", speculators),
+            aux_layer_ids=_aux_ids(hf.get("eagle_aux_hidden_state_layer_ids")),
+        )
+    elif kind == "dflash":
+        ids = _get(hf, "aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids")
+        if ids is None and dcfg.get("target_layer_ids") is not None:
+            ids = [int(i) + 1 for i in _aux_ids(dcfg["target_layer_ids"]) or ()]
+        if ids is None and hf.get("num_target_layers") is not None:
+            nt, nd = _int(hf, "num_target_layers", 1, MAX_LAYERS), fields["num_hidden_layers"]
+            z = [nt // 2] if nd == 1 else [int(round(1 + i * (nt - 4) / (nd - 1))) for i in range(nd)]
+            ids = [i + 1 for i in z]
+        if ids is None:
+            raise ValueError("aux_hidden_state_layer_ids is required for dflash "
+                             "(or dflash_config.target_layer_ids / num_target_layers)")
+        causal = _get(hf, "causal", "is_causal", default=dcfg.get("causal", False))
+        fields.update(
+            draft_vocab_size=_int(hf, "draft_vocab_size", 1, MAX_VOCAB, default=vocab),
+            target_hidden_size=_int(hf, "target_hidden_size", default=h),
+            aux_layer_ids=_aux_ids(ids),
+            block_size=check_int("config block_size",
+                                 _get(hf, "block_size", default=dcfg.get("block_size", 0)) or 0,
+                                 0, 4096),
+            mask_token_id=check_int("config mask_token_id", _get(
+                hf, "mask_token_id", default=dcfg.get("mask_token_id", -1)), -1, MAX_VOCAB),
+            causal=bool(causal),
+        )
+    for f in _PRESENCE:
+        if hf.get(f) is not None:
+            fields[f] = bool(hf[f])
+    return ModelConfig(**fields)
+
+
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    """JSON-able dict; ``config_from_hf(config.kind, config_to_dict(config)) == config``."""
+    c = config
+    d: dict[str, Any] = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size}
+    if c.kind == "medusa":
+        d.update(num_heads=c.num_heads, num_hidden_layers=c.num_hidden_layers,
+                 medusa_fc_bias=c.fc_bias, original_lm_head=c.original_lm_head,
+                 logit_scale=c.logit_scale)
+        if c.truncated_vocab_size:
+            d["truncated_vocab_size"] = c.truncated_vocab_size
+    else:
+        d.update(
+            intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+            rope_scaling=_thaw(c.rope_scaling) if c.rope_scaling else None,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
+            attention_bias=c.qkv_bias or c.o_bias, mlp_bias=c.mlp_bias, qk_norm=c.qk_norm,
+            hidden_act="silu",
+        )
+        if c.kind == "eagle":
+            d["bias"] = c.fc_bias
+        elif c.kind == "eagle3":
+            d.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
+                     norm_before_residual=c.norm_before_residual,
+                     eagle_aux_hidden_state_layer_ids=(list(c.aux_layer_ids)
+                                                       if c.aux_layer_ids is not None else None))
+        elif c.kind == "dflash":
+            d.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
+                     aux_hidden_state_layer_ids=list(c.aux_layer_ids), block_size=c.block_size,
+                     mask_token_id=c.mask_token_id, causal=c.causal)
+    for f in _PRESENCE:
+        if getattr(c, f) is not None:
+            d[f] = getattr(c, f)
+    return d
+
+

@@ -1,0 +1,187 @@
+"""Real checkpoints end to end, torch-free: read a checkpoint directory's config, load a
+model by path, its tokenizer (``transformers.AutoTokenizer``, the ``hf`` extra), its
+``generation_config.json`` stop ids, and score token ids.
+
+Nothing here downloads: every path is a local directory (``FileNotFoundError`` naming it
+otherwise). Nothing in a checkpoint is executed (``trust_remote_code`` stays False).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+from specjax.checks import ArgumentTypeError, check_int_sequence, show
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["checkpoint_dir", "read_checkpoint_config", "load_model", "load_draft",
+           "load_generation_config", "load_tokenizer", "encode_prompt", "score",
+           "DRAFT_KIND_METHODS"]
+
+#: ``ModelConfig.kind`` -> the method a draft of that kind is used by.
+DRAFT_KIND_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash",
+                      "medusa": "medusa", "llama": "draft_model", "qwen2": "draft_model",
+                      "qwen3": "draft_model"}
+
+
+def checkpoint_dir(path: Any, what: str = "checkpoint") -> Path:
+    """``path`` as an existing directory holding ``config.json`` or ``specjax.json``;
+    FileNotFoundError naming the path and the missing file otherwise."""
+    if not isinstance(path, (str, Path)):
+        raise ArgumentTypeError(f"{what} path must be a str or Path, got {show(path)}")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{what} directory {str(p)!r} does not exist (only local "
+                                "directories are read; nothing is downloaded)")
+    if not p.is_dir():
+        raise NotADirectoryError(f"{what} path {str(p)!r} is a file, not a checkpoint directory")
+    if not (p / "config.json").is_file() and not (p / "specjax.json").is_file():
+        raise FileNotFoundError(f"{what} directory {str(p)!r} has no config.json (nor a "
+                                "specjax.json of a converted checkpoint): config.json is missing")
+    return p
+
+
+def read_checkpoint_config(path: Any) -> dict:
+    """The checkpoint's config: ``config.json``, or for a ``specjax-convert`` output its
+    ``specjax.json`` (which names the ``kind``)."""
+    p = checkpoint_dir(path)
+    f = p / "config.json" if (p / "config.json").is_file() else p / "specjax.json"
+    try:
+        d = json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{f}: expected a JSON object, got {type(d).__name__}")
+    if f.name == "specjax.json":
+        d = {"specjax_kind": d.get("kind"), **d}
+    return d
+
+
+def load_model(path: Any, dtype: Any = None):
+    """``(runner, kind, config, params)`` of the checkpoint at ``path`` (converted or
+    original; ``specjax.load_pretrained`` underneath)."""
+    from specjax.converters import load_pretrained
+    from specjax.models import registry
+
+    p = checkpoint_dir(path)
+    kind, config, params = load_pretrained(p, dtype)
+    return registry.make_model(kind, config), kind, config, params
+
+
+def load_draft(path: Any, method: str, dtype: Any = None):
+    """``(draft runner, draft params)`` of ``config.model``, checked to be a draft of
+    ``method``'s kind."""
+    runner, kind, _, params = load_model(path, dtype)
+    want = DRAFT_KIND_METHODS.get(kind)
+    if want != method:
+        raise ValueError(f"config.model={show(str(path))} is a {kind!r} checkpoint (a draft for "
+                         f"method={want!r}), not one for method={method!r}")
+    logger.info("loaded the %s draft from %s", kind, path)
+    return runner, params
+
+
+def load_generation_config(path: Any) -> dict:
+    """``generation_config.json`` of a checkpoint directory as ``{"eos_token_ids": [...],
+    "bos_token_id", "pad_token_id", "temperature", "top_k", "top_p"}`` (absent keys
+    omitted; ``eos_token_id`` may be an int or a list in the file). No file: ``{}``; the
+    config.json ``eos_token_id`` is used then."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(p)!r} does not exist")
+    src = p / "generation_config.json"
+    if not src.is_file():
+        src = p / "config.json"
+        if not src.is_file():
+            return {}
+    try:
+        d = json.loads(src.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{src}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{src}: expected a JSON object")
+    out: dict[str, Any] = {}
+    eos = d.get("eos_token_id")
+    if eos is not None:
+        ids = [eos] if not isinstance(eos, (list, tuple)) else list(eos)
+        out["eos_token_ids"] = list(check_int_sequence(f"{src.name} eos_token_id", ids, 0))
+    for key in ("bos_token_id", "pad_token_id", "top_k"):
+        if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
+            out[key] = d[key]
+    for key in ("temperature", "top_p"):
+        if isinstance(d.get(key), (int, float)) and not isinstance(d.get(key), bool):
+            out[key] = float(d[key])
+    return out
+
+
+def load_tokenizer(path: Any):
+    """``transformers.AutoTokenizer`` of a local checkpoint directory (the ``hf`` extra:
+    ``pip install "specjax[hf]"``); ``trust_remote_code=False``, no network."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {str(p)!r} does not exist")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ImportError("tokenization needs transformers: pip install \"specjax[hf]\"") from None
+    return AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat: bool | None = None) -> list[int]:
+    """Token ids of ``prompt``: through the tokenizer's chat template (a user turn, the
+    generation prompt added) when it has one and ``chat`` is not False, else plain
+    encoding with the tokenizer's special tokens."""
+    if not isinstance(prompt, str):
+        raise ArgumentTypeError(f"prompt must be a str, got {show(prompt)}")
+    use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+    if use_chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt)["input_ids"]]
+
+
+def score(model, params, token_ids: Sequence[int]):
+    """Logits ``[len(token_ids), V]`` (float32, NumPy) of ``model`` (a ``DecoderLM``) at
+    every position of one sequence: row ``i`` scores the token after
+    ``token_ids[: i + 1]``. One jitted prefill into a fresh paged cache of one block,
+    padded to a power of two (so nearby lengths share a compilation)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax.constants import next_power_of_2
+    from specjax.attention import CommonAttentionMetadata
+    from specjax.models import DecoderLM
+
+    if not isinstance(model, DecoderLM):
+        raise ArgumentTypeError(f"model must be a specjax.models.DecoderLM, got "
+                                f"{type(model).__name__}")
+    ids = check_int_sequence("token_ids", token_ids, 0, model.config.vocab_size - 1, min_len=1,
+                             max_len=1 << 20)
+    n = len(ids)
+    pad = max(16, next_power_of_2(n))
+    md = CommonAttentionMetadata.from_query_lens([n], [n], [[0]], block_size=pad,
+                                                 num_tokens_pad=pad, max_query_len=pad)
+    buf = np.zeros(pad, np.int32)
+    buf[:n] = ids
+    fwd = _forward(model)
+    hidden = fwd(params, jnp.asarray(buf), jnp.arange(pad, dtype=jnp.int32),
+                 model.init_kv_caches(1, pad), md)
+    logits = model.compute_logits(params, hidden[:n])
+    return np.asarray(jax.device_get(logits), np.float32)
+
+
+_FORWARDS: dict = {}
+
+
+def _forward(model):
+    import jax
+
+    if model not in _FORWARDS:
+        _FORWARDS[model] = jax.jit(lambda p, i, pos, kv, md: model.forward(p, i, pos, kv, md)[0])
+    return _FORWARDS[model]

@@ -1,0 +1,178 @@
+"""A vLLM ``speculative_config`` dict -> ``SpeculativeConfig`` (v0.20 names and values;
+docs/vllm_config.md lists every difference).
+
+* Every v0.20 field specjax implements keeps vLLM's meaning.
+* A vLLM field specjax does not implement (``quantization``, ``revision``,
+  ``tensor_parallel_size``, the v0.33 additions, ...) is accepted only at vLLM's default
+  value and refused by name at any other; an unknown key is refused with the known ones.
+* ``method`` absent or None with a ``model``: detected from the draft's config first
+  (``speculators_config.algorithm``, ``architectures``, ``model_type``, ``dflash_config``,
+  a converted directory's ``kind``), then from its format (config and tensor names, as
+  ``specjax-convert`` detects it: a SafeAILab EAGLE config says ``LlamaForCausalLM``),
+  then by vLLM v0.20's path-substring rule
+  (``"eagle-"`` -> eagle, ``"eagle3"`` -> eagle3, ``"dflash"`` -> dflash), else
+  ``draft_model``; config signals that disagree are refused. An explicit method that the
+  draft's config contradicts is refused too (vLLM would fail later, loading weights).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+from specjax.checks import ArgumentError, ArgumentTypeError, show
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["from_vllm", "detect_method", "VLLM_DEFAULT_ONLY"]
+
+#: vLLM fields specjax does not implement -> the values accepted (vLLM's default first).
+VLLM_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    # v0.20
+    "quantization": (None,), "moe_backend": (None,), "revision": (None,),
+    "code_revision": (None,), "draft_load_config": (None,), "tensor_parallel_size": (None,),
+    "target_model_config": (None,), "target_parallel_config": (None,),
+    "draft_model_config": (None,), "draft_parallel_config": (None,),
+    "hf_config_override": (None, {}),
+    # v0.33 (vllm_delta_0.33.md section 6.3)
+    "attention_backend": (None, "auto"), "kv_cache_dtype": (None, "auto"),
+    "index_share_for_mtp_iteration": (None,), "disable_eagle_block_drop": (False,),
+    "disable_lookahead_block_hashes": (False,), "draft_lm_head_quantization": (None,),
+    "use_heterogeneous_vocab": (False,), "num_speculative_tokens_per_batch_size": (None,),
+    "enable_adaptive_verification": (False,), "draft_sample_method": ("greedy",),
+    "dspark_draft_topk": (None,), "xpress_topc": (None,), "fly_window_size": (None,),
+    "fly_entropy_threshold": (0.3,), "fly_entropy_top_k": (3,),
+}
+
+_HEAD_ARCH = (("eagle3", "eagle3"), ("dflash", "dflash"), ("medusa", "medusa"),
+              ("eagle", "eagle"))
+
+
+def _from_config(cfg: Mapping[str, Any]) -> set[str]:
+    """Methods the draft's own config names (empty: it says nothing)."""
+    found: set[str] = set()
+    spec = cfg.get("speculators_config")
+    if isinstance(spec, Mapping) and isinstance(spec.get("algorithm"), str):
+        alg = spec["algorithm"].lower()
+        found.add({"peagle": "eagle3"}.get(alg, alg))
+    if isinstance(cfg.get("speculators_model_type"), str):
+        found.add(cfg["speculators_model_type"].lower())
+    kind = cfg.get("specjax_kind")
+    if isinstance(kind, str):
+        from specjax.hf import DRAFT_KIND_METHODS
+
+        found.add(DRAFT_KIND_METHODS.get(kind, kind))
+    archs = cfg.get("architectures")
+    if isinstance(archs, list):
+        for a in archs:
+            low = str(a).lower()
+            for key, method in _HEAD_ARCH:
+                if key in low:
+                    found.add(method)
+                    break
+    mt = cfg.get("model_type")
+    if isinstance(mt, str):
+        low = mt.lower()
+        if low in ("eagle", "eagle3", "dflash", "medusa"):
+            found.add(low)
+        elif low in ("mlp_speculator",) or low.endswith("_mtp"):
+            found.add(low)
+    if isinstance(cfg.get("dflash_config"), Mapping):
+        found.add("dflash")
+    return found
+
+
+def _from_tensors(model: str) -> str | None:
+    """The method of the checkpoint's format, told from its config and tensor names
+    (``specjax.converters``' format detection; headers only, no tensor data read), None
+    when that cannot tell (or the directory is a converted one)."""
+    from specjax.converters.errors import CheckpointError
+    from specjax.converters.formats import FORMATS, detect_format
+    from specjax.converters.readers import read_checkpoint
+    from specjax.hf import DRAFT_KIND_METHODS
+
+    if (Path(model) / "specjax.json").is_file():
+        return None
+    try:
+        ck = read_checkpoint(model)
+        fmt = detect_format(ck.config, ck.tensors, ck.files)
+    except (CheckpointError, ValueError, OSError):
+        return None
+    return DRAFT_KIND_METHODS.get(FORMATS[fmt].kind)
+
+
+def detect_method(model: str, config: Mapping[str, Any] | None = None) -> str:
+    """The method of the draft at ``model`` (its config read when ``config`` is None and
+    ``model`` is a directory); see the module docstring for the order."""
+    is_dir = Path(model).is_dir()
+    if config is None and is_dir:
+        from specjax.hf import read_checkpoint_config
+
+        config = read_checkpoint_config(model)
+    found = _from_config(config or {})
+    by_tensors = _from_tensors(model) if is_dir else None
+    if by_tensors is not None and found and by_tensors not in found:
+        found.add(by_tensors)
+    if len(found) > 1:
+        raise ArgumentError(f"model={show(model)}: its config and tensors name several methods "
+                            f"{sorted(found)}; set method explicitly")
+    if found:
+        return found.pop()
+    if by_tensors is not None:
+        return by_tensors
+    low = model.lower()          # vLLM v0.20's fallback, in its order
+    if "eagle-" in low:
+        return "eagle"
+    if "eagle3" in low:
+        return "eagle3"
+    if "dflash" in low:
+        return "dflash"
+    return "draft_model"
+
+
+def from_vllm(d: Mapping[str, Any], fields: tuple[str, ...], **overrides: Any) -> dict:
+    """The ``SpeculativeConfig`` keyword arguments (``fields``: its field names) of a vLLM
+    ``speculative_config`` dict (``overrides`` applied on top, with the same rules); used
+    by ``SpeculativeConfig.from_vllm``."""
+    if not isinstance(d, Mapping):
+        raise ArgumentTypeError(f"speculative_config must be a dict, got {show(d)}")
+    d = {**d, **overrides}
+    bad = [k for k in d if not isinstance(k, str)]
+    if bad:
+        raise ArgumentTypeError(f"speculative_config keys must be str, got {show(bad)}")
+    own = set(fields)
+    unknown = sorted(set(d) - own - set(VLLM_DEFAULT_ONLY))
+    if unknown:
+        raise ArgumentError(f"speculative_config: unknown key(s) {show(unknown, 200)}; known: "
+                            f"{show(sorted(own | set(VLLM_DEFAULT_ONLY)), 1200)}")
+    for key, allowed in VLLM_DEFAULT_ONLY.items():
+        if key in d and not any(d[key] == a and type(d[key]) is type(a) for a in allowed):
+            raise ArgumentError(f"speculative_config {key}={show(d[key])} is not implemented by "
+                                f"specjax; only vLLM's default {show(allowed[0])} is accepted")
+    kw = {k: v for k, v in d.items() if k in own}
+    if isinstance(kw.get("synthetic_acceptance_rates"), list):
+        kw["synthetic_acceptance_rates"] = tuple(kw["synthetic_acceptance_rates"])
+    model, method = kw.get("model"), kw.get("method")
+    if model is not None and not isinstance(model, str):
+        raise ArgumentTypeError(f"speculative_config model must be a path str, got {show(model)}")
+    if method is not None and not isinstance(method, str):
+        raise ArgumentTypeError(f"speculative_config method must be a str, got {show(method)}")
+    if model is not None and model not in ("ngram", "[ngram]"):
+        cfg = None
+        if Path(model).is_dir():
+            from specjax.hf import read_checkpoint_config
+
+            cfg = read_checkpoint_config(model)
+        elif model.startswith(("/", ".", "~")):
+            raise FileNotFoundError(f"speculative_config model={show(model)}: no such directory "
+                                    "(a local path; specjax downloads nothing)")
+        if method is None:
+            kw["method"] = detect_method(model, cfg)
+            logger.info("speculative_config: method %r detected for model %r", kw["method"], model)
+        elif cfg is not None and method in ("eagle", "eagle3", "dflash", "medusa", "draft_model"):
+            found = _from_config(cfg) | ({_from_tensors(model)} - {None})
+            if found and method not in found:
+                raise ArgumentError(f"speculative_config method={method!r} but model={show(model)} "
+                                    f"is a {sorted(found)[0]!r} checkpoint by its config")
+    return kw

@@ -1,0 +1,54 @@
+"""What a Python user expects of a package: a LICENSE (Apache-2.0), ``__version__`` and
+``specjax --version``, ``dir(specjax)`` listing the lazy public API, library code logging
+through ``logging`` (``print`` only in the command-line modules)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import specjax
+
+ROOT = Path(__file__).resolve().parent.parent
+#: modules that are command lines (their output is the point)
+CLI_MODULES = {"specjax/cli.py", "specjax/demo.py", "specjax/generate_cli.py",
+               "specjax/training/recipe.py", "converters/cli.py", "specjax/__main__.py"}
+
+pytestmark = pytest.mark.smoke
+
+
+def test_license_is_apache_2():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_version_matches_pyproject():
+    m = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert m and specjax.__version__ == m.group(1)
+
+
+def test_dir_lists_the_lazy_api():
+    names = dir(specjax)
+    assert set(specjax.__all__) <= set(names)
+    for n in specjax.__all__:
+        assert getattr(specjax, n) is not None
+    with pytest.raises(AttributeError):
+        specjax.not_a_name  # noqa: B018
+
+
+def test_no_print_outside_the_command_lines():
+    bad = []
+    for top in ("specjax", "models", "converters", "kernels"):
+        for f in sorted((ROOT / top).rglob("*.py")):
+            rel = f.relative_to(ROOT).as_posix()
+            if rel in CLI_MODULES:
+                continue
+            for node in ast.walk(ast.parse(f.read_text(), rel)):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                    bad.append(f"{rel}:{node.lineno}")
+    assert not bad, f"print() in library code (use logging): {bad}"

@@ -1,0 +1,221 @@
+"""vLLM v0.20's cases restated: ``test_synthetic_rejection_sampler_utils.py``, the
+``SpeculativeConfig.__post_init__`` method resolution, ``test_eagle.py::test_load_model``
+(embedding / lm_head sharing), and one call from a ``speculative_config`` dict to a ready
+proposer whose greedy output equals plain greedy decoding."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import demo_models
+from specjax.config import (SpeculativeConfig, acceptance_length_to_rates,
+                            resolve_synthetic_acceptance_rates)
+from specjax.models import share_target_weights
+from specjax.sampler import unconditional_to_conditional_rates
+from specjax.vllm_config import detect_method
+
+# --- test_synthetic_rejection_sampler_utils.py ----------------------------------------
+
+
+@pytest.mark.smoke
+def test_unconditional_to_conditional_rates():
+    assert unconditional_to_conditional_rates([0.9, 0.5, 0.2]) == pytest.approx(
+        [0.9, 0.5 / 0.9, 0.2 / 0.5])
+    assert unconditional_to_conditional_rates([1.0, 0.6, 0.0, 0.0]) == pytest.approx(
+        [1.0, 0.6, 0.0, 0.0])
+    assert unconditional_to_conditional_rates([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("length,n,expected", [
+    (2.6, 3, [1.0, 0.6, 0.0]),
+    (1.0, 3, [0.0, 0.0, 0.0]),
+    (4.0, 3, [1.0, 1.0, 1.0]),
+    (2.0, 3, [1.0, 0.0, 0.0]),
+    (3.5, 4, [1.0, 1.0, 0.5, 0.0]),
+])
+def test_acceptance_length_to_rates(length, n, expected):
+    assert acceptance_length_to_rates(length, n) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("rates, length", [
+    (None, None),                      # exactly one is required
+    ([1.0, 0.5, 0.0], 2.0),
+    ([1.0, 0.5], None),                # length k
+    ([1.0, 0.5, -0.1], None),          # range
+    ([1.1, 0.5, 0.0], None),
+    ([0.5, 0.9, 0.2], None),           # non-increasing
+    (None, 0.5),                       # length in [1, k+1]
+    (None, 4.5),
+])
+def test_resolve_refuses(rates, length):
+    with pytest.raises(ValueError):
+        resolve_synthetic_acceptance_rates(3, rates, length)
+    with pytest.raises(ValueError):
+        SpeculativeConfig(method="eagle", num_speculative_tokens=3,
+                          rejection_sample_method="synthetic",
+                          synthetic_acceptance_rates=rates, synthetic_acceptance_length=length)
+
+
+def test_resolve_length_produces_minvariance_schedule():
+    assert resolve_synthetic_acceptance_rates(3, None, 2.6) == pytest.approx([1.0, 0.6, 0.0])
+    c = SpeculativeConfig(method="eagle", num_speculative_tokens=3,
+                          rejection_sample_method="synthetic", synthetic_acceptance_length=2.6)
+    assert c.synthetic_rates == pytest.approx((1.0, 0.6, 0.0))
+    assert c.synthetic_acceptance_rates is None and c.synthetic_acceptance_length == 2.6
+
+
+# --- method resolution (SpeculativeConfig.__post_init__, section 6.1) -------------------
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("d, method", [
+    ({"model": "[ngram]", "num_speculative_tokens": 2}, "ngram"),
+    ({"model": "ngram", "num_speculative_tokens": 2}, "ngram"),
+    ({"method": "ngram_gpu", "num_speculative_tokens": 2}, "ngram_gpu"),
+    ({"method": "suffix"}, "suffix"),
+    ({"model": "org/tiny-llama", "num_speculative_tokens": 2}, "draft_model"),
+    ({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 2}, "eagle"),
+    ({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 2}, "eagle3"),
+    ({"model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 2}, "dflash"),
+])
+def test_method_resolution_by_name(d, method):
+    c = SpeculativeConfig.from_vllm(d)
+    assert c.method == method
+    if method in ("ngram", "ngram_gpu"):
+        assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+
+
+def test_path_rule_order_and_config_first():
+    assert detect_method("a/eagle-x") == "eagle"
+    assert detect_method("a/EAGLE3-x") == "eagle3"
+    assert detect_method("a/dflash") == "dflash"
+    assert detect_method("a/eagle3-dflash") == "eagle3"          # vLLM's order
+    # the config wins over the path
+    assert detect_method("a/eagle3-x", {"dflash_config": {}}) == "dflash"
+    assert detect_method("a/x", {"architectures": ["Eagle3LlamaForCausalLM"]}) == "eagle3"
+    assert detect_method("a/x", {"speculators_config": {"algorithm": "eagle3"}}) == "eagle3"
+    assert detect_method("a/x", {"model_type": "medusa"}) == "medusa"
+    with pytest.raises(ValueError, match="several methods"):
+        detect_method("a/x", {"architectures": ["DFlashDraftModel"],
+                              "speculators_config": {"algorithm": "eagle3"}})
+
+
+@pytest.mark.parametrize("name, method", [("eagle", "eagle"), ("eagle3", "eagle3"),
+                                          ("dflash", "dflash"), ("medusa", "medusa"),
+                                          ("draft_model", "draft_model")])
+def test_method_resolution_from_checkpoint(name, method):
+    # the demo EAGLE-1 / EAGLE-3 configs say LlamaForCausalLM: their tensors tell
+    d = {"model": str(demo_models.path(name)), "num_speculative_tokens": 2}
+    assert SpeculativeConfig.from_vllm(d).method == method
+
+
+def test_explicit_method_contradicted_by_the_checkpoint():
+    with pytest.raises(ValueError, match="eagle3"):
+        SpeculativeConfig.from_vllm({"method": "eagle", "model": str(demo_models.path("eagle3")),
+                                     "num_speculative_tokens": 2})
+
+
+# --- test_eagle.py::test_load_model (v0.20): embedding and lm_head sharing -------------
+
+
+def _weights(seed, v=16, h=8):
+    r = np.random.default_rng(seed)
+    return jnp.asarray(r.standard_normal((v, h)), jnp.float32)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("own_embed", [None, "same", "distinct"])
+@pytest.mark.parametrize("own_head", [None, "same", "distinct"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_model_sharing(own_embed, own_head, tied):
+    emb, head = _weights(0), _weights(1)
+    target = {"embed_tokens": {"embedding": emb}}
+    if not tied:
+        target["lm_head"] = {"kernel": head.T}
+    target_head = {"embedding": emb} if tied else target["lm_head"]
+    draft: dict = {"fc": {"kernel": jnp.zeros((16, 8))}}
+    if own_embed is not None:
+        draft["embed_tokens"] = {"embedding": emb + 0 if own_embed == "same" else _weights(2)}
+    if own_head is not None:
+        draft["lm_head"] = ({k: v + 0 for k, v in target_head.items()} if own_head == "same"
+                            else {"kernel": _weights(3).T})
+    out = share_target_weights(draft, target, kind="eagle")
+    if own_embed == "distinct":
+        assert out["embed_tokens"] is draft["embed_tokens"]
+    else:
+        assert out["embed_tokens"] is target["embed_tokens"]
+    if own_head == "distinct":
+        assert out["lm_head"] is draft["lm_head"]
+    else:
+        assert out["lm_head"]["embedding" if tied else "kernel"] is \
+            target_head["embedding" if tied else "kernel"]
+
+
+def test_eagle1_checkpoint_keeps_its_own_embedding():
+    """An EAGLE-1 checkpoint with its own (different) embedding and lm_head loads them, and
+    the proposer drafts with them: its params carry those arrays, not the target's."""
+    from specjax.models import config_from_hf, registry
+
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2)
+    cfg = config_from_hf("eagle", base)
+    tensors = registry.random_tensors("eagle", cfg, seed=1)
+    tensors["embed_tokens.weight"] = np.asarray(_weights(5, 32, 16))
+    tensors["lm_head.weight"] = np.asarray(_weights(6, 32, 16))
+    cfg = registry.config_with_tensors("eagle", cfg, tensors)
+    assert cfg.has_embed_tokens and cfg.has_lm_head
+    own = registry.params_from_tensors("eagle", cfg, tensors)
+    tcfg = config_from_hf("llama", {**base, "num_hidden_layers": 2})
+    tp = registry.init_params("llama", tcfg)
+    shared = share_target_weights(own, tp, kind="eagle")
+    np.testing.assert_array_equal(shared["embed_tokens"]["embedding"], tensors["embed_tokens.weight"])
+    np.testing.assert_array_equal(shared["lm_head"]["kernel"], tensors["lm_head.weight"].T)
+    # round trip: the own tensors are exported back
+    back = registry.tensors_from_params("eagle", cfg, own)
+    assert {"embed_tokens.weight", "lm_head.weight"} <= set(back)
+
+
+# --- one call from a dict to a ready proposer -------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _target():
+    from specjax.engine import TargetModel
+    from specjax.models import registry
+
+    kind, cfg, params = demo_models.load("target")
+    return TargetModel(registry.make_model(kind, cfg), params)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle", "draft_model"])
+def test_dict_to_proposer_is_lossless(name):
+    from specjax import generate, make_proposer
+    from specjax.engine import SamplingParams
+
+    tgt = _target()
+    d = {"model": str(demo_models.path(name)), "num_speculative_tokens": 3}
+    prop = make_proposer(d, target=tgt.model, target_params=tgt.params, max_model_len=128)
+    assert prop.method == name
+    prompts = [list(b"def main():\n    "), list(b"import os\n")]
+    sp = SamplingParams(max_tokens=12)
+    got = generate(tgt, prop, prompts, sp, max_model_len=128)
+    want = generate(tgt, None, prompts, sp, max_model_len=128)
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert got.mean_acceptance_length > 1.0
+
+
+def test_dict_model_and_draft_both_refused():
+    from specjax import make_proposer
+    from specjax.models import registry
+
+    tgt = _target()
+    kind, cfg, params = demo_models.load("eagle3")
+    d = {"model": str(demo_models.path("eagle3")), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="both draft= and config.model"):
+        make_proposer(d, target=tgt.model, target_params=tgt.params, max_model_len=128,
+                      draft=registry.make_model(kind, cfg), draft_params=params)
