@@ -155,7 +155,7 @@ def score(model, params, token_ids: Sequence[int]):
     import numpy as np
 
     from specjax.constants import next_power_of_2
-    from specjax.attention import CommonAttentionMetadata
+    from specjax.attention_metadata import CommonAttentionMetadata
     from specjax.models import DecoderLM
 
     if not isinstance(model, DecoderLM):
