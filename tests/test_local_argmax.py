@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh
 
 from specjax.config import SpeculativeConfig
-from specjax.proposers.common import greedy_argmax, greedy_top_k
+from specjax.sharding.vocab import greedy_argmax, greedy_top_k
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -30,7 +30,7 @@ import dataclasses
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specjax.config import SpeculativeConfig
-from specjax.proposers.common import greedy_argmax, greedy_top_k
+from specjax.sharding.vocab import greedy_argmax, greedy_top_k
 assert len(jax.devices()) == 4, jax.devices()
 DEV = np.array(jax.devices())
 MESH = Mesh(DEV, ("tp",))

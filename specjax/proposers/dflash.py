@@ -53,11 +53,10 @@ from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,
     check_proposer,
-    check_vocab_sharding,
     draft_output,
     init_kv_caches,
-    proposer_argmax,
 )
+from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax
 
 _I32 = jnp.int32
 
@@ -86,7 +85,7 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ...).
       mesh, vocab_axis: with ``config.use_local_argmax_reduction``, greedy drafting takes
         the argmax of each shard of the vocabulary over mesh axis ``vocab_axis`` and
-        reduces the (value, index) pairs (``common.greedy_argmax``) instead of gathering
+        reduces the (value, index) pairs (``vocab.greedy_argmax``) instead of gathering
         the logits (target vocabulary; a reduced head's are scattered through ``d2t``);
         the vocabulary must divide evenly. Mesh None (default): plain argmax.
 

@@ -73,15 +73,13 @@ from specjax.proposers.common import (
     chain_steps,
     check_parallel_drafting_token_id,
     check_proposer,
-    check_vocab_sharding,
     draft_output,
     drafts_with_first,
     init_kv_caches,
     on_min_rows,
-    proposer_argmax,
-    proposer_top_k,
     shift_in_next_tokens,
 )
+from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax, proposer_top_k
 from specjax.proposers.tree_drafting import tree_drafts
 from specjax.token_tree import TokenTree
 
@@ -116,7 +114,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ...).
       mesh, vocab_axis: with ``config.use_local_argmax_reduction``, greedy drafting takes
         the argmax of each shard of the vocabulary over mesh axis ``vocab_axis`` and
-        reduces the (value, index) pairs (``common.greedy_argmax``) instead of gathering
+        reduces the (value, index) pairs (``vocab.greedy_argmax``) instead of gathering
         the logits; the vocabulary must divide evenly. Mesh None (default): plain argmax.
 
     ``warmup(buckets, params, state)`` compiles ``propose`` for every shape bucket ahead of

@@ -37,7 +37,7 @@ replicated silently).
 The vocabulary-sharded ``lm_head`` gives vocabulary-sharded logits; with
 ``config.use_local_argmax_reduction=True`` and the proposer's ``mesh=`` / ``vocab_axis=``
 set to the same mesh and axis, greedy drafting takes the argmax per shard and reduces only
-``(value, index)`` pairs (``specjax.proposers.common.greedy_argmax``).
+``(value, index)`` pairs (``specjax.sharding.vocab.greedy_argmax``).
 :func:`tensor_parallel` does all of it in one call.
 
 **Data parallelism** (:class:`DataParallel`): each device of a mesh axis (``"dp"``) runs
