@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
-from specjax.models import base, rope
+from specjax.models import params as mp, rope
 from specjax.kernels.paged_attention import KVCache, init_kv_caches, write_kv
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, RMSNorm, linear, rms_norm
@@ -45,7 +45,7 @@ class DFlashHead:
         x = aux_hidden_states
         if x.ndim == 3:
             x = x.reshape(x.shape[0], -1)
-        return base.merge(DFlashBody, (self.config,), params).fc(x)
+        return mp.merge(DFlashBody, (self.config,), params).fc(x)
 
     def precompute_and_store_context_kv(self, params: dict, context_states: jax.Array,
                                         positions: jax.Array, slot_mapping: jax.Array,
@@ -54,7 +54,7 @@ class DFlashHead:
         ``positions``/``slot_mapping [Tc] int32`` (slot -1 dropped)."""
         c = self.config
         nl, nkv, hd = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-        layers = base.normalize_keys(params)["layers"]
+        layers = mp.normalize_keys(params)["layers"]
         ctx = rms_norm(context_states, params["hidden_norm"]["weight"], c.rms_norm_eps)
         cos, sin = rope.cos_sin(positions, self._freq())
         tc = context_states.shape[0]
@@ -82,9 +82,9 @@ class DFlashHead:
         if bool(attn_metadata.causal) != self.config.causal:
             raise ValueError(f"attn_metadata.causal must be {self.config.causal} for this DFlash "
                              f"head (config causal={self.config.causal})")
-        body = base.merge(DFlashBody, (self.config,), params)
+        body = mp.merge(DFlashBody, (self.config,), params)
         cos, sin = rope.cos_sin(positions, self._freq())
-        h = base.embed(params, input_ids)
+        h = mp.embed(params, input_ids)
         caches = []
         for i, layer in enumerate(body.layers):
             h, c = layer(h, cos, sin, kv_caches[i], attn_metadata)
@@ -93,11 +93,11 @@ class DFlashHead:
 
     def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """``[N, H]`` -> ``[N, V]`` float32 (own reduced-vocab head: scattered via ``d2t``)."""
-        logits = base.lm_head_logits(base.need(params, "lm_head", "the target's lm_head"), hidden)
+        logits = mp.lm_head_logits(mp.need(params, "lm_head", "the target's lm_head"), hidden)
         if "d2t" not in params:
             return logits
         ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-        return base.scatter_vocab(logits, ids + params["d2t"][ids], self.config.vocab_size)
+        return mp.scatter_vocab(logits, ids + params["d2t"][ids], self.config.vocab_size)
 
     def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
         c = self.config

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
-from specjax.models import base, rope
+from specjax.models import params as mp, rope
 from specjax.kernels.paged_attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, linear
@@ -74,9 +74,9 @@ class EagleHead:
         hidden, or this head's previous output) -> ``(out [T, H], out [T, H], kv_caches)``:
         vLLM's ``(hidden for logits, hidden for the next step)``, the same array here."""
         cfg = self.config
-        body = base.merge(EagleBody, (cfg,), without_mask_hidden(params))
+        body = mp.merge(EagleBody, (cfg,), without_mask_hidden(params))
         cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        e = base.embed(params, input_ids)
+        e = mp.embed(params, input_ids)
         h = body.fc(jnp.concatenate([e, hidden_states.astype(e.dtype)], axis=-1))
         caches = []
         for i, layer in enumerate(body.layers):
@@ -93,7 +93,7 @@ class EagleHead:
 
     def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """``[N, H]`` -> ``[N, V]`` float32 through the (target's) lm_head."""
-        return base.lm_head_logits(base.need(params, "lm_head", "the target's lm_head"), hidden)
+        return mp.lm_head_logits(mp.need(params, "lm_head", "the target's lm_head"), hidden)
 
     def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
         c = self.config

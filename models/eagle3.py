@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
-from specjax.models import base, rope
+from specjax.models import params as mp, rope
 from specjax.kernels.paged_attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig
 from specjax.models.eagle import mask_hidden_values, without_mask_hidden
@@ -65,7 +65,7 @@ class Eagle3Head:
     config: ModelConfig
 
     def _body(self, params):
-        return base.merge(Eagle3Body, (self.config,), without_mask_hidden(params))
+        return mp.merge(Eagle3Body, (self.config,), without_mask_hidden(params))
 
     def parallel_drafting_hidden_state(self, params: dict, dtype=jnp.float32) -> jax.Array:
         """``[H]``: the hidden input of the parallel-drafting (mask) slots, vLLM's
@@ -99,7 +99,7 @@ class Eagle3Head:
             x = hidden_states.reshape(hidden_states.shape[0], -1)
             hidden_states = body.fc(x)
         cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        e = base.embed(params, input_ids)
+        e = mp.embed(params, input_ids)
         caches = []
         h, c = body.layers[0](e, hidden_states.astype(e.dtype), cos, sin, kv_caches[0], attn_metadata)
         caches.append(c)
@@ -110,7 +110,7 @@ class Eagle3Head:
 
     def compute_draft_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """``normed [N, H]`` -> ``[N, Vd]`` float32 over the draft vocabulary."""
-        return base.lm_head_logits(base.need(params, "lm_head", "the draft lm_head"), hidden)
+        return mp.lm_head_logits(mp.need(params, "lm_head", "the draft lm_head"), hidden)
 
     def draft_to_target_ids(self, params: dict, draft_ids: jax.Array) -> jax.Array:
         """Draft-vocab ids -> target ids (``id + d2t[id]``; identity without ``d2t``)."""
@@ -125,7 +125,7 @@ class Eagle3Head:
         if "d2t" not in params:
             return logits
         ids = self.draft_to_target_ids(params, jnp.arange(logits.shape[-1], dtype=jnp.int32))
-        return base.scatter_vocab(logits, ids, self.config.vocab_size)
+        return mp.scatter_vocab(logits, ids, self.config.vocab_size)
 
     def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
         c = self.config

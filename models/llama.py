@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
-from specjax.models import base, rope
+from specjax.models import params as mp, rope
 from specjax.kernels.paged_attention import KVCache, init_kv_caches
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, RMSNorm
@@ -71,9 +71,9 @@ class DecoderLM:
           ``(hidden [T_pad, H] post-norm, aux [T_pad, n_aux, H] or None, kv_caches)``.
         """
         cfg = self.config
-        body = base.merge(DecoderBody, (cfg,), params)
+        body = mp.merge(DecoderBody, (cfg,), params)
         cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        h = base.embed(params, input_ids)
+        h = mp.embed(params, input_ids)
         aux, caches = [], []
         for i, layer in enumerate(body.layers):
             if i in self.aux_layer_ids:
@@ -85,8 +85,8 @@ class DecoderLM:
 
     def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """``hidden [N, H]`` -> ``[N, V]`` float32 (tied: the embedding is the head)."""
-        head = params.get("lm_head") or {"embedding": base.embed_table(params)}
-        return base.lm_head_logits(head, hidden)
+        head = params.get("lm_head") or {"embedding": mp.embed_table(params)}
+        return mp.lm_head_logits(head, hidden)
 
     def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
         c = self.config

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models import base
+from specjax.models import params as mp
 from specjax.models.config import ModelConfig
 from specjax.models.layers import linear
 from specjax.models.tensors import Entry
@@ -42,20 +42,20 @@ class MedusaHeads:
 
     def forward(self, params: dict, hidden_states: jax.Array) -> jax.Array:
         """Target post-norm ``hidden_states [T, H]`` -> ``[num_heads, T, H]``."""
-        body = base.merge(MedusaBody, (self.config,), params)
+        body = mp.merge(MedusaBody, (self.config,), params)
         return jnp.stack([blk(hidden_states) for blk in body.blocks])
 
     def compute_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """``[num_heads, N, H]`` -> ``[num_heads, N, V]`` float32."""
         c = self.config
-        p = base.normalize_keys(params)
+        p = mp.normalize_keys(params)
         heads = ([p["lm_head"]] * c.num_heads if "lm_head" in p
                  else [p["lm_heads"][k] for k in range(c.num_heads)])
-        logits = jnp.stack([base.lm_head_logits(heads[k], hidden[k]) for k in range(c.num_heads)])
+        logits = jnp.stack([mp.lm_head_logits(heads[k], hidden[k]) for k in range(c.num_heads)])
         if c.logit_scale != 1.0:
             logits = logits * c.logit_scale
         if "token_map" in p:
-            logits = base.scatter_vocab(logits, p["token_map"], c.vocab_size)
+            logits = mp.scatter_vocab(logits, p["token_map"], c.vocab_size)
         return logits
 
 

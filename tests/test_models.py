@@ -25,7 +25,7 @@ from specjax.models import (
     share_target_weights,
     write_kv,
 )
-from specjax.models.base import merge
+from specjax.models.params import merge
 from specjax.models.config import ModelConfig
 
 BS = 4            # block size

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import SpeculativeConfig
-from specjax.models import base
+from specjax.models import params as mp
 from specjax.models.medusa import MedusaHeads
 from specjax.proposers.common import (AheadOfTimeCompile, PaddedBatchHelpers, check_proposer,
                                       draft_output)
@@ -116,7 +116,7 @@ class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         The token map is taken out so that the argmax runs over the truncated logits and is
         mapped afterwards, instead of scattering them into a full ``-inf`` vocabulary first
         (the same token unless two logits tie exactly)."""
-        p = base.normalize_keys(params)
+        p = mp.normalize_keys(params)
         token_map = p.get("token_map")
         p = {key: v for key, v in p.items() if key != "token_map"}
         cfg = self.model.config

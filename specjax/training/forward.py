@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import base, rope
+from specjax.models import params as mp, rope
 from specjax.models.config import ModelConfig
 from specjax.models.layers import rms_norm
 
@@ -122,7 +122,7 @@ def decoder_layer(p: dict, cfg: ModelConfig, h: Array, cos, sin, mask, *,
 
 
 def layers_of(params: dict) -> list[dict]:
-    layers = base.normalize_keys(params)["layers"]
+    layers = mp.normalize_keys(params)["layers"]
     return [layers[i] for i in range(len(layers))]
 
 
@@ -159,7 +159,7 @@ def decoder_forward(params: dict, cfg: ModelConfig, ids: Array,
     post-norm, ``aux [B, T, n_aux, H]`` (input of each listed layer) or None)."""
     pos = positions_like(ids)
     cos, sin = rope_tables(cfg, pos)
-    h = embed_rows(base.embed_table(params), ids)
+    h = embed_rows(mp.embed_table(params), ids)
     mask = causal_mask(ids.shape[1])
     aux = []
     for i, lp in enumerate(layers_of(params)):
@@ -171,8 +171,8 @@ def decoder_forward(params: dict, cfg: ModelConfig, ids: Array,
 
 
 def decoder_logits(params: dict, hidden: Array) -> Array:
-    head = params.get("lm_head") or {"embedding": base.embed_table(params)}
-    return base.lm_head_logits(head, hidden)
+    head = params.get("lm_head") or {"embedding": mp.embed_table(params)}
+    return mp.lm_head_logits(head, hidden)
 
 
 # ------------------------------------------------------------------------------ EAGLE TTT
@@ -214,7 +214,7 @@ def eagle_ttt(kind: str, params: dict, cfg: ModelConfig, ids: Array, features: A
     b, t = ids.shape
     pos = positions_like(ids)
     cos, sin = rope_tables(cfg, pos)
-    e = jnp.take(base.embed_table(params), ids, axis=0)
+    e = jnp.take(mp.embed_table(params), ids, axis=0)
     layers = layers_of(params)
     eps = cfg.rms_norm_eps
     scale = cfg.head_dim ** -0.5
@@ -279,7 +279,7 @@ def dflash_blocks(params: dict, cfg: ModelConfig, aux: Array, anchors: Array,
     m = anchors.shape[1]
     eps = c.rms_norm_eps
     scale = c.head_dim ** -0.5
-    emb = base.embed_table(params)
+    emb = mp.embed_table(params)
     ctx = norm(params["hidden_norm"], linear(params["fc"], aux.astype(emb.dtype)), eps)   # [B, T, H]
     ccos, csin = rope_tables(c, positions_like(ctx[..., 0]))
     slot = jnp.arange(kb, dtype=jnp.int32)
@@ -311,7 +311,7 @@ def dflash_blocks(params: dict, cfg: ModelConfig, aux: Array, anchors: Array,
 
 def medusa_forward(params: dict, cfg: ModelConfig, hidden: Array) -> Array:
     """Target post-norm ``hidden [B, T, H]`` -> ``[num_heads, B, T, H]`` (ResBlocks)."""
-    blocks = base.normalize_keys(params)["blocks"]
+    blocks = mp.normalize_keys(params)["blocks"]
     outs = []
     for k in range(cfg.num_heads):
         z = hidden
