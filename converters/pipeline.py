@@ -315,7 +315,8 @@ def convert_tensor(prep: Prepared, ref, key: str, shape: tuple, conv: str) -> np
         raise CheckpointError(f"{where}: expected a float tensor, found {a.dtype}")
     if not prep.allow_nonfinite:
         check_finite(a, where)
-    cast = a.astype(prep.dtype, copy=False)
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = a.astype(prep.dtype, copy=False)
     if not prep.allow_nonfinite and cast.dtype != a.dtype:
         check_finite(cast, where, f" after the cast to {dtype_name(prep.dtype)} (overflow)")
     return np.ascontiguousarray(cast.T if conv == "linear" else cast)

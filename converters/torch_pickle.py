@@ -59,7 +59,7 @@ _REBUILD_FUNCTIONS = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_
 
 
 #: ``data.pkl`` larger than this is refused (a state dict's pickle is ~200 bytes a tensor).
-MAX_PICKLE_BYTES = 64 * 2**20
+MAX_PICKLE_BYTES = 16 * 2**20
 #: Zip failures that mean a damaged archive (wrapped in CheckpointError naming the record).
 _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, RuntimeError, NotImplementedError,
                EOFError, OSError, ValueError, zlib.error)
@@ -147,6 +147,19 @@ class _Archive:
         info = self.infos.get(self.prefix + name)
         return None if info is None else info.file_size
 
+    def check_stored(self, name: str) -> None:
+        """A storage record must be stored (uncompressed) and not encrypted, as torch.save
+        writes it: a compressed one could inflate without bound."""
+        info = self.infos.get(self.prefix + name)
+        if info is None:
+            return
+        where = f"{self.path}: record {self.prefix}{clip(name)}"
+        if info.flag_bits & 0x1:
+            raise CheckpointError(f"{where} is encrypted")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(f"{where} is compressed (method {info.compress_type}); "
+                                  "torch.save stores tensor data uncompressed")
+
     def read_record(self, name: str, *, exact: int | None = None,
                     limit: int | None = None) -> bytes:
         """The bytes of record ``name``: exactly ``exact`` bytes (a storage: torch writes it
@@ -160,9 +173,7 @@ class _Archive:
         if info.flag_bits & 0x1:
             raise CheckpointError(f"{where} is encrypted")
         if exact is not None:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise CheckpointError(f"{where} is compressed (method {info.compress_type}); "
-                                      "torch.save stores tensor data uncompressed")
+            self.check_stored(name)
             if info.file_size != exact or info.compress_size != exact:
                 raise CheckpointError(f"{where} is {info.file_size} bytes, expected {exact}")
         bound = exact if exact is not None else limit
@@ -216,11 +227,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 raise CheckpointError(f"{self.archive.path}: storage {key!r} is declared twice "
                                       "with different types or sizes")
             return st
+        self.archive.check_stored(f"data/{key}")
         size = self.archive.record_size(f"data/{key}")
         nbytes = numel * storage_type.dtype.itemsize
         if size is None or size != nbytes:
             raise CheckpointError(
-                f"{self.archive.path}: storage record data/{short(key)} is "
+                f"{self.archive.path}: storage record data/{clip(key)} is "
                 f"{'absent' if size is None else f'{size} bytes'}, expected {nbytes} bytes "
                 f"({numel} x {storage_type.name})")
         st = self.storages[key] = _Storage(self.archive, key, storage_type.dtype, numel)
