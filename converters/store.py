@@ -19,6 +19,7 @@ the recorded one (``verify=False`` skips the checksums). Every failure is a
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import logging
@@ -36,7 +37,7 @@ METADATA_VERSION = 2
 SUPPORTED_VERSIONS = (1, 2)
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: An orbax part holds at most about this many bytes (one tensor larger than it: alone).
-PIECE_BYTES = 256 * 2**20
+PIECE_BYTES = 128 * 2**20
 
 _STR, _INT, _DICT, _LIST = (str,), (int,), (dict,), (list,)
 #: key -> (types, required). Checked by :func:`check_metadata`.
@@ -110,6 +111,23 @@ def pieces(items: Iterable[tuple[tuple, Callable[[], np.ndarray], int, str]],
         yield group
 
 
+def release_memory() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere):
+    tensors below glibc's mmap threshold are freed into the heap, which otherwise keeps
+    the resident size of every part written so far."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+
+
 def _disk_full(e: BaseException) -> bool:
     seen = 0
     while e is not None and seen < 8:
@@ -127,10 +145,21 @@ class _Quiet(logging.Filter):
         return record.levelno < logging.ERROR
 
 
+def leaf_record(path: tuple, arr: np.ndarray, key: str) -> tuple:
+    """``(path, leaf, key, record)``: ``arr`` moved into a ``jax.Array`` (orbax copies a
+    NumPy leaf twice while writing it, a ``jax.Array`` less than once) with its
+    ``specjax.json`` record (shape, dtype, crc32 of the bytes)."""
+    import jax  # noqa: PLC0415
+
+    rec = {"shape": [int(d) for d in arr.shape], "dtype": np.dtype(arr.dtype).name,
+           "crc32": crc32(arr)}
+    return path, jax.device_put(arr), key, rec   # one copy (jnp.asarray makes two)
+
+
 def save_parts(out_dir: Path, groups, *, held,
                progress: Callable[[list[str]], None] | None = None
                ) -> tuple[list[str], dict[str, dict]]:
-    """Write each group (``[(path, array, key)]``) as one orbax part under
+    """Write each group (``[leaf_record(...)]``) as one orbax part under
     ``out_dir/params``. Returns ``(parts, arrays)`` for ``specjax.json``. A full disk is one
     :class:`CheckpointError`; orbax's own error logging is silenced during the writes."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
@@ -145,14 +174,15 @@ def save_parts(out_dir: Path, groups, *, held,
         lg.addFilter(quiet)
     ckptr = ocp.StandardCheckpointer()
     try:
-        for i, group in enumerate(groups):
+        i = -1
+        for group in groups:     # (not enumerate: its cached result tuple keeps a group alive)
+            i += 1
             name = f"{i:05d}"
-            tree = {}
-            for path, arr, key in group:
-                arrays[leaf_name(path)] = {"shape": [int(d) for d in arr.shape],
-                                           "dtype": np.dtype(arr.dtype).name,
-                                           "crc32": crc32(arr), "part": i}
-                tree[leaf_name(path)] = arr
+            for item in group:
+                arrays[leaf_name(item[0])] = dict(item[3], part=i)
+            tree = {leaf_name(item[0]): item[1] for item in group}
+            keys = [item[2] for item in group]
+            del item, group          # hold no leaf beyond this part
             with held():
                 try:
                     ckptr.save(root / name, unflatten({tuple(p.split("/")): a
@@ -165,8 +195,8 @@ def save_parts(out_dir: Path, groups, *, held,
                     except Exception as e:  # noqa: BLE001
                         _raise_write_error(e, root / name)
             parts.append(name)
-            keys = [key for _p, _a, key in group]
-            del tree, group
+            del tree
+            release_memory()
             if progress is not None:
                 progress(keys)
     finally:

@@ -127,9 +127,9 @@ class _Archive:
                     f"{path}: a legacy (pre-zip, torch < 1.6) torch.save file; re-save it "
                     "with a recent torch or convert it to safetensors")
             raise CheckpointError(f"{path}: not a PyTorch zip archive")
-        try:
-            self.zf = zipfile.ZipFile(path)
-            infos = self.zf.infolist()
+        try:  # the archive is opened per record read, so no file stays open
+            with zipfile.ZipFile(path) as zf:
+                infos = zf.infolist()
         except _ZIP_ERRORS as e:
             raise CheckpointError(f"{path}: damaged zip archive ({clip(e)})") from None
         self.infos = {i.filename: i for i in infos}
@@ -178,7 +178,7 @@ class _Archive:
                 raise CheckpointError(f"{where} is {info.file_size} bytes, expected {exact}")
         bound = exact if exact is not None else limit
         try:
-            with self.zf.open(info) as f:
+            with zipfile.ZipFile(self.path) as zf, zf.open(info.filename) as f:
                 raw = f.read(bound + 1)
         except _ZIP_ERRORS as e:
             raise CheckpointError(f"{where}: damaged ({clip(e)})") from None
