@@ -623,3 +623,38 @@ def test_legitimate_files_still_convert_exactly(tmp_path, layout):
     _, _, params = load_pretrained(tmp_path / "out")
     assert np.array_equal(np.asarray(params["norm"]["weight"]),
                           _llama_arrays()["model.norm.weight"])
+
+
+def test_version_1_directory_still_loads(tmp_path, converted):
+    """An output of the previous layout (one orbax checkpoint in ``params/``, no parts, no
+    checksums) loads as before."""
+    import orbax.checkpoint as ocp
+
+    _, _, params = load_pretrained(converted)
+    d = tmp_path / "v1"
+    d.mkdir()
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(d / PARAMS_DIR, params)
+    ckptr.wait_until_finished()
+    ckptr.close()
+    meta = json.loads((converted / METADATA_FILE).read_text())
+    meta["specjax_checkpoint_version"] = 1
+    del meta["parts"], meta["arrays"]
+    (d / METADATA_FILE).write_text(json.dumps(meta))
+    _, _, again = load_pretrained(d)
+    assert all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(again)))
+    assert jax.tree.structure(params) == jax.tree.structure(again)
+
+
+def test_progress_bar_eta():
+    t = [100.0]
+    out = io.StringIO()
+    bar = cli.ProgressBar(out, clock=lambda: t[0])
+    t[0] = 110.0
+    bar(1, 4, "a")          # 10 s for 1 of 4: 30 s left
+    t[0] = 130.0
+    bar(4, 4, "d")
+    lines = out.getvalue().splitlines()
+    assert "1/4 tensors" in lines[0] and "0:10 elapsed, ETA 0:30" in lines[0], lines
+    assert "4/4 tensors" in lines[1] and "0:30 elapsed, ETA 0:00" in lines[1], lines
