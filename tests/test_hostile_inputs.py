@@ -21,7 +21,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from specjax.converters import CheckpointError, UnsafePickleError, cli, convert, load_pretrained
 from specjax.converters.errors import CorruptOutputError, NonFiniteError
@@ -31,14 +30,12 @@ from test_converters_cases import (
     CASES,
     Call,
     Global,
-    H,
     Storage,
     V,
     _TorchPickler,
     llama_config,
     torch_zip_bytes,
     write_layout,
-    write_torch_zip,
 )
 
 MAX_MESSAGE = 600          # characters; every catalogue message must be shorter
