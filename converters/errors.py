@@ -18,9 +18,13 @@ def listing(items, limit: int = LIST_LIMIT) -> str:
 
 
 def clip(text: str, limit: int = VALUE_LIMIT) -> str:
-    """``text`` cut to ``limit`` characters (``...`` marks the cut)."""
+    """``text`` cut to ``limit`` characters in the middle (``...`` marks the cut), so that
+    both ends of a long path or key stay readable."""
     text = str(text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return text[:head] + "..." + text[len(text) - (limit - 3 - head):]
 
 
 def short(value, limit: int = VALUE_LIMIT) -> str:

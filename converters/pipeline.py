@@ -141,7 +141,7 @@ def read_and_normalize(src, format: str | None = None) -> tuple[Checkpoint, Norm
         norm = normalize(fmt, ckpt.config, ckpt.tensors)
     except CheckpointError:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as e:
         raise CheckpointError(f"{ckpt.path}: invalid config.json for format {fmt!r} "
                               f"({type(e).__name__}: {clip(e, 200)})") from None
     norm.notes[:0] = ckpt.notes
@@ -233,7 +233,7 @@ def plan(src, *, format: str | None = None, dtype=None, allow_nonfinite: bool = 
         config = make_config(norm.kind, norm.hf_config, norm.tensors)
     except CheckpointError:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError,
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError,
             OverflowError) as e:
         raise CheckpointError(f"{ckpt.path}: invalid {norm.kind} config "
                               f"({type(e).__name__}: {clip(e, 200)})") from None

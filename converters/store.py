@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import json
 import logging
+import sys
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -314,7 +316,7 @@ def restore(path: Path, meta: dict, target: dict, *, verify: bool = True) -> dic
             d = path / PARAMS_DIR / part
             mine = {tuple(name.split("/")): want[names[name]]
                     for name, rec in arrays.items() if rec["part"] == i}
-            stored = _orbax(lambda: ckptr.metadata(d).item_metadata.tree, d)
+            stored = _orbax(lambda: _metadata_tree(ckptr.metadata(d)), d)
             _compare_stored(d, flatten(_plain(stored)), mine)
             got = _orbax(lambda: ckptr.restore(d, unflatten(mine)), d)
             for p, leaf in flatten(got).items():
@@ -327,6 +329,13 @@ def restore(path: Path, meta: dict, target: dict, *, verify: bool = True) -> dic
     finally:
         ckptr.close()
     return unflatten(out)
+
+
+def _metadata_tree(m):
+    """The tree of array metadata in what ``StandardCheckpointer.metadata`` returns (a
+    ``StepMetadata`` holding a ``TreeMetadata`` in orbax 0.12; the tree itself earlier)."""
+    m = getattr(m, "item_metadata", m)
+    return getattr(m, "tree", m)
 
 
 def _plain(tree):
@@ -353,14 +362,27 @@ def _orbax(fn, where: Path):
     loggers = [logging.getLogger(n) for n in ("absl", "orbax", "")]
     for lg in loggers:
         lg.addFilter(quiet)
+    msg = None
     try:
         return fn()
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 (orbax / TensorStore raise many types)
-        raise CorruptOutputError(f"{where}: cannot read the params ({type(e).__name__}: "
-                                 f"{clip(_first_line(e), 200)}); the directory is damaged, "
-                                 "convert again") from None
+        msg = f"{type(e).__name__}: {clip(_first_line(e), 200)}"
     finally:
         for lg in loggers:
             lg.removeFilter(quiet)
+    _collect_quietly()  # orbax leaves the reads of the other arrays pending: drop them now
+    raise CorruptOutputError(f"{where}: cannot read the params ({msg}); the directory is "
+                             "damaged, convert again")
+
+
+def _collect_quietly() -> None:
+    """Collect the coroutines a failed orbax restore left behind without the 'Exception
+    ignored' tracebacks Python would print for each."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda _unraisable: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
