@@ -1,4 +1,5 @@
-"""``specjax-convert SRC DST [--format F] [--dtype bf16|fp16|fp32] [--force]``.
+"""``specjax-convert SRC DST [--format F] [--dtype bf16|fp16|fp32] [--force]
+[--allow-nonfinite]``.
 
 Converts a checkpoint (HF Llama/Qwen2/Qwen3, EAGLE, EAGLE-3, DFlash, Medusa; safetensors
 or PyTorch files, read without torch) into a specjax checkpoint: orbax params plus
@@ -17,28 +18,41 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from specjax.converters.destination import sigterm_raises
-from specjax.converters.errors import DestinationError, DestinationExistsError, Interrupted
+from specjax.converters.errors import (
+    CheckpointError,
+    DestinationError,
+    DestinationExistsError,
+    Interrupted,
+    clip,
+)
 from specjax.converters.formats import FORMATS
 
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 
 class ProgressBar:
-    """A plain-text progress bar over tensors on ``stream`` (redrawn in place on a
-    terminal, one line per 10% otherwise)."""
+    """A plain-text progress bar over the tensors written (each is read, converted and
+    written before it counts), with the elapsed time and an ETA, on ``stream`` (redrawn in
+    place on a terminal, one line per 10% otherwise)."""
 
-    def __init__(self, stream=None, width: int = 30):
+    def __init__(self, stream=None, width: int = 30, clock=time.monotonic):
         self.stream = stream or sys.stderr
         self.width = width
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.last_decile = -1
+        self.clock = clock
+        self.t0 = clock()
 
     def __call__(self, done: int, total: int, key: str) -> None:
         frac = done / total if total else 1.0
         filled = int(self.width * frac)
-        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} tensors  {key}"
+        elapsed = self.clock() - self.t0
+        eta = elapsed * (total - done) / done if done else 0.0
+        line = (f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} tensors  "
+                f"{_clock(elapsed)} elapsed, ETA {_clock(eta)}  {key}")
         if self.tty:
             self.stream.write("\r" + line[:120].ljust(120))
             if done == total:
@@ -50,6 +64,11 @@ class ProgressBar:
             self.last_decile = decile
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="float dtype of the output (default: the checkpoint's)")
     p.add_argument("--force", action="store_true", help="replace DST if it is a previous specjax output")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert tensors holding NaN / Inf (or overflowing --dtype) instead "
+                        "of refusing them")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -84,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_raises():
             summary = convert(args.src, args.dst, format=args.format, dtype=args.dtype,
                               force=args.force, log=_note,
+                              allow_nonfinite=args.allow_nonfinite,
                               progress=None if args.quiet else ProgressBar(sys.stderr))
     except DestinationError as e:
         print(f"specjax-convert: error: {e}", file=sys.stderr)
@@ -91,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     except DestinationExistsError as e:
         print(f"specjax-convert: error: {e}", file=sys.stderr)
         return 1
-    except (ValueError, OSError) as e:
-        print(f"specjax-convert: error: {e}", file=sys.stderr)
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"specjax-convert: error: {clip(_one_line(e), 2000)}", file=sys.stderr)
         print(f"specjax-convert: nothing was written to {args.dst}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Interrupted) as e:
@@ -103,8 +126,17 @@ def main(argv: list[str] | None = None) -> int:
             what = f"nothing was written to {args.dst}"
         print(f"\nspecjax-convert: interrupted ({name}); {what}", file=sys.stderr)
         return code
+    except Exception as e:  # noqa: BLE001 (a bug: still one line, no traceback)
+        print(f"specjax-convert: error: unexpected {type(e).__name__}: "
+              f"{clip(_one_line(e), 500)} (please report it)", file=sys.stderr)
+        print(f"specjax-convert: nothing was written to {args.dst}", file=sys.stderr)
+        return 1
     print(summary.text())
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

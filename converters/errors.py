@@ -4,6 +4,33 @@
 
 from __future__ import annotations
 
+#: At most this many names are listed in an error message ("... and N more" after them).
+LIST_LIMIT = 8
+#: Values quoted in an error message are cut to this many characters.
+VALUE_LIMIT = 80
+
+
+def listing(items, limit: int = LIST_LIMIT) -> str:
+    """``a, b, c ... and N more``: at most ``limit`` items of ``items``, comma-separated."""
+    items = [str(i) for i in items]
+    head = ", ".join(items[:limit])
+    return head + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def clip(text: str, limit: int = VALUE_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters in the middle (``...`` marks the cut), so that
+    both ends of a long path or key stay readable."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return text[:head] + "..." + text[len(text) - (limit - 3 - head):]
+
+
+def short(value, limit: int = VALUE_LIMIT) -> str:
+    """``repr(value)`` cut to ``limit`` characters."""
+    return clip(repr(value), limit)
+
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be read or converted (bad file, bad config, unsupported field)."""
@@ -48,15 +75,15 @@ class TensorMismatchError(CheckpointError):
         parts = []
         if self.unknown:
             parts.append("unknown tensors (not part of a %s model): %s"
-                         % (kind, ", ".join(self.unknown)))
+                         % (kind, listing(self.unknown)))
         if self.missing:
-            parts.append("missing tensors: %s" % ", ".join(self.missing))
+            parts.append("missing tensors: %s" % listing(self.missing))
         if self.mis_shaped:
-            parts.append("mis-shaped tensors: %s" % ", ".join(
+            parts.append("mis-shaped tensors: %s" % listing(
                 f"{k} has shape {list(got)}, expected {list(want)}"
                 for k, (got, want) in self.mis_shaped.items()))
         if self.mis_typed:
-            parts.append("tensors of the wrong dtype: %s" % ", ".join(
+            parts.append("tensors of the wrong dtype: %s" % listing(
                 f"{k} is {got}, expected {want}" for k, (got, want) in self.mis_typed.items()))
         where = f"{source}: " if source else ""
         super().__init__(f"{where}checkpoint does not match the {kind} model: "
@@ -66,6 +93,16 @@ class TensorMismatchError(CheckpointError):
     def keys(self) -> list[str]:
         """Every offending key."""
         return self.unknown + self.missing + list(self.mis_shaped) + list(self.mis_typed)
+
+
+class NonFiniteError(CheckpointError):
+    """A float tensor holds NaN or Inf (or overflows the output dtype); pass
+    ``allow_nonfinite=True`` / ``--allow-nonfinite`` to convert it anyway."""
+
+
+class CorruptOutputError(CheckpointError):
+    """A converted directory is damaged: ``specjax.json`` invalid, a data file missing,
+    truncated or changed (checksum), or a stored shape / dtype not the recorded one."""
 
 
 class DestinationExistsError(FileExistsError):

@@ -15,9 +15,12 @@ beside ``DST`` and renamed at the end; a failed or interrupted run removes it
 from __future__ import annotations
 
 import dataclasses
+import errno
+import functools
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,9 +36,13 @@ from specjax.converters.destination import (
     sigterm_raises,
     write_dir_atomically,
 )
+from specjax.converters import store
 from specjax.converters.errors import (
     CheckpointError,
+    CorruptOutputError,
+    NonFiniteError,
     TensorMismatchError,
+    clip,
 )
 from specjax.converters.formats import (
     FORMATS,
@@ -47,9 +54,9 @@ from specjax.converters.formats import (
 )
 from specjax.converters.readers import Checkpoint, read_checkpoint
 
-METADATA_FILE = "specjax.json"
-PARAMS_DIR = "params"
-METADATA_VERSION = 1
+METADATA_FILE = store.METADATA_FILE
+PARAMS_DIR = store.PARAMS_DIR
+METADATA_VERSION = store.METADATA_VERSION
 
 DTYPES = {
     "bf16": ml_dtypes.bfloat16, "bfloat16": ml_dtypes.bfloat16,
@@ -95,7 +102,10 @@ def _registry():
 
 @dataclasses.dataclass
 class Prepared:
-    """A checkpoint read, normalized, validated and turned into params (nothing saved)."""
+    """A checkpoint read, normalized and validated. ``params`` is the built params pytree
+    (:func:`prepare`), or None for a streamed conversion (:func:`plan`): then
+    ``tensors`` / ``extra`` hold the lazily loaded canonical tensors, converted and written
+    piece by piece by :func:`save_prepared`."""
 
     kind: str
     format: str
@@ -108,6 +118,11 @@ class Prepared:
     n_tensors: int
     n_values: int
     source: str
+    tensors: dict = dataclasses.field(default_factory=dict, repr=False)
+    extra: dict = dataclasses.field(default_factory=dict, repr=False)
+    allow_nonfinite: bool = False
+    progress: Progress | None = dataclasses.field(default=None, repr=False)
+    piece_bytes: int = store.PIECE_BYTES
 
 
 # -- steps --------------------------------------------------------------------------------
@@ -115,8 +130,20 @@ class Prepared:
 def read_and_normalize(src, format: str | None = None) -> tuple[Checkpoint, Normalized]:
     """Read ``src`` and normalize it (``format`` auto-detected when None)."""
     ckpt = read_checkpoint(src)
+    if format is None and not ckpt.config:
+        where = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+        if not (where / "config.json").is_file() and not any(
+                f.endswith("medusa_lm_head.pt") for f in ckpt.files):
+            raise CheckpointError(f"{where}: no config.json beside the weights (the model's "
+                                  "hyper-parameters come from it)")
     fmt = format or detect_format(ckpt.config, ckpt.tensors, ckpt.files)
-    norm = normalize(fmt, ckpt.config, ckpt.tensors)
+    try:
+        norm = normalize(fmt, ckpt.config, ckpt.tensors)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as e:
+        raise CheckpointError(f"{ckpt.path}: invalid config.json for format {fmt!r} "
+                              f"({type(e).__name__}: {clip(e, 200)})") from None
     norm.notes[:0] = ckpt.notes
     return ckpt, norm
 
@@ -140,6 +167,22 @@ def validate(kind: str, config, tensors: dict, source: str = "") -> None:
                 mis_typed[k] = (str(np.dtype(t.dtype)), "integer" if want_int else "float")
     if unknown or missing or mis_shaped or mis_typed:
         raise TensorMismatchError(kind, unknown, missing, mis_shaped, source, mis_typed)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layer_count(hf_config: dict, tensors: dict, source: str) -> None:
+    """Refuse a config whose ``num_hidden_layers`` exceeds the layers in the file, before
+    the (per-layer) tensor table is built."""
+    n = hf_config.get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool):
+        return
+    present = {int(m[1]) for k in tensors if (m := _LAYER.search(k))}
+    if n > len(present) + 1 and n > max(present, default=-1) + 1:
+        have = f"layers 0..{max(present)}" if present else "no layers"
+        raise CheckpointError(f"{source}: config.json says num_hidden_layers={n}, but the "
+                              f"weights hold {have} ({len(present)} layers)")
 
 
 def default_dtype(tensors: dict, hf_config: dict) -> np.dtype:
@@ -180,64 +223,167 @@ def make_config(kind: str, hf_config: dict, tensors: dict):
     return with_parallel_drafting_token(kind, config, hf_config)
 
 
-def prepare(src, *, format: str | None = None, dtype=None,
-            progress: Progress | None = None) -> Prepared:
-    """Read, normalize, validate and build params. Nothing is written anywhere."""
+def plan(src, *, format: str | None = None, dtype=None, allow_nonfinite: bool = False,
+         progress: Progress | None = None) -> Prepared:
+    """Read, normalize and validate ``src``; no weight bytes are read (``params`` None)."""
     dtype = parse_dtype(dtype)
     ckpt, norm = read_and_normalize(src, format)
-    registry = _registry()
+    check_layer_count(norm.hf_config, norm.tensors, str(ckpt.path))
     try:
         config = make_config(norm.kind, norm.hf_config, norm.tensors)
     except CheckpointError:
         raise
-    except (ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(f"{ckpt.path}: invalid {norm.kind} config ({e})") from None
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError,
+            OverflowError) as e:
+        raise CheckpointError(f"{ckpt.path}: invalid {norm.kind} config "
+                              f"({type(e).__name__}: {clip(e, 200)})") from None
     validate(norm.kind, config, norm.tensors, str(ckpt.path))
+    for key, ref in norm.extra_params.items():
+        if not is_float(ref.dtype):
+            raise CheckpointError(f"{ckpt.path}: {key}: expected a float tensor, found {ref.dtype}")
     if dtype is None:
         dtype = default_dtype(norm.tensors, norm.hf_config)
-    arrays, n_values, total = {}, 0, len(norm.tensors) + len(norm.extra_params)
-    for i, key in enumerate(sorted(norm.tensors)):
-        a = norm.tensors[key].load()
-        if is_float(a.dtype) and a.dtype != dtype:
-            a = a.astype(dtype)
-        arrays[key] = a
-        n_values += a.size
-        if progress is not None:
-            progress(i + 1, total, key)
-    params = registry.params_from_tensors(norm.kind, config, arrays, dtype)
-    del arrays
-    if norm.extra_params:
-        import jax.numpy as jnp  # noqa: PLC0415
+    refs = list(norm.tensors.values()) + list(norm.extra_params.values())
+    return Prepared(norm.kind, norm.format, norm.hf_config, config, None, np.dtype(dtype),
+                    norm.notes, ckpt.files, len(refs), sum(r.size for r in refs),
+                    str(ckpt.path), norm.tensors, norm.extra_params, allow_nonfinite, progress)
 
-        for i, key in enumerate(sorted(norm.extra_params), start=len(norm.tensors)):
-            a = norm.extra_params[key].load()
-            if not is_float(a.dtype):
-                raise CheckpointError(f"{ckpt.path}: {key}: expected a float tensor, found {a.dtype}")
-            params[key] = jnp.asarray(a.astype(dtype))
-            n_values += a.size
-            if progress is not None:
-                progress(i + 1, total, key)
-    return Prepared(norm.kind, norm.format, norm.hf_config, config, params, np.dtype(dtype),
-                    norm.notes, ckpt.files, total, n_values, str(ckpt.path))
+
+def prepare(src, *, format: str | None = None, dtype=None, allow_nonfinite: bool = False,
+            progress: Progress | None = None) -> Prepared:
+    """Read, normalize, validate and build params (``jax.Array`` leaves). Nothing is
+    written anywhere."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    prep = plan(src, format=format, dtype=dtype, allow_nonfinite=allow_nonfinite)
+    leaves, done = {}, 0
+    for path, load, _nbytes, key in leaf_items(prep):
+        if path is not None:
+            leaves[path] = jnp.asarray(load())
+        done += 1
+        if progress is not None:
+            progress(done, prep.n_tensors, key)
+    prep.params = store.unflatten(leaves)
+    return prep
+
+
+def leaf_items(prep: Prepared):
+    """``(params path, load, nbytes, key)`` for every canonical tensor; ``load()`` reads
+    and converts it (:func:`convert_tensor`). A tensor the model does not keep has path and
+    load None."""
+    registry = _registry()
+    config = prep.config
+    for x in registry.tensor_table(prep.kind, config):
+        ref = prep.tensors.get(x.key)
+        if ref is None:
+            if x.required or (x.flag and getattr(config, x.flag)):
+                raise CheckpointError(f"{prep.source}: missing tensor {x.key!r}")
+            continue
+        if x.flag and getattr(config, x.flag) is False:
+            raise CheckpointError(f"{prep.source}: tensor {x.key!r} is present but the config "
+                                  f"sets {x.flag}=False")
+        if x.path is None:   # accepted, not kept (vLLM ignores it too)
+            yield None, None, 0, x.key
+            continue
+        out = np.dtype(np.int32) if x.conv == "int" else prep.dtype
+        yield (x.path, functools.partial(convert_tensor, prep, ref, x.key, x.shape, x.conv),
+               ref.size * out.itemsize, x.key)
+    for key in sorted(prep.extra):
+        ref = prep.extra[key]
+        yield ((key,), functools.partial(convert_tensor, prep, ref, key, ref.shape, "copy"),
+               ref.size * prep.dtype.itemsize, key)
+
+
+def convert_tensor(prep: Prepared, ref, key: str, shape: tuple, conv: str) -> np.ndarray:
+    """Load ``ref`` and turn it into its params leaf: integer maps -> int32 (``d2t``
+    bounds-checked against the target vocabulary), floats -> ``prep.dtype`` (NaN / Inf /
+    overflow refused unless ``allow_nonfinite``), linear weights transposed to [in, out]."""
+    a = ref.load()
+    where = f"{prep.source}: tensor {key!r} ({ref.source})"
+    if tuple(a.shape) != tuple(shape):
+        raise CheckpointError(f"{where}: shape {list(a.shape)}, expected {list(shape)}")
+    if conv == "int":
+        if not np.issubdtype(a.dtype, np.integer):
+            raise CheckpointError(f"{where}: expected an integer tensor, found {a.dtype}")
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise CheckpointError(f"{where}: values do not fit in int32")
+        a = np.ascontiguousarray(a, dtype=np.int32)
+        if key == "d2t":
+            check_d2t(a, prep.config.vocab_size, where)
+        return a
+    if not is_float(a.dtype):
+        raise CheckpointError(f"{where}: expected a float tensor, found {a.dtype}")
+    if not prep.allow_nonfinite:
+        check_finite(a, where)
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = a.astype(prep.dtype, copy=False)
+    if not prep.allow_nonfinite and cast.dtype != a.dtype:
+        check_finite(cast, where, f" after the cast to {dtype_name(prep.dtype)} (overflow)")
+    if conv != "linear":
+        return np.ascontiguousarray(cast)
+    if cast.dtype.itemsize == 2:  # a bit copy: NumPy transposes its own 16-bit ints faster
+        return np.ascontiguousarray(cast.view(np.uint16).T).view(cast.dtype)
+    return np.ascontiguousarray(cast.T)
+
+
+def check_finite(a: np.ndarray, where: str, how: str = "", chunk: int = 2**24) -> None:
+    """:class:`NonFiniteError` naming ``where`` when ``a`` holds NaN or Inf."""
+    flat = a.reshape(-1)
+    for i in range(0, flat.size, chunk):
+        ok = np.isfinite(flat[i: i + chunk])
+        if not ok.all():
+            j = i + int(np.argmin(ok))
+            bad = int(ok.size - np.count_nonzero(ok))
+            raise NonFiniteError(f"{where}: {bad}+ NaN/Inf values{how} (first at flat index "
+                                 f"{j}: {flat[j]}); pass allow_nonfinite=True "
+                                 "(--allow-nonfinite) to convert it anyway")
+
+
+def check_d2t(d2t: np.ndarray, vocab: int, where: str) -> None:
+    """EAGLE-3 / DFlash ``d2t``: draft id ``i`` -> target id ``i + d2t[i]``, which must lie
+    in ``[0, vocab)``."""
+    target = np.arange(d2t.size, dtype=np.int64) + d2t.astype(np.int64)
+    bad = np.flatnonzero((target < 0) | (target >= vocab))
+    if bad.size:
+        i = int(bad[0])
+        raise CheckpointError(f"{where}: maps {bad.size} draft ids outside the target "
+                              f"vocabulary [0, {vocab}) (first: draft id {i} -> {int(target[i])})")
 
 
 def save_prepared(prep: Prepared, out_dir: Path, log: Log | None = None) -> None:
-    """Write ``prep`` into the (new, empty) directory ``out_dir``."""
+    """Write ``prep`` into the (new, empty) directory ``out_dir``: the params in parts of
+    about ``prep.piece_bytes`` (each tensor read, converted and written in turn when
+    ``prep.params`` is None), then ``specjax.json``."""
     log = log or _log_warning
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-
     out_dir = Path(out_dir).absolute()
-    ckptr = ocp.StandardCheckpointer()
-    # orbax commits in background threads: SIGINT / SIGTERM wait for the commit (the
-    # staging directory is then removed whole), and a failure waits for it too.
-    with held_signals(log, doing="the orbax commit"):
-        try:
-            ckptr.save(out_dir / PARAMS_DIR, prep.params)
-        finally:
-            try:
-                ckptr.wait_until_finished()
-            finally:
-                ckptr.close()
+    if prep.params is not None:
+        items = [(p, functools.partial(np.asarray, v), int(np.size(v)) * np.dtype(v.dtype).itemsize,
+                  store.leaf_name(p)) for p, v in store.flatten(prep.params).items()]
+    else:
+        items = leaf_items(prep)
+    done = [0]
+    total = prep.n_tensors
+
+    def kept():
+        for item in items:
+            if item[0] is None:
+                written([item[3]])
+            else:
+                yield item
+
+    def groups():
+        for g in store.pieces(kept(), prep.piece_bytes):
+            yield [store.leaf_record(path, load(), key) for path, load, _n, key in g]
+
+    def written(keys):
+        for k in keys:
+            done[0] += 1
+            if prep.progress is not None:
+                prep.progress(done[0], total, k)
+
+    parts, arrays = store.save_parts(
+        out_dir, groups(), held=lambda: held_signals(log, doing="the orbax commit"),
+        progress=written)
     meta = {
         "specjax_checkpoint_version": METADATA_VERSION,
         "kind": prep.kind,
@@ -251,11 +397,19 @@ def save_prepared(prep: Prepared, out_dir: Path, log: Log | None = None) -> None
         "num_values": prep.n_values,
         "notes": prep.notes,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "parts": parts,
+        "arrays": arrays,
     }
-    extra = _extra_param_shapes(prep.params)
+    extra = {k: v["shape"] for k, v in arrays.items() if k in EXTRA_PARAM_KEYS}
     if extra:
         meta["extra_params"] = extra
-    (out_dir / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    try:
+        (out_dir / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise CheckpointError(f"{out_dir / METADATA_FILE}: no space left on the device") \
+                from None
+        raise
 
 
 @dataclasses.dataclass
@@ -299,7 +453,8 @@ def _log_warning(msg: str) -> None:
 
 
 def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = False,
-            progress: Progress | None = None, log: Log | None = None) -> Summary:
+            progress: Progress | None = None, log: Log | None = None,
+            allow_nonfinite: bool = False, piece_bytes: int | None = None) -> Summary:
     """Convert the checkpoint at ``src`` into ``dst`` (orbax params + ``specjax.json``).
 
     ``dst`` follows the destination rules of :mod:`specjax.converters.destination`, checked
@@ -310,17 +465,28 @@ def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = Fa
     ``dst`` or beside it, and with ``force`` the old ``dst`` untouched. ``log`` gets notes
     (stale staging directories of killed runs removed, a signal held); default: the
     ``specjax.converters`` logger.
+
+    The conversion streams: each tensor is read (memory-mapped), checked (NaN / Inf are
+    refused unless ``allow_nonfinite``), converted and written in parts of about
+    ``piece_bytes`` (default :data:`store.PIECE_BYTES`), so memory stays near one part
+    plus the largest tensor whatever the checkpoint's size. ``progress(done, total, key)``
+    is called as each tensor is written.
     """
     t0 = time.perf_counter()
     log = log or _log_warning
     parse_dtype(dtype)
     if format is not None:
         check_format_name(format)
+    if piece_bytes is not None and (not isinstance(piece_bytes, int) or piece_bytes <= 0):
+        raise ValueError(f"piece_bytes must be a positive int, got {piece_bytes!r}")
     dst = check_destination(dst, src=src, force=force, replaceable=previous_output_reason)
     result: list[Prepared] = []
 
     def fill(out_dir: Path) -> None:
-        prep = prepare(src, format=format, dtype=dtype, progress=progress)
+        prep = plan(src, format=format, dtype=dtype, allow_nonfinite=allow_nonfinite,
+                    progress=progress)
+        if piece_bytes is not None:
+            prep.piece_bytes = piece_bytes
         save_prepared(prep, out_dir, log)
         result.append(prep)
 
@@ -341,31 +507,39 @@ def is_converted(path) -> bool:
     return (Path(path) / METADATA_FILE).is_file()
 
 
-def load_pretrained(path, dtype=None, *, format: str | None = None):
+def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool = True,
+                    allow_nonfinite: bool = False):
     """``(kind, config, params)`` from a ``specjax-convert`` output directory, or straight
     from an original checkpoint (HF layout, EAGLE, Medusa, DFlash...; ``format``
     auto-detected when None). ``dtype`` (bf16 / fp16 / fp32) casts the float params;
-    None keeps the stored (or checkpoint) dtype."""
+    None keeps the stored (or checkpoint) dtype.
+
+    A converted directory is checked: ``specjax.json`` against its schema, every stored
+    array's shape and dtype against the recorded ones, and (``verify=True``) every
+    array's crc32 against the one recorded at conversion; any damage raises
+    :class:`CorruptOutputError` naming the file and key."""
     dt = parse_dtype(dtype)
     path = Path(path).absolute()
     if not is_converted(path):
-        prep = prepare(path, format=format, dtype=dt)
+        prep = prepare(path, format=format, dtype=dt, allow_nonfinite=allow_nonfinite)
         return prep.kind, prep.config, prep.params
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-
-    meta = json.loads((path / METADATA_FILE).read_text())
-    if meta.get("specjax_checkpoint_version") != METADATA_VERSION:
-        raise CheckpointError(f"{path}/{METADATA_FILE}: unsupported version "
-                              f"{meta.get('specjax_checkpoint_version')!r}")
+    meta = store.read_metadata(path)
+    where = path / METADATA_FILE
     kind = meta["kind"]
-    config = config_from_metadata(meta)
-    stored = parse_dtype(meta["dtype"])
-    target = _restore_target(path, kind, config, dt or stored, meta.get("extra_params") or {})
-    ckptr = ocp.StandardCheckpointer()
     try:
-        params = ckptr.restore(path / PARAMS_DIR, target)
-    finally:
-        ckptr.close()
+        config = config_from_metadata(meta)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
+        raise CorruptOutputError(f"{where}: key 'config' does not describe a {kind!r} model "
+                                 f"({type(e).__name__}: {clip(e, 200)})") from None
+    stored = parse_dtype(meta["dtype"])
+    target = _restore_target(path, kind, config, stored, meta.get("extra_params") or {})
+    params = store.restore(path, meta, target, verify=verify)
+    if dt is not None and dt != stored:
+        import jax  # noqa: PLC0415
+
+        params = jax.tree.map(lambda a: a.astype(dt) if is_float(a.dtype) else a, params)
     return kind, config, params
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from specjax.converters.errors import CheckpointError
+from specjax.converters.errors import CheckpointError, clip, listing, short
 from specjax.converters.tensor_ref import TensorRef
 from specjax.converters.torch_pickle import read_torch_file
 
@@ -25,6 +25,10 @@ SAFETENSORS_DTYPES = {
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
+#: A safetensors header longer than this is refused.
+MAX_HEADER_BYTES = 100 * 2**20
+#: ``config.json`` / a shard index longer than this is refused.
+MAX_JSON_BYTES = 64 * 2**20
 #: Files beside the weights that are known and deliberately not read.
 IGNORED_EXTRA_FILES = ("mask_embedding.pt",)
 #: Trainer state saved beside weights (pickles of arbitrary objects): never read.
@@ -46,52 +50,97 @@ class Checkpoint:
 
 # -- safetensors -----------------------------------------------------------------------
 
+def _st_entry(path: str, key: str, info) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """``(dtype, shape, begin, end)`` of one safetensors header entry, type-checked."""
+    where = f"{path}: tensor {short(key)}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: header entry is a {type(info).__name__}, not an object")
+    dt, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dt, str) or dt not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{where}: dtype {short(dt)} is not supported (allowed: "
+                              f"{', '.join(SAFETENSORS_DTYPES)})")
+    if not isinstance(shape, list) or not all(_nonneg_int(d) for d in shape):
+        raise CheckpointError(f"{where}: shape {short(shape)} is not a list of non-negative "
+                              "integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 \
+            or not all(_nonneg_int(o) for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets {short(offsets)} is not two "
+                              "non-negative integers [begin, end]")
+    return np.dtype(SAFETENSORS_DTYPES[dt]), tuple(shape), offsets[0], offsets[1]
+
+
+def _nonneg_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorRef]:
     """Parse a ``.safetensors`` header: 8-byte little-endian length N, N bytes of JSON
     ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": ...}``, then the
-    data (offsets relative to its start)."""
+    data (offsets relative to its start). Every entry is type-checked; offsets must match
+    the entry's byte count, lie inside the file and not overlap. Tensors load through a
+    read-only memory map of just their bytes."""
     path = os.fspath(path)
     name = os.path.basename(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CheckpointError(f"{path}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 * 2**20:
-            raise CheckpointError(f"{path}: bad safetensors header length {n}")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise CheckpointError(f"{path}: safetensors header is not JSON ({e})") from None
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path}: too short for a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: bad safetensors header length {n}")
+            text = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: safetensors header is not JSON ({clip(e)})") \
+            from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: __metadata__ is a {type(meta).__name__}, not an object")
     base = 8 + n
-    out = {}
+    out, spans = {}, []
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        try:
-            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except KeyError as e:
-            raise CheckpointError(f"{path}: tensor {key!r}: bad or unsupported header entry "
-                                  f"{info!r} ({e})") from None
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if min(shape, default=0) < 0 or end - begin != nbytes or begin < 0 \
-                or base + end > size:
-            raise CheckpointError(f"{path}: tensor {key!r}: offsets {[begin, end]} do not fit "
-                                  f"{info['dtype']}{list(shape)} in a {size}-byte file")
-
-        def load(path=path, offset=base + begin, dtype=dtype, shape=shape, nbytes=nbytes):
-            with open(path, "rb") as f:
-                f.seek(offset)
-                raw = f.read(nbytes)
-            return np.frombuffer(raw, dtype=dtype).reshape(shape)
-
-        out[key] = TensorRef(shape, dtype, load, f"{name}:{key}")
+        dtype, shape, begin, end = _st_entry(path, key, info)
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if end - begin != nbytes or base + end > size:
+            raise CheckpointError(f"{path}: tensor {short(key)}: offsets {[begin, end]} do not "
+                                  f"fit {info['dtype']}{list(shape)} in a {size}-byte file")
+        if nbytes:
+            spans.append((begin, end, key))
+        out[key] = TensorRef(shape, dtype, _mmap_loader(path, base + begin, dtype, shape, size),
+                             f"{name}:{key}")
+    spans.sort()
+    for (b0, e0, k0), (b1, _e1, k1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{path}: tensors {short(k0)} and {short(k1)} overlap "
+                                  f"(data_offsets {[b0, e0]} and {[b1, _e1]})")
     return out
+
+
+def _mmap_loader(path: str, offset: int, dtype: np.dtype, shape: tuple, size: int):
+    def load() -> np.ndarray:
+        count = 1
+        for d in shape:
+            count *= d
+        if count == 0:
+            return np.zeros(shape, dtype)
+        try:
+            if os.path.getsize(path) != size:
+                raise CheckpointError(f"{path}: changed size while being read")
+            return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    return load
 
 
 # -- shards ----------------------------------------------------------------------------
@@ -102,27 +151,55 @@ def _read_file(path: Path) -> dict[str, TensorRef]:
     return read_torch_file(path)
 
 
-def _read_sharded(index_path: Path) -> tuple[dict[str, TensorRef], list[str]]:
+def _read_json(path: Path, what: str):
     try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index_path}: not a shard index with a weight_map ({e})") \
-            from None
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: larger than {MAX_JSON_BYTES} bytes; not a {what}")
+        return json.loads(path.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({clip(e)})") from None
+
+
+def _shard_path(index_path: Path, fname: str) -> Path:
+    """``fname`` (a weight_map value) inside the checkpoint directory: a relative path with
+    no ``..`` component (symbolic links inside the directory, as in the HF cache, are
+    followed)."""
+    parts = Path(fname).parts
+    if not fname or os.path.isabs(fname) or ".." in parts or "\\" in fname \
+            or fname.startswith("~"):
+        raise CheckpointError(f"{index_path}: shard {short(fname)} is not a file name inside "
+                              "the checkpoint directory (absolute paths and '..' are refused)")
+    return index_path.parent / fname
+
+
+def _read_sharded(index_path: Path) -> tuple[dict[str, TensorRef], list[str]]:
+    index = _read_json(index_path, "shard index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: not a shard index: 'weight_map' is "
+                              f"{'absent' if weight_map is None else type(weight_map).__name__}"
+                              ", expected an object mapping tensor names to shard files")
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+    if bad:
+        raise CheckpointError(f"{index_path}: weight_map values must be shard file names; "
+                              f"not for {listing(short(k) for k in bad)}")
     files = sorted(set(weight_map.values()))
     tensors, origin = {}, {}
     for fname in files:
-        fpath = index_path.parent / fname
+        fpath = _shard_path(index_path, fname)
         if not fpath.is_file():
-            raise CheckpointError(f"{index_path}: shard {fname} does not exist")
+            raise CheckpointError(f"{index_path}: shard {short(fname)} does not exist")
         for k, ref in _read_file(fpath).items():
             if k in tensors:
-                raise CheckpointError(f"tensor {k!r} is in both {origin[k]} and {fname}")
+                raise CheckpointError(f"tensor {short(k)} is in both {origin[k]} and {fname}")
             tensors[k], origin[k] = ref, fname
     absent = sorted(k for k, f in weight_map.items() if origin.get(k) != f)
     if absent:
         raise CheckpointError(
             f"{index_path}: tensors listed in the weight_map are not in their shard: "
-            + ", ".join(f"{k} (expected in {weight_map[k]})" for k in absent))
+            + listing(f"{short(k)} (expected in {weight_map[k]})" for k in absent))
     return tensors, [str(index_path.parent / f) for f in files]
 
 
@@ -131,7 +208,7 @@ def _read_files(paths: list[Path]) -> dict[str, TensorRef]:
     for p in paths:
         for k, ref in _read_file(p).items():
             if k in tensors:
-                raise CheckpointError(f"tensor {k!r} is in both {origin[k]} and {p.name}")
+                raise CheckpointError(f"tensor {short(k)} is in both {origin[k]} and {p.name}")
             tensors[k], origin[k] = ref, p.name
     return tensors
 
@@ -189,10 +266,7 @@ def read_checkpoint(src: str | os.PathLike) -> Checkpoint:
     config = {}
     cfg_path = directory / "config.json"
     if cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_text())
-        except ValueError as e:
-            raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        config = _read_json(cfg_path, "config")
         if not isinstance(config, dict):
             raise CheckpointError(f"{cfg_path}: not a JSON object")
     return Checkpoint(src, config, tensors, files, notes)

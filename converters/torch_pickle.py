@@ -23,11 +23,12 @@ import io
 import os
 import pickle
 import zipfile
+import zlib
 
 import ml_dtypes
 import numpy as np
 
-from specjax.converters.errors import CheckpointError, UnsafePickleError
+from specjax.converters.errors import CheckpointError, UnsafePickleError, clip, short
 from specjax.converters.tensor_ref import TensorRef
 
 _STORAGE_DTYPES = {
@@ -57,68 +58,140 @@ _REBUILD_FUNCTIONS = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_
                       "_rebuild_parameter", "_rebuild_parameter_with_state")
 
 
-class _Marker:
+#: ``data.pkl`` larger than this is refused (a state dict's pickle is ~200 bytes a tensor).
+MAX_PICKLE_BYTES = 16 * 2**20
+#: Zip failures that mean a damaged archive (wrapped in CheckpointError naming the record).
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, RuntimeError, NotImplementedError,
+               EOFError, OSError, ValueError, zlib.error)
+
+
+class _Inert:
+    """The unpickler's own objects refuse the BUILD opcode (``__setstate__``) and any
+    attribute assignment after construction."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise CheckpointError(f"the pickle tries to modify a {type(self).__name__.lstrip('_')} "
+                              "(BUILD on an object of the unpickler); refused")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _init(self, **kw):
+        for k, v in kw.items():
+            object.__setattr__(self, k, v)
+
+
+class _Marker(_Inert):
     """An inert stand-in for a torch global (a storage type or a dtype); not callable."""
 
+    __slots__ = ("name", "dtype")
+
     def __init__(self, name: str, dtype):
-        self.name = name
-        self.dtype = np.dtype(dtype)
+        self._init(name=name, dtype=np.dtype(dtype))
 
     def __repr__(self):
         return f"torch.{self.name}"
 
 
-class _Storage:
-    """One ``data/<key>`` record: ``numel`` elements of ``dtype``, read once on demand."""
+class _Storage(_Inert):
+    """One ``data/<key>`` record: ``numel`` elements of ``dtype``, read on demand (not
+    cached, so that a conversion holds only the tensors it is writing)."""
+
+    __slots__ = ("archive", "key", "dtype", "numel")
 
     def __init__(self, archive: "_Archive", key: str, dtype: np.dtype, numel: int):
-        self.archive, self.key, self.dtype, self.numel = archive, key, dtype, numel
-        self._array = None
+        self._init(archive=archive, key=key, dtype=dtype, numel=numel)
 
     def array(self) -> np.ndarray:
-        if self._array is None:
-            raw = self.archive.read_record(f"data/{self.key}")
-            arr = np.frombuffer(raw, dtype=self.dtype, count=self.numel)
-            if self.archive.big_endian:
-                arr = arr.byteswap()
-            self._array = arr
-        return self._array
+        nbytes = self.numel * self.dtype.itemsize
+        raw = self.archive.read_record(f"data/{self.key}", exact=nbytes)
+        arr = np.frombuffer(raw, dtype=self.dtype, count=self.numel)
+        return arr.byteswap() if self.archive.big_endian else arr
 
 
 class _Archive:
     def __init__(self, path: str):
         self.path = path
-        if not zipfile.is_zipfile(path):
-            with open(path, "rb") as f:
-                head = f.read(16)
+        try:
+            is_zip = zipfile.is_zipfile(path)
+            if not is_zip:
+                with open(path, "rb") as f:
+                    head = f.read(16)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+        if not is_zip:
             if head[:1] == b"\x80":
                 raise CheckpointError(
                     f"{path}: a legacy (pre-zip, torch < 1.6) torch.save file; re-save it "
                     "with a recent torch or convert it to safetensors")
             raise CheckpointError(f"{path}: not a PyTorch zip archive")
-        self.zf = zipfile.ZipFile(path)
-        pkls = [n for n in self.zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        try:  # the archive is opened per record read, so no file stays open
+            with zipfile.ZipFile(path) as zf:
+                infos = zf.infolist()
+        except _ZIP_ERRORS as e:
+            raise CheckpointError(f"{path}: damaged zip archive ({clip(e)})") from None
+        self.infos = {i.filename: i for i in infos}
+        pkls = [n for n in self.infos if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
             raise CheckpointError(
                 f"{path}: a zip archive but not torch.save output (found "
                 f"{len(pkls)} top-level */data.pkl records)")
         self.prefix = pkls[0][: -len("data.pkl")]
-        self.names = set(self.zf.namelist())
         byteorder = self.prefix + "byteorder"
-        self.big_endian = (byteorder in self.names
-                           and self.zf.read(byteorder).strip() == b"big")
+        self.big_endian = (byteorder in self.infos
+                           and self.read_record("byteorder", limit=16).strip() == b"big")
 
     def record_size(self, name: str) -> int | None:
-        full = self.prefix + name
-        return self.zf.getinfo(full).file_size if full in self.names else None
+        info = self.infos.get(self.prefix + name)
+        return None if info is None else info.file_size
 
-    def read_record(self, name: str) -> bytes:
-        return self.zf.read(self.prefix + name)
+    def check_stored(self, name: str) -> None:
+        """A storage record must be stored (uncompressed) and not encrypted, as torch.save
+        writes it: a compressed one could inflate without bound."""
+        info = self.infos.get(self.prefix + name)
+        if info is None:
+            return
+        where = f"{self.path}: record {self.prefix}{clip(name)}"
+        if info.flag_bits & 0x1:
+            raise CheckpointError(f"{where} is encrypted")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(f"{where} is compressed (method {info.compress_type}); "
+                                  "torch.save stores tensor data uncompressed")
+
+    def read_record(self, name: str, *, exact: int | None = None,
+                    limit: int | None = None) -> bytes:
+        """The bytes of record ``name``: exactly ``exact`` bytes (a storage: torch writes it
+        stored, uncompressed, of exactly its byte count) or at most ``limit`` bytes. Never
+        reads more than that bound, whatever the zip headers declare."""
+        full = self.prefix + name
+        where = f"{self.path}: record {full}"
+        info = self.infos.get(full)
+        if info is None:
+            raise CheckpointError(f"{where} is absent")
+        if info.flag_bits & 0x1:
+            raise CheckpointError(f"{where} is encrypted")
+        if exact is not None:
+            self.check_stored(name)
+            if info.file_size != exact or info.compress_size != exact:
+                raise CheckpointError(f"{where} is {info.file_size} bytes, expected {exact}")
+        bound = exact if exact is not None else limit
+        try:
+            with zipfile.ZipFile(self.path) as zf, zf.open(info.filename) as f:
+                raw = f.read(bound + 1)
+        except _ZIP_ERRORS as e:
+            raise CheckpointError(f"{where}: damaged ({clip(e)})") from None
+        if exact is not None and len(raw) != exact:
+            raise CheckpointError(f"{where} holds {len(raw)} bytes, expected {exact}")
+        if len(raw) > bound:
+            raise CheckpointError(f"{where} is larger than {bound} bytes")
+        return raw
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, archive: _Archive):
-        super().__init__(io.BytesIO(archive.read_record("data.pkl")))
+        super().__init__(io.BytesIO(archive.read_record("data.pkl", limit=MAX_PICKLE_BYTES)))
         self.archive = archive
         self.storages: dict[str, _Storage] = {}
         self.n_tensors = 0
@@ -135,25 +208,33 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return _Marker(name, _TORCH_DTYPES[name])
         if module == "_codecs" and name == "encode":
             return _latin1_encode
-        raise UnsafePickleError(f"{module}.{name}", self.archive.path)
+        raise UnsafePickleError(clip(f"{module}.{name}"), self.archive.path)
 
     def persistent_load(self, pid):
         if (not isinstance(pid, tuple) or len(pid) != 5
                 or _ascii(pid[0]) != "storage" or not isinstance(pid[1], _Marker)
                 or pid[1].name not in _STORAGE_DTYPES):
-            raise CheckpointError(f"{self.archive.path}: unexpected persistent id {pid!r}")
+            raise CheckpointError(f"{self.archive.path}: unexpected persistent id {short(pid)}")
         _, storage_type, key, _location, numel = pid
         key = _ascii(key)
-        if not isinstance(numel, int) or numel < 0:
-            raise CheckpointError(f"{self.archive.path}: storage {key!r} has numel {numel!r}")
+        if not isinstance(key, str) or not isinstance(numel, int) or isinstance(numel, bool) \
+                or numel < 0:
+            raise CheckpointError(f"{self.archive.path}: storage {short(key)} has numel "
+                                  f"{short(numel)}")
         if key in self.storages:
-            return self.storages[key]
+            st = self.storages[key]
+            if st.numel != numel or st.dtype != storage_type.dtype:
+                raise CheckpointError(f"{self.archive.path}: storage {key!r} is declared twice "
+                                      "with different types or sizes")
+            return st
+        self.archive.check_stored(f"data/{key}")
         size = self.archive.record_size(f"data/{key}")
         nbytes = numel * storage_type.dtype.itemsize
-        if size is None or size < nbytes:
+        if size is None or size != nbytes:
             raise CheckpointError(
-                f"{self.archive.path}: storage record data/{key} is "
-                f"{'absent' if size is None else f'{size} bytes'}, expected {nbytes} bytes")
+                f"{self.archive.path}: storage record data/{clip(key)} is "
+                f"{'absent' if size is None else f'{size} bytes'}, expected {nbytes} bytes "
+                f"({numel} x {storage_type.name})")
         st = self.storages[key] = _Storage(self.archive, key, storage_type.dtype, numel)
         return st
 
@@ -190,11 +271,13 @@ class _RestrictedUnpickler(pickle.Unpickler):
         size, stride = tuple(size), tuple(stride)
         if (not _ints(size) or not _ints(stride) or len(size) != len(stride)
                 or not isinstance(offset, int) or offset < 0):
-            raise CheckpointError(f"{path}: bad tensor view offset={offset!r} size={size!r} "
-                                  f"stride={stride!r}")
+            raise CheckpointError(f"{path}: bad tensor view offset={short(offset)} "
+                                  f"size={short(size)} stride={short(stride)}")
         dtype = storage.dtype if dtype is None else np.dtype(dtype)
         numel = storage.numel * storage.dtype.itemsize // dtype.itemsize
-        n = int(np.prod(size, dtype=np.int64))
+        n = 1
+        for d in size:
+            n *= d
         if n and offset + sum((s - 1) * st for s, st in zip(size, stride)) >= numel:
             raise CheckpointError(
                 f"{path}: tensor view offset={offset} size={list(size)} stride={list(stride)} "
@@ -255,15 +338,15 @@ def read_torch_file(path: str | os.PathLike) -> dict[str, TensorRef]:
     except (CheckpointError, UnsafePickleError):
         raise
     except Exception as e:  # malformed pickle
-        raise CheckpointError(f"{path}: cannot unpickle data.pkl ({type(e).__name__}: {e})") \
-            from None
+        raise CheckpointError(f"{path}: cannot unpickle data.pkl ({type(e).__name__}: "
+                              f"{clip(e)})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not a state dict")
     out = {}
     for k, v in obj.items():
         if not isinstance(k, str) or not isinstance(v, TensorRef):
             raise CheckpointError(
-                f"{path}: entry {k!r} is a {type(v).__name__}, not a tensor (a state dict "
+                f"{path}: entry {short(k)} is a {type(v).__name__}, not a tensor (a state dict "
                 "maps names to tensors)")
         out[k] = v
     return out

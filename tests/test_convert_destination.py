@@ -26,7 +26,7 @@ from specjax.converters import (
     destination,
     pipeline,
 )
-from specjax.training.export import export_checkpoint
+from specjax.converters.export import export_checkpoint
 
 from test_converters_cases import CASES, write_layout
 

@@ -1,5 +1,6 @@
-"""``specjax.training.export``: trained params -> upstream checkpoint layouts, read back by
-the converters (``load_pretrained`` with the format auto-detected, ``specjax-convert``)."""
+"""``specjax.converters.export`` (formerly ``specjax.training.export``): trained params ->
+upstream checkpoint layouts, read back by the converters (``load_pretrained`` with the format
+auto-detected, ``specjax-convert``)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from specjax.converters import cli
 from specjax.converters.readers import read_checkpoint, read_safetensors_header
 from specjax.converters.formats import detect_format
 from specjax.models import registry
-from specjax.training import export as export_mod
-from specjax.training.export import EXPORT_FORMATS, export_checkpoint
+from specjax.converters import export as export_mod
+from specjax.converters.export import EXPORT_FORMATS, export_checkpoint
 
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -502,3 +503,25 @@ def test_round_tripped_mask_hidden_drafts_the_same(tmp_path, method):
     c, _ = _run(prop, {k: v for k, v in back.items() if k != "mask_hidden"}, method, reqs,
                 table, chunked=False, padded=True, rng=np.random.default_rng(4))
     assert not np.array_equal(np.asarray(c.token_ids), np.asarray(b.token_ids))
+
+
+def test_old_import_path_warns_and_reexports():
+    import importlib
+    import sys
+
+    sys.modules.pop("specjax.training.export", None)
+    with pytest.warns(DeprecationWarning, match="specjax.converters.export"):
+        old = importlib.import_module("specjax.training.export")
+    assert old.export_checkpoint is export_checkpoint
+    assert old.EXPORT_FORMATS is EXPORT_FORMATS
+
+
+def test_every_format_record_reads_and_writes():
+    """One record per format: name, kind, detect, read and write, the writer being the
+    export writer."""
+    from specjax.converters.formats import DETECTION_ORDER, FORMATS
+
+    assert sorted(DETECTION_ORDER) == sorted(FORMATS) == sorted(EXPORT_FORMATS)
+    for name, f in FORMATS.items():
+        assert f.name == name and callable(f.detect) and callable(f.read)
+        assert EXPORT_FORMATS[name] is f.write

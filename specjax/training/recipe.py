@@ -3,7 +3,7 @@
 A byte-level Llama target (4 layers, width 256, 3.3M params) trained on CPython's
 standard-library sources (held-out split of whole files), then every kind of draft trained
 against it by self-distillation (:mod:`specjax.training.objectives`), each exported in its
-real upstream layout (:func:`specjax.training.export.export_checkpoint`) in fp16::
+real upstream layout (:func:`specjax.converters.export.export_checkpoint`) in fp16::
 
     python -m specjax.training.recipe --out DIR                 # everything (GPU: ~10 min)
     python -m specjax.training.recipe --out DIR --stage target
@@ -199,7 +199,7 @@ def train_head(name: str, target_cfg, target_params, corp: Corpus, tc: TrainConf
 
 
 def export(name: str, kind: str, fmt: str, cfg, params, out: Path, report: dict) -> Path:
-    from specjax.training.export import export_checkpoint
+    from specjax.converters.export import export_checkpoint
 
     extra = {"specjax": {"demo_model": name, "recipe": "python -m specjax.training.recipe",
                          "heldout": report.get("heldout")}}

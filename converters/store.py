@@ -1,0 +1,388 @@
+"""The converted directory (``specjax-convert`` output): written in bounded pieces, checked
+on load.
+
+Layout (version 2)::
+
+    DST/specjax.json       metadata (schema: :data:`SCHEMA`), including ``arrays``: every
+                           params leaf ("/"-joined path) -> shape, dtype, crc32 of its
+                           bytes (C order, little-endian) and the part holding it
+    DST/params/00000/ ...  the params pytree in parts, each an orbax StandardCheckpointer
+                           checkpoint of a subtree of at most ~``piece_bytes``
+
+Version 1 (one orbax checkpoint in ``DST/params/``, no checksums) still loads.
+
+On load, ``specjax.json`` is validated key by key, each part's orbax metadata is compared
+with the recorded shapes and dtypes (no silent cast), and each restored array's crc32 with
+the recorded one (``verify=False`` skips the checksums). Every failure is a
+:class:`~specjax.converters.errors.CorruptOutputError` naming the file and key.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import gc
+import json
+import logging
+import sys
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from specjax.converters.errors import CheckpointError, CorruptOutputError, clip, listing
+
+METADATA_FILE = "specjax.json"
+PARAMS_DIR = "params"
+METADATA_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: An orbax part holds at most about this many bytes (one tensor larger than it: alone).
+PIECE_BYTES = 128 * 2**20
+
+_STR, _INT, _DICT, _LIST = (str,), (int,), (dict,), (list,)
+#: key -> (types, required). Checked by :func:`check_metadata`.
+SCHEMA: dict[str, tuple[tuple[type, ...], bool]] = {
+    "specjax_checkpoint_version": (_INT, True),
+    "kind": (_STR, True),
+    "format": (_STR, True),
+    "dtype": (_STR, True),
+    "hf_config": (_DICT, True),
+    "config": (_DICT, True),
+    "source": (_STR, False),
+    "source_files": (_LIST, False),
+    "num_tensors": (_INT, False),
+    "num_values": (_INT, False),
+    "notes": (_LIST, False),
+    "created": (_STR, False),
+    "extra_params": (_DICT, False),
+    "parts": (_LIST, False),
+    "arrays": (_DICT, False),
+}
+
+
+def leaf_name(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def flatten(tree, prefix: tuple = ()) -> dict[tuple, Any]:
+    """``{path tuple: leaf}`` of a nested dict."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[tuple, Any] = {}
+    for k, v in tree.items():
+        out.update(flatten(v, prefix + (k,)))
+    return out
+
+
+def unflatten(leaves: dict[tuple, Any]) -> dict:
+    out: dict = {}
+    for path, v in leaves.items():
+        t = out
+        for p in path[:-1]:
+            t = t.setdefault(p, {})
+        t[path[-1]] = v
+    return out
+
+
+def crc32(a: np.ndarray, chunk: int = 64 * 2**20) -> int:
+    """zlib crc32 of ``a``'s bytes in C order (read in bounded chunks)."""
+    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    c = 0
+    for i in range(0, flat.size, chunk):
+        c = zlib.crc32(flat[i: i + chunk], c)
+    return c
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+def pieces(items: Iterable[tuple[tuple, Callable[[], np.ndarray], int, str]],
+           piece_bytes: int = PIECE_BYTES):
+    """Group ``(path, load, nbytes, key)`` into lists whose ``nbytes`` sum stays under
+    ``piece_bytes`` (a larger item is a group of its own)."""
+    group: list = []
+    size = 0
+    for item in items:
+        if group and size + item[2] > piece_bytes:
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += item[2]
+    if group:
+        yield group
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere):
+    tensors below glibc's mmap threshold are freed into the heap, which otherwise keeps
+    the resident size of every part written so far."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+
+
+def _disk_full(e: BaseException) -> bool:
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record):  # orbax logs each failed write thread's traceback: one message
+        return record.levelno < logging.ERROR
+
+
+def leaf_record(path: tuple, arr: np.ndarray, key: str) -> tuple:
+    """``(path, leaf, key, record)``: ``arr`` moved into a ``jax.Array`` (orbax copies a
+    NumPy leaf twice while writing it, a ``jax.Array`` less than once) with its
+    ``specjax.json`` record (shape, dtype, crc32 of the bytes)."""
+    import jax  # noqa: PLC0415
+
+    rec = {"shape": [int(d) for d in arr.shape], "dtype": np.dtype(arr.dtype).name,
+           "crc32": crc32(arr)}
+    return path, jax.device_put(arr), key, rec   # one copy (jnp.asarray makes two)
+
+
+def save_parts(out_dir: Path, groups, *, held,
+               progress: Callable[[list[str]], None] | None = None
+               ) -> tuple[list[str], dict[str, dict]]:
+    """Write each group (``[leaf_record(...)]``) as one orbax part under
+    ``out_dir/params``. Returns ``(parts, arrays)`` for ``specjax.json``. A full disk is one
+    :class:`CheckpointError`; orbax's own error logging is silenced during the writes."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    root = Path(out_dir) / PARAMS_DIR
+    root.mkdir()
+    parts: list[str] = []
+    arrays: dict[str, dict] = {}
+    quiet = _Quiet()
+    loggers = [logging.getLogger(n) for n in ("absl", "orbax", "")]
+    for lg in loggers:
+        lg.addFilter(quiet)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        i = -1
+        for group in groups:     # (not enumerate: its cached result tuple keeps a group alive)
+            i += 1
+            name = f"{i:05d}"
+            for item in group:
+                arrays[leaf_name(item[0])] = dict(item[3], part=i)
+            tree = {leaf_name(item[0]): item[1] for item in group}
+            keys = [item[2] for item in group]
+            del item, group          # hold no leaf beyond this part
+            with held():
+                try:
+                    ckptr.save(root / name, unflatten({tuple(p.split("/")): a
+                                                       for p, a in tree.items()}))
+                except BaseException as e:
+                    _raise_write_error(e, root / name)
+                finally:
+                    try:
+                        ckptr.wait_until_finished()
+                    except Exception as e:  # noqa: BLE001
+                        _raise_write_error(e, root / name)
+            parts.append(name)
+            del tree
+            release_memory()
+            if progress is not None:
+                progress(keys)
+    finally:
+        ckptr.close()
+        for lg in loggers:
+            lg.removeFilter(quiet)
+    return parts, arrays
+
+
+def _raise_write_error(e: BaseException, where: Path):
+    if not isinstance(e, Exception):
+        raise e
+    if _disk_full(e):
+        raise CheckpointError(f"{where}: no space left on the device while writing the "
+                              "params (nothing is kept; free some space and run again)") from None
+    if isinstance(e, CheckpointError):
+        raise e
+    raise CheckpointError(f"{where}: writing the params failed ({type(e).__name__}: "
+                          f"{clip(_first_line(e), 200)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+def read_metadata(path: Path) -> dict:
+    """``specjax.json`` of the converted directory ``path``, schema-checked."""
+    f = Path(path) / METADATA_FILE
+    try:
+        meta = json.loads(f.read_bytes())
+    except OSError as e:
+        raise CorruptOutputError(f"{f}: cannot read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:
+        raise CorruptOutputError(f"{f}: not valid JSON ({clip(e)})") from None
+    check_metadata(meta, f)
+    return meta
+
+
+def check_metadata(meta, f) -> None:
+    if not isinstance(meta, dict):
+        raise CorruptOutputError(f"{f}: holds a JSON {type(meta).__name__}, expected an object")
+    version = meta.get("specjax_checkpoint_version")
+    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+        raise CorruptOutputError(f"{f}: specjax_checkpoint_version {clip(repr(version))} is not "
+                                 f"supported (allowed: {', '.join(map(str, SUPPORTED_VERSIONS))})")
+    required = [k for k, (_, req) in SCHEMA.items() if req or (version >= 2 and k in
+                                                                 ("parts", "arrays"))]
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise CorruptOutputError(f"{f}: missing keys {listing(missing)}")
+    for k, (types, _) in SCHEMA.items():
+        if k in meta and (not isinstance(meta[k], types) or isinstance(meta[k], bool)):
+            raise CorruptOutputError(f"{f}: key {k!r} is a {type(meta[k]).__name__}, expected "
+                                     f"{' or '.join(t.__name__ for t in types)}")
+    if meta["dtype"] not in DTYPE_NAMES:
+        raise CorruptOutputError(f"{f}: key 'dtype' is {clip(repr(meta['dtype']))} (allowed: "
+                                 f"{', '.join(DTYPE_NAMES)})")
+    for name, shape in (meta.get("extra_params") or {}).items():
+        if not isinstance(shape, list) or not all(_nonneg(d) for d in shape):
+            raise CorruptOutputError(f"{f}: extra_params[{name!r}] is not a list of sizes")
+    if version >= 2:
+        parts = meta["parts"]
+        if not all(isinstance(p, str) and p.isdigit() and len(p) == 5 for p in parts):
+            raise CorruptOutputError(f"{f}: key 'parts' must list part names like '00000'")
+        for name, rec in meta["arrays"].items():
+            ok = (isinstance(rec, dict) and isinstance(rec.get("shape"), list)
+                  and all(_nonneg(d) for d in rec["shape"]) and isinstance(rec.get("dtype"), str)
+                  and _nonneg(rec.get("crc32")) and _nonneg(rec.get("part"))
+                  and rec["part"] < len(parts))
+            if not ok:
+                raise CorruptOutputError(f"{f}: arrays[{clip(repr(name))}] is not "
+                                         "{shape: [ints], dtype: str, crc32: int, part: int}")
+
+
+def _nonneg(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def restore(path: Path, meta: dict, target: dict, *, verify: bool = True) -> dict:
+    """The params of the converted directory ``path`` into the abstract pytree ``target``
+    (``jax.ShapeDtypeStruct`` leaves, the dtype the directory says it stores)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    path = Path(path)
+    f = path / METADATA_FILE
+    want = flatten(target)
+    if meta["specjax_checkpoint_version"] == 1:
+        ckptr = ocp.StandardCheckpointer()
+        try:
+            return _orbax(lambda: ckptr.restore(path / PARAMS_DIR, target), path / PARAMS_DIR)
+        finally:
+            ckptr.close()
+    arrays = meta["arrays"]
+    names = {leaf_name(p): p for p in want}
+    unknown = sorted(set(arrays) - set(names))
+    absent = sorted(set(names) - set(arrays))
+    if unknown or absent:
+        raise CorruptOutputError(
+            f"{f}: 'arrays' does not match the {meta['kind']} config: "
+            + "; ".join(s for s in (unknown and f"not in the model: {listing(unknown)}",
+                                    absent and f"absent: {listing(absent)}") if s))
+    for name, p in names.items():
+        rec, leaf = arrays[name], want[p]
+        if tuple(rec["shape"]) != tuple(leaf.shape) or rec["dtype"] != np.dtype(leaf.dtype).name:
+            raise CorruptOutputError(
+                f"{f}: arrays[{name!r}] is recorded as {rec['dtype']}{rec['shape']}; the "
+                f"config and dtype say {np.dtype(leaf.dtype).name}{list(leaf.shape)}")
+    out: dict[tuple, Any] = {}
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        for i, part in enumerate(meta["parts"]):
+            d = path / PARAMS_DIR / part
+            mine = {tuple(name.split("/")): want[names[name]]
+                    for name, rec in arrays.items() if rec["part"] == i}
+            stored = _orbax(lambda: _metadata_tree(ckptr.metadata(d)), d)
+            _compare_stored(d, flatten(_plain(stored)), mine)
+            got = _orbax(lambda: ckptr.restore(d, unflatten(mine)), d)
+            for p, leaf in flatten(got).items():
+                name = "/".join(p)
+                if verify and crc32(np.asarray(leaf)) != arrays[name]["crc32"]:
+                    raise CorruptOutputError(f"{d}: array {name!r} does not match its recorded "
+                                             "checksum (the data file was changed or damaged; "
+                                             "convert again)")
+                out[names[name]] = leaf
+    finally:
+        ckptr.close()
+    return unflatten(out)
+
+
+def _metadata_tree(m):
+    """The tree of array metadata in what ``StandardCheckpointer.metadata`` returns (a
+    ``StepMetadata`` holding a ``TreeMetadata`` in orbax 0.12; the tree itself earlier)."""
+    m = getattr(m, "item_metadata", m)
+    return getattr(m, "tree", m)
+
+
+def _plain(tree):
+    return {str(k): _plain(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def _compare_stored(d: Path, stored: dict, want: dict) -> None:
+    want = {tuple(str(x) for x in p): v for p, v in want.items()}
+    if set(stored) != set(want):
+        diff = sorted("/".join(p) for p in set(stored) ^ set(want))
+        raise CorruptOutputError(f"{d}: holds different arrays than specjax.json records "
+                                 f"({listing(diff)})")
+    for p, m in stored.items():
+        w = want[p]
+        if tuple(m.shape) != tuple(w.shape) or np.dtype(m.dtype) != np.dtype(w.dtype):
+            raise CorruptOutputError(f"{d}: array {'/'.join(p)!r} is stored as "
+                                     f"{np.dtype(m.dtype).name}{list(m.shape)}, specjax.json "
+                                     f"says {np.dtype(w.dtype).name}{list(w.shape)}")
+
+
+def _orbax(fn, where: Path):
+    """Run an orbax call; any failure becomes one line naming ``where``."""
+    quiet = _Quiet()
+    loggers = [logging.getLogger(n) for n in ("absl", "orbax", "")]
+    for lg in loggers:
+        lg.addFilter(quiet)
+    msg = None
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 (orbax / TensorStore raise many types)
+        msg = f"{type(e).__name__}: {clip(_first_line(e), 200)}"
+    finally:
+        for lg in loggers:
+            lg.removeFilter(quiet)
+    _collect_quietly()  # orbax leaves the reads of the other arrays pending: drop them now
+    raise CorruptOutputError(f"{where}: cannot read the params ({msg}); the directory is "
+                             "damaged, convert again")
+
+
+def _collect_quietly() -> None:
+    """Collect the coroutines a failed orbax restore left behind without the 'Exception
+    ignored' tracebacks Python would print for each."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda _unraisable: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
