@@ -18,7 +18,7 @@ etc. into the hf_config) so that the saved config restores the same structure.
 Optional params entry outside the tensor table: ``mask_hidden`` (:data:`MASK_HIDDEN`), the
 parallel-drafting hidden state of a P-EAGLE EAGLE-1 / EAGLE-3 checkpoint, a top-level
 ``[size]`` float vector (:func:`mask_hidden_abstract` gives its shape; the converters put it
-into the params, ``specjax.training.export`` writes it back). ``abstract_params`` leaves it
+into the params, ``specjax.converters.export`` writes it back). ``abstract_params`` leaves it
 out unless asked (``mask_hidden=True``).
 """
 

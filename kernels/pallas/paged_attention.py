@@ -20,5 +20,6 @@ from specjax.kernels.paged_attention.pallas import (  # noqa: E402,F401
     unsupported_reason,
 )
 
-warnings.warn("specjax.kernels.pallas.paged_attention moved to specjax.kernels.paged_attention.pallas; import it from there",
+warnings.warn("specjax.kernels.pallas.paged_attention moved to "
+              "specjax.kernels.paged_attention.pallas; import it from there",
               DeprecationWarning, stacklevel=2)
