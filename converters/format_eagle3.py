@@ -24,13 +24,17 @@ from specjax.converters.format_common import (
 from specjax.converters import format_dflash, format_medusa
 
 
-def _eagle3_fields(cfg: dict, flat: dict, notes: list[str]) -> dict:
+def _eagle3_fields(cfg: dict, flat: dict, notes: list[str], *, speculators: bool = False) -> dict:
     # ``cfg`` is config.json as found (flat for SafeAILab, the outer speculators config).
     flat["draft_vocab_size"] = cfg.get("draft_vocab_size") or flat["vocab_size"]
     flat["target_hidden_size"] = cfg.get("target_hidden_size") or flat["hidden_size"]
+    # vLLM v0.20: the model code defaults it to False, the speculators eagle3 config updater
+    # (transformers_utils/configs/speculators/algos.py, update_eagle3) to True.
+    default = speculators
     if "norm_before_residual" not in cfg:
-        notes.append("norm_before_residual absent; using False")
-    flat["norm_before_residual"] = bool(cfg.get("norm_before_residual", False))
+        notes.append(f"norm_before_residual absent; using {default} (vLLM v0.20's default for "
+                     f"{'a speculators' if speculators else 'a SafeAILab'} config)")
+    flat["norm_before_residual"] = bool(cfg.get("norm_before_residual", default))
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     flat["eagle_aux_hidden_state_layer_ids"] = list(ids) if ids is not None else None
     for f in _PARALLEL_TOKEN_FIELDS[1:]:    # speculators: the outer config holds them
@@ -60,7 +64,7 @@ def read_speculators(cfg: dict, tensors: Tensors, notes: list[str]):
                  " (newer speculators EAGLE-3 option)")
     flat = _decoder_fields(_flatten_speculators(cfg, "config"), notes,
                            where="config.transformer_layer_config")
-    return _eagle3_fields(cfg, flat, notes), _eagle3_tensors(tensors, notes)
+    return _eagle3_fields(cfg, flat, notes, speculators=True), _eagle3_tensors(tensors, notes)
 
 
 def _eagle3_common(c) -> dict:

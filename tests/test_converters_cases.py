@@ -329,6 +329,12 @@ def cases() -> list[Case]:
                     _identity(shapes, drop=["t2d"]), dtype=ml_dtypes.bfloat16,
                     hf_checks={"norm_before_residual": True, "target_hidden_size": H,
                                "eagle_aux_hidden_state_layer_ids": [1, 3, 5]}))
+    # ... without norm_before_residual: vLLM v0.20's speculators updater (update_eagle3)
+    # defaults it to True, unlike the SafeAILab case above (the model code's False).
+    cfg = {k: v for k, v in cfg.items() if k != "norm_before_residual"}
+    out.append(Case("eagle3_spec_default", "eagle3-speculators", "eagle3", cfg, shapes,
+                    _identity(shapes, drop=["t2d"]), dtype=ml_dtypes.bfloat16,
+                    hf_checks={"norm_before_residual": True}))
     # DFlash (z-lab): no prefix, no embedding / lm_head, target_layer_ids shifted by +1.
     shapes = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
     for i in range(2):
