@@ -15,11 +15,21 @@ from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels import paged_attention as attn_lib
 from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig
+from specjax.models.params import two_row_matmul
 from specjax.models.rope import apply_rope
 
 
+class Linear(nnx.Linear):
+    """``nnx.Linear`` (same parameters), its matmul on at least two rows
+    (:func:`specjax.models.params.two_row_matmul`: a one-row matmul takes XLA's slow path)."""
+
+    def __call__(self, inputs: jax.Array, *args, **kwargs) -> jax.Array:
+        call = super().__call__
+        return two_row_matmul(lambda x: call(x, *args, **kwargs), inputs)
+
+
 def linear(in_features: int, out_features: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs)
+    return Linear(in_features, out_features, use_bias=bias, rngs=rngs)
 
 
 class RMSNorm(nnx.Module):

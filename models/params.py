@@ -11,6 +11,8 @@ vLLM shares them) rather than the head's own.
 
 from __future__ import annotations
 
+import math
+
 import functools
 from typing import Any, Callable
 
@@ -76,9 +78,33 @@ def embed(params: dict, input_ids: jax.Array) -> jax.Array:
     return jnp.take(embed_table(params), input_ids, axis=0)
 
 
+def two_row_matmul(fn, x: jax.Array) -> jax.Array:
+    """``fn(x)`` for a row-wise ``fn`` (a matmul over the last axis), run on two rows when
+    ``x`` holds one (``x [..., K]`` with one row in all).
+
+    XLA rewrites a dot whose other side has one row (``[1, K] @ [K, N]``) as a multiply and
+    a reduce (dot strength reduction), and on the H200 those reduce fusions run far slower
+    than the GEMM kernel two rows get: in the 8B-shaped one-token step they cost 1.1 ms of
+    5.6 ms of kernels (benchmarks/RESULTS.md). Here the row is duplicated behind an
+    optimization barrier (so the simplifier cannot see that the rows are equal) and the
+    first row of the result returned: the same values, one GEMM. Every model matmul goes
+    through this (:class:`specjax.models.layers.Linear`, :func:`lm_head_logits`), so the
+    one-token program is fast for every caller, the models used directly included.
+    """
+    if math.prod(x.shape[:-1]) != 1:
+        return fn(x)
+    x2 = jax.lax.optimization_barrier(jnp.concatenate([x.reshape(1, x.shape[-1])] * 2))
+    y = fn(x2)[:1]
+    return y.reshape(x.shape[:-1] + y.shape[-1:])
+
+
 def lm_head_logits(head: dict, hidden: jax.Array) -> jax.Array:
     """``hidden [..., H]`` -> float32 logits with ``head = {'kernel': [H, V]}`` (own head) or
     ``{'embedding': [V, H]}`` (tied / shared embedding, never transposed in memory)."""
+    return two_row_matmul(lambda x: _lm_head_logits(head, x), hidden)
+
+
+def _lm_head_logits(head: dict, hidden: jax.Array) -> jax.Array:
     if "kernel" in head:
         out = jnp.einsum("...h,hv->...v", hidden, head["kernel"], preferred_element_type=jnp.float32)
         if "bias" in head:
