@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
+from specjax.constants import next_power_of_2
+from specjax.decode_loop import decode_loop, loop_blocks_needed, loop_support, make_loop_state
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
@@ -69,6 +71,13 @@ class Engine(Diagnostics):
         Indivisible head / intermediate / vocabulary sizes raise ValueError naming the
         parameter, before anything is placed.
       tp_axis: the mesh axis to shard over (default ``"tp"``).
+      steps_per_sync: decoding iterations per host sync (default 1: the per-step loop).
+        ``N > 1`` runs up to ``N`` iterations of a batch in which every request decodes in
+        ONE jitted program (``specjax.decode_loop``), syncing early when a request finishes
+        and another is waiting; steps that prefill a prompt stay per-step. The same tokens
+        as ``steps_per_sync=1`` (greedy and seeded sampling). Proposers the device loop does
+        not run (host n-gram, suffix, the non-padded drafter batch, tree verification) are
+        refused by name.
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -77,7 +86,7 @@ class Engine(Diagnostics):
                  query_buckets: Sequence[int] | None = None,
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
                  min_tokens_per_step: int = 2, tree_verification: bool | None = None,
-                 mesh: Any = None, tp_axis: str = "tp") -> None:
+                 mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int = 1) -> None:
         from specjax.models import DecoderLM
 
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
@@ -92,7 +101,8 @@ class Engine(Diagnostics):
                              f"got {type(proposer).__name__}")
         for name, v, lo in (("max_model_len", max_model_len, 2), ("block_size", block_size, 1),
                             ("max_num_seqs", max_num_seqs, 1),
-                            ("min_tokens_per_step", min_tokens_per_step, 1)):
+                            ("min_tokens_per_step", min_tokens_per_step, 1),
+                            ("steps_per_sync", steps_per_sync, 1)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         feed = None if proposer is None else proposer.feed
@@ -133,6 +143,9 @@ class Engine(Diagnostics):
         self.tree = self.step.tree
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
+        self.steps_per_sync = int(steps_per_sync)
+        if self.steps_per_sync > 1 and (why := loop_support(self.step)) is not None:
+            raise ValueError(f"steps_per_sync={self.steps_per_sync}: {why}")
         self._reset_cache()
 
     # -- state ---------------------------------------------------------------------
@@ -216,18 +229,23 @@ class Engine(Diagnostics):
         try:
             while waiting or running:
                 self._admit(waiting, running)
-                stats, finished = self._step(running)
-                steps += 1
-                if stats is not None:
-                    for f in stat_loggers:
-                        f(stats)
-                    _accumulate(total, stats)
-                for r in finished:
-                    running.remove(r)
-                    self._release(r)
-                done += len(finished)
-                if progress is not None:
-                    progress(done, len(reqs), sum(len(r.output) for r in reqs))
+                if self.steps_per_sync > 1 and all(r.num_tokens - r.num_computed == 1
+                                                   for r in running):
+                    results = self._sync(running, stop_on_finish=bool(waiting))
+                else:
+                    results = [self._step(running)]
+                for stats, finished in results:     # one entry per iteration
+                    steps += 1
+                    if stats is not None:
+                        for f in stat_loggers:
+                            f(stats)
+                        _accumulate(total, stats)
+                    for r in finished:
+                        running.remove(r)
+                        self._release(r)
+                    done += len(finished)
+                    if progress is not None:
+                        progress(done, len(reqs), sum(len(r.output) for r in reqs))
         finally:
             if self.proposer is not None:
                 self.proposer.finish_requests([r.req_id for r in reqs])
@@ -323,6 +341,84 @@ class Engine(Diagnostics):
         out, self.target_kv, self.draft_state = self.step(
             self.target.params, self.step.draft_params, self.target_kv, self.draft_state, batch)
         return out
+
+    # -- the device loop -------------------------------------------------------------
+
+    def _loop_state(self, running: list[_Request]):
+        """Blocks for ``steps_per_sync`` iterations, then the device loop's state."""
+        n_iter, k, bs = self.steps_per_sync, self.k, self.block_size
+        for r in running:
+            limit = min(self.max_model_len, len(r.prompt) + r.params.max_tokens + self.lookahead)
+            need = loop_blocks_needed(r.num_computed, steps_per_sync=n_iter, k=k,
+                                      lookahead=self.lookahead, block_size=bs, limit=limit)
+            while len(r.blocks) < need:      # within r.reserve: admission stays the same
+                r.blocks.append(self.free_blocks.pop())
+        B, Q, C = self._buckets(len(running), k + 1, max(len(r.blocks) for r in running))
+        hist = ([self.tok_buf[r.row, : r.num_tokens] for r in running]
+                if self.drafts_in == "history" else None)
+        return make_loop_state(
+            last_token=[r.token(r.num_tokens - 1) for r in running],
+            num_computed=[r.num_computed for r in running], drafts=[r.drafts for r in running],
+            max_tokens=[r.params.max_tokens for r in running],
+            num_output=[len(r.output) for r in running], block_ids=[r.blocks for r in running],
+            k=k, num_reqs_pad=B, blocks_per_req_pad=C, query_len_pad=Q,
+            max_model_len=self.max_model_len, block_size=bs,
+            stop_ids=[sorted(r.stop_ids) for r in running],
+            stop_pad=next_power_of_2(max([1] + [len(r.stop_ids) for r in running])),
+            temperature=[r.params.temperature for r in running],
+            top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
+            seeds=[r.seed for r in running], history=hist)
+
+    def _sync(self, running: list[_Request], stop_on_finish: bool
+              ) -> list[tuple[SpecDecodingStats | None, list[_Request]]]:
+        """Up to ``steps_per_sync`` iterations on the device (every running request
+        decodes), then the commit of each iteration as ``_step`` commits one: the same
+        tokens, stop rule, counters and metrics. Returns one ``(stats, finished)`` per
+        iteration run."""
+        state = self._loop_state(running)
+        out, self.target_kv, self.draft_state, state = decode_loop(
+            self.step, self.target.params, self.step.draft_params, self.target_kv,
+            self.draft_state, state, steps_per_sync=self.steps_per_sync,
+            stop_on_finish=stop_on_finish)
+        out, drafts, num_drafts = jax.device_get((out, state.drafts, state.num_drafts))
+        results = []
+        for it in range(int(out.num_iters)):
+            stats = SpecDecodingStats.new(self.num_spec_positions) if self.proposer is not None else None
+            finished = []
+            for i, r in enumerate(running):
+                c = int(out.counts[it, i])
+                if r.finish_reason or c == 0:
+                    continue
+                nd, n_acc = int(out.num_drafts[it, i]), int(out.num_accepted[it, i])
+                if nd:
+                    stats.observe_draft(nd, n_acc)
+                    r.num_drafted += nd
+                    r.num_accepted += n_acc
+                r.num_computed += 1 + n_acc
+                kept = out.tokens[it, i, :c].tolist()
+                for j, tok in enumerate(kept):
+                    r.output.append(tok)
+                    if tok in r.stop_ids:
+                        r.finish_reason = "stop"
+                    elif len(r.output) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                        r.finish_reason = "length"
+                    if r.finish_reason and j != c - 1:
+                        raise RuntimeError("device loop emitted tokens past a stop")
+                if r.row >= 0:
+                    self.tok_buf[r.row, r.num_tokens - c : r.num_tokens] = kept
+                r.drafts = []
+                if r.finish_reason:
+                    finished.append(r)
+            results.append((stats, finished))
+        for i, r in enumerate(running):
+            if bool(out.finished[i]) != bool(r.finish_reason):
+                raise RuntimeError(f"device loop and host disagree on request {r.req_id}'s stop")
+            if not r.finish_reason:
+                kv_room = self.max_model_len - r.num_tokens
+                r.drafts = trim_drafts(drafts[i, : int(num_drafts[i])].tolist(),
+                                       max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
+                                       kv_room=kv_room, k=self.k, vocab_size=self.vocab_size)
+        return results
 
     # -- one step ------------------------------------------------------------------
 
@@ -420,7 +516,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              context_buckets: Sequence[int] | None = None, min_tokens_per_step: int = 2,
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
-             tp_axis: str = "tp") -> GenerateResult:
+             tp_axis: str = "tp", steps_per_sync: int = 1) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -456,6 +552,6 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     max_num_seqs=max_num_seqs, num_blocks=num_blocks,
                     batch_buckets=batch_buckets, query_buckets=query_buckets,
                     context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step,
-                    mesh=mesh, tp_axis=tp_axis)
+                    mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)
