@@ -25,9 +25,11 @@ Which proposers run here: every device proposer whose drafts come out of the fus
 (``feed.drafts_in == "step"``: EAGLE, EAGLE-3, DFlash, Medusa, draft model,
 extract-hidden-states) and the n-gram GPU matcher (a token-history proposer with a
 ``device_drafter`` hook: the loop carries the token history and searches it on the device).
-Refused by name: host token-history proposers (n-gram CPU, suffix), the non-padded drafter
-batch (``disable_padded_drafter_batch``: vLLM's host ``prepare_inputs``) and tree
-verification (not in the loop yet). Plain decoding (no proposer) runs the same way.
+Tree verification (a branching ``speculative_token_tree``) runs in the loop too: every
+iteration verifies each request's tree prefix and compacts the accepted path's KV, as the
+per-step tree step does. Refused by name: host token-history proposers (n-gram CPU,
+suffix) and the non-padded drafter batch (``disable_padded_drafter_batch``: vLLM's host
+``prepare_inputs``). Plain decoding (no proposer) runs the same way.
 
 Sampling: the per-request sampling state (``specjax.sampler.SamplingState``) rides in the
 loop state; each iteration a request's key is ``fold_in(key(seed), tokens generated so
@@ -195,9 +197,10 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
         raise ValueError(f"block_ids must have one list per request ({n}), got {len(block_ids)}")
     for i, ids in enumerate(block_ids):
         m = min(len(ids), c)
-        if -(-(int(nc[i]) + 1 + int(nd[i])) // block_size) > m:
+        upto = min(int(nc[i]) + 1 + int(nd[i]), int(max_model_len))
+        if -(-upto // block_size) > m:
             raise ValueError(f"block_ids[{i}] ({len(ids)} blocks, {c} columns) does not cover "
-                             f"the request's {int(nc[i]) + 1 + int(nd[i])} next positions")
+                             f"the request's {upto} next positions")
         table[i, :m] = np.asarray(ids[:m])
     fin = np.ones(b, np.bool_)
     fin[:n] = False if finished is None else np.asarray(finished, np.bool_)
@@ -230,13 +233,16 @@ def _row_of(cu, idx):
     return jnp.minimum(jnp.sum(cu[None, :] <= idx[:, None], axis=1, dtype=jnp.int32), b - 1)
 
 
-def device_batch(st: LoopState, *, k: int, vocab_size: int) -> tuple[StepBatch, Any]:
+def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[StepBatch, Any]:
     """The next iteration's :class:`StepBatch` from the loop state, on the device
     (traceable): what ``specjax.batch.build_batch`` builds on the host for the same
     requests (each request's last token then its drafts, trimmed by ``trim_drafts``' rule:
     at most ``min(k, max_new_tokens - 1)``, cut before a token outside the vocabulary).
-    Finished rows stay in the batch with their last token and no drafts, writing no target
-    KV (slot -1); their results are ignored. Returns ``(batch, num_drafts [B])``."""
+    ``tree`` (the step's ``TokenTree``): a tree-verification batch (the root, then a
+    breadth-first prefix of the tree: the levels the request can still use, at most as many
+    nodes as KV slots remain). Finished rows stay in the batch with their last token and
+    no drafts, writing no target KV (slot -1); their results are ignored. Returns
+    ``(batch, num_drafts [B])``."""
     b = st.last_token.shape[0]
     qp = st.query_len_pad
     t_pad = b * qp
@@ -245,11 +251,17 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int) -> tuple[StepBatch, 
     active = real & ~st.finished
     nc = st.num_computed
     nt = nc + 1
-    room = jnp.minimum(st.max_model_len - nt, st.max_tokens - st.sampling.counters) - 1
+    kv_room = st.max_model_len - nt
+    room = jnp.minimum(kv_room, st.max_tokens - st.sampling.counters) - 1
     if k:
         ok = (st.drafts >= 0) & (st.drafts < vocab_size)
         first_bad = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
-        nd = jnp.minimum(jnp.minimum(st.num_drafts, jnp.clip(room, 0, k)), first_bad)
+        if tree is None:
+            lim = jnp.clip(room, 0, k)
+        else:   # nodes of the first `levels` levels (trim_drafts' rule)
+            lut = jnp.asarray((0,) + tuple(tree.cu_level_sizes), jnp.int32)
+            lim = jnp.clip(jnp.minimum(lut[jnp.clip(room, 0, tree.depth)], kv_room), 0, k)
+        nd = jnp.minimum(jnp.minimum(st.num_drafts, lim), first_bad)
     else:
         nd = jnp.zeros((b,), jnp.int32)
     nd = jnp.where(active, nd, 0).astype(jnp.int32)
@@ -265,16 +277,20 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int) -> tuple[StepBatch, 
     if k:
         tok = jnp.where(i_t == 0, tok, st.drafts[r_t, jnp.clip(i_t - 1, 0, k - 1)])
     ids = jnp.where(valid, tok, 0).astype(jnp.int32)
-    pos = jnp.where(valid, nc[r_t] + i_t, 0).astype(jnp.int32)
+    offs = i_t if tree is None else jnp.asarray((0,) + tuple(tree.depths), jnp.int32)[
+        jnp.clip(i_t, 0, k)]
+    pos = jnp.where(valid, nc[r_t] + offs, 0).astype(jnp.int32)
+    kv_pos = nc[r_t] + i_t           # a tree node j's KV sits at root + 1 + j
     table = jnp.where(real[:, None], st.block_table, 0).astype(jnp.int32)
     bs, c = st.block_size, table.shape[1]
-    blk = table[r_t, jnp.clip(pos // bs, 0, c - 1)]
-    slots = jnp.where(valid & active[r_t], blk * bs + pos % bs, -1).astype(jnp.int32)
+    blk = table[r_t, jnp.clip(kv_pos // bs, 0, c - 1)]
+    slots = jnp.where(valid & active[r_t], blk * bs + kv_pos % bs, -1).astype(jnp.int32)
     seq = jnp.where(real, nc + q, 0).astype(jnp.int32)
     attn = CommonAttentionMetadata(
         query_start_loc=qsl, seq_lens=seq, block_table=table, slot_mapping=slots,
         num_reqs=jnp.asarray(st.num_reqs, jnp.int32), num_actual_tokens=total,
-        max_seq_len=jnp.max(seq).astype(jnp.int32), max_query_len=qp, causal=True)
+        max_seq_len=jnp.max(seq).astype(jnp.int32), max_query_len=qp, causal=True,
+        tree_mask=None if tree is None else tree.ancestor_mask(with_root=True))
     # SpecDecodeMetadata (specjax.batch._spec_metadata's layout)
     cu_d = jnp.cumsum(nd).astype(jnp.int32)
     cu_s = jnp.cumsum(jnp.where(real, nd + 1, 0)).astype(jnp.int32)
@@ -350,7 +366,7 @@ def _loop(spec, n_iters: int, drafter, tparams, dparams, target_kv, draft_state,
 
     def body(carry):
         i, st, tkv, dstate, (toks, cnts, nds, accs) = carry
-        batch, nd = device_batch(st, k=k, vocab_size=spec.vocab_size)
+        batch, nd = device_batch(st, k=k, vocab_size=spec.vocab_size, tree=spec.tree)
         out, tkv, dstate, _ = _step(spec, tparams, dparams, tkv, dstate, batch)
         emitted, emit, n_acc, finished, last, nc = _commit(st, out.sampled, k)
         hist = st.history
@@ -393,10 +409,6 @@ def loop_support(step) -> str | None:
     if feed is None:
         return None
     method = getattr(prop, "method", "?")
-    if step.tree is not None:
-        return (f"tree verification (method={method!r} with a branching speculative_token_tree, "
-                f"or tree_verification=True) is not supported by the device loop yet; use "
-                f"steps_per_sync=1")
     if feed.drafts_in == "split":
         return (f"disable_padded_drafter_batch=True (method={method!r}) drafts after the host's "
                 f"prepare_inputs; the device loop needs the padded drafter batch (use "

@@ -75,9 +75,9 @@ class Engine(Diagnostics):
         ``N > 1`` runs up to ``N`` iterations of a batch in which every request decodes in
         ONE jitted program (``specjax.decode_loop``), syncing early when a request finishes
         and another is waiting; steps that prefill a prompt stay per-step. The same tokens
-        as ``steps_per_sync=1`` (greedy and seeded sampling). Proposers the device loop does
-        not run (host n-gram, suffix, the non-padded drafter batch, tree verification) are
-        refused by name.
+        as ``steps_per_sync=1`` (greedy and seeded sampling; tree verification too).
+        Proposers the device loop does not run (host n-gram, suffix, the non-padded drafter
+        batch) are refused by name.
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -391,8 +391,9 @@ class Engine(Diagnostics):
                     continue
                 nd, n_acc = int(out.num_drafts[it, i]), int(out.num_accepted[it, i])
                 if nd:
-                    stats.observe_draft(nd, n_acc)
-                    r.num_drafted += nd
+                    nd_stat = nd if self.tree is None else self.tree.depths[nd - 1]
+                    stats.observe_draft(nd_stat, n_acc)
+                    r.num_drafted += nd_stat
                     r.num_accepted += n_acc
                 r.num_computed += 1 + n_acc
                 kept = out.tokens[it, i, :c].tolist()
@@ -417,7 +418,8 @@ class Engine(Diagnostics):
                 kv_room = self.max_model_len - r.num_tokens
                 r.drafts = trim_drafts(drafts[i, : int(num_drafts[i])].tolist(),
                                        max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
-                                       kv_room=kv_room, k=self.k, vocab_size=self.vocab_size)
+                                       kv_room=kv_room, k=self.k, vocab_size=self.vocab_size,
+                                       tree=self.tree)
         return results
 
     # -- one step ------------------------------------------------------------------
