@@ -325,3 +325,30 @@ def test_tree_loop_equals_per_step(method):
     sps = [SamplingParams(max_tokens=sp.max_tokens, temperature=1.0, seed=i)
            for i, sp in enumerate(PARAMS_B)]
     assert run(prop, "B", 4, params=sps).token_ids == run(prop, "B", 1, params=sps).token_ids
+
+
+# --- benchmarks/loop.py's logic (tiny shapes; the numbers themselves come from the GPU) ----
+
+
+def test_loop_benchmark_logic(tmp_path):
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import loop as bench
+
+    out = tmp_path / "loop.json"
+    assert bench.main(["--target", "tiny", "--batch", "2", "--n", "1,3", "--iters", "4",
+                       "--context", "8", "--repeat", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["n"]) for r in rows] == [("plain", 1), ("plain", 3), ("eagle3", 1),
+                                                     ("eagle3", 3)]
+    for r in rows:
+        assert r["iters"] == (4 if r["n"] == 1 else 6)          # rounded up to a multiple of N
+        assert r["syncs"] == r["iters"] // r["n"]
+        assert r["per_iter_ms"] > 0 and r["ttft_ms"] > 0 and r["tokens_per_s"] > 0
+        if r["method"] == "plain":
+            assert r["tokens_per_iter"] == 1.0 and r["speedup"] == 1.0
+        else:   # synthetic acceptance: more than one token an iteration, at most k + 1
+            assert 1.0 < r["tokens_per_iter"] <= 4.0

@@ -144,6 +144,8 @@ class Engine(Diagnostics):
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
         self.steps_per_sync = int(steps_per_sync)
+        #: device-to-host round trips so far (one per step, or per device-loop call)
+        self.num_syncs = 0
         if self.steps_per_sync > 1 and (why := loop_support(self.step)) is not None:
             raise ValueError(f"steps_per_sync={self.steps_per_sync}: {why}")
         self._reset_cache()
@@ -234,6 +236,7 @@ class Engine(Diagnostics):
                     results = self._sync(running, stop_on_finish=bool(waiting))
                 else:
                     results = [self._step(running)]
+                self.num_syncs += 1
                 for stats, finished in results:     # one entry per iteration
                     steps += 1
                     if stats is not None:
