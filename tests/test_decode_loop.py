@@ -352,3 +352,37 @@ def test_loop_benchmark_logic(tmp_path):
             assert r["tokens_per_iter"] == 1.0 and r["speedup"] == 1.0
         else:   # synthetic acceptance: more than one token an iteration, at most k + 1
             assert 1.0 < r["tokens_per_iter"] <= 4.0
+
+
+# --- docs/integration.md's device-loop example, run as written -------------------------------
+
+
+def _doc_serve():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "integration.md").read_text()
+    m = re.search(r"<!-- device-loop -->\s*```python\n(.*?)```", text, re.S)
+    assert m, "docs/integration.md lost its device-loop block"
+    ns: dict = {}
+    exec(compile(m.group(1), "integration.md", "exec"), ns)  # noqa: S102 (our own documentation)
+    return ns["serve_on_device"]
+
+
+@pytest.mark.parametrize("case", ["eagle3", "ngram_gpu", "plain"])
+def test_documented_device_loop_gets_generates_tokens(case):
+    if case != "plain" and case not in METHODS:
+        pytest.skip(f"{case} is not available")
+    serve = _doc_serve()
+    tgt = target(4.0)                          # peaked: n-gram drafts get accepted
+    prompts = [[5, 9, 2, 17] * 3, [3, 3, 7], list(range(1, 14))]
+    ref = generate(tgt, None, prompts, SamplingParams(max_tokens=20), **FIXED)
+    stop = ref.token_ids[1][7]                 # one request stops mid-way
+    sp = SamplingParams(max_tokens=20, stop_token_ids=(stop,))
+    prop = None if case == "plain" else build(case, 3, tgt)
+    want = generate(tgt, prop, prompts, sp, **FIXED)
+    assert any(o.finish_reason == "stop" for o in want.outputs)
+    prop = None if case == "plain" else build(case, 3, tgt)
+    got = serve(tgt.model, tgt.params, prop, prompts, max_tokens=20, max_model_len=MML,
+                block_size=BS, steps_per_sync=4, stop_ids=(stop,))
+    assert got == want.token_ids
