@@ -2,7 +2,7 @@
 
 The public step (``specjax.step``) runs one iteration per call, and a serving loop pays a
 host dispatch, an upload of the next batch and a device-to-host sync each time.
-``decode_loop`` (or ``Step.run``) keeps every request of a decoding batch on the device
+``decode_loop(step, ...)`` keeps every request of a decoding batch on the device
 for up to ``steps_per_sync`` iterations of
 
   build the batch (each request's last token, then its drafts, trimmed as the per-step

@@ -521,17 +521,6 @@ class Step:
         return _split_propose_jit(self.proposer.impl, draft_params, draft_state, out,
                                   batch.input_ids, batch.positions, hidden, aux, idx, nxt, md)
 
-    def run(self, target_params, draft_params, target_kv, draft_state, state, *,
-            steps_per_sync: int, stop_on_finish: bool = False):
-        """Up to ``steps_per_sync`` decoding iterations in one jitted program (the device
-        loop, ``specjax.decode_loop.decode_loop``) from a ``LoopState``
-        (``specjax.decode_loop.make_loop_state``). Returns ``(LoopOutput, target_kv,
-        draft_state, state)``; the caches and ``state`` are donated."""
-        from specjax.decode_loop import decode_loop
-
-        return decode_loop(self, target_params, draft_params, target_kv, draft_state, state,
-                           steps_per_sync=steps_per_sync, stop_on_finish=stop_on_finish)
-
     def lower(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch):
         """The ``jax.stages.Lowered`` of the fused step on ``batch`` (for inspection:
         ``.as_text()``, ``.compile().as_text()``)."""

@@ -195,7 +195,7 @@ def test_stops_mid_block():
 
 
 def test_public_loop_output_and_state():
-    """``Step.run`` on a hand-built state: per-iteration tokens and counts, nothing after a
+    """``decode_loop`` on a hand-built state: per-iteration tokens and counts, nothing after a
     stop, the finished flags, and a second call continuing from the returned state."""
     tgt = target()
     prop = build("draft_model", 3)
@@ -216,13 +216,13 @@ def test_public_loop_output_and_state():
                          max_tokens=[12], num_output=[1], block_ids=[list(range(1, 7))], k=3,
                          num_reqs_pad=2, blocks_per_req_pad=6, query_len_pad=4, max_model_len=MML,
                          block_size=BS, stop_ids=[[stop]] if stop not in want[:6] else None)
-    res, kv, ds, st = step.run(tgt.params, step.draft_params, kv, ds, st, steps_per_sync=2)
+    res, kv, ds, st = decode_loop(step, tgt.params, step.draft_params, kv, ds, st, steps_per_sync=2)
     res = jax.device_get(res)
     assert int(res.num_iters) == 2
     assert res.counts[:, 0].tolist() == [4, 4] and res.counts[:, 1].tolist() == [0, 0]
     assert res.tokens[:, 0].reshape(-1).tolist() == want[1:9]
     assert not res.finished[0] and res.finished[1]          # padding rows count as finished
-    res, kv, ds, st = step.run(tgt.params, step.draft_params, kv, ds, st, steps_per_sync=4)
+    res, kv, ds, st = decode_loop(step, tgt.params, step.draft_params, kv, ds, st, steps_per_sync=4)
     res = jax.device_get(res)
     assert int(res.num_iters) == 1 and res.finished[0]      # max_tokens 12: 3 of the 4 tokens
     assert res.tokens[0, 0].tolist() == want[9:12] + [-1] and res.counts[0, 0] == 3
@@ -275,8 +275,8 @@ def test_refused_by_name():
     with pytest.raises(ValueError, match="steps_per_sync"):
         decode_loop(step, target().params, None, kv, ds, st, steps_per_sync=0)
     with pytest.raises(ValueError, match="k=3"):
-        specjax.make_step(target().model, build("eagle", 3)).run(
-            target().params, None, kv, ds, st, steps_per_sync=2)
+        decode_loop(specjax.make_step(target().model, build("eagle", 3)), target().params, None,
+                    kv, ds, st, steps_per_sync=2)
 
 
 # --- tree verification in the loop --------------------------------------------------------
