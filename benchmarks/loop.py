@@ -10,7 +10,9 @@ until ``--iters`` (rounded up to a multiple of N) more iterations have been deli
 
     per-iter ms = decode wall / iterations
     tokens/s    = tokens delivered in that window / decode wall (all requests)
-    speed-up    = tokens/s / plain decoding's tokens/s at the same B and N (and, the
+    ex          = the device loop's form (``--early-exit``): w = while_loop (stops as
+                  soon as it may), f = a fixed trip count of N (masked once done)
+    speed-up    = tokens/s / plain decoding's tokens/s at the same B, N and form (and, the
                   last column, plain's at N = 1: the per-step loop)
     TTFT ms     = start of generate -> first token (the prefill step, compiled already)
     ITL ms      = decode wall / tokens per request (mean inter-token latency); ``gap ms``:
@@ -120,6 +122,7 @@ def run(args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     batches = [int(x) for x in args.batch.split(",")]
     ns = [int(x) for x in args.n.split(",")]
+    exits = [bool(int(x)) for x in args.early_exit.split(",")]
     k = args.k
     target, geo = build_target(args.target, dtype)
     # timed iterations: a multiple of N (the window ends on a sync), at least --iters
@@ -134,23 +137,23 @@ def run(args) -> list[dict]:
         for method in ("plain", "eagle3"):
             prop = None if method == "plain" else eagle3(target, geo, args.target, k, args.rates,
                                                          mml, dtype)
-            for n in ns:
+            for n, ee in [(n, ee) for n in ns for ee in (exits if n > 1 else [True])]:
                 eng = Engine(target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
                              batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype,
-                             steps_per_sync=n)
+                             steps_per_sync=n, loop_early_exit=ee)
                 t = time.perf_counter()
                 measure(eng, prompts, min(window[n], 2 * n), max_tokens)   # compiles
                 compile_s = time.perf_counter() - t
                 reps = [measure(eng, prompts, window[n], max_tokens) for _ in range(args.repeat)]
                 r = min(reps, key=lambda x: x["per_iter_ms"])           # the least disturbed
-                r.update(method=method, batch=b, n=n, k=0 if prop is None else k,
+                r.update(method=method, batch=b, n=n, early_exit=ee, k=0 if prop is None else k,
                          compile_s=compile_s, per_iter_ms_all=[x["per_iter_ms"] for x in reps])
                 if prop is None:
-                    plain_tps[(b, n)] = r["tokens_per_s"]
-                r["speedup"] = r["tokens_per_s"] / plain_tps.get((b, n), float("nan"))
-                r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1), float("nan"))
+                    plain_tps[(b, n, ee)] = r["tokens_per_s"]
+                r["speedup"] = r["tokens_per_s"] / plain_tps.get((b, n, ee), float("nan"))
+                r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1, True), float("nan"))
                 rows.append(r)
-                print(f"{method:<7} {b:>3} {n:>3} {r['per_iter_ms']:>9.3f} {r['tokens_per_iter']:>7.2f} "
+                print(f"{method:<7} {b:>3} {n:>3} {'w' if ee else 'f':>2} {r['per_iter_ms']:>9.3f} {r['tokens_per_iter']:>7.2f} "
                       f"{r['tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['speedup_vs_step']:>7.2f}x "
                       f"{r['ttft_ms']:>8.1f} {r['itl_ms']:>7.3f} {r['gap_ms']:>7.3f} {r['syncs']:>5} "
                       f"{compile_s:>8.1f}", flush=True)
@@ -174,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row (the fastest kept)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"),
                     default="bfloat16" if gpu else "float32")
+    ap.add_argument("--early-exit", default="1", help="the device loop's form(s), comma "
+                    "separated: 1 = while_loop (stops early), 0 = fixed trip count (masked)")
     ap.add_argument("--out", default=None, help="write the rows as a JSON list here")
     args = ap.parse_args(argv)
     if len(args.rates) != args.k:
@@ -185,7 +190,7 @@ def main(argv=None) -> int:
           f"{dev.platform} {dev.device_kind}; target {args.target} {args.dtype}; context "
           f"{args.context}; k={args.k}; rates {args.rates}; iters {args.iters}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-    head = (f"{'method':<7} {'B':>3} {'N':>3} {'iter ms':>9} {'tok/it':>7} {'tokens/s':>10} "
+    head = (f"{'method':<7} {'B':>3} {'N':>3} {'ex':>2} {'iter ms':>9} {'tok/it':>7} {'tokens/s':>10} "
             f"{'speedup':>8} {'vs N=1':>8} {'TTFT ms':>8} {'ITL ms':>7} {'gap ms':>7} {'syncs':>5} "
             f"{'compile':>8}")
     print(head)

@@ -348,8 +348,8 @@ def _commit(st: LoopState, sampled, k: int):
     return emitted, emit, n_acc, finished, last, nc
 
 
-def _loop(spec, n_iters: int, drafter, tparams, dparams, target_kv, draft_state, st: LoopState,
-          stop_on_finish):
+def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, target_kv,
+          draft_state, st: LoopState, stop_on_finish):
     k = spec.k
     b = st.last_token.shape[0]
     real = jnp.arange(b, dtype=jnp.int32) < st.num_reqs
@@ -358,17 +358,25 @@ def _loop(spec, n_iters: int, drafter, tparams, dparams, target_kv, draft_state,
            jnp.zeros((n_iters, b), jnp.int32), jnp.zeros((n_iters, b), jnp.int32),
            jnp.zeros((n_iters, b), jnp.int32))
 
-    def cond(carry):
-        i, st = carry[0], carry[1]
+    def go(st):
         alive = jnp.any(real & ~st.finished)
         newly = jnp.any(st.finished & ~fin0)
-        return (i < n_iters) & alive & ~(stop_on_finish & newly)
+        return alive & ~(stop_on_finish & newly)
+
+    def cond(carry):
+        return (carry[0] < n_iters) & go(carry[2])
 
     def body(carry):
-        i, st, tkv, dstate, (toks, cnts, nds, accs) = carry
-        batch, nd = device_batch(st, k=k, vocab_size=spec.vocab_size, tree=spec.tree)
+        i, n_run, st, tkv, dstate, (toks, cnts, nds, accs) = carry
+        # fixed trip count: once the loop should have ended, every row sits the remaining
+        # iterations out (no target KV written, nothing emitted, the state kept)
+        halt = jnp.zeros((), jnp.bool_) if early_exit else ~go(st)
+        view = dataclasses.replace(st, finished=st.finished | halt)
+        batch, nd = device_batch(view, k=k, vocab_size=spec.vocab_size, tree=spec.tree)
         out, tkv, dstate, _ = _step(spec, tparams, dparams, tkv, dstate, batch)
-        emitted, emit, n_acc, finished, last, nc = _commit(st, out.sampled, k)
+        emitted, emit, n_acc, finished, last, nc = _commit(view, out.sampled, k)
+        finished = jnp.where(halt, st.finished, finished)
+        active = real & ~view.finished
         hist = st.history
         if drafter is not None:
             w = hist.shape[1]
@@ -382,19 +390,26 @@ def _loop(spec, n_iters: int, drafter, tparams, dparams, target_kv, draft_state,
             drafts, num_drafts = out.drafts, out.num_drafts
         else:
             drafts, num_drafts = st.drafts, st.num_drafts
+        drafts = jnp.where(active[:, None], drafts, st.drafts)
+        num_drafts = jnp.where(active, num_drafts, st.num_drafts)
         st = dataclasses.replace(st, last_token=last, num_computed=nc, drafts=drafts,
                                  num_drafts=num_drafts, finished=finished,
                                  sampling=st.sampling.advance(emit), history=hist)
         rec = (toks.at[i].set(emitted), cnts.at[i].set(emit), nds.at[i].set(nd),
                accs.at[i].set(n_acc))
-        return i + 1, st, tkv, dstate, rec
+        return i + 1, n_run + (~halt).astype(jnp.int32), st, tkv, dstate, rec
 
-    i, st, target_kv, draft_state, (toks, cnts, nds, accs) = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), st, target_kv, draft_state, rec))
-    return LoopOutput(toks, cnts, nds, accs, st.finished, i), target_kv, draft_state, st
+    zero = jnp.zeros((), jnp.int32)
+    carry = (zero, zero, st, target_kv, draft_state, rec)
+    if early_exit:
+        carry = jax.lax.while_loop(cond, body, carry)
+    else:   # a known trip count: no predicate read back to the host per iteration
+        carry = jax.lax.fori_loop(0, n_iters, lambda _, c: body(c), carry)
+    _, n_run, st, target_kv, draft_state, (toks, cnts, nds, accs) = carry
+    return LoopOutput(toks, cnts, nds, accs, st.finished, n_run), target_kv, draft_state, st
 
 
-_loop_jit = jax.jit(_loop, static_argnums=(0, 1, 2), donate_argnums=(5, 6, 7))
+_loop_jit = jax.jit(_loop, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 8))
 
 
 def loop_cache_size() -> int:
@@ -420,13 +435,19 @@ def loop_support(step) -> str | None:
 
 
 def decode_loop(step, target_params, draft_params, target_kv, draft_state, state: LoopState, *,
-                steps_per_sync: int, stop_on_finish: bool = False
+                steps_per_sync: int, stop_on_finish: bool = False, early_exit: bool = True
                 ) -> tuple[LoopOutput, Any, Any, LoopState]:
     """Up to ``steps_per_sync`` decoding iterations of ``step`` (``specjax.make_step``) on
     the device, in one jitted call (see the module docstring). ``target_kv``,
     ``draft_state`` and ``state`` are donated. Returns ``(LoopOutput, target_kv,
     draft_state, state)``; the returned state continues the loop (after the host gave the
     requests enough blocks: ``loop_blocks_needed``).
+
+    ``early_exit``: True (default), a ``lax.while_loop`` that stops as soon as its
+    condition fails; False, a loop of exactly ``steps_per_sync`` iterations (a known trip
+    count: XLA's GPU loop then reads no predicate back per iteration) in which, once the
+    condition fails, every request sits the remaining iterations out (computed, masked:
+    no target KV written, nothing emitted). Same tokens either way.
 
     Raises ValueError for a proposer the loop does not run (``loop_support``), a state
     built for another ``k`` / block size, or a bad ``steps_per_sync``."""
@@ -457,5 +478,7 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
                              "make_loop_state(history=...)")
     spec = step._spec
     dparams = draft_params if spec.impl is not None else None
-    return _loop_jit(spec, int(steps_per_sync), drafter, target_params, dparams, target_kv,
-                     draft_state, state, jnp.asarray(bool(stop_on_finish)))
+    if early_exit not in (True, False):
+        raise ValueError(f"early_exit must be True or False, got {early_exit!r}")
+    return _loop_jit(spec, int(steps_per_sync), drafter, bool(early_exit), target_params,
+                     dparams, target_kv, draft_state, state, jnp.asarray(bool(stop_on_finish)))

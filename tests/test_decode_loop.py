@@ -386,3 +386,21 @@ def test_documented_device_loop_gets_generates_tokens(case):
     got = serve(tgt.model, tgt.params, prop, prompts, max_tokens=20, max_model_len=MML,
                 block_size=BS, steps_per_sync=4, stop_ids=(stop,))
     assert got == want.token_ids
+
+
+@pytest.mark.parametrize("method", [m for m in ("draft_model", "eagle3", "ngram_gpu")
+                                    if m in METHODS] + [None])
+def test_fixed_trip_count_loop_equals_per_step(method):
+    """``early_exit=False``: exactly N iterations a call, the ones after the loop should
+    have stopped (a request finished while another waits, or all finished) masked: the
+    same tokens, metrics and iteration count as the per-step loop, requests joining."""
+    prop = None if method is None else build(method, 3)
+    sps = [SamplingParams(max_tokens=sp.max_tokens, temperature=0.9 if i % 2 else 0.0, seed=i)
+           for i, sp in enumerate(PARAMS_B)]
+    for params in (None, sps):
+        step = run(prop, "B", 1, params=params)
+        fixed = run(prop, "B", 5, params=params, loop_early_exit=False)
+        assert fixed.token_ids == step.token_ids, method
+        assert fixed.spec_stats == step.spec_stats and fixed.num_steps == step.num_steps
+    with pytest.raises(ValueError, match="loop_early_exit"):
+        Engine(target(), prop, steps_per_sync=4, loop_early_exit=None, **FIXED)

@@ -78,6 +78,10 @@ class Engine(Diagnostics):
         as ``steps_per_sync=1`` (greedy and seeded sampling; tree verification too).
         Proposers the device loop does not run (host n-gram, suffix, the non-padded drafter
         batch) are refused by name.
+      loop_early_exit: the device loop's form (``specjax.decode_loop.decode_loop``'s
+        ``early_exit``): True (default) stops at once when every request has finished or
+        one finished while another waits; False always runs ``steps_per_sync`` iterations
+        (a known trip count, the rest masked).
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -86,7 +90,8 @@ class Engine(Diagnostics):
                  query_buckets: Sequence[int] | None = None,
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
                  min_tokens_per_step: int = 2, tree_verification: bool | None = None,
-                 mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int = 1) -> None:
+                 mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int = 1,
+                 loop_early_exit: bool = True) -> None:
         from specjax.models import DecoderLM
 
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
@@ -144,6 +149,9 @@ class Engine(Diagnostics):
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
         self.steps_per_sync = int(steps_per_sync)
+        if loop_early_exit not in (True, False):
+            raise ValueError(f"loop_early_exit must be True or False, got {loop_early_exit!r}")
+        self.loop_early_exit = bool(loop_early_exit)
         #: device-to-host round trips so far (one per step, or per device-loop call)
         self.num_syncs = 0
         if self.steps_per_sync > 1 and (why := loop_support(self.step)) is not None:
@@ -382,7 +390,7 @@ class Engine(Diagnostics):
         out, self.target_kv, self.draft_state, state = decode_loop(
             self.step, self.target.params, self.step.draft_params, self.target_kv,
             self.draft_state, state, steps_per_sync=self.steps_per_sync,
-            stop_on_finish=stop_on_finish)
+            stop_on_finish=stop_on_finish, early_exit=self.loop_early_exit)
         out, drafts, num_drafts = jax.device_get((out, state.drafts, state.num_drafts))
         results = []
         for it in range(int(out.num_iters)):
@@ -521,7 +529,8 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              context_buckets: Sequence[int] | None = None, min_tokens_per_step: int = 2,
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
-             tp_axis: str = "tp", steps_per_sync: int = 1) -> GenerateResult:
+             tp_axis: str = "tp", steps_per_sync: int = 1,
+             loop_early_exit: bool = True) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -557,6 +566,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     max_num_seqs=max_num_seqs, num_blocks=num_blocks,
                     batch_buckets=batch_buckets, query_buckets=query_buckets,
                     context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step,
-                    mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync)
+                    mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync,
+                    loop_early_exit=loop_early_exit)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)
