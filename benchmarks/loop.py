@@ -15,6 +15,7 @@ until ``--iters`` (rounded up to a multiple of N) more iterations have been deli
     speed-up    = tokens/s / plain decoding's tokens/s at the same B, N and form (and, the
                   last column, plain's at N = 1: the per-step loop)
     TTFT ms     = start of generate -> first token (the prefill step, compiled already)
+    rec.        = programs compiled during the timed runs (must be 0)
     ITL ms      = decode wall / tokens per request (mean inter-token latency); ``gap ms``:
                   the median time between host deliveries (one per sync)
 
@@ -49,7 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import TARGETS, random_params  # noqa: E402
 
 from specjax.config import SpeculativeConfig  # noqa: E402
-from specjax.engine import Engine, SamplingParams, TargetModel  # noqa: E402
+from specjax.decode_loop import loop_cache_size  # noqa: E402
+from specjax.engine import Engine, SamplingParams, TargetModel, step_cache_size  # noqa: E402
 from specjax.models import registry  # noqa: E402
 from specjax.models.config import eagle3_default_aux_layer_ids  # noqa: E402
 from specjax.proposers import make_proposer  # noqa: E402
@@ -134,7 +136,7 @@ def run(args) -> list[dict]:
     plain_tps: dict[tuple[int, int], float] = {}
     for b in batches:
         prompts = [rng.integers(0, geo["vocab_size"], args.context).tolist() for _ in range(b)]
-        for method in ("plain", "eagle3"):
+        for method in args.methods:
             prop = None if method == "plain" else eagle3(target, geo, args.target, k, args.rates,
                                                          mml, dtype)
             for n, ee in [(n, ee) for n in ns for ee in (exits if n > 1 else [True])]:
@@ -144,10 +146,13 @@ def run(args) -> list[dict]:
                 t = time.perf_counter()
                 measure(eng, prompts, min(window[n], 2 * n), max_tokens)   # compiles
                 compile_s = time.perf_counter() - t
+                before = loop_cache_size() + step_cache_size()
                 reps = [measure(eng, prompts, window[n], max_tokens) for _ in range(args.repeat)]
+                recompiles = loop_cache_size() + step_cache_size() - before
                 r = min(reps, key=lambda x: x["per_iter_ms"])           # the least disturbed
                 r.update(method=method, batch=b, n=n, early_exit=ee, k=0 if prop is None else k,
-                         compile_s=compile_s, per_iter_ms_all=[x["per_iter_ms"] for x in reps])
+                         compile_s=compile_s, recompiles=recompiles,
+                         per_iter_ms_all=[x["per_iter_ms"] for x in reps])
                 if prop is None:
                     plain_tps[(b, n, ee)] = r["tokens_per_s"]
                 r["speedup"] = r["tokens_per_s"] / plain_tps.get((b, n, ee), float("nan"))
@@ -156,7 +161,7 @@ def run(args) -> list[dict]:
                 print(f"{method:<7} {b:>3} {n:>3} {'w' if ee else 'f':>2} {r['per_iter_ms']:>9.3f} {r['tokens_per_iter']:>7.2f} "
                       f"{r['tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['speedup_vs_step']:>7.2f}x "
                       f"{r['ttft_ms']:>8.1f} {r['itl_ms']:>7.3f} {r['gap_ms']:>7.3f} {r['syncs']:>5} "
-                      f"{compile_s:>8.1f}", flush=True)
+                      f"{compile_s:>8.1f} {recompiles:>4}", flush=True)
                 del eng
                 gc.collect()
     return rows
@@ -169,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", choices=("8b", "1b", "tiny"), default="8b" if gpu else "tiny")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--n", default="1,4,8,16,32", help="steps_per_sync values (1: per-step)")
+    ap.add_argument("--methods", nargs="+", choices=("plain", "eagle3"), default=["plain", "eagle3"],
+                    help="speed-up columns need plain in the same run")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--rates", type=float, nargs="+", default=list(DEMO_RATES),
@@ -192,7 +199,7 @@ def main(argv=None) -> int:
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     head = (f"{'method':<7} {'B':>3} {'N':>3} {'ex':>2} {'iter ms':>9} {'tok/it':>7} {'tokens/s':>10} "
             f"{'speedup':>8} {'vs N=1':>8} {'TTFT ms':>8} {'ITL ms':>7} {'gap ms':>7} {'syncs':>5} "
-            f"{'compile':>8}")
+            f"{'compile':>8} {'rec.':>4}")
     print(head)
     print("-" * len(head), flush=True)
     rows = run(args)

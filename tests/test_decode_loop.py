@@ -348,6 +348,7 @@ def test_loop_benchmark_logic(tmp_path):
         assert r["iters"] == (4 if r["n"] == 1 else 6)          # rounded up to a multiple of N
         assert r["syncs"] == r["iters"] // r["n"]
         assert r["per_iter_ms"] > 0 and r["ttft_ms"] > 0 and r["tokens_per_s"] > 0
+        assert r["recompiles"] == 0
         if r["method"] == "plain":
             assert r["tokens_per_iter"] == 1.0 and r["speedup"] == 1.0
         else:   # synthetic acceptance: more than one token an iteration, at most k + 1
