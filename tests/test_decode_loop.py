@@ -120,9 +120,11 @@ def test_greedy_loop_equals_per_step_and_plain(method):
     k = 1 if method == "extract_hidden_states" else 3
     prop = build(method, k)
     for which in ("A", "B"):
-        step = run(prop, which, 1)
-        loop = run(prop, which, 4)
+        logged: dict = {1: [], 4: []}
+        step = run(prop, which, 1, stat_loggers=[logged[1].append])
+        loop = run(prop, which, 4, stat_loggers=[logged[4].append])
         assert loop.token_ids == step.token_ids == baseline(which).token_ids, (method, which)
+        assert logged[4] == logged[1]              # one SpecDecodingStats per iteration
         assert [o.finish_reason for o in loop.outputs] == [o.finish_reason for o in step.outputs]
         assert loop.spec_stats == step.spec_stats and loop.num_steps == step.num_steps
         assert [(o.num_draft_tokens, o.num_accepted_tokens) for o in loop.outputs] == \
