@@ -407,3 +407,25 @@ def test_fixed_trip_count_loop_equals_per_step(method):
         assert fixed.spec_stats == step.spec_stats and fixed.num_steps == step.num_steps
     with pytest.raises(ValueError, match="loop_early_exit"):
         Engine(target(), prop, steps_per_sync=4, loop_early_exit=None, **FIXED)
+
+
+def test_warmup_compiles_the_loop(caplog):
+    """``Engine.warmup`` compiles the device loop beside the step (a dummy state of padding
+    rows, nothing written): a run afterwards compiles nothing."""
+    want = baseline("A").token_ids              # (compiled outside the checked window)
+    for method in ("eagle3", "ngram_gpu"):
+        if method not in METHODS:
+            continue
+        eng = Engine(target(), build(method, 3), max_num_seqs=4, steps_per_sync=4, **FIXED)
+        n = eng.warmup([4], [16], all_greedy=(True, False), stop_pads=(1,))
+        assert n >= 2 + 2                      # steps and loops, greedy and not
+        before = (loop_cache_size(), step_cache_size())
+        with jax.log_compiles(), caplog.at_level(logging.DEBUG, logger="jax"):
+            out = eng.generate(PROMPTS_A, PARAMS_A)
+        assert out.token_ids == want
+        assert (loop_cache_size(), step_cache_size()) == before, method
+        msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+        if method == "ngram_gpu":   # its adapter's own per-step uploads compile on first use
+            msgs = [m for m in msgs if "jit(_loop)" in m or "jit(_step)" in m]
+        assert not msgs, method
+        caplog.clear()

@@ -15,7 +15,8 @@ import numpy as np
 
 from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
 from specjax.constants import next_power_of_2
-from specjax.decode_loop import decode_loop, loop_blocks_needed, loop_support, make_loop_state
+from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_size, loop_support,
+                                 make_loop_state)
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
@@ -268,14 +269,17 @@ class Engine(Diagnostics):
         return GenerateResult(outs, total, steps, elapsed)
 
     def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
-               context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,)
-               ) -> int:
+               context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
+               stop_pads: Sequence[int] = (1, 2)) -> int:
         """Compile the step for every combination of the given buckets ahead of time (a
         dummy step with no real request, which writes nothing). Returns the number of
-        variants compiled. ``context_blocks`` None: the widest (``max_model_len``)."""
+        variants compiled. ``context_blocks`` None: the widest (``max_model_len``).
+        With ``steps_per_sync > 1`` the device loop is compiled too, for every batch size,
+        context width, ``all_greedy`` and ``stop_pads`` (stop-id columns: the power of two
+        >= the most stop ids, EOS included, of a running request)."""
         if context_blocks is None:
             context_blocks = [self.max_blocks_per_req]
-        before = step_cache_size()
+        before = step_cache_size() + loop_cache_size()
         phases = (False,) if self.tree is None else (False, True)
         for b, q, c, g, tv in itertools.product(batch_sizes, query_lens, context_blocks, all_greedy,
                                                 phases):
@@ -283,7 +287,20 @@ class Engine(Diagnostics):
                 q = _pick(self.query_buckets, -(-self.min_tokens_per_step // int(b)))
             batch = self._dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g))
             jax.block_until_ready(self._run(batch))
-        return step_cache_size() - before
+        if self.steps_per_sync > 1:
+            for b, c, g, s in itertools.product(batch_sizes, context_blocks, all_greedy, stop_pads):
+                _, q, _ = self._buckets(int(b), self.k + 1, 1)
+                state = make_loop_state(
+                    last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
+                    block_ids=[], k=self.k, num_reqs_pad=int(b), blocks_per_req_pad=int(c),
+                    query_len_pad=q, max_model_len=self.max_model_len, block_size=self.block_size,
+                    stop_pad=int(s), history=[] if self.drafts_in == "history" else None)
+                out, self.target_kv, self.draft_state, _ = decode_loop(
+                    self.step, self.target.params, self.step.draft_params, self.target_kv,
+                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g)),
+                    steps_per_sync=self.steps_per_sync, early_exit=self.loop_early_exit)
+                jax.block_until_ready(out)
+        return step_cache_size() + loop_cache_size() - before
 
     def _admit(self, waiting, running) -> None:
         while waiting and len(running) < self.max_num_seqs:
