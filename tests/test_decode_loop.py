@@ -432,3 +432,32 @@ def test_warmup_compiles_the_loop(caplog):
             msgs = [m for m in msgs if "jit(_loop)" in m or "jit(_step)" in m]
         assert not msgs, method
         caplog.clear()
+
+
+def test_loop_updates_the_caches_in_place():
+    """The donated KV caches and proposer state alias the loop's outputs, and no
+    instruction of the compiled loop copies a whole KV-cache buffer (per iteration that
+    would cost the whole cache's bandwidth)."""
+    import jax.numpy as jnp
+
+    from specjax.decode_loop import _loop_jit
+
+    for method in ("eagle3", None):
+        if method is not None and method not in METHODS:
+            continue
+        eng = Engine(target(), None if method is None else build(method, 3), max_num_seqs=4,
+                     steps_per_sync=4, **FIXED)
+        _, q, _ = eng._buckets(4, eng.k + 1, 1)
+        st = make_loop_state(last_token=[], num_computed=[], drafts=[], max_tokens=[],
+                             num_output=[], block_ids=[], k=eng.k, num_reqs_pad=4,
+                             blocks_per_req_pad=MML // BS, query_len_pad=q, max_model_len=MML,
+                             block_size=BS)
+        spec = eng.step._spec
+        for early_exit in (True, False):
+            low = _loop_jit.lower(spec, 4, None, early_exit, eng.target.params,
+                                  None if spec.impl is None else eng.step.draft_params,
+                                  eng.target_kv, eng.draft_state, st, jnp.asarray(False))
+            n_kv = len([x for x in jax.tree.leaves((eng.target_kv, eng.draft_state))
+                        if getattr(x, "ndim", 0) == 4])
+            assert low.as_text().count("tf.aliasing_output") >= n_kv, method
+            assert eng.kv_cache_copies(low.compile().as_text()) == 0, (method, early_exit)
