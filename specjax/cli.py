@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="new tokens per prompt (default 48)")
     demo.add_argument("--k", type=_positive, default=3,
                       help="speculative tokens per step (default 3; extract_hidden_states uses 1)")
+    demo.add_argument("--repeat", type=_positive, default=5,
+                      help="timed runs per method; the table prints their median and spread "
+                           "(default 5)")
+    demo.add_argument("--steps-per-sync", type=_positive, default=None,
+                      help="decoding iterations per host sync in the device loop (default: "
+                           "specjax.demo.DEFAULT_STEPS_PER_SYNC; 1: one step per sync)")
     gen = sub.add_parser(
         "generate", help="generate text with your own checkpoint (and a speculative_config)",
         description="Load --target (a specjax-convert output or an original HF checkpoint "

@@ -24,6 +24,8 @@ from specjax.tokenizer import BOS_ID, VOCAB_SIZE
 VOCAB = VOCAB_SIZE
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
+#: The demo's decoding iterations per host sync (the device loop; see run_demo).
+DEFAULT_STEPS_PER_SYNC = 8
 
 #: The demo's prompts: starts of Python files (BOS first, as in training).
 PROMPTS = (
@@ -53,6 +55,8 @@ class Row:
     speedup: float
     ok: bool
     note: str = ""
+    spread: float = 0.0          # (max - min) / median tokens/s over the repeated runs
+    steps_per_sync: int = 1      # iterations per host sync the method ran with
 
 
 def demo_target():
@@ -137,35 +141,49 @@ class _Progress:
 
 
 def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress | None,
-           repeats: int = 5):
+           repeats: int = 5, steps_per_sync: int = 1):
     """A short warm-up run (compiles the prefill and decode buckets), then the timed run,
-    ``repeats`` times; the fastest counts (the tiny model's steps are short and noisy).
-    Every run gets a fresh proposer (same configuration, so no new compilation): suffix
-    decoding must not draft from its cache of the previous runs' responses."""
+    ``repeats`` times. Returns ``(result, tokens/s: the median run's, spread: (max - min) /
+    median, steps_per_sync used)``. The device loop (``steps_per_sync``) is used when the
+    method runs in it, else one step per sync. Every run gets a fresh proposer (same
+    configuration, so no new compilation): suffix decoding must not draft from its cache of
+    the previous runs' responses."""
+    import statistics
+
+    from specjax.decode_loop import loop_support
     from specjax.engine import Engine, SamplingParams
 
     def engine():
-        return Engine(target, make_proposer(), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
-                      max_num_seqs=len(prompts), batch_buckets=(len(prompts),),
-                      context_buckets=(MAX_MODEL_LEN // BLOCK_SIZE,))
+        eng = Engine(target, make_proposer(), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                     max_num_seqs=len(prompts), batch_buckets=(len(prompts),),
+                     context_buckets=(MAX_MODEL_LEN // BLOCK_SIZE,))
+        if steps_per_sync > 1 and loop_support(eng.step) is None:
+            eng.steps_per_sync = steps_per_sync
+        return eng
 
-    engine().generate(prompts, SamplingParams(max_tokens=min(3, max_tokens)))
-    best = None
+    warm = engine()
+    warm.generate(prompts, SamplingParams(max_tokens=min(3, max_tokens)))   # compiles
+    runs = []
     for _ in range(repeats):
         res = engine().generate(prompts, SamplingParams(max_tokens=max_tokens),
                                 progress=None if progress is None else progress.update)
-        if best is not None and res.token_ids != best.token_ids:
+        if runs and res.token_ids != runs[0].token_ids:
             raise RuntimeError("greedy decoding gave different tokens on a repeated run")
-        if best is None or res.elapsed_s < best.elapsed_s:
-            best = res
-    return best
+        runs.append(res)
+    tps = [r.num_generated_tokens / r.elapsed_s for r in runs]
+    med = statistics.median(tps)
+    return runs[0], med, (max(tps) - min(tps)) / med, warm.steps_per_sync
 
 
 def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: int = 48,
-             device=None, out: TextIO | None = None, err: TextIO | None = None) -> list[Row]:
+             device=None, out: TextIO | None = None, err: TextIO | None = None,
+             repeat: int = 5, steps_per_sync: int = DEFAULT_STEPS_PER_SYNC) -> list[Row]:
     """Run the demo; print the note and the table on ``out``, progress on ``err``.
 
-    Returns one ``Row`` per method that ran (plain decoding first, as ``"plain"``).
+    ``repeat``: timed runs per method (the median counts; the spread is printed);
+    ``steps_per_sync``: the device loop's iterations per host sync for every method that
+    runs in it (1: the per-step loop everywhere). Returns one ``Row`` per method that ran
+    (plain decoding first, as ``"plain"``).
     """
     import jax
 
@@ -194,23 +212,26 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
     progress = _Progress(err, len(run) + 1)
     target = demo_target()
     progress.start("plain decoding")
-    base = _timed(target, lambda: None, prompts, max_tokens, progress)
-    base_tps = base.num_generated_tokens / base.elapsed_s
+    base, base_tps, spread, n = _timed(target, lambda: None, prompts, max_tokens, progress,
+                                       repeat, steps_per_sync)
     progress.finish(f"{base_tps:.0f} tokens/s")
-    rows = [Row("plain", 0, 1.0, [], base_tps, 1.0, True)]
+    rows = [Row("plain", 0, 1.0, [], base_tps, 1.0, True, spread=spread, steps_per_sync=n)]
     for m in run:
         mk = 1 if m == "extract_hidden_states" else k
         progress.start(m)
-        res = _timed(target, lambda: demo_proposer(m, mk, target), prompts, max_tokens, progress)
-        tps = res.num_generated_tokens / res.elapsed_s
+        res, tps, spread, n = _timed(target, lambda: demo_proposer(m, mk, target), prompts,
+                                     max_tokens, progress, repeat, steps_per_sync)
         ok = res.token_ids == base.token_ids
         progress.finish("OK" if ok else "MISMATCH")
         rows.append(Row(m, mk, res.mean_acceptance_length, res.acceptance_rate_per_position, tps,
-                        tps / base_tps, ok))
+                        tps / base_tps, ok, spread=spread, steps_per_sync=n))
     print(format_table(rows), file=out)
-    print("tokens/s: generated tokens / wall time of the whole batch, best of 5 runs, compilation "
-          "excluded. On this tiny model a step costs mostly host time, so the speed-ups say little "
-          "about a real model; see benchmarks/e2e.py for step costs on a GPU.", file=out)
+    print(f"tokens/s: generated tokens / wall time of the whole batch, median of {repeat} runs "
+          f"(spread: (max - min) / median), compilation excluded; sync: decoding iterations per "
+          f"host sync (the device loop, steps_per_sync={steps_per_sync}; 1: a method that drafts "
+          "on the host runs one step per sync). On this tiny model a step costs mostly host "
+          "time, so the speed-ups say little about a real model; see benchmarks/e2e.py and "
+          "benchmarks/loop.py for GPU costs.", file=out)
     bad = [r.method for r in rows if not r.ok]
     print("all methods reproduce plain greedy decoding: " + ("OK" if not bad else
           f"MISMATCH in {', '.join(bad)}"), file=out)
@@ -219,14 +240,16 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    head = ("method", "k", "mean acc. len", "per-position acceptance", "tokens/s", "speed-up", "check")
+    head = ("method", "k", "mean acc. len", "per-position acceptance", "tokens/s", "spread",
+            "sync", "speed-up", "check")
     body = []
     for r in rows:
         mal = "-" if r.method == "plain" else ("nan" if math.isnan(r.mean_acceptance_length)
                                                 else f"{r.mean_acceptance_length:.2f}")
         pp = "-" if not r.per_position else " ".join(f"{p:.2f}" for p in r.per_position)
         body.append((r.method, str(r.k) if r.k else "-", mal, pp, f"{r.tokens_per_s:.0f}",
-                     f"{r.speedup:.2f}x", "OK" if r.ok else "MISMATCH"))
+                     f"{100 * r.spread:.0f}%", str(r.steps_per_sync), f"{r.speedup:.2f}x",
+                     "OK" if r.ok else "MISMATCH"))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
@@ -249,7 +272,8 @@ def main_demo(args, out: TextIO | None = None, err: TextIO | None = None) -> int
         ctx = contextlib.nullcontext()
     with ctx:
         rows = run_demo(args.method, k=args.k, max_tokens=args.max_tokens, device=dev, out=out,
-                        err=err)
+                        err=err, repeat=getattr(args, "repeat", 5),
+                        steps_per_sync=getattr(args, "steps_per_sync", None) or DEFAULT_STEPS_PER_SYNC)
     return 0 if all(r.ok for r in rows) else 1
 
 

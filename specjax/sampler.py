@@ -90,6 +90,41 @@ jax.tree_util.register_dataclass(
     meta_fields=["all_greedy"])
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingState:
+    """Per-request sampling state the device decode loop carries (``specjax.decode_loop``),
+    ``[B_pad]`` each (a pytree owned by the sampler; sampling features that keep state,
+    e.g. penalties, add their leaves here).
+
+    temperature / top_k / top_p: as in :class:`SamplingMetadata`; seeds: uint32;
+    counters: int32, tokens each request has generated so far. A request's key for a step
+    is ``fold_in(key(seed), counter)`` (the per-step path's rule), so the loop's keys
+    advance exactly as the per-step loop's do.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seeds: jax.Array
+    counters: jax.Array
+
+    def metadata(self, all_greedy: bool) -> "SamplingMetadata":
+        """This step's ``SamplingMetadata`` (traceable)."""
+        keys = jax.vmap(lambda s, c: jax.random.key_data(
+            jax.random.fold_in(jax.random.key(s), c)))(self.seeds, self.counters)
+        return SamplingMetadata(self.temperature, self.top_k, self.top_p, keys,
+                                all_greedy=all_greedy)
+
+    def advance(self, num_emitted: jax.Array) -> "SamplingState":
+        """After a step that emitted ``num_emitted [B]`` tokens per request."""
+        return dataclasses.replace(self, counters=self.counters + num_emitted.astype(jnp.int32))
+
+
+jax.tree_util.register_dataclass(
+    SamplingState, data_fields=["temperature", "top_k", "top_p", "seeds", "counters"],
+    meta_fields=[])
+
+
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Mask logits outside the top-k / top-p set to ``-inf``.
 

@@ -16,6 +16,9 @@ import numpy as np
 from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
 from specjax.checks import check_int, check_opt_int
 from specjax.runtime_checks import check_engine_args as _check_engine_args
+from specjax.constants import next_power_of_2
+from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_size, loop_support,
+                                 make_loop_state)
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
@@ -71,6 +74,17 @@ class Engine(Diagnostics):
         Indivisible head / intermediate / vocabulary sizes raise ValueError naming the
         parameter, before anything is placed.
       tp_axis: the mesh axis to shard over (default ``"tp"``).
+      steps_per_sync: decoding iterations per host sync (default 1: the per-step loop).
+        ``N > 1`` runs up to ``N`` iterations of a batch in which every request decodes in
+        ONE jitted program (``specjax.decode_loop``), syncing early when a request finishes
+        and another is waiting; steps that prefill a prompt stay per-step. The same tokens
+        as ``steps_per_sync=1`` (greedy and seeded sampling; tree verification too).
+        Proposers the device loop does not run (host n-gram, suffix, the non-padded drafter
+        batch) are refused by name.
+      loop_early_exit: the device loop's form (``specjax.decode_loop.decode_loop``'s
+        ``early_exit``): True (default) stops at once when every request has finished or
+        one finished while another waits; False always runs ``steps_per_sync`` iterations
+        (a known trip count, the rest masked).
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -79,7 +93,8 @@ class Engine(Diagnostics):
                  query_buckets: Sequence[int] | None = None,
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
                  min_tokens_per_step: int = 2, tree_verification: bool | None = None,
-                 mesh: Any = None, tp_axis: str = "tp") -> None:
+                 mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int = 1,
+                 loop_early_exit: bool = True) -> None:
         from specjax.models import DecoderLM
 
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
@@ -98,6 +113,7 @@ class Engine(Diagnostics):
                            buckets=(batch_buckets, query_buckets, context_buckets),
                            k=0 if proposer is None else proposer.num_speculative_tokens,
                            params=target.params)
+        check_int("steps_per_sync", steps_per_sync, 1)
         feed = None if proposer is None else proposer.feed
         if feed is not None:
             for name, got, want in (("block_size", feed.block_size, block_size),
@@ -136,6 +152,14 @@ class Engine(Diagnostics):
         self.tree = self.step.tree
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
+        self.steps_per_sync = int(steps_per_sync)
+        if loop_early_exit not in (True, False):
+            raise ValueError(f"loop_early_exit must be True or False, got {loop_early_exit!r}")
+        self.loop_early_exit = bool(loop_early_exit)
+        #: device-to-host round trips so far (one per step, or per device-loop call)
+        self.num_syncs = 0
+        if self.steps_per_sync > 1 and (why := loop_support(self.step)) is not None:
+            raise ValueError(f"steps_per_sync={self.steps_per_sync}: {why}")
         self._reset_cache()
 
     # -- state ---------------------------------------------------------------------
@@ -220,18 +244,24 @@ class Engine(Diagnostics):
         try:
             while waiting or running:
                 self._admit(waiting, running)
-                stats, finished = self._step(running)
-                steps += 1
-                if stats is not None:
-                    for f in stat_loggers:
-                        f(stats)
-                    _accumulate(total, stats)
-                for r in finished:
-                    running.remove(r)
-                    self._release(r)
-                done += len(finished)
-                if progress is not None:
-                    progress(done, len(reqs), sum(len(r.output) for r in reqs))
+                if self.steps_per_sync > 1 and all(r.num_tokens - r.num_computed == 1
+                                                   for r in running):
+                    results = self._sync(running, stop_on_finish=bool(waiting))
+                else:
+                    results = [self._step(running)]
+                self.num_syncs += 1
+                for stats, finished in results:     # one entry per iteration
+                    steps += 1
+                    if stats is not None:
+                        for f in stat_loggers:
+                            f(stats)
+                        _accumulate(total, stats)
+                    for r in finished:
+                        running.remove(r)
+                        self._release(r)
+                    done += len(finished)
+                    if progress is not None:
+                        progress(done, len(reqs), sum(len(r.output) for r in reqs))
         finally:
             if self.proposer is not None:
                 self.proposer.finish_requests([r.req_id for r in reqs])
@@ -243,14 +273,17 @@ class Engine(Diagnostics):
         return GenerateResult(outs, total, steps, elapsed)
 
     def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
-               context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,)
-               ) -> int:
+               context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
+               stop_pads: Sequence[int] = (1, 2)) -> int:
         """Compile the step for every combination of the given buckets ahead of time (a
         dummy step with no real request, which writes nothing). Returns the number of
-        variants compiled. ``context_blocks`` None: the widest (``max_model_len``)."""
+        variants compiled. ``context_blocks`` None: the widest (``max_model_len``).
+        With ``steps_per_sync > 1`` the device loop is compiled too, for every batch size,
+        context width, ``all_greedy`` and ``stop_pads`` (stop-id columns: the power of two
+        >= the most stop ids, EOS included, of a running request)."""
         if context_blocks is None:
             context_blocks = [self.max_blocks_per_req]
-        before = step_cache_size()
+        before = step_cache_size() + loop_cache_size()
         phases = (False,) if self.tree is None else (False, True)
         for b, q, c, g, tv in itertools.product(batch_sizes, query_lens, context_blocks, all_greedy,
                                                 phases):
@@ -258,7 +291,20 @@ class Engine(Diagnostics):
                 q = _pick(self.query_buckets, -(-self.min_tokens_per_step // int(b)))
             batch = self._dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g))
             jax.block_until_ready(self._run(batch))
-        return step_cache_size() - before
+        if self.steps_per_sync > 1:
+            for b, c, g, s in itertools.product(batch_sizes, context_blocks, all_greedy, stop_pads):
+                _, q, _ = self._buckets(int(b), self.k + 1, 1)
+                state = make_loop_state(
+                    last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
+                    block_ids=[], k=self.k, num_reqs_pad=int(b), blocks_per_req_pad=int(c),
+                    query_len_pad=q, max_model_len=self.max_model_len, block_size=self.block_size,
+                    stop_pad=int(s), history=[] if self.drafts_in == "history" else None)
+                out, self.target_kv, self.draft_state, _ = decode_loop(
+                    self.step, self.target.params, self.step.draft_params, self.target_kv,
+                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g)),
+                    steps_per_sync=self.steps_per_sync, early_exit=self.loop_early_exit)
+                jax.block_until_ready(out)
+        return step_cache_size() + loop_cache_size() - before
 
     def _admit(self, waiting, running) -> None:
         while waiting and len(running) < self.max_num_seqs:
@@ -327,6 +373,86 @@ class Engine(Diagnostics):
         out, self.target_kv, self.draft_state = self.step(
             self.target.params, self.step.draft_params, self.target_kv, self.draft_state, batch)
         return out
+
+    # -- the device loop -------------------------------------------------------------
+
+    def _loop_state(self, running: list[_Request]):
+        """Blocks for ``steps_per_sync`` iterations, then the device loop's state."""
+        n_iter, k, bs = self.steps_per_sync, self.k, self.block_size
+        for r in running:
+            limit = min(self.max_model_len, len(r.prompt) + r.params.max_tokens + self.lookahead)
+            need = loop_blocks_needed(r.num_computed, steps_per_sync=n_iter, k=k,
+                                      lookahead=self.lookahead, block_size=bs, limit=limit)
+            while len(r.blocks) < need:      # within r.reserve: admission stays the same
+                r.blocks.append(self.free_blocks.pop())
+        B, Q, C = self._buckets(len(running), k + 1, max(len(r.blocks) for r in running))
+        hist = ([self.tok_buf[r.row, : r.num_tokens] for r in running]
+                if self.drafts_in == "history" else None)
+        return make_loop_state(
+            last_token=[r.token(r.num_tokens - 1) for r in running],
+            num_computed=[r.num_computed for r in running], drafts=[r.drafts for r in running],
+            max_tokens=[r.params.max_tokens for r in running],
+            num_output=[len(r.output) for r in running], block_ids=[r.blocks for r in running],
+            k=k, num_reqs_pad=B, blocks_per_req_pad=C, query_len_pad=Q,
+            max_model_len=self.max_model_len, block_size=bs,
+            stop_ids=[sorted(r.stop_ids) for r in running],
+            stop_pad=next_power_of_2(max([1] + [len(r.stop_ids) for r in running])),
+            temperature=[r.params.temperature for r in running],
+            top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
+            seeds=[r.seed for r in running], history=hist)
+
+    def _sync(self, running: list[_Request], stop_on_finish: bool
+              ) -> list[tuple[SpecDecodingStats | None, list[_Request]]]:
+        """Up to ``steps_per_sync`` iterations on the device (every running request
+        decodes), then the commit of each iteration as ``_step`` commits one: the same
+        tokens, stop rule, counters and metrics. Returns one ``(stats, finished)`` per
+        iteration run."""
+        state = self._loop_state(running)
+        out, self.target_kv, self.draft_state, state = decode_loop(
+            self.step, self.target.params, self.step.draft_params, self.target_kv,
+            self.draft_state, state, steps_per_sync=self.steps_per_sync,
+            stop_on_finish=stop_on_finish, early_exit=self.loop_early_exit)
+        out, drafts, num_drafts = jax.device_get((out, state.drafts, state.num_drafts))
+        results = []
+        for it in range(int(out.num_iters)):
+            stats = SpecDecodingStats.new(self.num_spec_positions) if self.proposer is not None else None
+            finished = []
+            for i, r in enumerate(running):
+                c = int(out.counts[it, i])
+                if r.finish_reason or c == 0:
+                    continue
+                nd, n_acc = int(out.num_drafts[it, i]), int(out.num_accepted[it, i])
+                if nd:
+                    nd_stat = nd if self.tree is None else self.tree.depths[nd - 1]
+                    stats.observe_draft(nd_stat, n_acc)
+                    r.num_drafted += nd_stat
+                    r.num_accepted += n_acc
+                r.num_computed += 1 + n_acc
+                kept = out.tokens[it, i, :c].tolist()
+                for j, tok in enumerate(kept):
+                    r.output.append(tok)
+                    if tok in r.stop_ids:
+                        r.finish_reason = "stop"
+                    elif len(r.output) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
+                        r.finish_reason = "length"
+                    if r.finish_reason and j != c - 1:
+                        raise RuntimeError("device loop emitted tokens past a stop")
+                if r.row >= 0:
+                    self.tok_buf[r.row, r.num_tokens - c : r.num_tokens] = kept
+                r.drafts = []
+                if r.finish_reason:
+                    finished.append(r)
+            results.append((stats, finished))
+        for i, r in enumerate(running):
+            if bool(out.finished[i]) != bool(r.finish_reason):
+                raise RuntimeError(f"device loop and host disagree on request {r.req_id}'s stop")
+            if not r.finish_reason:
+                kv_room = self.max_model_len - r.num_tokens
+                r.drafts = trim_drafts(drafts[i, : int(num_drafts[i])].tolist(),
+                                       max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
+                                       kv_room=kv_room, k=self.k, vocab_size=self.vocab_size,
+                                       tree=self.tree)
+        return results
 
     # -- one step ------------------------------------------------------------------
 
@@ -424,7 +550,8 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              context_buckets: Sequence[int] | None = None, min_tokens_per_step: int = 2,
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
-             tp_axis: str = "tp") -> GenerateResult:
+             tp_axis: str = "tp", steps_per_sync: int = 1,
+             loop_early_exit: bool = True) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -460,6 +587,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     max_num_seqs=max_num_seqs, num_blocks=num_blocks,
                     batch_buckets=batch_buckets, query_buckets=query_buckets,
                     context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step,
-                    mesh=mesh, tp_axis=tp_axis)
+                    mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync,
+                    loop_early_exit=loop_early_exit)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)

@@ -192,6 +192,11 @@ class NgramGPUProposer:
         _check_batch(state, sampled_token_ids, num_sampled)
         return _propose_step(self, state, sampled_token_ids, num_sampled)
 
+    def search(self, token_ids: jax.Array, num_tokens: jax.Array, valid: jax.Array) -> DraftOutput:
+        """The n-gram search itself, traceable (``ngram_search`` with this configuration):
+        what ``specjax.decode_loop`` calls inside its jitted loop."""
+        return _search(self, token_ids, num_tokens, valid)
+
     def propose_arrays(
         self, token_ids: jax.Array, num_tokens: jax.Array, valid: jax.Array | None = None
     ) -> DraftOutput:
@@ -506,6 +511,13 @@ class NgramGPUProposerAdapter(HistoryProposer):
         self._slots: dict = {}            # req_id -> [row, length held on the device]
         self._free_rows: list[int] = []
         self.num_context_uploads = 0      # contexts uploaded whole (joins and re-syncs)
+
+    @property
+    def device_drafter(self) -> NgramGPUProposer:
+        """The hook of the device decode loop (``specjax.decode_loop``): a hashable object
+        whose traceable ``search(token_ids, num_tokens, valid)`` drafts from a token history
+        the loop keeps on the device."""
+        return self.impl
 
     def _ensure_rows(self, needed: int) -> None:
         cap = 0 if self.state is None else int(self.state.num_tokens.shape[0])

@@ -1,0 +1,213 @@
+"""The device-resident decode loop (``Engine(steps_per_sync=N)``) against the per-step loop.
+
+For each batch size B, each N in ``--n`` (1 = the per-step loop) and each method (plain
+decoding; EAGLE-3 at ``--k`` with ``rejection_sample_method="synthetic"`` and the demo
+EAGLE-3 head's held-out per-position rates ``--rates``, unconditional), B requests with
+``--context``-token prompts run through ``Engine.generate`` (greedy, EOS ignored, the
+batch fixed: no request can finish inside the timed window). A warm-up run compiles every
+program first. Timed, from the time every request has its first token (the prefill step)
+until ``--iters`` (rounded up to a multiple of N) more iterations have been delivered to the host (syncs included):
+
+    per-iter ms = decode wall / iterations
+    tokens/s    = tokens delivered in that window / decode wall (all requests)
+    ex          = the device loop's form (``--early-exit``): w = while_loop (stops as
+                  soon as it may), f = a fixed trip count of N (masked once done)
+    speed-up    = tokens/s / plain decoding's tokens/s at the same B, N and form (and, the
+                  last column, plain's at N = 1: the per-step loop)
+    TTFT ms     = start of generate -> first token (the prefill step, compiled already)
+    rec.        = programs compiled during the timed runs (must be 0)
+    ITL ms      = decode wall / tokens per request (mean inter-token latency); ``gap ms``:
+                  the median time between host deliveries (one per sync)
+
+Weights are random (timing does not depend on values; acceptance is synthetic). The
+context grows by at most ``iters * (k + 1)`` tokens over the window.
+
+Usage (GPU: an 8B-shaped target like ``benchmarks/e2e.py --target 8b``)::
+
+    python benchmarks/loop.py --target 8b --batch 1,8,32 --n 1,4,8,16,32 --out loop.json
+    python benchmarks/loop.py --target tiny --batch 1,2 --n 1,4 --iters 8 --context 24  # CPU
+
+Prints a table and writes every row as JSON (a list) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from e2e import TARGETS, random_params  # noqa: E402
+
+from specjax.config import SpeculativeConfig  # noqa: E402
+from specjax.decode_loop import loop_cache_size  # noqa: E402
+from specjax.engine import Engine, SamplingParams, TargetModel, step_cache_size  # noqa: E402
+from specjax.models import registry  # noqa: E402
+from specjax.models.config import eagle3_default_aux_layer_ids  # noqa: E402
+from specjax.proposers import make_proposer  # noqa: E402
+
+BS = 16
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, rope_theta=10000.0,
+            rms_norm_eps=1e-5)
+DEMO_RATES = (0.76, 0.65, 0.56)
+
+
+class _Stop(Exception):
+    """Raised from the progress callback once the timed window is complete."""
+
+
+def build_target(size: str, dtype) -> tuple[TargetModel, dict]:
+    geo = TINY if size == "tiny" else TARGETS[size]
+    cfg = registry.config_from_hf("llama", geo)
+    return TargetModel(registry.make_model("llama", cfg),
+                       random_params("llama", cfg, dtype, jax.random.key(0))), geo
+
+
+def eagle3(target: TargetModel, geo: dict, size: str, k: int, rates, mml: int, dtype):
+    g = {key: v for key, v in geo.items() if key != "tie_word_embeddings"}
+    aux = eagle3_default_aux_layer_ids(g["num_hidden_layers"])
+    hf = dict(g, num_hidden_layers=1, target_hidden_size=g["hidden_size"],
+              eagle_aux_hidden_state_layer_ids=list(aux),
+              **({"draft_vocab_size": 32000, "has_d2t": True} if size == "8b" else {}))
+    cfg = registry.config_from_hf("eagle3", hf)
+    params = random_params("eagle3", cfg, dtype, jax.random.key(1))
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=k,
+                             rejection_sample_method="synthetic",
+                             synthetic_acceptance_rates=tuple(rates))
+    return make_proposer(spec, target=target.model, target_params=target.params, draft=cfg,
+                         draft_params=params, max_model_len=mml, block_size=BS)
+
+
+def measure(eng: Engine, prompts, iters: int, max_tokens: int) -> dict:
+    """One generate call cut after the first token + ``iters`` delivered iterations."""
+    marks: list[tuple[float, int, int]] = []   # (time, generated, sync) after each iteration
+
+    def progress(done, total, generated):
+        marks.append((time.perf_counter(), generated, eng.num_syncs))
+        if len(marks) > iters:
+            raise _Stop
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    try:
+        eng.generate(prompts, sp, progress=progress)
+    except _Stop:
+        pass
+    if len(marks) <= iters:
+        raise RuntimeError(f"the run ended after {len(marks)} iterations, before {iters} + 1")
+    (t_first, g_first, s_first), (t_last, g_last, s_last) = marks[0], marks[iters]
+    wall = t_last - t_first
+    b = len(prompts)
+    tokens = g_last - g_first
+    # a delivery: the first iteration of each sync (the rest come from the same fetch)
+    times = [t for i, (t, _, s) in enumerate(marks[: iters + 1]) if i == 0 or s != marks[i - 1][2]]
+    gaps = [y - x for x, y in zip(times, times[1:])]
+    return dict(per_iter_ms=wall / iters * 1e3, tokens_per_s=tokens / wall,
+                tokens_per_iter=tokens / iters / b, ttft_ms=(t_first - t0) * 1e3,
+                itl_ms=wall / (tokens / b) * 1e3, gap_ms=(statistics.median(gaps) * 1e3
+                                                         if gaps else float("nan")),
+                syncs=len(times) - 1, iters=iters)
+
+
+def run(args) -> list[dict]:
+    dtype = jnp.dtype(args.dtype)
+    batches = [int(x) for x in args.batch.split(",")]
+    ns = [int(x) for x in args.n.split(",")]
+    exits = [bool(int(x)) for x in args.early_exit.split(",")]
+    k = args.k
+    target, geo = build_target(args.target, dtype)
+    # timed iterations: a multiple of N (the window ends on a sync), at least --iters
+    window = {n: -(-args.iters // n) * n for n in ns}
+    max_tokens = (max(window.values()) + 2) * (k + 1)  # nobody finishes inside the window
+    mml = -(-(args.context + max_tokens + 2 * k + 8) // BS) * BS
+    rng = np.random.default_rng(0)
+    rows: list[dict] = []
+    plain_tps: dict[tuple[int, int], float] = {}
+    for b in batches:
+        prompts = [rng.integers(0, geo["vocab_size"], args.context).tolist() for _ in range(b)]
+        for method in args.methods:
+            prop = None if method == "plain" else eagle3(target, geo, args.target, k, args.rates,
+                                                         mml, dtype)
+            for n, ee in [(n, ee) for n in ns for ee in (exits if n > 1 else [True])]:
+                eng = Engine(target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
+                             batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype,
+                             steps_per_sync=n, loop_early_exit=ee)
+                t = time.perf_counter()
+                measure(eng, prompts, min(window[n], 2 * n), max_tokens)   # compiles
+                compile_s = time.perf_counter() - t
+                before = loop_cache_size() + step_cache_size()
+                reps = [measure(eng, prompts, window[n], max_tokens) for _ in range(args.repeat)]
+                recompiles = loop_cache_size() + step_cache_size() - before
+                r = min(reps, key=lambda x: x["per_iter_ms"])           # the least disturbed
+                r.update(method=method, batch=b, n=n, early_exit=ee, k=0 if prop is None else k,
+                         compile_s=compile_s, recompiles=recompiles,
+                         per_iter_ms_all=[x["per_iter_ms"] for x in reps])
+                if prop is None:
+                    plain_tps[(b, n, ee)] = r["tokens_per_s"]
+                r["speedup"] = r["tokens_per_s"] / plain_tps.get((b, n, ee), float("nan"))
+                r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1, True), float("nan"))
+                rows.append(r)
+                print(f"{method:<7} {b:>3} {n:>3} {'w' if ee else 'f':>2} {r['per_iter_ms']:>9.3f} {r['tokens_per_iter']:>7.2f} "
+                      f"{r['tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['speedup_vs_step']:>7.2f}x "
+                      f"{r['ttft_ms']:>8.1f} {r['itl_ms']:>7.3f} {r['gap_ms']:>7.3f} {r['syncs']:>5} "
+                      f"{compile_s:>8.1f} {recompiles:>4}", flush=True)
+                del eng
+                gc.collect()
+    return rows
+
+
+def main(argv=None) -> int:
+    gpu = jax.default_backend() == "gpu"
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=("8b", "1b", "tiny"), default="8b" if gpu else "tiny")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--n", default="1,4,8,16,32", help="steps_per_sync values (1: per-step)")
+    ap.add_argument("--methods", nargs="+", choices=("plain", "eagle3"), default=["plain", "eagle3"],
+                    help="speed-up columns need plain in the same run")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--rates", type=float, nargs="+", default=list(DEMO_RATES),
+                    help="synthetic per-position acceptance rates (unconditional), k of them")
+    ap.add_argument("--iters", type=int, default=200, help="timed iterations (>= 200 on the GPU)")
+    ap.add_argument("--repeat", type=int, default=2, help="timed runs per row (the fastest kept)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"),
+                    default="bfloat16" if gpu else "float32")
+    ap.add_argument("--early-exit", default="1", help="the device loop's form(s), comma "
+                    "separated: 1 = while_loop (stops early), 0 = fixed trip count (masked)")
+    ap.add_argument("--out", default=None, help="write the rows as a JSON list here")
+    args = ap.parse_args(argv)
+    if len(args.rates) != args.k:
+        ap.error(f"--rates needs k={args.k} values, got {len(args.rates)}")
+    if args.iters < 2 or args.repeat < 1:
+        ap.error("--iters must be >= 2 and --repeat >= 1")
+    dev = jax.devices()[0]
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
+          f"{dev.platform} {dev.device_kind}; target {args.target} {args.dtype}; context "
+          f"{args.context}; k={args.k}; rates {args.rates}; iters {args.iters}; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    head = (f"{'method':<7} {'B':>3} {'N':>3} {'ex':>2} {'iter ms':>9} {'tok/it':>7} {'tokens/s':>10} "
+            f"{'speedup':>8} {'vs N=1':>8} {'TTFT ms':>8} {'ITL ms':>7} {'gap ms':>7} {'syncs':>5} "
+            f"{'compile':>8} {'rec.':>4}")
+    print(head)
+    print("-" * len(head), flush=True)
+    rows = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(argv=sys.argv[1:] if argv is None else list(argv), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""The device-resident decode loop: ``N`` decoding iterations in ONE jitted program.
+
+The public step (``specjax.step``) runs one iteration per call, and a serving loop pays a
+host dispatch, an upload of the next batch and a device-to-host sync each time.
+``decode_loop(step, ...)`` keeps every request of a decoding batch on the device
+for up to ``steps_per_sync`` iterations of
+
+  build the batch (each request's last token, then its drafts, trimmed as the per-step
+  loop trims them) -> target forward + verification (+ device drafting) exactly as the
+  public step does -> commit: stop checks (stop / EOS token ids, ``max_tokens``,
+  ``max_model_len``: tokens after a stop are not emitted) -> the next iteration,
+
+inside a ``lax.while_loop`` over an explicit :class:`LoopState` (buffers donated), and
+returns every iteration's emitted tokens at once (:class:`LoopOutput`). The loop ends
+early when every request has finished, or (``stop_on_finish``) when one finishes, so a
+waiting request can join at the next sync.
+
+Requests must be decoding (one uncomputed token each: run prefills through the per-step
+path first, then ``make_loop_state`` from its results). Each request's block table must
+cover every KV slot the iterations can write: ``loop_blocks_needed`` gives the count
+(``steps_per_sync * (k + 1)`` tokens plus the proposer's lookahead ahead of the computed
+ones, capped at ``prompt + max_tokens + lookahead``).
+
+Which proposers run here: every device proposer whose drafts come out of the fused step
+(``feed.drafts_in == "step"``: EAGLE, EAGLE-3, DFlash, Medusa, draft model,
+extract-hidden-states) and the n-gram GPU matcher (a token-history proposer with a
+``device_drafter`` hook: the loop carries the token history and searches it on the device).
+Tree verification (a branching ``speculative_token_tree``) runs in the loop too: every
+iteration verifies each request's tree prefix and compacts the accepted path's KV, as the
+per-step tree step does. Refused by name: host token-history proposers (n-gram CPU,
+suffix) and the non-padded drafter batch (``disable_padded_drafter_batch``: vLLM's host
+``prepare_inputs``). Plain decoding (no proposer) runs the same way.
+
+Sampling: the per-request sampling state (``specjax.sampler.SamplingState``) rides in the
+loop state; each iteration a request's key is ``fold_in(key(seed), tokens generated so
+far)``, as in the per-step path, so seeded sampling emits the same tokens in both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.attention import CommonAttentionMetadata
+from specjax.metadata import SpecDecodeMetadata
+from specjax.sampler import PLACEHOLDER_TOKEN_ID, SamplingState
+from specjax.step import StepBatch, _step
+
+__all__ = ["LoopState", "LoopOutput", "make_loop_state", "decode_loop", "device_batch",
+           "loop_blocks_needed", "loop_cache_size", "loop_support"]
+
+_I32 = np.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    """Everything the device loop carries between iterations (a pytree; ``B`` rows, padding
+    included). Build it on the host with :func:`make_loop_state`.
+
+    Attributes:
+      last_token: ``[B] int32``, each request's last committed token (not in the KV cache
+        yet: the next iteration's first query token).
+      num_computed: ``[B] int32``, tokens in the KV cache (``prompt + output - 1``).
+      drafts: ``[B, k] int32`` drafts to verify next (-1 padded); num_drafts ``[B]``.
+      max_tokens: ``[B] int32``, each request's ``max_tokens``.
+      stop_ids: ``[B, S] int32`` stop token ids (EOS included; -1 padded).
+      finished: ``[B] bool`` (padding rows True).
+      block_table: ``[B, C] int32`` (rows past ``num_reqs``: the null block 0).
+      sampling: ``specjax.sampler.SamplingState`` (its ``counters`` are the tokens each
+        request has generated so far).
+      history: ``[B, W] int32`` token histories (prompt + output) for a device
+        token-history proposer (n-gram GPU), else None.
+      num_reqs: 0-d int32, rows in use.
+      all_greedy, max_model_len, block_size, query_len_pad: static.
+    """
+
+    last_token: Any
+    num_computed: Any
+    drafts: Any
+    num_drafts: Any
+    max_tokens: Any
+    stop_ids: Any
+    finished: Any
+    block_table: Any
+    sampling: SamplingState
+    history: Any
+    num_reqs: Any
+    all_greedy: bool = True
+    max_model_len: int = 2048
+    block_size: int = 16
+    query_len_pad: int = 1
+
+    @property
+    def num_reqs_pad(self) -> int:
+        return int(np.shape(self.last_token)[0])
+
+
+jax.tree_util.register_dataclass(
+    LoopState, data_fields=["last_token", "num_computed", "drafts", "num_drafts", "max_tokens",
+                            "stop_ids", "finished", "block_table", "sampling", "history",
+                            "num_reqs"],
+    meta_fields=["all_greedy", "max_model_len", "block_size", "query_len_pad"])
+
+
+class LoopOutput(NamedTuple):
+    """What one call of the loop returns (``N = steps_per_sync`` iterations; rows past
+    ``num_iters`` are empty).
+
+    tokens: ``[N, B, k+1] int32``, the tokens each request emitted at each iteration (-1
+      padded; nothing after a stop). counts: ``[N, B] int32`` (0: the request did not run
+      that iteration). num_drafts: ``[N, B]``, drafts verified; num_accepted: ``[N, B]``,
+      drafts accepted (before any stop cut the emitted tokens, as the per-step loop counts
+      them). finished: ``[B] bool`` after the call. num_iters: 0-d, iterations run.
+    """
+
+    tokens: Any
+    counts: Any
+    num_drafts: Any
+    num_accepted: Any
+    finished: Any
+    num_iters: Any
+
+
+def loop_blocks_needed(num_computed: int, *, steps_per_sync: int, k: int, lookahead: int,
+                       block_size: int, limit: int) -> int:
+    """KV blocks a request needs before a call of ``steps_per_sync`` iterations: every
+    iteration computes at most ``k + 1`` tokens and the proposer writes ``lookahead``
+    slots past them; ``limit``: the request's last possible slot + 1 (``min(max_model_len,
+    prompt + max_tokens + lookahead)``)."""
+    n = min(num_computed + steps_per_sync * (k + 1) + lookahead, limit)
+    return -(-n // block_size)
+
+
+def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
+                    drafts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                    num_output: Sequence[int], block_ids, k: int, num_reqs_pad: int,
+                    blocks_per_req_pad: int, query_len_pad: int, max_model_len: int,
+                    block_size: int, stop_ids: Sequence[Sequence[int]] | None = None,
+                    stop_pad: int = 1, temperature=None, top_k=None, top_p=None, seeds=None,
+                    history: Sequence[Sequence[int]] | None = None, finished=None) -> LoopState:
+    """The host (NumPy) :class:`LoopState` of ``n`` decoding requests.
+
+    ``last_token[i]``: request i's last committed token; ``num_computed[i]``: its tokens in
+    the KV cache (every token but the last); ``drafts[i]``: drafts to verify next (at most
+    ``k``); ``num_output[i]``: tokens generated so far (the sampling counter);
+    ``block_ids[i]``: its KV blocks (``loop_blocks_needed`` of them; ids past
+    ``blocks_per_req_pad`` dropped); ``stop_ids[i]``: its stop token ids (EOS included;
+    ``stop_pad`` columns at least); ``history[i]``: its prompt + output tokens (only for a
+    device token-history proposer). Sampling defaults: greedy, top-k / top-p off, seed 0.
+    Raises ValueError naming the argument on mismatched lengths or out-of-range values.
+    """
+    n = len(last_token)
+    b, c, q = int(num_reqs_pad), int(blocks_per_req_pad), int(query_len_pad)
+    if n > b:
+        raise ValueError(f"{n} requests do not fit num_reqs_pad={b}")
+    if q < k + 1:
+        raise ValueError(f"query_len_pad={q} is below k + 1 = {k + 1}")
+
+    def ints(name, v, fill, dtype=_I32):
+        out = np.full(b, fill, dtype)
+        if v is not None:
+            a = np.asarray(v)
+            if a.shape != (n,):
+                raise ValueError(f"{name} must have one entry per request ({n}), got shape {a.shape}")
+            out[:n] = a
+        return out
+
+    nc = ints("num_computed", num_computed, 0)
+    if n and (nc < 0).any():
+        raise ValueError("num_computed must be >= 0")
+    if n and (nc + 1 >= max_model_len).any():
+        i = int(np.argmax(nc + 1 >= max_model_len))
+        raise ValueError(f"request {i} already holds {int(nc[i]) + 1} tokens; max_model_len="
+                         f"{max_model_len} leaves no room")
+    if len(drafts) != n:
+        raise ValueError(f"drafts must have one list per request ({n}), got {len(drafts)}")
+    dr = np.full((b, k), PLACEHOLDER_TOKEN_ID, _I32)
+    nd = np.zeros(b, _I32)
+    for i, d in enumerate(drafts):
+        if len(d) > k:
+            raise ValueError(f"drafts[{i}] has {len(d)} tokens, more than k={k}")
+        dr[i, : len(d)] = d
+        nd[i] = len(d)
+    stops = [] if stop_ids is None else [list(s) for s in stop_ids]
+    if stop_ids is not None and len(stops) != n:
+        raise ValueError(f"stop_ids must have one list per request ({n}), got {len(stops)}")
+    s_pad = max([int(stop_pad), 1] + [len(s) for s in stops])
+    st = np.full((b, s_pad), -1, _I32)
+    for i, s in enumerate(stops):
+        st[i, : len(s)] = s
+    table = np.zeros((b, c), _I32)
+    if len(block_ids) != n:
+        raise ValueError(f"block_ids must have one list per request ({n}), got {len(block_ids)}")
+    for i, ids in enumerate(block_ids):
+        m = min(len(ids), c)
+        upto = min(int(nc[i]) + 1 + int(nd[i]), int(max_model_len))
+        if -(-upto // block_size) > m:
+            raise ValueError(f"block_ids[{i}] ({len(ids)} blocks, {c} columns) does not cover "
+                             f"the request's {upto} next positions")
+        table[i, :m] = np.asarray(ids[:m])
+    fin = np.ones(b, np.bool_)
+    fin[:n] = False if finished is None else np.asarray(finished, np.bool_)
+    temp = ints("temperature", temperature, 0.0, np.float32)
+    if (temp < 0).any() or not np.isfinite(temp).all():
+        raise ValueError("temperature must be finite and >= 0 (0 = greedy)")
+    sampling = SamplingState(temp, ints("top_k", top_k, 0), ints("top_p", top_p, 1.0, np.float32),
+                             ints("seeds", seeds, 0, np.uint32), ints("num_output", num_output, 0))
+    hist = None
+    if history is not None:
+        if len(history) != n:
+            raise ValueError(f"history must have one list per request ({n}), got {len(history)}")
+        hist = np.zeros((b, int(max_model_len)), _I32)
+        for i, h in enumerate(history):
+            if len(h) != int(nc[i]) + 1:
+                raise ValueError(f"history[{i}] has {len(h)} tokens; the request holds "
+                                 f"num_computed + 1 = {int(nc[i]) + 1}")
+            hist[i, : len(h)] = h
+    return LoopState(
+        last_token=ints("last_token", last_token, 0), num_computed=nc, drafts=dr, num_drafts=nd,
+        max_tokens=ints("max_tokens", max_tokens, 1), stop_ids=st, finished=fin,
+        block_table=table, sampling=sampling, history=hist, num_reqs=np.asarray(n, _I32),
+        all_greedy=bool((temp[:n] == 0).all()), max_model_len=int(max_model_len),
+        block_size=int(block_size), query_len_pad=q)
+
+
+def _row_of(cu, idx):
+    """Row of each flat index ``idx`` given the inclusive cumsum ``cu`` of row lengths."""
+    b = cu.shape[0]
+    return jnp.minimum(jnp.sum(cu[None, :] <= idx[:, None], axis=1, dtype=jnp.int32), b - 1)
+
+
+def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[StepBatch, Any]:
+    """The next iteration's :class:`StepBatch` from the loop state, on the device
+    (traceable): what ``specjax.batch.build_batch`` builds on the host for the same
+    requests (each request's last token then its drafts, trimmed by ``trim_drafts``' rule:
+    at most ``min(k, max_new_tokens - 1)``, cut before a token outside the vocabulary).
+    ``tree`` (the step's ``TokenTree``): a tree-verification batch (the root, then a
+    breadth-first prefix of the tree: the levels the request can still use, at most as many
+    nodes as KV slots remain). Finished rows stay in the batch with their last token and
+    no drafts, writing no target KV (slot -1); their results are ignored. Returns
+    ``(batch, num_drafts [B])``."""
+    b = st.last_token.shape[0]
+    qp = st.query_len_pad
+    t_pad = b * qp
+    rows = jnp.arange(b, dtype=jnp.int32)
+    real = rows < st.num_reqs
+    active = real & ~st.finished
+    nc = st.num_computed
+    nt = nc + 1
+    kv_room = st.max_model_len - nt
+    room = jnp.minimum(kv_room, st.max_tokens - st.sampling.counters) - 1
+    if k:
+        ok = (st.drafts >= 0) & (st.drafts < vocab_size)
+        first_bad = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+        if tree is None:
+            lim = jnp.clip(room, 0, k)
+        else:   # nodes of the first `levels` levels (trim_drafts' rule)
+            lut = jnp.asarray((0,) + tuple(tree.cu_level_sizes), jnp.int32)
+            lim = jnp.clip(jnp.minimum(lut[jnp.clip(room, 0, tree.depth)], kv_room), 0, k)
+        nd = jnp.minimum(jnp.minimum(st.num_drafts, lim), first_bad)
+    else:
+        nd = jnp.zeros((b,), jnp.int32)
+    nd = jnp.where(active, nd, 0).astype(jnp.int32)
+    q = jnp.where(real, 1 + nd, 0).astype(jnp.int32)
+    cu_q = jnp.cumsum(q).astype(jnp.int32)
+    qsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), cu_q])
+    total = qsl[-1]
+    t = jnp.arange(t_pad, dtype=jnp.int32)
+    r_t = _row_of(cu_q, t)
+    i_t = t - qsl[r_t]
+    valid = t < total
+    tok = st.last_token[r_t]
+    if k:
+        tok = jnp.where(i_t == 0, tok, st.drafts[r_t, jnp.clip(i_t - 1, 0, k - 1)])
+    ids = jnp.where(valid, tok, 0).astype(jnp.int32)
+    offs = i_t if tree is None else jnp.asarray((0,) + tuple(tree.depths), jnp.int32)[
+        jnp.clip(i_t, 0, k)]
+    pos = jnp.where(valid, nc[r_t] + offs, 0).astype(jnp.int32)
+    kv_pos = nc[r_t] + i_t           # a tree node j's KV sits at root + 1 + j
+    table = jnp.where(real[:, None], st.block_table, 0).astype(jnp.int32)
+    bs, c = st.block_size, table.shape[1]
+    blk = table[r_t, jnp.clip(kv_pos // bs, 0, c - 1)]
+    slots = jnp.where(valid & active[r_t], blk * bs + kv_pos % bs, -1).astype(jnp.int32)
+    seq = jnp.where(real, nc + q, 0).astype(jnp.int32)
+    attn = CommonAttentionMetadata(
+        query_start_loc=qsl, seq_lens=seq, block_table=table, slot_mapping=slots,
+        num_reqs=jnp.asarray(st.num_reqs, jnp.int32), num_actual_tokens=total,
+        max_seq_len=jnp.max(seq).astype(jnp.int32), max_query_len=qp, causal=True,
+        tree_mask=None if tree is None else tree.ancestor_mask(with_root=True))
+    # SpecDecodeMetadata (specjax.batch._spec_metadata's layout)
+    cu_d = jnp.cumsum(nd).astype(jnp.int32)
+    cu_s = jnp.cumsum(jnp.where(real, nd + 1, 0)).astype(jnp.int32)
+    if k:
+        j = jnp.arange(b * k, dtype=jnp.int32)
+        r_j = _row_of(cu_d, j)
+        off = j - (cu_d[r_j] - nd[r_j])
+        has = j < cu_d[-1]
+        draft_ids = jnp.where(has, st.drafts[r_j, jnp.clip(off, 0, k - 1)], -1).astype(jnp.int32)
+        target_idx = jnp.where(has, cu_s[r_j] - nd[r_j] - 1 + off, 0).astype(jnp.int32)
+    else:
+        draft_ids = target_idx = jnp.zeros((0,), jnp.int32)
+    m = jnp.arange(b * (k + 1), dtype=jnp.int32)
+    r_m = _row_of(cu_s, m)
+    off_m = m - (cu_s[r_m] - nd[r_m] - 1)
+    logits_idx = jnp.where(m < cu_s[-1], cu_q[r_m] - nd[r_m] - 1 + off_m, 0).astype(jnp.int32)
+    sdm = SpecDecodeMetadata(
+        draft_token_ids=draft_ids, num_draft_tokens=nd, cu_num_draft_tokens=cu_d,
+        cu_num_sampled_tokens=cu_s, target_logits_indices=target_idx,
+        bonus_logits_indices=jnp.where(real, cu_s - 1, 0).astype(jnp.int32),
+        logits_indices=logits_idx, num_reqs=jnp.asarray(st.num_reqs, jnp.int32), max_spec_len=k)
+    s = st.sampling
+    batch = StepBatch(
+        input_ids=ids, positions=pos, attn=attn, sdm=sdm, temperature=s.temperature,
+        top_k=s.top_k, top_p=s.top_p, seeds=s.seeds, counters=s.counters,
+        backup_next=jnp.where(real, st.last_token, 0).astype(jnp.int32),
+        discard=jnp.zeros((b,), jnp.bool_), all_greedy=st.all_greedy, block_size=bs)
+    return batch, nd
+
+
+def _commit(st: LoopState, sampled, k: int):
+    """Stop checks and the state update after one iteration (traceable). Returns
+    ``(emitted [B, k+1], emit [B], num_accepted [B], new finished, last, num_computed)``."""
+    b = sampled.shape[0]
+    real = jnp.arange(b, dtype=jnp.int32) < st.num_reqs
+    active = real & ~st.finished
+    n_new = jnp.sum(sampled != PLACEHOLDER_TOKEN_ID, axis=1, dtype=jnp.int32)
+    n_acc = jnp.where(active, jnp.maximum(n_new - 1, 0), 0)
+    jj = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    valid = jj < n_new[:, None]
+    is_stop = jnp.any((sampled[:, :, None] == st.stop_ids[:, None, :])
+                      & (st.stop_ids[:, None, :] >= 0), axis=-1)
+    nt = st.num_computed + 1
+    length = ((st.sampling.counters[:, None] + jj + 1 >= st.max_tokens[:, None])
+              | (nt[:, None] + jj + 1 >= st.max_model_len))
+    hit = valid & (is_stop | length)
+    any_hit = jnp.any(hit, axis=1)
+    emit = jnp.where(active, jnp.where(any_hit, jnp.argmax(hit, axis=1) + 1, n_new), 0)
+    emit = emit.astype(jnp.int32)
+    emitted = jnp.where(jj < emit[:, None], sampled, PLACEHOLDER_TOKEN_ID)
+    finished = st.finished | (active & any_hit)
+    last = jnp.where(active, jnp.take_along_axis(sampled, n_acc[:, None], axis=1)[:, 0],
+                     st.last_token)
+    nc = jnp.where(active, st.num_computed + 1 + n_acc, st.num_computed)
+    return emitted, emit, n_acc, finished, last, nc
+
+
+def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, target_kv,
+          draft_state, st: LoopState, stop_on_finish):
+    k = spec.k
+    b = st.last_token.shape[0]
+    real = jnp.arange(b, dtype=jnp.int32) < st.num_reqs
+    fin0 = st.finished
+    rec = (jnp.full((n_iters, b, k + 1), PLACEHOLDER_TOKEN_ID, jnp.int32),
+           jnp.zeros((n_iters, b), jnp.int32), jnp.zeros((n_iters, b), jnp.int32),
+           jnp.zeros((n_iters, b), jnp.int32))
+
+    def go(st):
+        alive = jnp.any(real & ~st.finished)
+        newly = jnp.any(st.finished & ~fin0)
+        return alive & ~(stop_on_finish & newly)
+
+    def cond(carry):
+        return (carry[0] < n_iters) & go(carry[2])
+
+    def body(carry):
+        i, n_run, st, tkv, dstate, (toks, cnts, nds, accs) = carry
+        # fixed trip count: once the loop should have ended, every row sits the remaining
+        # iterations out (no target KV written, nothing emitted, the state kept)
+        halt = jnp.zeros((), jnp.bool_) if early_exit else ~go(st)
+        view = dataclasses.replace(st, finished=st.finished | halt)
+        batch, nd = device_batch(view, k=k, vocab_size=spec.vocab_size, tree=spec.tree)
+        out, tkv, dstate, _ = _step(spec, tparams, dparams, tkv, dstate, batch)
+        emitted, emit, n_acc, finished, last, nc = _commit(view, out.sampled, k)
+        finished = jnp.where(halt, st.finished, finished)
+        active = real & ~view.finished
+        hist = st.history
+        if drafter is not None:
+            w = hist.shape[1]
+            jj = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+            col = jnp.where(jj < emit[:, None], st.num_computed[:, None] + 1 + jj, w)
+            rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], col.shape)
+            hist = hist.at[rows, col].set(emitted, mode="drop")
+            d = drafter.search(hist, nc + 1, real & ~finished)
+            drafts, num_drafts = d.token_ids.astype(jnp.int32), d.num_drafts.astype(jnp.int32)
+        elif k:
+            drafts, num_drafts = out.drafts, out.num_drafts
+        else:
+            drafts, num_drafts = st.drafts, st.num_drafts
+        drafts = jnp.where(active[:, None], drafts, st.drafts)
+        num_drafts = jnp.where(active, num_drafts, st.num_drafts)
+        st = dataclasses.replace(st, last_token=last, num_computed=nc, drafts=drafts,
+                                 num_drafts=num_drafts, finished=finished,
+                                 sampling=st.sampling.advance(emit), history=hist)
+        rec = (toks.at[i].set(emitted), cnts.at[i].set(emit), nds.at[i].set(nd),
+               accs.at[i].set(n_acc))
+        return i + 1, n_run + (~halt).astype(jnp.int32), st, tkv, dstate, rec
+
+    zero = jnp.zeros((), jnp.int32)
+    carry = (zero, zero, st, target_kv, draft_state, rec)
+    if early_exit:
+        carry = jax.lax.while_loop(cond, body, carry)
+    else:   # a known trip count: no predicate read back to the host per iteration
+        carry = jax.lax.fori_loop(0, n_iters, lambda _, c: body(c), carry)
+    _, n_run, st, target_kv, draft_state, (toks, cnts, nds, accs) = carry
+    return LoopOutput(toks, cnts, nds, accs, st.finished, n_run), target_kv, draft_state, st
+
+
+_loop_jit = jax.jit(_loop, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 8))
+
+
+def loop_cache_size() -> int:
+    """Number of compiled variants of the device loop (for recompilation checks)."""
+    return _loop_jit._cache_size()
+
+
+def loop_support(step) -> str | None:
+    """None when ``step`` (a ``specjax.step.Step``) can run in the device loop, else the
+    reason (naming the proposer's method / option)."""
+    feed, prop = step.feed, step.proposer
+    if feed is None:
+        return None
+    method = getattr(prop, "method", "?")
+    if feed.drafts_in == "split":
+        return (f"disable_padded_drafter_batch=True (method={method!r}) drafts after the host's "
+                f"prepare_inputs; the device loop needs the padded drafter batch (use "
+                f"steps_per_sync=1)")
+    if feed.drafts_in == "history" and getattr(prop, "device_drafter", None) is None:
+        return (f"method={method!r} drafts on the host from the token history; only device "
+                f"proposers (and ngram_gpu) run in the device loop (use steps_per_sync=1)")
+    return None
+
+
+def decode_loop(step, target_params, draft_params, target_kv, draft_state, state: LoopState, *,
+                steps_per_sync: int, stop_on_finish: bool = False, early_exit: bool = True
+                ) -> tuple[LoopOutput, Any, Any, LoopState]:
+    """Up to ``steps_per_sync`` decoding iterations of ``step`` (``specjax.make_step``) on
+    the device, in one jitted call (see the module docstring). ``target_kv``,
+    ``draft_state`` and ``state`` are donated. Returns ``(LoopOutput, target_kv,
+    draft_state, state)``; the returned state continues the loop (after the host gave the
+    requests enough blocks: ``loop_blocks_needed``).
+
+    ``early_exit``: True (default), a ``lax.while_loop`` that stops as soon as its
+    condition fails; False, a loop of exactly ``steps_per_sync`` iterations (a known trip
+    count: XLA's GPU loop then reads no predicate back per iteration) in which, once the
+    condition fails, every request sits the remaining iterations out (computed, masked:
+    no target KV written, nothing emitted). Same tokens either way.
+
+    Raises ValueError for a proposer the loop does not run (``loop_support``), a state
+    built for another ``k`` / block size, or a bad ``steps_per_sync``."""
+    if isinstance(steps_per_sync, bool) or not isinstance(steps_per_sync, (int, np.integer)) \
+            or steps_per_sync < 1:
+        raise ValueError(f"steps_per_sync must be an int >= 1, got {steps_per_sync!r}")
+    why = loop_support(step)
+    if why is not None:
+        raise ValueError(why)
+    if not isinstance(state, LoopState):
+        raise ValueError(f"state must be a LoopState (specjax.decode_loop.make_loop_state), got "
+                         f"{type(state).__name__}")
+    if np.shape(state.drafts)[1] != step.k:
+        raise ValueError(f"state was built for k={np.shape(state.drafts)[1]}; the step verifies "
+                         f"k={step.k}")
+    feed = step.feed
+    if feed is not None and feed.block_size not in (None, state.block_size):
+        raise ValueError(f"state was built with block_size={state.block_size}; the proposer uses "
+                         f"{feed.block_size}")
+    if feed is not None and feed.max_model_len not in (None, state.max_model_len):
+        raise ValueError(f"state was built with max_model_len={state.max_model_len}; the proposer "
+                         f"uses {feed.max_model_len}")
+    drafter = None
+    if feed is not None and feed.drafts_in == "history":
+        drafter = step.proposer.device_drafter
+        if state.history is None:
+            raise ValueError("this proposer drafts from the token history: build the state with "
+                             "make_loop_state(history=...)")
+    spec = step._spec
+    dparams = draft_params if spec.impl is not None else None
+    if early_exit not in (True, False):
+        raise ValueError(f"early_exit must be True or False, got {early_exit!r}")
+    return _loop_jit(spec, int(steps_per_sync), drafter, bool(early_exit), target_params,
+                     dparams, target_kv, draft_state, state, jnp.asarray(bool(stop_on_finish)))
