@@ -287,7 +287,7 @@ TREE = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]
 
 
 def test_device_tree_batch_equals_host_build_batch():
-    from specjax.tree import TokenTree
+    from specjax.token_tree import TokenTree
 
     tree = TokenTree.from_choices(TREE)
     k, B, C, Q, mml, bs = tree.num_nodes, 4, 8, 8, 40, 8
