@@ -7,6 +7,7 @@ tokens; the plain greedy output cut by hand for the stop rules.
 """
 
 import logging
+import os
 
 import jax
 import numpy as np
@@ -258,17 +259,18 @@ def test_joining_leaving_zero_recompiles(caplog, monkeypatch):
 
 @pytest.mark.smoke
 def test_refused_by_name():
+    FIXED4 = dict(FIXED, max_num_seqs=4)   # FIXED's one batch bucket holds 4
     for method, extra, match in (("ngram", {}, "method='ngram'"), ("suffix", {}, "method='suffix'"),
                                  ("eagle3", dict(disable_padded_drafter_batch=True),
                                   "disable_padded_drafter_batch")):
         if method not in METHODS:
             continue
         with pytest.raises(ValueError, match=match):
-            Engine(target(), build(method, 3, **extra), steps_per_sync=4, **FIXED)
-        Engine(target(), build(method, 3, **extra), steps_per_sync=1, **FIXED)   # per-step: fine
+            Engine(target(), build(method, 3, **extra), steps_per_sync=4, **FIXED4)
+        Engine(target(), build(method, 3, **extra), steps_per_sync=1, **FIXED4)   # per-step: fine
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="steps_per_sync"):
-            Engine(target(), None, steps_per_sync=bad, **FIXED)
+            Engine(target(), None, steps_per_sync=bad, **FIXED4)
     step = specjax.make_step(target().model, None)
     st = make_loop_state(last_token=[1], num_computed=[3], drafts=[[]], max_tokens=[4],
                          num_output=[1], block_ids=[[1]], k=0, num_reqs_pad=2,
@@ -406,7 +408,7 @@ def test_fixed_trip_count_loop_equals_per_step(method):
         assert fixed.token_ids == step.token_ids, method
         assert fixed.spec_stats == step.spec_stats and fixed.num_steps == step.num_steps
     with pytest.raises(ValueError, match="loop_early_exit"):
-        Engine(target(), prop, steps_per_sync=4, loop_early_exit=None, **FIXED)
+        Engine(target(), prop, steps_per_sync=4, loop_early_exit=None, max_num_seqs=4, **FIXED)
 
 
 def test_warmup_compiles_the_loop(caplog):
@@ -437,7 +439,24 @@ def test_warmup_compiles_the_loop(caplog):
 def test_loop_updates_the_caches_in_place():
     """The donated KV caches and proposer state alias the loop's outputs, and no
     instruction of the compiled loop copies a whole KV-cache buffer (per iteration that
-    would cost the whole cache's bandwidth)."""
+    would cost the whole cache's bandwidth).
+
+    Run in a fresh interpreter: compiling this program in a process that has already
+    compiled the engine, tree, step and integration-doc test programs crashed XLA's CPU
+    compiler (a segmentation fault inside ``low.compile()``, jax 0.12.0 / 0.11.2 on CPU;
+    alone, or after any one of those files, it compiles). The assertions are the same."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys; sys.path.insert(0, %r); import test_decode_loop as t; "
+            "t._caches_in_place_body(); print('ok')" % tests)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
+
+
+def _caches_in_place_body():
     import jax.numpy as jnp
 
     from specjax.decode_loop import _loop_jit

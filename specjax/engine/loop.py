@@ -28,6 +28,11 @@ from specjax.sampler import PLACEHOLDER_TOKEN_ID
 from specjax.step import StepBatch, StepOutput, make_step, step_cache_size
 
 _NULL_BLOCK = NULL_BLOCK
+#: Iterations per host sync of the device loop when ``steps_per_sync`` is not given: on the
+#: H200 (8B-shaped target, benchmarks/RESULTS.md) N = 8 took the plain loop from 6.75 to
+#: 5.02 ms per iteration and EAGLE-3 from 8.25 to 5.79 ms at B = 1; N = 16 gains 5-8% more
+#: and doubles the delivery gap between host syncs (40 -> 74 ms).
+DEFAULT_STEPS_PER_SYNC = 8
 _I32 = np.int32
 _req_counter = itertools.count()
 
@@ -74,8 +79,10 @@ class Engine(Diagnostics):
         Indivisible head / intermediate / vocabulary sizes raise ValueError naming the
         parameter, before anything is placed.
       tp_axis: the mesh axis to shard over (default ``"tp"``).
-      steps_per_sync: decoding iterations per host sync (default 1: the per-step loop).
-        ``N > 1`` runs up to ``N`` iterations of a batch in which every request decodes in
+      steps_per_sync: decoding iterations per host sync. None (default):
+        :data:`DEFAULT_STEPS_PER_SYNC` where the device loop runs this proposer (plain
+        decoding and every device proposer), else 1 (host n-gram, suffix, the non-padded
+        drafter batch). ``1`` is the per-step loop; ``N > 1`` runs up to ``N`` iterations of a batch in which every request decodes in
         ONE jitted program (``specjax.decode_loop``), syncing early when a request finishes
         and another is waiting; steps that prefill a prompt stay per-step. The same tokens
         as ``steps_per_sync=1`` (greedy and seeded sampling; tree verification too).
@@ -93,7 +100,7 @@ class Engine(Diagnostics):
                  query_buckets: Sequence[int] | None = None,
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
                  min_tokens_per_step: int = 2, tree_verification: bool | None = None,
-                 mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int = 1,
+                 mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
                  loop_early_exit: bool = True) -> None:
         from specjax.models import DecoderLM
 
@@ -113,7 +120,8 @@ class Engine(Diagnostics):
                            buckets=(batch_buckets, query_buckets, context_buckets),
                            k=0 if proposer is None else proposer.num_speculative_tokens,
                            params=target.params)
-        check_int("steps_per_sync", steps_per_sync, 1)
+        if steps_per_sync is not None:
+            check_int("steps_per_sync", steps_per_sync, 1)
         feed = None if proposer is None else proposer.feed
         if feed is not None:
             for name, got, want in (("block_size", feed.block_size, block_size),
@@ -152,7 +160,8 @@ class Engine(Diagnostics):
         self.tree = self.step.tree
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
-        self.steps_per_sync = int(steps_per_sync)
+        self.steps_per_sync = (int(steps_per_sync) if steps_per_sync is not None else
+                               DEFAULT_STEPS_PER_SYNC if loop_support(self.step) is None else 1)
         if loop_early_exit not in (True, False):
             raise ValueError(f"loop_early_exit must be True or False, got {loop_early_exit!r}")
         self.loop_early_exit = bool(loop_early_exit)
@@ -550,7 +559,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              context_buckets: Sequence[int] | None = None, min_tokens_per_step: int = 2,
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
-             tp_axis: str = "tp", steps_per_sync: int = 1,
+             tp_axis: str = "tp", steps_per_sync: int | None = None,
              loop_early_exit: bool = True) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
