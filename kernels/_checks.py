@@ -29,6 +29,16 @@ def index_array(name: str, x: Any, ndim: int) -> jax.Array:
     shape = np.shape(x)
     if len(shape) != ndim:
         raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(shape)}")
+    if dt.itemsize > 4 or dt == np.uint32:
+        # a wider integer array would wrap silently in the int32 cast below: check its
+        # values when they are known (a tracer of a wider dtype exists only under x64)
+        if isinstance(x, jax.core.Tracer):
+            raise ValueError(f"{name} must be int32 inside a traced function, got dtype {dt}")
+        v = np.asarray(x)
+        if v.size and (v.min() < np.iinfo(np.int32).min or v.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"{name} ({dt}) holds values outside int32 "
+                             f"[{np.iinfo(np.int32).min}, {np.iinfo(np.int32).max}]: min "
+                             f"{int(v.min())}, max {int(v.max())}; every kernel index is int32")
     return jnp.asarray(x, dtype=jnp.int32)
 
 

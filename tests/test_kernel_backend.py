@@ -143,3 +143,22 @@ def test_triton_path_forwards_lazily():
         family = "paged_attention" if name == "paged_attention" else None
         assert importlib.util.find_spec(
             f"specjax.kernels.{family or mod._OPS[name]}.triton") is not None, name
+
+
+def test_wide_integer_inputs_out_of_int32_are_refused():
+    """int64 index arrays are accepted when their values fit int32 (then cast), and refused,
+    naming the argument, when a value would wrap."""
+    cu = np.asarray([1, 3], np.int64)
+    valid = np.asarray([2, 1], np.int64)
+    ok = K.eagle_prepare_inputs_padded(cu, valid, np.asarray([0, 2, 5], np.int64))
+    want = K.eagle_prepare_inputs_padded(cu.astype(np.int32), valid.astype(np.int32),
+                                         np.asarray([0, 2, 5], np.int32))
+    for g, w in zip(ok, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    big = np.asarray([0, 2, 2 ** 31 + 5], np.int64)
+    with pytest.raises(ValueError, match=r"query_start_loc \(int64\) holds values outside int32"):
+        K.eagle_prepare_inputs_padded(cu, valid, big)
+    with pytest.raises(ValueError, match=r"positions \(uint32\) holds values outside int32"):
+        K.eagle_step_update_slot_mapping_and_metadata(
+            np.asarray([2 ** 31], np.uint32), np.zeros((1, 2), np.int32), np.ones(1, np.int32),
+            block_size=16, max_model_len=64)
