@@ -441,10 +441,11 @@ def test_loop_updates_the_caches_in_place():
     instruction of the compiled loop copies a whole KV-cache buffer (per iteration that
     would cost the whole cache's bandwidth).
 
-    Run in a fresh interpreter: compiling this program in a process that has already
+    Run in a fresh interpreter: compiling this program in a process that had already
     compiled the engine, tree, step and integration-doc test programs crashed XLA's CPU
-    compiler (a segmentation fault inside ``low.compile()``, jax 0.12.0 / 0.11.2 on CPU;
-    alone, or after any one of those files, it compiles). The assertions are the same."""
+    compiler (a segmentation fault inside ``low.compile()``): the process's memory mappings
+    had crossed ``vm.max_map_count`` (see tests/conftest.py, which now drops the compiled
+    programs after each module). The assertions are the same."""
     import subprocess
     import sys
 
