@@ -316,12 +316,12 @@ for method, n, flag in CASES:
 
 # bad meshes are refused by name before anything is placed
 try:
-    Engine(target(), None, mesh=Mesh(DEV[:2], ("x",)), **FIXED)
+    Engine(target(), None, mesh=Mesh(DEV[:2], ("x",)), **dict(FIXED, max_num_seqs=4))
     raise SystemExit("no error")
 except ValueError as e:
     assert "tp_axis 'tp' is not an axis of the mesh" in str(e), e
 try:
-    Engine(target(), None, mesh=Mesh(DEV[:3], ("tp",)), **FIXED)
+    Engine(target(), None, mesh=Mesh(DEV[:3], ("tp",)), **dict(FIXED, max_num_seqs=4))
     raise SystemExit("no error")
 except ValueError as e:
     assert "not divisible by 3" in str(e), e

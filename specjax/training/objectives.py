@@ -103,7 +103,7 @@ def eagle(kind: str, config: ModelConfig, target: TargetSetup, *, depth: int = 4
         pos = jnp.arange(t)
         total, wsum, metrics = 0.0, 0.0, {}
         for d, (out, _) in enumerate(outs):
-            logits = F.base.lm_head_logits(p["lm_head"], out)
+            logits = F.mp.lm_head_logits(p["lm_head"], out)
             ce, top1 = soft_cross_entropy(logits, labels, (pos >= d)[None, :])
             w = step_weight ** d
             total, wsum = total + w * ce, wsum + w
@@ -127,7 +127,7 @@ def medusa(config: ModelConfig, target: TargetSetup) -> Objective:
         total, metrics = 0.0, {}
         for k in range(config.num_heads):
             n = t - 1 - k
-            logits = F.base.lm_head_logits(F.base.normalize_keys(p)["lm_heads"][k], z[k, :, :n])
+            logits = F.mp.lm_head_logits(F.mp.normalize_keys(p)["lm_heads"][k], z[k, :, :n])
             ce, top1 = soft_cross_entropy(logits, tl[:, 1 + k:], jnp.ones((1, n), bool))
             total = total + ce
             metrics[f"ce{k}"], metrics[f"top1_{k}"] = ce, top1
@@ -166,7 +166,7 @@ def dflash(config: ModelConfig, target: TargetSetup, *, anchors_per_seq: int = 3
         anchor_ids = jnp.take_along_axis(tokens, anchors, axis=1)
         p = F.cast(share_target_weights(params, frozen["target"]), cdt)
         h = F.dflash_blocks(p, config, aux, anchors, anchor_ids, lens)      # [B, M, K, H]
-        logits = F.base.lm_head_logits(p["lm_head"], h[:, :, 1:])        # slots 1..K-1
+        logits = F.mp.lm_head_logits(p["lm_head"], h[:, :, 1:])        # slots 1..K-1
         j = jnp.arange(1, kb, dtype=jnp.int32)
         lab_pos = anchors[:, :, None] + j - 1                               # [B, M, K-1]
         labels = jax.vmap(lambda row, idx: row[idx])(tl, lab_pos)          # [B, M, K-1, V]
