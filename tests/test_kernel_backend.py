@@ -140,9 +140,7 @@ def test_triton_path_forwards_lazily():
     for name in mod.__all__:
         assert getattr(mod, name).__name__ == name
         # each forwards to a module that exists in its op's folder
-        family = "paged_attention" if name == "paged_attention" else None
-        assert importlib.util.find_spec(
-            f"specjax.kernels.{family or mod._OPS[name]}.triton") is not None, name
+        assert importlib.util.find_spec(f"specjax.kernels.{mod._OPS[name]}.triton") is not None, name
 
 
 def test_wide_integer_inputs_out_of_int32_are_refused():
