@@ -72,6 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=["eagle3", "ngram"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--propose", action="store_true",
+                    help="time each model method's propose (benchmarks/proposers.py's measure: "
+                         "pipelined calls, a k + 1 token target batch each) instead of the step")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.prepare:
@@ -142,6 +145,8 @@ def main(argv=None) -> int:
                                     max_num_seqs=b, batch_buckets=(b,),
                                     context_buckets=(mml // bs,), kv_dtype=dtype)
 
+    if args.propose:
+        return propose_ab(args, mods, engine, batches, rev)
     cases = [(m, b) for b in batches for m in ["plain"] + list(args.methods)]
     engines = {(v, m, b): engine(v, m, b) for v in ("parent", "head") for m, b in cases}
     times = {key: [] for key in engines}
@@ -162,6 +167,86 @@ def main(argv=None) -> int:
         print(f"{m:<8} {b:>3} {mp:>12.3f} ({max(p) - min(p):>6.3f}) {mh:>12.3f} ({max(h) - min(h):>6.3f}) "
               f"{mh / mp:>11.3f}", flush=True)
         rows.append(dict(method=m, batch=b, parent_ms=p, head_ms=h, ratio=mh / mp))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def propose_inputs(pkg: str, impl, b: int, k: int, ctx: int, vocab: int, dtype):
+    """``(state, inputs)`` for ``impl.propose`` in version ``pkg``: ``b`` requests with
+    ``ctx``-token contexts and a ``k + 1`` token target batch each (as
+    ``benchmarks/proposers.py``'s ``method_case``)."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)   # old paths: both versions have them
+        cam = importlib.import_module(f"{pkg}.attention").CommonAttentionMetadata
+        pin = importlib.import_module(f"{pkg}.proposers.base").ProposerInputs
+        widths = importlib.import_module(f"{pkg}.proposers.common")._hidden_widths
+    q, bs = k + 1, 16
+    width = impl.max_model_len // bs
+    state = impl.init_state(b * width, dtype)
+    table = np.arange(b * width, dtype=np.int32).reshape(b, width)
+    md = cam.from_query_lens([q] * b, [ctx] * b, table, block_size=bs)
+    rng = np.random.default_rng(0)
+    h, aux = widths(impl)
+    rand = lambda shape: jax.random.normal(jax.random.key(2), shape, jnp.float32).astype(dtype)  # noqa: E731
+    inputs = pin(
+        target_token_ids=jnp.asarray(rng.integers(0, vocab, b * q), jnp.int32),
+        target_positions=jnp.asarray(np.tile(np.arange(ctx - q, ctx, dtype=np.int32), b)),
+        target_hidden_states=None if h is None else rand((b * q, h)),
+        aux_hidden_states=None if aux is None else rand((b * q, *aux)),
+        next_token_ids=jnp.asarray(rng.integers(0, vocab, b), jnp.int32),
+        token_indices_to_sample=jnp.asarray(np.arange(1, b + 1) * q - 1, jnp.int32),
+        num_rejected_tokens=jnp.zeros(b, jnp.int32),
+        attn_metadata=md)
+    return state, inputs
+
+
+def propose_ab(args, mods, engine, batches, rev) -> int:
+    """Each model method's pipelined ``propose``, parent vs head, interleaved rounds."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from proposers import time_propose
+
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    methods = [m for m in args.methods if m not in ("plain", "ngram", "ngram_gpu")]
+    cases, times = [(m, b) for b in batches for m in methods], {}
+    built = {}
+    for v in ("parent", "head"):
+        for m, b in cases:
+            e = engine(v, m, b)
+            impl, params = e.proposer.impl, e.proposer.params
+            vocab = e.target.model.config.vocab_size
+            state, inputs = propose_inputs(mods[v].__name__, impl, b, args.k, args.context, vocab, dtype)
+            built[(v, m, b)] = [impl, params, state, inputs]
+            times[(v, m, b)] = []
+    for r in range(args.rounds + 1):                 # round 0 compiles (not counted)
+        order = ("parent", "head") if r % 2 else ("head", "parent")
+        for key in cases:
+            for v in order:
+                impl, params, state, inputs = built[(v, *key)]
+                _, pipe, state = time_propose(impl, params, state, inputs, args.iters)
+                built[(v, *key)][2] = state
+                if r:
+                    times[(v, *key)].append(pipe * 1e3)
+    print(f"propose (pipelined ms per call), parent {rev} vs head")
+    head = f"{'method':<8} {'B':>3} {'parent ms (spread)':>22} {'head ms (spread)':>22} {'head/parent':>11}"
+    print(head)
+    print("-" * len(head))
+    rows = []
+    for m, b in cases:
+        p, h = times[("parent", m, b)], times[("head", m, b)]
+        mp, mh = float(np.median(p)), float(np.median(h))
+        print(f"{m:<8} {b:>3} {mp:>12.3f} ({max(p) - min(p):>6.3f}) {mh:>12.3f} ({max(h) - min(h):>6.3f}) "
+              f"{mh / mp:>11.3f}", flush=True)
+        rows.append(dict(method=m, batch=b, parent_ms=p, head_ms=h, ratio=mh / mp, what="propose"))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

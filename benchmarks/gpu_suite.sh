@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -9,7 +9,9 @@
 # anchors: specjax's plain / n-gram verify / EAGLE-3 fused steps beside the PyTorch anchors
 # (benchmarks/torch_anchors.py: torch.compile + CUDA graph, same process) and the floor;
 # methods: every device method's fused step beside the plain step (e2e.py --device-methods);
-# both with JAX's default flags;
+# both with JAX's default flags; ab: one parent-vs-head A/B (benchmarks/ab_step.py, AB_PARENT /
+# AB_ARGS); cmdbuf: the fused step with command buffers on (JAX's default) and off, and XLA's
+# log of command-buffer re-records;
 # none of these is part of `all`, each needs several minutes). `tests` runs every GPU test
 # but tests/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
@@ -81,6 +83,28 @@ if [ "$what" = methods ]; then
   timeout "${METHODS_S:-560}" python benchmarks/e2e.py --target 8b --batch "${METHODS_BATCH:-1,8,32}" --context 1024 --k 3 \
     --device-methods --no-t1-check --json "$OUT/methods.jsonl" --out "$OUT/methods.json" \
     2>&1 | tee "$OUT/methods.log" | grep -v Warning | tail -40
+fi
+if [ "$what" = ab ]; then
+  # one A/B of benchmarks/ab_step.py: AB_PARENT (a folder holding specjax_parent/, made here by
+  # `python benchmarks/ab_step.py --prepare REV --into DIR` and carried), AB_ARGS its flags
+  timeout "${AB_S:-560}" python benchmarks/ab_step.py --parent "${AB_PARENT:-.ab}" --target 8b ${AB_ARGS:-} \
+    --json "$OUT/ab_$(basename "${AB_PARENT:-.ab}").json" 2>&1 | grep -v Warning | tee -a "$OUT/ab.log" | tail -20
+fi
+if [ "$what" = cmdbuf ]; then
+  # the fused step with JAX's default flags (command buffers on) against command buffers off,
+  # one process each, then XLA's own log of command-buffer updates (re-records) per call
+  for flags in "" "--xla_gpu_enable_command_buffer="; do
+    echo "== XLA_FLAGS='$flags'" | tee -a "$OUT/cmdbuf.log"
+    XLA_FLAGS="$flags" timeout "${CMDBUF_S:-150}" python benchmarks/e2e.py --target 8b --batch "${CMDBUF_BATCH:-1,8}" \
+      --context 1024 --k 3 --methods eagle3 --no-demo-tau --no-t1-check 2>&1 | grep -v Warning | tee -a "$OUT/cmdbuf.log" | tail -8
+  done
+  TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=0 timeout "${CMDBUF_S:-150}" \
+    python benchmarks/e2e.py --target 8b --batch 1 --context 1024 --k 3 --methods eagle3 --no-demo-tau --no-t1-check \
+    --iters 20 >"$OUT/cmdbuf_vlog_stdout.txt" 2>"$OUT/cmdbuf_vlog.txt"
+  echo "== command-buffer updates (XLA VLOG), by executions since the last update:" | tee -a "$OUT/cmdbuf.log"
+  grep -o "after [0-9]* executions since last update" "$OUT/cmdbuf_vlog.txt" | sort | uniq -c | sort -rn | head | tee -a "$OUT/cmdbuf.log"
+  grep -c "command buffer" "$OUT/cmdbuf_vlog.txt" | tee -a "$OUT/cmdbuf.log"
+  gzip -f "$OUT/cmdbuf_vlog.txt"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-500}" python -m pytest -m gpu -q -p no:cacheprovider tests \

@@ -184,8 +184,9 @@ def main(argv=None) -> int:
                     help="also list the last call's kernels in launch order, with the idle "
                          "gaps between them")
     ap.add_argument("--out", default="/tmp/specjax_profile")
-    ap.add_argument("--min-tokens", type=int, default=2,
-                    help="Engine(min_tokens_per_step=...): 1 profiles the unpadded one-token step")
+    ap.add_argument("--min-tokens", type=int, default=1,
+                    help="Engine(min_tokens_per_step=...): 2 profiles the plain step padded to "
+                         "two tokens (the engine's default before the one-token fix)")
     args = ap.parse_args(argv)
     dtype = jax.numpy.bfloat16 if gpu else jax.numpy.float32
     models = Models(args.target, dtype)

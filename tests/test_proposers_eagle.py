@@ -235,9 +235,9 @@ def test_construction_errors(kwargs, match):
 @pytest.mark.smoke
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_single_row_batch(method):
-    """B_pad = 1: the chain's single-token steps run on a batch padded with a dummy row
-    (``common.MIN_STEP_ROWS``); the drafts are the reference's and the dummy row writes no
-    KV (every block outside the request's table row is unchanged)."""
+    """B_pad = 1: the chain's single-token steps run on one row (each matmul through
+    ``models.params.two_row_matmul``); the drafts are the reference's and no KV outside the
+    request's table row is written."""
     rng = np.random.default_rng(21)
     cfg, model, params = head(method)
     prop = EagleProposer(SpeculativeConfig(method=method, num_speculative_tokens=3), model,

@@ -57,13 +57,11 @@ class Engine(Diagnostics):
         fewer compilations.
       kv_dtype: dtype of the KV caches (default float32).
       min_tokens_per_step: pad every step to at least this many tokens (``B_pad *
-        query_len >= min_tokens_per_step``, the query bucket rising as needed; default 2).
-        On the H200 an 8B-shaped plain step at B=1 takes 12.7 ms with one token and 6.9 ms
-        padded to two (``benchmarks/RESULTS.md``): XLA's code for one-row matrix products
-        is far slower than for two rows. (A one-row KV-cache write also used to become a
-        dynamic-update-slice that copied the donated caches every step; the cache write,
-        ``specjax.kernels.paged_attention.scatter_slots``, now keeps it in place whatever the padding.)
-        The padding token writes nothing (slot -1) and is not sampled.
+        query_len >= min_tokens_per_step``, the query bucket rising as needed; default 1:
+        no padding). The padding token writes nothing (slot -1) and is not sampled. It was
+        2 until the one-token step's causes were fixed in the models
+        (``specjax.models.params.two_row_matmul``; the fused KV-cache write): on the H200 the
+        unpadded one-token step now runs as fast as the padded one (``benchmarks/RESULTS.md``).
       tree_verification: None (default): verify trees when the proposer's token tree
         branches (see the module docstring), chains otherwise; True: the tree path even
         for a chain tree (tests, benchmarks; needs a device model proposer); False: chain
@@ -99,7 +97,7 @@ class Engine(Diagnostics):
                  batch_buckets: Sequence[int] | None = None,
                  query_buckets: Sequence[int] | None = None,
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
-                 min_tokens_per_step: int = 2, tree_verification: bool | None = None,
+                 min_tokens_per_step: int = 1, tree_verification: bool | None = None,
                  mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
                  loop_early_exit: bool = True) -> None:
         from specjax.models import DecoderLM
@@ -556,7 +554,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              max_num_seqs: int | None = None, num_blocks: int | None = None,
              eos_token_id: int | None = None, seed: int = 0,
              batch_buckets: Sequence[int] | None = None, query_buckets: Sequence[int] | None = None,
-             context_buckets: Sequence[int] | None = None, min_tokens_per_step: int = 2,
+             context_buckets: Sequence[int] | None = None, min_tokens_per_step: int = 1,
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
              tp_axis: str = "tp", steps_per_sync: int | None = None,

@@ -98,8 +98,6 @@ class PaddedBatchHelpers:
 
 #: Chains of up to this many single-token steps are unrolled at trace time (``chain_steps``).
 MAX_UNROLLED_STEPS = 8
-#: ``chain_steps`` runs its single-token steps on at least this many rows (dummy rows added).
-MIN_STEP_ROWS = 2
 
 #: ``step(params, prev_tokens [B], positions [B], hidden, caches, md)
 #:  -> (tokens [B] int32, hidden, caches)``: one single-token draft forward + greedy pick.
@@ -119,21 +117,6 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
     ``positions [B]`` / ``seq_lens [B]`` are those of each request's last sampled token.
     """
     b, k = drafts.shape
-    if b < MIN_STEP_ROWS:
-        # One-row matmuls take XLA's slow path on the H200 (the draft model's B=1 chain ran
-        # slower than its B=8 chain): run the steps on a batch padded with dummy rows (past
-        # num_reqs: slot -1, no KV written) and keep the real rows.
-        extra = MIN_STEP_ROWS - b
-        pad = lambda x: x if x is None else jnp.concatenate(  # noqa: E731
-            [x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
-        wide = cad.replace(
-            query_start_loc=jnp.concatenate([cad.query_start_loc,
-                                             jnp.repeat(cad.query_start_loc[-1:], extra)]),
-            seq_lens=pad(cad.seq_lens), block_table=pad(cad.block_table))
-        out, caches = chain_steps(step, params, pad(drafts), pad(positions), jax.tree.map(pad, hidden),
-                                  pad(seq_lens), wide, caches, block_size=block_size,
-                                  max_model_len=max_model_len, backend=backend)
-        return out[:b], caches
     n = cad.num_reqs
     # One query per row, padding rows included (vLLM's step uses ``arange(B + 1)`` too).
     # Padding rows have seq_len 0 and slot -1: they attend to no key and write nothing.
@@ -183,18 +166,6 @@ def drafts_with_first(first: jax.Array, k: int) -> jax.Array:
     bounds-check kernel in the compiled propose)."""
     return jnp.concatenate([first[:, None].astype(_I32),
                             jnp.full((first.shape[0], k - 1), DRAFT_PADDING_ID, _I32)], axis=1)
-
-
-def on_min_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-    """``fn(x)`` for ``x [N, ...]``, computed on at least ``MIN_STEP_ROWS`` rows (zero rows
-    appended, their results dropped): ``fn`` is row-wise (an lm_head + argmax), and one-row
-    matmuls take XLA's slow path on the H200 (the 8B-shaped EAGLE-3 lm_head: 65 us for one
-    row, 61 us for two)."""
-    n = x.shape[0]
-    if n >= MIN_STEP_ROWS:
-        return fn(x)
-    pad = jnp.zeros((MIN_STEP_ROWS - n,) + x.shape[1:], x.dtype)
-    return fn(jnp.concatenate([x, pad]))[:n]
 
 
 def draft_output(drafts: jax.Array, num_reqs: jax.Array) -> DraftOutput:

@@ -48,7 +48,6 @@ from specjax.proposers.common import (
     draft_output,
     drafts_with_first,
     init_kv_caches,
-    on_min_rows,
 )
 from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax
 
@@ -196,4 +195,4 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
 
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token of each row of ``hidden [N, H]`` (the draft's own lm_head)."""
-        return on_min_rows(lambda x: proposer_argmax(self, self.model.compute_logits(params, x)), hidden)
+        return proposer_argmax(self, self.model.compute_logits(params, hidden))

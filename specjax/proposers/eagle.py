@@ -76,7 +76,6 @@ from specjax.proposers.common import (
     draft_output,
     drafts_with_first,
     init_kv_caches,
-    on_min_rows,
     shift_in_next_tokens,
 )
 from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax, proposer_top_k
@@ -302,10 +301,9 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
         """Argmax token (target vocabulary) of each row of ``hidden [N, H]``."""
         if self.config.method == "eagle3":
-            d = on_min_rows(lambda x: proposer_argmax(self, self.model.compute_draft_logits(params, x)),
-                            hidden)
+            d = proposer_argmax(self, self.model.compute_draft_logits(params, hidden))
             return self.model.draft_to_target_ids(params, d).astype(_I32)
-        return on_min_rows(lambda x: proposer_argmax(self, self.model.compute_logits(params, x)), hidden)
+        return proposer_argmax(self, self.model.compute_logits(params, hidden))
 
 
 def prepare_inputs(attn_metadata: CommonAttentionMetadata, sampled_token_ids: Sequence[Sequence[int]],
