@@ -40,8 +40,8 @@ TREE="[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]"
 if [ "$what" = models ]; then
   timeout "${ATTN_S:-170}" python benchmarks/attention.py --propose --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -20
   timeout "${PROP_S:-120}" python benchmarks/proposers.py --batches 1,8,64 --tree "$TREE" --json "$OUT/proposers.json" 2>&1 | tee "$OUT/proposers.log" | tail -10
-  # Command buffers off: XLA re-records the fused step's CUDA graph every call otherwise.
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "${E2E_S:-420}" python benchmarks/e2e.py \
+  # JAX's default flags (command buffers are recorded once: part cmdbuf)
+  timeout "${E2E_S:-420}" python benchmarks/e2e.py \
     --target 8b --batch 1,8,32 --context 1024 --k 3 --methods ngram eagle3 dflash --tree "$TREE" \
     --json "$OUT/e2e.jsonl" 2>&1 | tee "$OUT/e2e.log" | tail -25
   timeout "${TRAIN_S:-240}" python benchmarks/train_step.py --steps 30 2>&1 | tee "$OUT/train_step.log" | tail -6
