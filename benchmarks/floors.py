@@ -10,7 +10,7 @@ request, with ``context`` tokens already cached, is ``batch * (context + tokens)
 every layer's K and V: attention reads the cached tokens and the new ones.
 
 Plain Python (no JAX, no torch): the benchmarks import it, and so does
-``tests/test_benchmarks_floors.py``. The benchmark geometries (``TARGETS``, the 8B-shaped
+``tests/benchmarks/test_benchmarks_floors.py``. The benchmark geometries (``TARGETS``, the 8B-shaped
 EAGLE-3 head) live here too, so that ``e2e.py`` and ``torch_anchors.py`` build the same
 shapes the floors are computed for.
 """

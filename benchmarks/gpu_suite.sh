@@ -13,7 +13,7 @@
 # AB_ARGS); cmdbuf: the fused step with command buffers on (JAX's default) and off, and XLA's
 # log of command-buffer re-records;
 # none of these is part of `all`, each needs several minutes). `tests` runs every GPU test
-# but tests/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
+# but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
 # one part per device call (10 minutes at most each).
 # Each part runs under its own time limit (BENCH_S, NGRAM_S, TESTS_S seconds) so one slow
@@ -57,11 +57,11 @@ if [ "$what" = fused ]; then
       --batches 1,8,64 --reps 50 2>&1 | grep -v Warning | tail -14 | tee -a "$OUT/fused.log"
   done
   # (63 tests, ~300 s: the compiles dominate)
-  timeout "${TESTS_S:-330}" python -m pytest -m gpu -q -p no:cacheprovider tests/test_paged_attention.py 2>&1 | tail -5 | tee -a "$OUT/fused.log"
+  timeout "${TESTS_S:-330}" python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_paged_attention.py 2>&1 | tail -5 | tee -a "$OUT/fused.log"
 fi
 if [ "$what" = multi ]; then
   # the Pallas attention kernel split by kv heads over 2 GPUs (custom_partitioning)
-  timeout "${MULTI_TESTS_S:-200}" python -m pytest -m gpu -q -p no:cacheprovider tests/test_paged_attention.py \
+  timeout "${MULTI_TESTS_S:-200}" python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
     -k two_gpus 2>&1 | tail -5 | tee "$OUT/multi_tests.log"
   # on nvidia-h200-x4: MULTI_DEVICES=1,2,4 MULTI_EXTRA=--dp-tp (DP x TP: 2 groups of tp=2)
   timeout "${MULTI_S:-400}" python benchmarks/multi_gpu.py --devices "${MULTI_DEVICES:-1,2}" --batches 1,8,64 --local-argmax on --dp ${MULTI_EXTRA:-} \
@@ -108,11 +108,11 @@ if [ "$what" = cmdbuf ]; then
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-500}" python -m pytest -m gpu -q -p no:cacheprovider tests \
-    --ignore=tests/test_paged_attention.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+    --ignore=tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = attention ]; then
-  timeout "${ATTN_TESTS_S:-560}" python -m pytest -m gpu -q -p no:cacheprovider tests/test_paged_attention.py \
+  timeout "${ATTN_TESTS_S:-560}" python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
     2>&1 | tee "$OUT/pytest_gpu_attention.log" | tail -25
   rc=${PIPESTATUS[0]}
 fi

@@ -19,7 +19,7 @@ CPU suite on 0.12.0.1 and ``pytest -m smoke`` on 0.10.2, 0.11.0 and 0.11.2):
 - ``plgpu.kernel`` drops its deprecated ``out_shape`` / ``scratch_shapes`` aliases in
   0.12; specjax passes ``out_type`` (every version in range has it).
 - Lowering a Pallas Triton kernel without a GPU: 0.10.2 targets compute capability 9.0,
-  0.11.0+ asks ``jax._src.pallas.triton.gpu_info`` (only tests/test_paged_attention.py's
+  0.11.0+ asks ``jax._src.pallas.triton.gpu_info`` (only tests/kernels/test_paged_attention.py's
   Triton-lowering test cares).
 - The Pallas Triton backend (``jax.experimental.pallas.triton``, the GPU lowering of the
   Pallas paged-attention kernel) warns "deprecated" on every lowering from 0.11.2 on (not

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import suite_paths  # tests/support: where the suite's pieces are
 import pathlib
 import re
 import tomllib
@@ -17,7 +18,7 @@ import specjax.kernels as K
 from specjax import _compat
 from specjax.kernels import paged_attention as attn
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = suite_paths.ROOT
 ON_GPU = jax.default_backend() == "gpu"
 
 pytestmark = pytest.mark.smoke
@@ -126,8 +127,8 @@ def test_smoke_subset_covers_every_area():
              "test_proposers_draft_model", "test_ngram", "test_suffix", "test_sampler",
              "test_converters", "test_demo_models", "test_cli", "test_engine", "test_training"]
     for name in areas:
-        text = (ROOT / "tests" / f"{name}.py").read_text()
-        assert "pytest.mark.smoke" in text, f"tests/{name}.py has no smoke test"
+        (path,) = (ROOT / "tests").rglob(f"{name}.py")
+        assert "pytest.mark.smoke" in path.read_text(), f"{path} has no smoke test"
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
         "ini_options"]["markers"]
     assert any(m.startswith("smoke:") for m in markers)

@@ -4,6 +4,7 @@ through ``logging`` (``print`` only in the command-line modules)."""
 
 from __future__ import annotations
 
+import suite_paths  # tests/support: where the suite's pieces are
 import ast
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 import specjax
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = suite_paths.ROOT
 #: modules that are command lines (their output is the point)
 CLI_MODULES = {"specjax/cli.py", "specjax/demo.py", "specjax/generate_cli.py",
                "specjax/training/recipe.py", "converters/cli.py", "specjax/__main__.py"}

@@ -5,12 +5,13 @@ the parser sees, and is allowed), and no source file over 600 non-blank lines ou
 
 from __future__ import annotations
 
+import suite_paths  # tests/support: where the suite's pieces are
 import ast
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = suite_paths.ROOT
 #: top-level folder -> import package (pyproject's package-dir mapping)
 PACKAGES = {"specjax": "specjax", "kernels": "specjax.kernels", "models": "specjax.models",
             "converters": "specjax.converters"}

@@ -30,7 +30,7 @@ side by side in this folder:
 - ``"pallas"``: ``pallas.py``, a Pallas kernel lowered through Triton that reads only each
   request's live pages (online softmax, split-K for small batches); interpret mode off the
   GPU. Not bit-identical: float32 results agree with the reference to ~1e-6 relative,
-  bfloat16 to bfloat16 rounding (tests/test_paged_attention.py holds them to 2e-5 / 2e-2).
+  bfloat16 to bfloat16 rounding (tests/kernels/test_paged_attention.py holds them to 2e-5 / 2e-2).
   Shapes it cannot take (``limits.py``, :func:`unsupported_reason`: head_dim not a power of
   two >= 16, ``max_query_len * group > 128`` rows, trees over 31 nodes) fall back to
   ``"xla"``.

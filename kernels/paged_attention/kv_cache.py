@@ -29,7 +29,7 @@ def scatter_slots(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) 
     if values.shape[0] == 1:
         # XLA rewrites a one-row scatter into a dynamic-update-slice, after which the
         # compiled step copies the whole (donated) cache every call; a second, dropped row
-        # keeps it an in-place scatter (tests/test_engine.py counts the copies).
+        # keeps it an in-place scatter (tests/engine/test_engine.py counts the copies).
         values = jnp.concatenate([values, values], axis=0)
         idx = jnp.concatenate([idx, jnp.full((1,), nb * bs, idx.dtype)])
     flat = flat.at[idx].set(values.astype(cache.dtype), mode="drop")

@@ -22,7 +22,7 @@ runs (vLLM v1's scheduler + GPU model runner, reduced to what speculative decodi
 
 Plain (non-speculative) decoding is the same loop with ``proposer=None``: one token per
 request per step, sampled by the same sampler. Greedy speculative decoding emits exactly
-the tokens of plain greedy decoding (``tests/test_engine.py`` proves it for every method).
+the tokens of plain greedy decoding (``tests/engine/test_engine.py`` proves it for every method).
 
 **Tree verification** (specjax's own; vLLM v0.20 verifies every draft as a chain). When
 the proposer's ``token_tree`` branches (EAGLE / EAGLE-3 with a

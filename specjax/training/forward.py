@@ -5,7 +5,7 @@ Training needs what inference never does: whole sequences at once, teacher forci
 the attention patterns of *training-time test* (EAGLE-3 / HASS: a draft step ``d`` sees
 the target-feature keys of the context and the keys of its own earlier steps) and of
 DFlash blocks (a block sees its context and itself). These functions compute exactly the
-inference models' math on the same params dicts (``tests/test_training_forward.py`` checks
+inference models' math on the same params dicts (``tests/training/test_training_forward.py`` checks
 each against the paged inference forward), with a dense attention over a list of key
 groups, each with its own boolean mask.
 

@@ -6,6 +6,7 @@ greedy decoding (itself checked against a naive dense loop in ``test_engine.py``
 tokens; the plain greedy output cut by hand for the stop rules.
 """
 
+import suite_paths  # tests/support: where the suite's pieces are
 import logging
 import os
 
@@ -339,7 +340,7 @@ def test_loop_benchmark_logic(tmp_path):
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    sys.path.insert(0, str(suite_paths.BENCHMARKS))
     import loop as bench
 
     out = tmp_path / "loop.json"
@@ -366,7 +367,7 @@ def _doc_serve():
     import re
     from pathlib import Path
 
-    text = (Path(__file__).parent.parent / "docs" / "integration.md").read_text()
+    text = (suite_paths.DOCS / "integration.md").read_text()
     m = re.search(r"<!-- device-loop -->\s*```python\n(.*?)```", text, re.S)
     assert m, "docs/integration.md lost its device-loop block"
     ns: dict = {}
@@ -449,11 +450,9 @@ def test_loop_updates_the_caches_in_place():
     import subprocess
     import sys
 
-    tests = os.path.dirname(os.path.abspath(__file__))
-    code = ("import sys; sys.path.insert(0, %r); import test_decode_loop as t; "
-            "t._caches_in_place_body(); print('ok')" % tests)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    code = "import test_decode_loop as t; t._caches_in_place_body(); print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=suite_paths.pythonpath()))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
 
 

@@ -1,9 +1,10 @@
 """The shipped demo checkpoints (specjax/demo_models): each loads from its upstream layout,
 converts with ``specjax-convert``, and reproduces the PyTorch reference outputs of
-tests/fixtures/demo_models (made by make_demo_reference.py from the same files)."""
+tests/support/fixtures/demo_models (made by make_demo_reference.py from the same files)."""
 
 from __future__ import annotations
 
+import suite_paths  # tests/support: where the suite's pieces are
 import hashlib
 import json
 from pathlib import Path
@@ -21,7 +22,7 @@ from specjax.models import registry, share_target_weights
 from specjax.tokenizer import BOS_ID, MASK_ID, VOCAB_SIZE
 from specjax.training.recipe import AUX_LAYER_IDS, HEADS_HF, TARGET_HF
 
-FIX = Path(__file__).parent / "fixtures" / "demo_models"
+FIX = suite_paths.FIXTURES / "demo_models"
 BS = 16
 TOL = 1e-5
 
@@ -59,7 +60,7 @@ def test_reference_was_made_from_the_shipped_files():
     sums = json.loads((FIX / "sha256.json").read_text())["files"]
     for rel, digest in sums.items():
         assert hashlib.sha256((demo_models.ROOT / rel).read_bytes()).hexdigest() == digest, (
-            f"{rel} changed: rerun tests/fixtures/demo_models/make_demo_reference.py")
+            f"{rel} changed: rerun tests/support/fixtures/demo_models/make_demo_reference.py")
 
 
 def test_kinds_and_configs(loaded):

@@ -15,6 +15,7 @@ GPU (``-m gpu``): the compiled Triton kernel on H200-sized shapes, and an EAGLE-
 
 from __future__ import annotations
 
+import suite_paths  # tests/support: where the suite's pieces are
 import dataclasses
 import functools
 import os
@@ -32,9 +33,6 @@ from specjax.kernels import paged_attention as attn
 from specjax.kernels.paged_attention import KVCache
 
 ON_GPU = jax.default_backend() == "gpu"
-skip_without_gpu = pytest.mark.skipif(
-    not ON_GPU, reason=f"needs a GPU; jax.default_backend() is {jax.default_backend()!r}")
-
 
 @pytest.fixture(autouse=True)
 def _ieee_float32_matmuls(request):
@@ -503,10 +501,9 @@ def test_triton_kernel_under_the_interpreter():
     """The jax-triton paged-attention kernels, launched under Triton's interpreter
     (``TRITON_INTERPRET=1``, in a subprocess: it must be set before triton is imported)
     on every float32 CPU configuration: equal to the NumPy oracle to 1e-5, padding tokens
-    zero, an empty batch all zeros (``tests/triton_interpret_paged_attention.py``)."""
+    zero, an empty batch all zeros (``tests/support/triton_interpret_paged_attention.py``)."""
     env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                          "triton_interpret_paged_attention.py")
+    script = str(suite_paths.SUPPORT / "triton_interpret_paged_attention.py")
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -617,7 +614,6 @@ def _gpu_case(b, qlen, ctx, seed, dtype=jnp.bfloat16, causal=True, tree=None, wi
 
 
 @pytest.mark.gpu
-@skip_without_gpu
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("b", [1, 8, 64])
 @pytest.mark.parametrize("qlen", [1, 4])
@@ -657,7 +653,6 @@ def test_gpu_kernel_matches_reference(b, qlen, mask, dtype, backend):
 
 
 @pytest.mark.gpu
-@skip_without_gpu
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("b", [1, 8, 64])
 @pytest.mark.parametrize("qlen", [1, 4])
@@ -700,7 +695,6 @@ def test_gpu_fused_write_equals_unfused(b, qlen, mask, dtype):
 
 
 @pytest.mark.gpu
-@skip_without_gpu
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("b", [1, 8, 64])
@@ -815,7 +809,6 @@ def _eagle3_drafts(b, dtype, backend, k=3, ctx=1024, geo=EAGLE3_8B):
 
 
 @pytest.mark.gpu
-@skip_without_gpu
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("b", [1, 8, 64])
 @pytest.mark.parametrize("backend", ["pallas", "triton"])

@@ -1,4 +1,4 @@
-"""specjax.models against the PyTorch reference fixtures (tests/fixtures/, see MANIFEST.md).
+"""specjax.models against the PyTorch reference fixtures (tests/support/fixtures/, see MANIFEST.md).
 
 Each fixture's upstream tensors are read without torch (safetensors; for ``.bin`` / ``.pt``
 files the fixture's own ``tensors.npz``, which holds exactly what ``torch.load`` returns),
@@ -10,6 +10,7 @@ max|diff| / max|ref| < 1e-5.
 
 from __future__ import annotations
 
+import suite_paths  # tests/support: where the suite's pieces are
 import functools
 import json
 import re
@@ -23,7 +24,7 @@ import pytest
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import registry, share_target_weights
 
-FIX = Path(__file__).parent / "fixtures"
+FIX = suite_paths.FIXTURES
 TOL = 1e-5
 BS = 4
 NUM_BLOCKS = 12

@@ -3,6 +3,7 @@ by hand and against specjax's own parameter shapes; the plain-Python shape plan 
 ``benchmarks/torch_anchors.py`` (torch is not needed for it); and ``benchmarks/e2e.py``'s
 ``--torch`` wiring with the PyTorch measurement replaced by a fake."""
 
+import suite_paths  # tests/support: where the suite's pieces are
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, str(suite_paths.BENCHMARKS))
 
 import floors  # noqa: E402
 import torch_anchors  # noqa: E402

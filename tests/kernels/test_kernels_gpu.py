@@ -1,6 +1,6 @@
 """Kernel ops on the GPU: Triton and compiled Pallas against backend="xla" and the NumPy oracle.
 
-Run on the GPU machine with ``python -m pytest -m gpu tests/test_kernels_gpu.py``. Every output
+Run on the GPU machine with ``python -m pytest -m gpu tests/kernels/test_kernels_gpu.py``. Every output
 must be bit-identical to the XLA backend's and to the oracle's, on many seeded random batches
 (up to 1024 requests), eagerly and inside ``jax.jit``.
 """
@@ -22,11 +22,7 @@ except ImportError:  # tests/ made a package
     from tests import kernel_cases as cases
     from tests import kernel_oracle as oracle
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu",
-                       reason=f"needs a GPU; jax.default_backend() is {jax.default_backend()!r}"),
-]
+pytestmark = pytest.mark.gpu   # skipped without a GPU by tests/conftest.py
 
 GPU_BACKENDS = ("triton", "pallas")
 BATCHES_PER_CONFIG = 6

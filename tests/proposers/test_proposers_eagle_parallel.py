@@ -47,7 +47,7 @@ try:
 except ImportError:  # tests/ made a package
     from tests.compile_check import assert_no_recompile
 
-from test_converters_cases import CASES, H as CK_H, write_layout
+from converter_cases import CASES, H as CK_H, write_layout
 from test_proposers_draft_model import paged_kv  # its BS is this module's BS (4)
 from test_proposers_eagle import _inputs as _eagle_inputs
 from test_proposers_eagle import head  # the same tiny EAGLE / EAGLE-3 heads (HT = 24)

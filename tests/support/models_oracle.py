@@ -1,4 +1,4 @@
-"""NumPy oracle for tests/test_models.py (no tests here).
+"""NumPy oracle for tests/models/test_models.py (no tests here).
 
 Written from research/checkpoint_formats.md, independent of specjax.models: it reads the
 canonical tensors (PyTorch layout ``[out, in]``, canonical key names) and runs one request

@@ -1,10 +1,11 @@
 """``benchmarks/profile_step.py``'s launch-order listing (``--sequence``): the last call's
 device events, split from earlier calls by an idle gap, with the idle time before each."""
 
+import suite_paths  # tests/support: where the suite's pieces are
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, str(suite_paths.BENCHMARKS))
 
 from profile_step import last_call  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""specjax.models against a NumPy oracle (tests/test_models_oracle.py), CPU, float32.
+"""specjax.models against a NumPy oracle (tests/models_oracle.py), CPU, float32.
 
 (1) paged attention == dense attention on random ragged batches; (2) prefill in one call
 == token-by-token decoding through the paged cache; (3) the decoder and every head ==
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import test_models_oracle as ora
+import models_oracle as ora
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import (
     ExtractHiddenStates,

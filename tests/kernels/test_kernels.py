@@ -3,7 +3,7 @@
 (a) the oracle itself, on small batches worked out by hand from the docstrings of
     ``kernels/_api.py`` (the same batches are then run on every backend); (b) hypothesis
     property tests: every backend equals the oracle bit for bit on random ragged, padded
-    batches (tests/kernel_cases.py), plus fixed edge batches, zero-row batches and the ops
+    batches (tests/support/kernel_cases.py), plus fixed edge batches, zero-row batches and the ops
     under ``jax.jit``; (c) argument errors: ValueError naming the argument.
 
 Pallas runs in interpret mode here, so it gets fewer examples and only small configs; a
@@ -365,7 +365,7 @@ def call_jitted(op, kwargs, backend):
 
 
 # Under jax.jit on CPU: the XLA backend only (what is checked is the public op on tracers;
-# Pallas under jit runs compiled in tests/test_kernels_gpu.py).
+# Pallas under jit runs compiled in tests/kernels/test_kernels_gpu.py).
 @pytest.mark.smoke
 @pytest.mark.parametrize("backend", ["xla"])
 @pytest.mark.parametrize("op", cases.OP_NAMES)

@@ -17,6 +17,7 @@ exactly (the logits themselves are also compared, with the same tolerance). Data
 parallelism runs the same single-device program per shard: drafts and caches are equal.
 """
 
+import suite_paths  # tests/support: where the suite's pieces are
 import os
 import subprocess
 import sys
@@ -30,8 +31,7 @@ from jax.sharding import PartitionSpec as P
 from specjax.models import registry
 from specjax.sharding import param_specs, state_specs
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
+ROOT = str(suite_paths.ROOT)
 
 #: XLA:CPU with little LLVM optimisation: compiling is most of these tests' time, and the
 #: reference and the sharded runs share the flags.
@@ -481,7 +481,7 @@ print("tp pallas ok", flush=True)
 
 def _start(body: str, n_devices: int, *args: str) -> subprocess.Popen:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([TESTS, ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = suite_paths.pythonpath(ROOT)
     env.pop("XLA_FLAGS", None)
     if body:
         cmd = [sys.executable, "-c", PRELUDE.format(n=n_devices, fast=FAST_COMPILE) + textwrap.dedent(body)]

@@ -26,7 +26,7 @@ from specjax.converters import CheckpointError, UnsafePickleError, cli, convert,
 from specjax.converters.errors import CorruptOutputError, NonFiniteError
 from specjax.converters.store import METADATA_FILE, PARAMS_DIR
 
-from test_converters_cases import (
+from converter_cases import (
     CASES,
     Call,
     Global,

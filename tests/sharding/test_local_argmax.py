@@ -6,6 +6,7 @@ Tree levels with c > 1 children take each shard's top-c and gather only those ca
 The multi-device cases run in a subprocess with 4 fake CPU devices (this process has
 already initialised JAX with one)."""
 
+import suite_paths  # tests/support: where the suite's pieces are
 import os
 import subprocess
 import sys
@@ -20,7 +21,6 @@ from jax.sharding import Mesh
 from specjax.config import SpeculativeConfig
 from specjax.sharding.vocab import greedy_argmax, greedy_top_k
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 PRELUDE = """
 import os
@@ -42,7 +42,7 @@ def run_with_4_devices(body: str) -> str:
     """Run ``PRELUDE + body`` in a fresh Python with 4 fake CPU devices; fail with its
     output if it fails. Returns its stdout."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([TESTS] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = suite_paths.pythonpath()
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=env,
                           capture_output=True, text=True, timeout=600)

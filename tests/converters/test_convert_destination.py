@@ -6,6 +6,7 @@ run's leftovers removed by the next run). CPU only."""
 
 from __future__ import annotations
 
+import suite_paths  # tests/support: where the suite's pieces are
 import hashlib
 import json
 import os
@@ -28,9 +29,9 @@ from specjax.converters import (
 )
 from specjax.converters.export import export_checkpoint
 
-from test_converters_cases import CASES, write_layout
+from converter_cases import CASES, write_layout
 
-DRIVER = Path(__file__).parent / "convert_driver.py"
+DRIVER = suite_paths.SUPPORT / "convert_driver.py"
 
 
 def _src(root: Path) -> Path:

@@ -9,9 +9,7 @@ import pytest
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import registry, share_target_weights
 
-pytestmark = pytest.mark.gpu
-if jax.default_backend() != "gpu":
-    pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")]
+pytestmark = pytest.mark.gpu   # skipped without a GPU by tests/conftest.py
 
 GEO = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
            rms_norm_eps=1e-5)

@@ -4,6 +4,7 @@ its atomicity, and the refusal of a malicious pickle. CPU only, no torch."""
 
 from __future__ import annotations
 
+import suite_paths  # tests/support: where the suite's pieces are
 import json
 import os
 import pickle
@@ -37,7 +38,7 @@ from specjax.converters import cli, pipeline
 from specjax.converters.formats import zlab_default_target_layer_ids
 from specjax.models import registry
 
-from test_converters_cases import (
+from converter_cases import (
     CASES,
     H,
     V,
@@ -574,9 +575,9 @@ def test_cli_entry_point_subprocess(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# -- PyTorch-made fixtures (tests/fixtures/, written by real torch.save / save_pretrained) -----
+# -- PyTorch-made fixtures (tests/support/fixtures/, written by real torch.save / save_pretrained) -----
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = suite_paths.FIXTURES
 FIXTURE_FORMATS = {
     "llama": "llama", "llama3_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
     "eagle": "eagle", "eagle_nobias": "eagle", "eagle3_safeailab": "eagle3",
@@ -593,7 +594,7 @@ def _fixture_dirs(with_file=None):
                   if p.is_dir() and (with_file is None or (p / with_file).is_file()))
 
 
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="no tests/fixtures yet")
+needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="no tests/support/fixtures yet")
 
 
 @pytest.mark.parametrize("name", _fixture_dirs("tensors.json"))

@@ -6,6 +6,7 @@ seeded sampling, and plain decoding's tokens without a proposer."""
 
 from __future__ import annotations
 
+import suite_paths  # tests/support: where the suite's pieces are
 import re
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from specjax.engine import SamplingParams, generate
 from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, METHODS, MML, build, target
 
-DOC = Path(__file__).parent.parent / "docs" / "integration.md"
+DOC = suite_paths.DOCS / "integration.md"
 
 
 def _serve():

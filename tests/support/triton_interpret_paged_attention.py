@@ -1,8 +1,8 @@
 """Run the Triton paged-attention kernels (kernels/paged_attention/triton.py) under Triton's
-interpreter on CPU and compare them with the NumPy oracle of tests/test_paged_attention.py.
+interpreter on CPU and compare them with the NumPy oracle of tests/kernels/test_paged_attention.py.
 
 Needs ``triton`` and ``torch`` (the interpreter takes torch tensors); run as a script with
-``TRITON_INTERPRET=1`` set before anything imports triton (tests/test_paged_attention.py's
+``TRITON_INTERPRET=1`` set before anything imports triton (tests/kernels/test_paged_attention.py's
 ``test_triton_kernel_under_the_interpreter`` does it in a subprocess, and skips without
 them). Prints one ``ok <case>`` line per case and exits non-zero on the first mismatch.
 The cases: every float32 configuration of ``CPU_CFGS`` (GQA 1/2/3/4, causal / non-causal /
@@ -26,6 +26,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from suite_paths import SEARCH_PATH  # noqa: E402
+
+sys.path[:0] = list(SEARCH_PATH)
 from test_paged_attention import CPU_CFGS, make_case, oracle, random_tree  # noqa: E402
 
 from specjax.kernels.paged_attention import triton as tpa  # noqa: E402
