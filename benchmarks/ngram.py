@@ -217,13 +217,13 @@ def run_device(args, rows: list[dict]) -> None:
                 valid = jax.device_put(np.ones((requests,), bool))
 
                 def call():
-                    return jax.block_until_ready(proposer.propose_arrays(token_ids, num_tokens, valid))
+                    return jax.block_until_ready(proposer.propose_arrays(num_tokens, token_ids, valid))
 
                 latency = median_time(call, args.repeats)
                 n_pipe = max(5, min(200, int(0.5 / max(latency, 1e-6))))
                 call()
                 t0 = time.perf_counter()
-                outs = [proposer.propose_arrays(token_ids, num_tokens, valid) for _ in range(n_pipe)]
+                outs = [proposer.propose_arrays(num_tokens, token_ids, valid) for _ in range(n_pipe)]
                 jax.block_until_ready(outs)
                 pipelined = (time.perf_counter() - t0) / n_pipe
 

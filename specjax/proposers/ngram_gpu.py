@@ -28,8 +28,9 @@ state donated so XLA updates the buffer in place.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from functools import partial
-from typing import Hashable, NamedTuple, Sequence
+from typing import Any, Hashable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -174,12 +175,19 @@ class NgramGPUProposer:
     # ------------------------------------------------------------------ drafting
 
     def propose(
-        self, state: NgramGPUState, sampled_token_ids: jax.Array, num_sampled: jax.Array
+        self, state: NgramGPUState, sampled_token_ids: jax.Array, num_sampled: jax.Array,
+        *, rows: jax.Array | None = None,
     ) -> tuple[DraftOutput, NgramGPUState]:
         """Append this step's sampled tokens and draft (``state`` is donated).
 
         Args:
-          state: the buffer; its rows ``0 .. B-1`` are this step's requests.
+          state: the buffer; its rows ``0 .. B-1`` are this step's requests (or the rows
+            ``rows`` names).
+          rows: None, or ``[B]`` int32 buffer rows, distinct: batch row ``b`` is buffer row
+            ``rows[b]``, so a loop that keeps each request in a fixed row (its own slot
+            allocator) needs no ``move_requests`` when others finish; -1
+            (``PADDING_SLOT_ID``) marks a padding row: nothing is written and it gets no
+            draft, and only the rows named are touched.
           sampled_token_ids: ``[B, S]`` int32, row ``b``'s accepted tokens (plus the bonus
             token) in its first ``num_sampled[b]`` columns; -1 entries are not written.
           num_sampled: ``[B]`` int32. A row with 0 (a partial prefill or a padding row) keeps
@@ -190,7 +198,12 @@ class NgramGPUProposer:
           that reach ``max_model_len`` or are shorter than ``prompt_lookup_min`` get no draft.
         """
         _check_batch(state, sampled_token_ids, num_sampled)
-        return _propose_step(self, state, sampled_token_ids, num_sampled)
+        if rows is None:
+            return _propose_step(self, state, sampled_token_ids, num_sampled)
+        _check_int_dtype("rows", rows)
+        if rows.shape != num_sampled.shape:
+            raise ValueError(f"rows must be [{num_sampled.shape[0]}], got {rows.shape}")
+        return _propose_rows_jit(self, state, rows, sampled_token_ids, num_sampled)
 
     def search(self, token_ids: jax.Array, num_tokens: jax.Array, valid: jax.Array) -> DraftOutput:
         """The n-gram search itself, traceable (``ngram_search`` with this configuration):
@@ -198,14 +211,24 @@ class NgramGPUProposer:
         return _search(self, token_ids, num_tokens, valid)
 
     def propose_arrays(
-        self, token_ids: jax.Array, num_tokens: jax.Array, valid: jax.Array | None = None
+        self, num_tokens: jax.Array, token_ids: jax.Array, valid: jax.Array | None = None
     ) -> DraftOutput:
-        """Stateless drafting over a caller-owned padded buffer (nothing donated).
+        """Stateless drafting over a caller-owned padded buffer (nothing donated); the
+        argument order of the CPU proposer's ``propose_arrays`` and vLLM's n-gram proposers
+        (lengths, then tokens).
 
         Args:
-          token_ids: ``[B, T]`` int32; ``num_tokens``: ``[B]`` int32 (``0 <= L <= T``);
+          num_tokens: ``[B]`` int32 (``0 <= L <= T``); ``token_ids``: ``[B, T]`` int32;
           valid: ``[B]`` bool (default all True).
+
+        The old order ``(token_ids [B, T], num_tokens [B])`` is still accepted (told apart by
+        the ranks) with a DeprecationWarning.
         """
+        if getattr(num_tokens, "ndim", None) == 2 and getattr(token_ids, "ndim", None) == 1:
+            warnings.warn("NgramGPUProposer.propose_arrays(token_ids, num_tokens) is deprecated; "
+                          "pass (num_tokens, token_ids) as the CPU proposer does",
+                          DeprecationWarning, stacklevel=2)
+            num_tokens, token_ids = token_ids, num_tokens
         _check_int_dtype("token_ids", token_ids)
         _check_int_dtype("num_tokens", num_tokens)
         if token_ids.ndim != 2 or num_tokens.shape != (token_ids.shape[0],):
@@ -223,27 +246,14 @@ class NgramGPUProposer:
     def propose_rows(
         self, state: NgramGPUState, rows: jax.Array, sampled_token_ids: jax.Array, num_sampled: jax.Array
     ) -> tuple[DraftOutput, NgramGPUState]:
-        """``propose`` for requests living in arbitrary buffer rows (``state`` donated).
-
-        Batch row ``b`` is buffer row ``rows[b]``, so a loop that keeps each request in a
-        fixed row (its own slot allocator) needs no ``move_requests`` when others finish.
-
-        Args:
-          rows: ``[B]`` int32 buffer rows, distinct; -1 (``PADDING_SLOT_ID``) marks a padding
-            row: nothing is written and it gets no draft.
-          sampled_token_ids, num_sampled: as in ``propose``.
-
-        Returns:
-          ``(DraftOutput [B, k] / [B], new state)``; only the rows named are touched.
-        """
-        _check_batch(state, sampled_token_ids, num_sampled)
-        _check_int_dtype("rows", rows)
-        if rows.shape != num_sampled.shape:
-            raise ValueError(f"rows must be [{num_sampled.shape[0]}], got {rows.shape}")
-        return _propose_rows_jit(self, state, rows, sampled_token_ids, num_sampled)
+        """Deprecated: ``propose(state, sampled_token_ids, num_sampled, rows=rows)``."""
+        warnings.warn("NgramGPUProposer.propose_rows(state, rows, sampled, num_sampled) is "
+                      "deprecated; use propose(state, sampled, num_sampled, rows=rows)",
+                      DeprecationWarning, stacklevel=2)
+        return self.propose(state, sampled_token_ids, num_sampled, rows=rows)
 
     def propose_packed(self, state: NgramGPUState, packed: jax.Array) -> tuple[jax.Array, NgramGPUState]:
-        """``propose_rows`` with one input and one output array, so that a step costs one
+        """``propose(..., rows=)`` with one input and one output array, so that a step costs one
         host->device and one device->host transfer (``state`` donated).
 
         Args:
@@ -321,13 +331,23 @@ class NgramGPUProposer:
             raise ValueError(f"max_num_seqs * width = {rows * state.token_ids.shape[1]} must be < 2**31")
         return _grow_jit(state, rows)
 
-    def warmup(self, state: NgramGPUState, batch_sizes: Sequence[int], max_sampled: int | None = None) -> NgramGPUState:
-        """Compile ``propose`` for each batch bucket ahead of time (vLLM's dummy run).
+    def warmup(self, buckets: Sequence[Any], state: NgramGPUState, *,
+               max_sampled: int | None = None) -> NgramGPUState:
+        """Compile ``propose`` for each batch bucket ahead of time (vLLM's dummy run); the
+        model proposers' order (``impl.warmup(buckets, params, state)``) less the params.
 
-        Runs each bucket with ``num_sampled = 0``, which leaves the buffer unchanged.
-        ``max_sampled`` is the sampled-token width ``S`` (default ``k + 1``).
+        ``buckets``: batch sizes, or tuples whose first entry is the batch size (the
+        ``(B, T, ...)`` buckets the other proposers take). Runs each with
+        ``num_sampled = 0``, which leaves the buffer unchanged; returns the state.
+        ``max_sampled`` is the sampled-token width ``S`` (default ``k + 1``). The old order
+        ``warmup(state, batch_sizes)`` still works, with a DeprecationWarning.
         """
+        if isinstance(buckets, NgramGPUState):
+            warnings.warn("NgramGPUProposer.warmup(state, batch_sizes) is deprecated; use "
+                          "warmup(batch_sizes, state)", DeprecationWarning, stacklevel=2)
+            buckets, state = state, buckets
         width = self.k + 1 if max_sampled is None else check_int("max_sampled", max_sampled, minimum=1)
+        batch_sizes = [b[0] if isinstance(b, (tuple, list)) else b for b in buckets]
         for size in batch_sizes:
             size = check_int("batch size", size, minimum=1, maximum=state.num_tokens.shape[0])
             sampled = jnp.full((size, width), DRAFT_PADDING_ID, dtype=jnp.int32)

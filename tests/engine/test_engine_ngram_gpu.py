@@ -27,7 +27,7 @@ def _reupload_drafts(impl: NgramGPUProposer, hist: TokenHistory) -> DraftOutput:
     num[:b] = hist.num_tokens
     valid = np.zeros(rows, np.bool_)
     valid[:b] = [len(s) > 0 for s in hist.sampled_token_ids]
-    out = impl.propose_arrays(jnp.asarray(tok), jnp.asarray(num), jnp.asarray(valid))
+    out = impl.propose_arrays(jnp.asarray(num), jnp.asarray(tok), jnp.asarray(valid))
     return DraftOutput(np.asarray(out.token_ids)[:b], np.asarray(out.num_drafts)[:b])
 
 

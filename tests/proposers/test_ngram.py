@@ -106,7 +106,7 @@ def gpu_arrays(prop: NgramGPUProposer, contexts, width: int) -> list[list[int]]:
     buf, lengths = pad_batch(contexts, width)
     valid = np.zeros((buf.shape[0],), dtype=bool)
     valid[: len(contexts)] = True
-    out = prop.propose_arrays(jnp.asarray(buf), jnp.asarray(lengths), jnp.asarray(valid))
+    out = prop.propose_arrays(jnp.asarray(lengths), jnp.asarray(buf), jnp.asarray(valid))
     return DraftOutput(np.asarray(out.token_ids), np.asarray(out.num_drafts)).to_lists()[: len(contexts)]
 
 
@@ -391,7 +391,7 @@ def test_state_add_remove_move_and_donation():
     assert np.asarray(state.num_tokens).tolist() == [0, 0, 6, 5]
     # Warm-up leaves the state unchanged.
     before = np.asarray(state.token_ids).copy(), np.asarray(state.num_tokens).copy()
-    state = gpu.warmup(state, [1, 4])
+    state = gpu.warmup([1, 4], state)
     assert (np.asarray(state.token_ids) == before[0]).all()
     assert (np.asarray(state.num_tokens) == before[1]).all()
 
@@ -424,7 +424,7 @@ def test_propose_rows_and_packed_match_the_condensed_batch():
     rows = np.array(where + [-1, -1], np.int32)
     counts[4] = 3                          # a padding row's count is ignored
     before = state
-    out, state = gpu.propose_rows(state, jnp.asarray(rows), jnp.asarray(sampled), jnp.asarray(counts))
+    out, state = gpu.propose(state, jnp.asarray(sampled), jnp.asarray(counts), rows=jnp.asarray(rows))
     assert before.token_ids.is_deleted()   # donated
     got = DraftOutput(np.asarray(out.token_ids), np.asarray(out.num_drafts)).to_lists()
     assert got[:4] == want and got[4:] == [[], []]
@@ -449,6 +449,43 @@ def test_propose_rows_and_packed_match_the_condensed_batch():
         gpu.propose_packed(state2, jnp.zeros((2, 2), jnp.int32))
     with pytest.raises(ValueError, match="max_num_seqs"):
         gpu.grow_state(state2, 4)
+
+
+@pytest.mark.smoke
+def test_gpu_old_signatures_still_work_with_a_deprecation_warning():
+    """One signature per kind: ``warmup(buckets, state)`` (the model proposers' order),
+    ``propose(..., rows=)`` (was ``propose_rows``) and ``propose_arrays(num_tokens,
+    token_ids)`` (the CPU proposer's and vLLM's order). The old forms give the same results
+    and warn."""
+    k, mml = 2, 16
+    gpu = gpu_proposer(k, 1, 3, mml)
+    rng = np.random.default_rng(9)
+    contexts = [make_context(rng, n, 3, "periodic") for n in (7, 10)]
+    buf, lengths = pad_batch(contexts, mml, rows=2)
+    new = gpu.propose_arrays(jnp.asarray(lengths), jnp.asarray(buf))
+    with pytest.warns(DeprecationWarning, match="propose_arrays"):
+        old = gpu.propose_arrays(jnp.asarray(buf), jnp.asarray(lengths))
+    np.testing.assert_array_equal(np.asarray(new.token_ids), np.asarray(old.token_ids))
+    got = DraftOutput(np.asarray(new.token_ids), np.asarray(new.num_drafts)).to_lists()
+    assert got == [oracle_draft(c, 1, 3, k, mml) for c in contexts]
+
+    def filled():
+        st = gpu.init_state(4)
+        return gpu.add_requests(st, jnp.array([2, 0], jnp.int32), jnp.asarray(buf), jnp.asarray(lengths))
+
+    sampled = jnp.array([[5, -1, -1], [6, -1, -1]], jnp.int32)
+    counts = jnp.array([1, 1], jnp.int32)
+    rows = jnp.array([2, 0], jnp.int32)
+    a, sa = gpu.propose(filled(), sampled, counts, rows=rows)
+    with pytest.warns(DeprecationWarning, match="propose_rows"):
+        b, sb = gpu.propose_rows(filled(), rows, sampled, counts)
+    np.testing.assert_array_equal(np.asarray(a.token_ids), np.asarray(b.token_ids))
+    np.testing.assert_array_equal(np.asarray(sa.num_tokens), np.asarray(sb.num_tokens))
+    with pytest.warns(DeprecationWarning, match="warmup"):
+        st = gpu.warmup(filled(), [1, 2])
+    assert np.asarray(st.num_tokens).tolist() == np.asarray(filled().num_tokens).tolist()
+    st = gpu.warmup([(1, 8), (2, 8)], filled())        # (B, T) buckets as the others take
+    assert np.asarray(st.num_tokens).tolist() == np.asarray(filled().num_tokens).tolist()
 
 
 def test_propose_step_has_no_host_callbacks_and_int32_indices():
@@ -554,9 +591,9 @@ def test_gpu_bad_inputs():
     with pytest.raises(TypeError, match="state"):
         gpu.propose((state.token_ids, state.num_tokens), jnp.zeros((2, 4), jnp.int32), jnp.zeros((2,), jnp.int32))
     with pytest.raises(TypeError, match="token_ids"):
-        gpu.propose_arrays(jnp.zeros((2, 4), jnp.float32), jnp.zeros((2,), jnp.int32))
+        gpu.propose_arrays(jnp.zeros((2,), jnp.int32), jnp.zeros((2, 4), jnp.float32))
     with pytest.raises(ValueError, match="num_tokens"):
-        gpu.propose_arrays(jnp.zeros((2, 4), jnp.int32), jnp.zeros((3,), jnp.int32))
+        gpu.propose_arrays(jnp.zeros((3,), jnp.int32), jnp.zeros((2, 4), jnp.int32))
     with pytest.raises(ValueError, match="width"):
         gpu.add_requests(state, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 17), jnp.int32), jnp.zeros((1,), jnp.int32))
     with pytest.raises(TypeError, match="sampled_token_ids"):
