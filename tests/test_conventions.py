@@ -53,3 +53,45 @@ def test_no_print_outside_the_command_lines():
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
                     bad.append(f"{rel}:{node.lineno}")
     assert not bad, f"print() in library code (use logging): {bad}"
+
+
+@pytest.mark.smoke
+def test_import_sets_no_xla_flag_or_jax_option():
+    """The defaults are the fast path without flags: importing specjax (and its kernels,
+    models and engine) in a process whose JAX backend is already initialized changes no
+    environment variable (``XLA_FLAGS`` included; JAX's own Pallas modules, imported first,
+    set theirs) and no JAX config value, so a user's
+    process measures what ``benchmarks/`` measures."""
+    import subprocess
+    import sys
+
+    code = """
+import os, jax
+jax.devices()                               # the backend is initialized first
+import jax.experimental.pallas              # JAX's own modules set their own variables
+try:                                        # (mosaic_gpu: MOSAIC_GPU_CUDA_ROOT)
+    import jax.experimental.pallas.mosaic_gpu, jax.experimental.pallas.triton
+except Exception:
+    pass
+env = dict(os.environ)
+names = sorted(n for n in dir(jax.config) if n.startswith("jax_"))
+def values():
+    out = {}
+    for n in names:
+        try:
+            out[n] = repr(getattr(jax.config, n))
+        except Exception:
+            pass
+    return out
+before = values()
+import specjax, specjax.kernels, specjax.models, specjax.engine, specjax.step, specjax.decode_loop
+from specjax.kernels import paged_attention
+changed_env = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
+after = values()
+changed = {n for n in before if before[n] != after.get(n)}
+assert not changed_env, changed_env
+assert not changed, changed
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
