@@ -345,7 +345,7 @@ def main(argv=None) -> int:
                      **extra)
         t = eng.time_decode_step(b, args.context, iters=args.iters)
         low = eng.lower_decode_step(b, args.context)     # compiled already: a cache hit
-        t_pad = low.args_info[0][-1].input_ids.shape[0]
+        t_pad = eng.decode_step_tokens(b, args.context)
         return t, t_pad, eng.kv_cache_copies(low.compile().as_text())
 
     def plain_row(label, b, tp, t_pad, copies, **more):

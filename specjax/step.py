@@ -36,6 +36,7 @@ import numpy as np
 # Defines the attention-backend jit option and imports the kernels before the step is first
 # traced (config states in the trace context; see the end of kernels/paged_attention/__init__.py).
 import specjax.kernels.paged_attention  # noqa: F401
+from specjax import host_transfer
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
 from specjax.proposers import Proposer, ProposerInputs
@@ -258,6 +259,14 @@ def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
 _step_jit = jax.jit(_step, static_argnums=0, donate_argnums=(3, 4))
 
 
+def _packed_step(spec: _Spec, tparams, dparams, target_kv, draft_state, words, layout):
+    """``_step`` on a batch sent as one int32 buffer (``specjax.host_transfer``)."""
+    return _step(spec, tparams, dparams, target_kv, draft_state, host_transfer.unpack(words, layout))
+
+
+_packed_step_jit = jax.jit(_packed_step, static_argnums=(0, 6), donate_argnums=(3, 4))
+
+
 def _split_propose(impl, dparams, draft_state, out: StepOutput, input_ids, positions, hidden,
                    aux, token_indices, next_token_ids, attn):
     """Non-padded mode, after the host's ``prepare_inputs``: keep the accepted tokens, draft,
@@ -277,7 +286,7 @@ _split_propose_jit = jax.jit(_split_propose, static_argnums=0, donate_argnums=(2
 
 def step_cache_size() -> int:
     """Number of compiled variants of the decoding step (for recompilation checks)."""
-    return _step_jit._cache_size()
+    return _step_jit._cache_size() + _packed_step_jit._cache_size()
 
 
 # ---------------------------------------------------------------------------------------
@@ -497,8 +506,13 @@ class Step:
         self._check(batch)
         spec = self._spec
         dparams = draft_params if spec.impl is not None else None
-        out, target_kv, draft_state, extra = _step_jit(spec, target_params, dparams, target_kv,
-                                                       draft_state, batch)
+        if host_transfer.packable(batch):      # a host batch: one transfer, not ~25
+            words, layout = host_transfer.pack(batch)
+            out, target_kv, draft_state, extra = _packed_step_jit(
+                spec, target_params, dparams, target_kv, draft_state, words, layout)
+        else:
+            out, target_kv, draft_state, extra = _step_jit(spec, target_params, dparams,
+                                                           target_kv, draft_state, batch)
         if extra is not None and not batch.is_tree:
             out, draft_state = self._split_propose(draft_params, draft_state, batch, out, extra)
         return out, target_kv, draft_state
@@ -526,8 +540,12 @@ class Step:
         ``.as_text()``, ``.compile().as_text()``)."""
         self._check(batch)
         spec = self._spec
-        return _step_jit.lower(spec, target_params, draft_params if spec.impl is not None else None,
-                               target_kv, draft_state, batch)
+        dparams = draft_params if spec.impl is not None else None
+        if host_transfer.packable(batch):      # the program __call__ runs
+            words, layout = host_transfer.pack(batch)
+            return _packed_step_jit.lower(spec, target_params, dparams, target_kv, draft_state,
+                                          words, layout)
+        return _step_jit.lower(spec, target_params, dparams, target_kv, draft_state, batch)
 
 
 def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: str = "tp",

@@ -90,6 +90,16 @@ class Diagnostics:
             for r in reqs:
                 self._release(r)
 
+    def decode_step_tokens(self, num_reqs: int, context_len: int, *, seed: int = 0) -> int:
+        """``T_pad``, the padded token count of the step ``lower_decode_step`` lowers."""
+        reqs = self._bench_requests(num_reqs, context_len, seed)
+        try:
+            batch, _, _ = self._build_batch(reqs, tree_verify=self.tree is not None)
+            return int(batch.input_ids.shape[0])
+        finally:
+            for r in reqs:
+                self._release(r)
+
     def kv_cache_copies(self, compiled_hlo: str) -> int:
         """How many instructions of a compiled step's HLO text copy a whole KV-cache-shaped
         buffer (target or draft; ``copy`` ops and copy fusions). 0 when the donated caches

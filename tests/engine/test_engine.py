@@ -250,7 +250,7 @@ def test_one_token_steps_do_not_copy_the_kv_cache():
         assert low.as_text().count("tf.aliasing_output") >= 2 * n_layers, name
         hlo = low.compile().as_text()
         assert "input_output_alias" in hlo
-        t_pad = low.args_info[0][-1].input_ids.shape[0]      # (args, kwargs); the batch is last
+        t_pad = eng.decode_step_tokens(1, 20)
         copies[name] = (t_pad, eng.kv_cache_copies(hlo))
         assert len(eng.free_rows) == 1 and len(eng.free_blocks) == eng.num_blocks - 1
     assert copies == {"plain T=1": (1, 0), "plain T=2": (2, 0), "ngram k=3": (4, 0),
