@@ -47,6 +47,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 K, MIN_N, MAX_N = 5, 3, 5
 REQUESTS = [1, 16, 64, 256, 1024]
@@ -245,6 +246,11 @@ def run_device(args, rows: list[dict]) -> None:
 
                 step_t = median_time(step, min(args.repeats, 30))
                 floor = requests * width * 4 / COPY_RATE_BYTES_PER_S
+                extra = {}
+                if args.torch:
+                    extra = time_torch_matcher(host, context, requests, args.repeats)
+                    extra["latency_ratio"] = latency * 1e6 / extra["torch_latency_us"]
+                    extra["pipelined_ratio"] = pipelined * 1e6 / extra["torch_pipelined_us"]
                 row = dict(
                     kind="device",
                     backend=backend,
@@ -256,9 +262,39 @@ def run_device(args, rows: list[dict]) -> None:
                     pipelined_us=pipelined * 1e6,
                     step_us=step_t * 1e6,
                     floor_us=floor * 1e6,
+                    **extra,
                 )
                 rows.append(row)
                 print_row(row)
+
+
+def time_torch_matcher(host: np.ndarray, context: int, requests: int, repeats: int) -> dict:
+    """vLLM's GPU matcher (``benchmarks/ngram_torch.py``, torch.compile'd as vLLM does) on
+    the same buffer: single synced calls and back-to-back calls, as specjax's rows."""
+    import torch
+
+    from ngram_torch import compiled
+
+    fn = compiled()
+    tok = torch.tensor(host, device="cuda")
+    lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
+    mask = torch.ones((requests,), dtype=torch.bool, device="cuda")
+    for _ in range(3):                                   # vLLM's _dummy_run: 3 calls
+        fn(lens, tok, mask, MIN_N, MAX_N, K)
+    torch.cuda.synchronize()
+
+    def call():
+        fn(lens, tok, mask, MIN_N, MAX_N, K)
+        torch.cuda.synchronize()
+
+    latency = median_time(call, repeats)
+    n_pipe = max(5, min(200, int(0.5 / max(latency, 1e-6))))
+    t0 = time.perf_counter()
+    for _ in range(n_pipe):
+        fn(lens, tok, mask, MIN_N, MAX_N, K)
+    torch.cuda.synchronize()
+    return dict(torch_latency_us=latency * 1e6,
+                torch_pipelined_us=(time.perf_counter() - t0) / n_pipe * 1e6)
 
 
 # ---------------------------------------------------------------------- output
@@ -278,6 +314,10 @@ def print_row(row: dict) -> None:
             f"  latency {row['latency_us']:10.1f} us  pipelined {row['pipelined_us']:10.1f} us"
             f"  step {row['step_us']:10.1f} us  floor {row['floor_us']:8.1f} us"
         )
+        if "torch_latency_us" in row:
+            line += (f"  | vLLM torch latency {row['torch_latency_us']:8.1f} us pipelined "
+                     f"{row['torch_pipelined_us']:8.1f} us  ratio {row['latency_ratio']:.2f} / "
+                     f"{row['pipelined_ratio']:.2f}")
     print(line, flush=True)
 
 
@@ -292,6 +332,9 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+")
     parser.add_argument("--texts", nargs="+", choices=TEXTS)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--torch", action="store_true",
+                        help="device rows: also time vLLM's GPU matcher restated in torch "
+                             "(benchmarks/ngram_torch.py; checked against specjax's first)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else dict(requests=REQUESTS, contexts=CONTEXTS, texts=TEXTS)
@@ -311,6 +354,9 @@ def main(argv=None) -> int:
     if do_cpu:
         run_cpu(args, rows)
     if do_gpu:
+        if args.torch:
+            from ngram_torch import check
+            print(f"torch matcher == specjax's on {check()} random rows", flush=True)
         run_device(args, rows)
     if args.json:
         with open(args.json, "w") as f:
