@@ -17,6 +17,7 @@ from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
 from specjax.checks import check_int, check_opt_int
 from specjax.runtime_checks import check_engine_args as _check_engine_args
 from specjax.constants import next_power_of_2
+from specjax.logits_processors import ProcessorLimits, check_request, make_processor_state
 from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_size, loop_support,
                                  make_loop_state)
 from specjax.engine.diagnostics import Diagnostics
@@ -88,6 +89,12 @@ class Engine(Diagnostics):
         as ``steps_per_sync=1`` (greedy and seeded sampling; tree verification too).
         Proposers the device loop does not run (host n-gram, suffix, the non-padded drafter
         batch) are refused by name.
+      logits_processors: a static tuple of user logits processors (pure JAX functions,
+        ``specjax.logits_processors``; a request picks one with
+        ``SamplingParams.logits_processor``). See docs/sampling.md.
+      processor_limits: ``specjax.logits_processors.ProcessorLimits``, the fixed padded
+        sizes of logit_bias, bad_words, allowed_token_ids, min_tokens' stop ids and
+        processor parameters (a request beyond one is refused naming it); None: defaults.
       loop_early_exit: the device loop's form (``specjax.decode_loop.decode_loop``'s
         ``early_exit``): True (default) stops at once when every request has finished or
         one finished while another waits; False always runs ``steps_per_sync`` iterations
@@ -101,7 +108,8 @@ class Engine(Diagnostics):
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
                  min_tokens_per_step: int = 2, tree_verification: bool | None = None,
                  mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
-                 loop_early_exit: bool = True) -> None:
+                 loop_early_exit: bool = True, logits_processors: tuple = (),
+                 processor_limits: ProcessorLimits | None = None) -> None:
         from specjax.models import DecoderLM
 
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
@@ -129,8 +137,16 @@ class Engine(Diagnostics):
                 if got is not None and got != want:
                     raise ValueError(f"the proposer was built with {name}={got}, the engine uses {want}")
         # The public step: the proposer's Feed decides everything below.
+        if processor_limits is None:
+            processor_limits = ProcessorLimits()
+        if not isinstance(processor_limits, ProcessorLimits) or any(
+                isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in processor_limits):
+            raise ValueError(f"processor_limits must be a ProcessorLimits of ints >= 0, got "
+                             f"{processor_limits!r}")
+        self.processor_limits = processor_limits
         self.step = make_step(target.model, proposer, mesh=mesh, tp_axis=tp_axis,
-                              tree_verification=tree_verification)
+                              tree_verification=tree_verification,
+                              logits_processors=logits_processors)
         self.feed = feed
         self.proposer = self.step.proposer
         self.k = self.step.k
@@ -243,6 +259,9 @@ class Engine(Diagnostics):
             r = _Request(index=i, req_id=f"req-{next(_req_counter)}", prompt=p, params=sp,
                          seed=int(sp.seed if sp.seed is not None else rng.integers(0, 2**31 - 1)) % 2**32,
                          stop_ids=frozenset(stops))
+            r.proc = sp.processing(stops)
+            check_request(f"sampling_params[{i}]", r.proc, self.processor_limits, self.vocab_size,
+                          len(self.step.logits_processors))
             r.reserve = self._worst_blocks(len(p), sp.max_tokens)
             reqs.append(r)
             waiting.append(r)
@@ -365,8 +384,18 @@ class Engine(Diagnostics):
             max_spec_len=self.k, temperature=[r.params.temperature for r in running],
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
             seeds=[r.seed for r in running], num_output_tokens=[len(r.output) for r in running],
-            tree=self.tree if tree_verify else None)
+            tree=self.tree if tree_verify else None, procs=self._procs(running, B))
         return batch, qlens, B
+
+    def _procs(self, running: list[_Request], B: int):
+        """The batch's ``ProcessorState`` (token histories from ``tok_buf``), or None when no
+        running request uses a logits-processing feature (the plain program)."""
+        if not any(r.proc is not None and r.proc.active for r in running):
+            return None
+        return make_processor_state(
+            [r.proc for r in running], [self.tok_buf[r.row, : r.num_tokens] for r in running],
+            [len(r.prompt) for r in running], num_reqs_pad=B, max_len=self.max_model_len,
+            limits=self.processor_limits)
 
     def _dummy_batch(self, B: int, Q: int, C: int, tree_verify: bool = False,
                      all_greedy: bool = True) -> StepBatch:
@@ -408,7 +437,7 @@ class Engine(Diagnostics):
             stop_pad=next_power_of_2(max([1] + [len(r.stop_ids) for r in running])),
             temperature=[r.params.temperature for r in running],
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
-            seeds=[r.seed for r in running], history=hist)
+            seeds=[r.seed for r in running], history=hist, procs=self._procs(running, B))
 
     def _sync(self, running: list[_Request], stop_on_finish: bool
               ) -> list[tuple[SpecDecodingStats | None, list[_Request]]]:
@@ -560,7 +589,8 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
              tp_axis: str = "tp", steps_per_sync: int | None = None,
-             loop_early_exit: bool = True) -> GenerateResult:
+             loop_early_exit: bool = True, logits_processors: tuple = (),
+             processor_limits: ProcessorLimits | None = None) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -597,6 +627,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     batch_buckets=batch_buckets, query_buckets=query_buckets,
                     context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step,
                     mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync,
-                    loop_early_exit=loop_early_exit)
+                    loop_early_exit=loop_early_exit, logits_processors=logits_processors,
+                    processor_limits=processor_limits)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)
