@@ -289,7 +289,7 @@ def apply_processors(logits: jax.Array, st: ProcessorState, prefix_tokens: jax.A
         logits = logits + bias[:, None, :]
     # 5. user processors
     if processors:
-        ctx_tok = _context_tokens(st, prefix_tokens, prefix_len).reshape(b * t, -1)
+        ctx_tok = _context_tokens(st, prefix_tokens, prefix_len).reshape(b * t, st.token_ids.shape[1])
         ctx = (ctx_tok, (st.num_tokens[:, None] + prefix_len).reshape(-1), prefix_len.reshape(-1))
         flat = logits.reshape(b * t, v)
         par = jnp.repeat(st.params, t, axis=0)

@@ -243,13 +243,21 @@ def sample_tokens(logits: jax.Array, sampling: SamplingMetadata,
     processors, ``prefix_tokens [B, D]`` / ``prefix_len [B]`` are the drafts before the
     position (see :func:`process_logits`).
     """
-    if prefix_tokens is not None:
-        prefix_tokens, prefix_len = prefix_tokens[:, None], prefix_len[:, None]
-    pre = _pre(logits[:, None], sampling, prefix_tokens, prefix_len)
-    greedy = jnp.argmax(pre[:, 0], axis=-1).astype(jnp.int32)
-    if sampling.all_greedy:
-        return greedy
-    probs = jax.nn.softmax(_post(pre, sampling)[:, 0], -1)
+    logits = logits.astype(jnp.float32)
+    if sampling.procs is None:       # the plain program
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if sampling.all_greedy:
+            return greedy
+        probs = jax.nn.softmax(_process(logits, sampling.temperature, sampling.top_k,
+                                        sampling.top_p), -1)
+    else:
+        if prefix_tokens is not None:
+            prefix_tokens, prefix_len = prefix_tokens[:, None], prefix_len[:, None]
+        pre = _pre(logits[:, None], sampling, prefix_tokens, prefix_len)
+        greedy = jnp.argmax(pre[:, 0], axis=-1).astype(jnp.int32)
+        if sampling.all_greedy:
+            return greedy
+        probs = jax.nn.softmax(_post(pre, sampling)[:, 0], -1)
     keys = _keys(sampling.keys, _STREAM_BONUS, 0)
     q = jax.vmap(lambda k: jax.random.exponential(k, (logits.shape[-1],)))(keys)
     sampled = jnp.argmax(probs / q, axis=-1).astype(jnp.int32)
@@ -302,7 +310,8 @@ def rejection_sample(
     greedy_row = sampling.temperature == GREEDY_TEMPERATURE
     safe_drafts = jnp.clip(drafts, 0, v - 1)
     if sampling.procs is not None:     # position j sees drafts[:j] as output; bonus all
-        tgt_logits = _pre(tgt_logits, sampling, *_chain_prefix(safe_drafts, k))
+        if k:
+            tgt_logits = _pre(tgt_logits, sampling, *_chain_prefix(safe_drafts, k))
         bonus = sample_tokens(bonus_logits, sampling, safe_drafts, n_draft)
     else:
         bonus = sample_tokens(bonus_logits, sampling)
