@@ -351,3 +351,39 @@ def test_plain_program_unchanged_without_features():
     b = make_step(target().model, None).lower(*args).as_text()
     assert a == b
     del eng2
+
+
+# --- tree verification --------------------------------------------------------------------
+
+
+def _tree_stub(feature, children):
+    """test_engine_tree's stub tree proposer, knowing the processed greedy continuations:
+    each tree verification accepts some levels and rejects the rest."""
+    try:
+        from test_engine_tree import TreeStub, full_tree
+    except ImportError:
+        from tests.test_engine_tree import TreeStub, full_tree
+    from specjax.proposers import ModelProposer
+    from specjax.token_tree import TokenTree
+
+    rows = [(list(p) + o + [-1] * MML)[:MML] for p, o in zip(PROMPTS_A, plain(feature).token_ids)]
+    tree = TokenTree.from_choices(full_tree(children))
+    cfg = SpeculativeConfig(method="eagle", num_speculative_tokens=tree.num_nodes,
+                            speculative_token_tree=str(list(tree.choices)))
+
+    class Stub(ModelProposer):
+        def init_state(self, num_blocks, dtype=None):
+            return self.impl.init_state(num_blocks)
+
+    return Stub(cfg, TreeStub(tree, V), jnp.asarray(np.array(rows, np.int32)), vocab_size=V)
+
+
+@pytest.mark.parametrize("children", [(3, 2, 1), (2, 1, 1, 1, 1, 1)])
+@pytest.mark.parametrize("feature", ["all", "bad_words", "penalties", "processor"])
+def test_tree_verification_with_processors_equals_plain(feature, children):
+    """Tree slot ``1 + j`` sees node j's path as output: per-step and in the device loop."""
+    prop = _tree_stub(feature, children)
+    for n in (1, 4):
+        out = run(prop, feature, n=n, max_num_seqs=4)
+        _same(out, plain(feature), f"tree {children} {feature} N={n}")
+        assert out.spec_stats.num_accepted_tokens > 0
