@@ -123,6 +123,16 @@ _FIELDS = [f.name for f in dataclasses.fields(ProcessorState)]
 jax.tree_util.register_dataclass(ProcessorState, data_fields=_FIELDS, meta_fields=[])
 
 
+def check_limits(limits: "ProcessorLimits | None") -> ProcessorLimits:
+    """``limits`` (None: the defaults), or ValueError naming ``processor_limits``."""
+    if limits is None:
+        return ProcessorLimits()
+    if not isinstance(limits, ProcessorLimits) or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in limits):
+        raise ValueError(f"processor_limits must be a ProcessorLimits of ints >= 0, got {limits!r}")
+    return limits
+
+
 def check_request(name: str, rp: RequestProcessing, limits: ProcessorLimits, vocab_size: int,
                   num_processors: int) -> None:
     """ValueError naming ``name.<field>`` when ``rp`` does not fit ``limits`` / the vocabulary."""

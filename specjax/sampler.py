@@ -101,13 +101,14 @@ jax.tree_util.register_dataclass(
 @dataclasses.dataclass(frozen=True)
 class SamplingState:
     """Per-request sampling state the device decode loop carries (``specjax.decode_loop``),
-    ``[B_pad]`` each (a pytree owned by the sampler; sampling features that keep state,
-    e.g. penalties, add their leaves here).
+    ``[B_pad]`` each (a pytree owned by the sampler).
 
     temperature / top_k / top_p: as in :class:`SamplingMetadata`; seeds: uint32;
     counters: int32, tokens each request has generated so far. A request's key for a step
     is ``fold_in(key(seed), counter)`` (the per-step path's rule), so the loop's keys
-    advance exactly as the per-step loop's do.
+    advance exactly as the per-step loop's do. procs: the logits processors' state
+    (``specjax.logits_processors.ProcessorState``: parameters and token history, which
+    :meth:`advance` extends with the emitted tokens), or None.
     """
 
     temperature: jax.Array

@@ -387,3 +387,19 @@ def test_tree_verification_with_processors_equals_plain(feature, children):
         out = run(prop, feature, n=n, max_num_seqs=4)
         _same(out, plain(feature), f"tree {children} {feature} N={n}")
         assert out.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.smoke
+def test_warmup_compiles_the_processing_variant_then_no_compile():
+    from specjax.decode_loop import loop_cache_size
+    from specjax.step import step_cache_size
+
+    eng = Engine(target(), None, logits_processors=PROCESSORS, max_num_seqs=4, steps_per_sync=4,
+                 **FIXED)
+    eng.warmup([4], [16], all_greedy=(True, False), stop_pads=(1,), logits_processing=(False, True))
+    before = step_cache_size() + loop_cache_size()
+    sps = params("all", mixed=True)
+    sps[3] = SamplingParams(max_tokens=4, temperature=0.7, seed=1, **FEATURES["penalties"])
+    eng.generate(PROMPTS_A, sps, eos_token_id=EOS)
+    eng.generate(PROMPTS_A, [SamplingParams(max_tokens=4)] * 4)
+    assert step_cache_size() + loop_cache_size() == before

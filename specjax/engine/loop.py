@@ -17,7 +17,8 @@ from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
 from specjax.checks import check_int, check_opt_int
 from specjax.runtime_checks import check_engine_args as _check_engine_args
 from specjax.constants import next_power_of_2
-from specjax.logits_processors import ProcessorLimits, check_request, make_processor_state
+from specjax.logits_processors import (ProcessorLimits, check_limits, check_request,
+                                       make_processor_state)
 from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_size, loop_support,
                                  make_loop_state)
 from specjax.engine.diagnostics import Diagnostics
@@ -137,13 +138,7 @@ class Engine(Diagnostics):
                 if got is not None and got != want:
                     raise ValueError(f"the proposer was built with {name}={got}, the engine uses {want}")
         # The public step: the proposer's Feed decides everything below.
-        if processor_limits is None:
-            processor_limits = ProcessorLimits()
-        if not isinstance(processor_limits, ProcessorLimits) or any(
-                isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in processor_limits):
-            raise ValueError(f"processor_limits must be a ProcessorLimits of ints >= 0, got "
-                             f"{processor_limits!r}")
-        self.processor_limits = processor_limits
+        self.processor_limits = check_limits(processor_limits)
         self.step = make_step(target.model, proposer, mesh=mesh, tp_axis=tp_axis,
                               tree_verification=tree_verification,
                               logits_processors=logits_processors)
@@ -302,31 +297,39 @@ class Engine(Diagnostics):
 
     def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
                context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
-               stop_pads: Sequence[int] = (1, 2)) -> int:
+               stop_pads: Sequence[int] = (1, 2), logits_processing: Sequence[bool] = (False,)
+               ) -> int:
         """Compile the step for every combination of the given buckets ahead of time (a
         dummy step with no real request, which writes nothing). Returns the number of
         variants compiled. ``context_blocks`` None: the widest (``max_model_len``).
         With ``steps_per_sync > 1`` the device loop is compiled too, for every batch size,
         context width, ``all_greedy`` and ``stop_pads`` (stop-id columns: the power of two
-        >= the most stop ids, EOS included, of a running request)."""
+        >= the most stop ids, EOS included, of a running request). ``logits_processing``:
+        the plain variant (False) and / or the one with logits processors (True: a batch in
+        which some request uses penalties, bad words, ... ; one fixed shape,
+        ``processor_limits``)."""
         if context_blocks is None:
             context_blocks = [self.max_blocks_per_req]
         before = step_cache_size() + loop_cache_size()
         phases = (False,) if self.tree is None else (False, True)
-        for b, q, c, g, tv in itertools.product(batch_sizes, query_lens, context_blocks, all_greedy,
-                                                phases):
+        for b, q, c, g, tv, lp in itertools.product(batch_sizes, query_lens, context_blocks,
+                                                    all_greedy, phases, logits_processing):
             if int(b) * int(q) < self.min_tokens_per_step:      # as _buckets pads it
                 q = _pick(self.query_buckets, -(-self.min_tokens_per_step // int(b)))
             batch = self._dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g))
+            if lp:
+                batch = dataclasses.replace(batch, procs=self._empty_procs(int(b)))
             jax.block_until_ready(self._run(batch))
         if self.steps_per_sync > 1:
-            for b, c, g, s in itertools.product(batch_sizes, context_blocks, all_greedy, stop_pads):
+            for b, c, g, s, lp in itertools.product(batch_sizes, context_blocks, all_greedy,
+                                                    stop_pads, logits_processing):
                 _, q, _ = self._buckets(int(b), self.k + 1, 1)
                 state = make_loop_state(
                     last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
                     block_ids=[], k=self.k, num_reqs_pad=int(b), blocks_per_req_pad=int(c),
                     query_len_pad=q, max_model_len=self.max_model_len, block_size=self.block_size,
-                    stop_pad=int(s), history=[] if self.drafts_in == "history" else None)
+                    stop_pad=int(s), history=[] if self.drafts_in == "history" else None,
+                    procs=self._empty_procs(int(b)) if lp else None)
                 out, self.target_kv, self.draft_state, _ = decode_loop(
                     self.step, self.target.params, self.step.draft_params, self.target_kv,
                     self.draft_state, dataclasses.replace(state, all_greedy=bool(g)),
@@ -386,6 +389,11 @@ class Engine(Diagnostics):
             seeds=[r.seed for r in running], num_output_tokens=[len(r.output) for r in running],
             tree=self.tree if tree_verify else None, procs=self._procs(running, B))
         return batch, qlens, B
+
+    def _empty_procs(self, B: int):
+        """A ``ProcessorState`` of ``B`` padding rows (compiles the processing variant)."""
+        return make_processor_state([], [], [], num_reqs_pad=B, max_len=self.max_model_len,
+                                    limits=self.processor_limits)
 
     def _procs(self, running: list[_Request], B: int):
         """The batch's ``ProcessorState`` (token histories from ``tok_buf``), or None when no
