@@ -33,7 +33,9 @@ suffix) and the non-padded drafter batch (``disable_padded_drafter_batch``: vLLM
 
 Sampling: the per-request sampling state (``specjax.sampler.SamplingState``) rides in the
 loop state; each iteration a request's key is ``fold_in(key(seed), tokens generated so
-far)``, as in the per-step path, so seeded sampling emits the same tokens in both.
+far)``, as in the per-step path, so seeded sampling emits the same tokens in both. The
+logits processors' state (``SamplingState.procs``: penalties, bad words, ..., with the token
+history they read) rides there too and is extended with each iteration's emitted tokens.
 """
 
 from __future__ import annotations

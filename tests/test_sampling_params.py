@@ -403,3 +403,37 @@ def test_warmup_compiles_the_processing_variant_then_no_compile():
     eng.generate(PROMPTS_A, sps, eos_token_id=EOS)
     eng.generate(PROMPTS_A, [SamplingParams(max_tokens=4)] * 4)
     assert step_cache_size() + loop_cache_size() == before
+
+
+@pytest.mark.smoke
+def test_docs_sampling_example_runs():
+    """docs/sampling.md's user processor, run as written (on a small engine), does what its
+    comment says."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "sampling.md").read_text()
+    code = re.search(r"```python\n(import jax.numpy as jnp\n.*?)```", doc, re.S).group(1)
+    import specjax
+
+    def small_generate(tgt, prop, prompts, sp, **kw):
+        return specjax.generate(tgt, prop, prompts, SamplingParams(
+            max_tokens=8, logits_processor=sp.logits_processor,
+            logits_processor_params=(30.0,)), max_num_seqs=4, **dict(FIXED, **kw))
+
+    ns = {"target": target(), "proposer": build("ngram", 3), "prompts": PROMPTS_A}
+    code = code.replace("specjax.generate(", "small_generate(")
+    exec(compile(code, "docs/sampling.md", "exec"), dict(ns, small_generate=small_generate))
+    out = small_generate(target(), build("ngram", 3), PROMPTS_A,
+                         SamplingParams(logits_processor=0),
+                         logits_processors=(ns_fn := _doc_fn(code),))
+    for o in out.outputs:
+        assert all(t < 30 for t in o.token_ids)
+        assert all(a != b for a, b in zip(o.token_ids, o.token_ids[1:]))
+    assert callable(ns_fn)
+
+
+def _doc_fn(code):
+    g: dict = {}
+    exec(compile(code.split("\nout = ")[0], "docs/sampling.md", "exec"), g)
+    return g["allowed_below"]
