@@ -176,7 +176,6 @@ def test_greedy_speculative_equals_plain_k1_k5(method, k):
         _same(run(build(method, k), feature), plain(feature), f"{method} k={k} {feature}")
 
 
-@pytest.mark.smoke
 def test_mixed_batch_and_device_loop_match_per_step():
     """Features mixed across requests (one plain), per-step vs the device-resident loop, for
     plain decoding, EAGLE-3 and the true-draft proposer's per-step path."""
@@ -389,7 +388,6 @@ def test_tree_verification_with_processors_equals_plain(feature, children):
         assert out.spec_stats.num_accepted_tokens > 0
 
 
-@pytest.mark.smoke
 def test_warmup_compiles_the_processing_variant_then_no_compile():
     from specjax.decode_loop import loop_cache_size
     from specjax.step import step_cache_size
@@ -405,7 +403,6 @@ def test_warmup_compiles_the_processing_variant_then_no_compile():
     assert step_cache_size() + loop_cache_size() == before
 
 
-@pytest.mark.smoke
 def test_docs_sampling_example_runs():
     """docs/sampling.md's user processor, run as written (on a small engine), does what its
     comment says."""
