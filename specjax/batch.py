@@ -61,8 +61,8 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
                 num_drafts: Sequence[int], block_ids, block_size: int, num_reqs_pad: int,
                 query_len_pad: int, blocks_per_req_pad: int, max_spec_len: int,
                 temperature=None, top_k=None, top_p=None, seeds=None,
-                num_output_tokens=None, discard=None, tree: TokenTree | None = None
-                ) -> StepBatch:
+                num_output_tokens=None, discard=None, tree: TokenTree | None = None,
+                procs=None) -> StepBatch:
     """The padded inputs of one step (NumPy leaves).
 
     Args:
@@ -86,6 +86,8 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
       discard: per-request bool, sampled token ignored (a partial prefill chunk).
       tree: the ``TokenTree`` of a tree-verification batch (``Step.tree``); every request
         then schedules exactly one uncomputed token, the root.
+      procs: ``specjax.logits_processors.ProcessorState`` with ``num_reqs_pad`` rows
+        (``make_processor_state``), or None (no logits processing).
 
     Returns:
       ``StepBatch``; ``all_greedy`` when every real request has temperature 0.
@@ -152,6 +154,8 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
     sdm = _spec_metadata(flat[is_draft], nd, q, b, int(max_spec_len))
     backup = np.zeros(b, _I32)
     backup[:n] = flat[starts + q - nd - 1] if n else []
+    if procs is not None and np.shape(procs.num_tokens) != (b,):
+        raise ValueError(f"procs must have num_reqs_pad={b} rows, got {np.shape(procs.num_tokens)}")
     temp = _padded("temperature", temperature, n, b, np.float32, 0.0)
     if (temp < 0).any() or not np.isfinite(temp).all():
         raise ValueError("temperature must be finite and >= 0 (0 = greedy)")
@@ -161,7 +165,7 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
         top_p=_padded("top_p", top_p, n, b, np.float32, 1.0),
         seeds=_padded("seeds", seeds, n, b, np.uint32, 0),
         counters=_padded("num_output_tokens", num_output_tokens, n, b, _I32, 0),
-        backup_next=backup, discard=_padded("discard", discard, n, b, np.bool_, False),
+        backup_next=backup, discard=_padded("discard", discard, n, b, np.bool_, False), procs=procs,
         all_greedy=bool((temp[:n] == 0).all()), block_size=int(block_size))
 
 

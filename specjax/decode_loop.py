@@ -33,7 +33,9 @@ suffix) and the non-padded drafter batch (``disable_padded_drafter_batch``: vLLM
 
 Sampling: the per-request sampling state (``specjax.sampler.SamplingState``) rides in the
 loop state; each iteration a request's key is ``fold_in(key(seed), tokens generated so
-far)``, as in the per-step path, so seeded sampling emits the same tokens in both.
+far)``, as in the per-step path, so seeded sampling emits the same tokens in both. The
+logits processors' state (``SamplingState.procs``: penalties, bad words, ..., with the token
+history they read) rides there too and is extended with each iteration's emitted tokens.
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
                     blocks_per_req_pad: int, query_len_pad: int, max_model_len: int,
                     block_size: int, stop_ids: Sequence[Sequence[int]] | None = None,
                     stop_pad: int = 1, temperature=None, top_k=None, top_p=None, seeds=None,
-                    history: Sequence[Sequence[int]] | None = None, finished=None) -> LoopState:
+                    history: Sequence[Sequence[int]] | None = None, finished=None,
+                    procs=None) -> LoopState:
     """The host (NumPy) :class:`LoopState` of ``n`` decoding requests.
 
     ``last_token[i]``: request i's last committed token; ``num_computed[i]``: its tokens in
@@ -151,6 +154,9 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
     ``blocks_per_req_pad`` dropped); ``stop_ids[i]``: its stop token ids (EOS included;
     ``stop_pad`` columns at least); ``history[i]``: its prompt + output tokens (only for a
     device token-history proposer). Sampling defaults: greedy, top-k / top-p off, seed 0.
+    ``procs``: the requests' ``specjax.logits_processors.ProcessorState`` (``num_reqs_pad``
+    rows, token histories of ``max_model_len`` columns: ``make_processor_state``), or None;
+    the loop appends each iteration's emitted tokens to its history.
     Raises ValueError naming the argument on mismatched lengths or out-of-range values.
     """
     n = len(last_token)
@@ -207,8 +213,15 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
     temp = ints("temperature", temperature, 0.0, np.float32)
     if (temp < 0).any() or not np.isfinite(temp).all():
         raise ValueError("temperature must be finite and >= 0 (0 = greedy)")
+    if procs is not None:
+        if np.shape(procs.token_ids) != (b, int(max_model_len)):
+            raise ValueError(f"procs.token_ids must be [num_reqs_pad={b}, max_model_len="
+                             f"{max_model_len}], got {np.shape(procs.token_ids)}")
+        if n and (np.asarray(procs.num_tokens)[:n] != nc[:n] + 1).any():
+            raise ValueError("procs.num_tokens must be each request's num_computed + 1")
     sampling = SamplingState(temp, ints("top_k", top_k, 0), ints("top_p", top_p, 1.0, np.float32),
-                             ints("seeds", seeds, 0, np.uint32), ints("num_output", num_output, 0))
+                             ints("seeds", seeds, 0, np.uint32), ints("num_output", num_output, 0),
+                             procs)
     hist = None
     if history is not None:
         if len(history) != n:
@@ -317,7 +330,8 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[
         input_ids=ids, positions=pos, attn=attn, sdm=sdm, temperature=s.temperature,
         top_k=s.top_k, top_p=s.top_p, seeds=s.seeds, counters=s.counters,
         backup_next=jnp.where(real, st.last_token, 0).astype(jnp.int32),
-        discard=jnp.zeros((b,), jnp.bool_), all_greedy=st.all_greedy, block_size=bs)
+        discard=jnp.zeros((b,), jnp.bool_), procs=s.procs, all_greedy=st.all_greedy,
+        block_size=bs)
     return batch, nd
 
 
@@ -394,7 +408,7 @@ def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, targe
         num_drafts = jnp.where(active, num_drafts, st.num_drafts)
         st = dataclasses.replace(st, last_token=last, num_computed=nc, drafts=drafts,
                                  num_drafts=num_drafts, finished=finished,
-                                 sampling=st.sampling.advance(emit), history=hist)
+                                 sampling=st.sampling.advance(emit, emitted), history=hist)
         rec = (toks.at[i].set(emitted), cnts.at[i].set(emit), nds.at[i].set(nd),
                accs.at[i].set(n_acc))
         return i + 1, n_run + (~halt).astype(jnp.int32), st, tkv, dstate, rec

@@ -19,8 +19,10 @@ against the residual left by the rejected ones; recovered token from the final r
 bonus token at a node without drafted children): lossless, and a chain tree is exactly
 the chain rule above.
 
-Not supported yet (documented in the README): logprobs, penalties, bad words, min-tokens
-and other logits processors.
+Logits processing (``specjax.logits_processors``: penalties, min_p, logit_bias, bad words,
+allowed_token_ids, min_tokens, user processors) runs when ``SamplingMetadata.procs`` is set,
+at every verified position with the preceding drafts counted as output, BEFORE greedy and
+random verification (:func:`process_logits`); ``procs=None`` is the plain program.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.logits_processors import ProcessorState, apply_min_p, apply_processors
 from specjax.metadata import SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -48,14 +51,19 @@ class SamplingMetadata:
     top_k: int32; ``0`` (or >= vocab) disables top-k.
     top_p: float32 in (0, 1]; ``1`` disables top-p.
     keys: ``[B_pad, 2] uint32`` raw PRNG keys (``jax.random.key_data``), one per request.
+    procs: ``specjax.logits_processors.ProcessorState`` or None (no logits processing:
+      the plain program).
     all_greedy: static; lets the jit skip the random path entirely.
+    processors: static tuple of user logits processors (``procs.selector`` picks one).
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     keys: jax.Array
+    procs: ProcessorState | None = None
     all_greedy: bool = False
+    processors: tuple = ()
 
     @classmethod
     def create(cls, temperature, top_k=None, top_p=None, seeds=None, *, step: int = 0
@@ -86,20 +94,21 @@ class SamplingMetadata:
 
 
 jax.tree_util.register_dataclass(
-    SamplingMetadata, data_fields=["temperature", "top_k", "top_p", "keys"],
-    meta_fields=["all_greedy"])
+    SamplingMetadata, data_fields=["temperature", "top_k", "top_p", "keys", "procs"],
+    meta_fields=["all_greedy", "processors"])
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingState:
     """Per-request sampling state the device decode loop carries (``specjax.decode_loop``),
-    ``[B_pad]`` each (a pytree owned by the sampler; sampling features that keep state,
-    e.g. penalties, add their leaves here).
+    ``[B_pad]`` each (a pytree owned by the sampler).
 
     temperature / top_k / top_p: as in :class:`SamplingMetadata`; seeds: uint32;
     counters: int32, tokens each request has generated so far. A request's key for a step
     is ``fold_in(key(seed), counter)`` (the per-step path's rule), so the loop's keys
-    advance exactly as the per-step loop's do.
+    advance exactly as the per-step loop's do. procs: the logits processors' state
+    (``specjax.logits_processors.ProcessorState``: parameters and token history, which
+    :meth:`advance` extends with the emitted tokens), or None.
     """
 
     temperature: jax.Array
@@ -107,21 +116,34 @@ class SamplingState:
     top_p: jax.Array
     seeds: jax.Array
     counters: jax.Array
+    procs: ProcessorState | None = None
 
-    def metadata(self, all_greedy: bool) -> "SamplingMetadata":
+    def metadata(self, all_greedy: bool, processors: tuple = ()) -> "SamplingMetadata":
         """This step's ``SamplingMetadata`` (traceable)."""
         keys = jax.vmap(lambda s, c: jax.random.key_data(
             jax.random.fold_in(jax.random.key(s), c)))(self.seeds, self.counters)
-        return SamplingMetadata(self.temperature, self.top_k, self.top_p, keys,
-                                all_greedy=all_greedy)
+        return SamplingMetadata(self.temperature, self.top_k, self.top_p, keys, self.procs,
+                                all_greedy=all_greedy, processors=processors)
 
-    def advance(self, num_emitted: jax.Array) -> "SamplingState":
-        """After a step that emitted ``num_emitted [B]`` tokens per request."""
-        return dataclasses.replace(self, counters=self.counters + num_emitted.astype(jnp.int32))
+    def advance(self, num_emitted: jax.Array, emitted: jax.Array | None = None
+                ) -> "SamplingState":
+        """After a step that emitted ``num_emitted [B]`` tokens per request
+        (``emitted [B, k+1]``, -1 padded: appended to ``procs``' token history)."""
+        n = num_emitted.astype(jnp.int32)
+        procs = self.procs
+        if procs is not None:
+            w = procs.token_ids.shape[1]
+            jj = jnp.arange(emitted.shape[1], dtype=jnp.int32)[None, :]
+            col = jnp.where(jj < n[:, None], procs.num_tokens[:, None] + jj, w)
+            rows = jnp.broadcast_to(jnp.arange(n.shape[0], dtype=jnp.int32)[:, None], col.shape)
+            procs = dataclasses.replace(
+                procs, token_ids=procs.token_ids.at[rows, col].set(emitted, mode="drop"),
+                num_tokens=procs.num_tokens + n)
+        return dataclasses.replace(self, counters=self.counters + n, procs=procs)
 
 
 jax.tree_util.register_dataclass(
-    SamplingState, data_fields=["temperature", "top_k", "top_p", "seeds", "counters"],
+    SamplingState, data_fields=["temperature", "top_k", "top_p", "seeds", "counters", "procs"],
     meta_fields=[])
 
 
@@ -148,10 +170,60 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(use_p & (logits < thr), -jnp.inf, logits)
 
 
-def _process(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """Temperature then top-k/top-p; greedy rows (temperature 0) are divided by 1."""
+def _process(logits: jax.Array, temperature, top_k, top_p, min_p=None) -> jax.Array:
+    """Temperature, then min_p (when given), then top-k/top-p; greedy rows (temperature 0)
+    are divided by 1."""
     t = jnp.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
-    return apply_top_k_top_p(logits / t[..., None], top_k, top_p)
+    logits = logits / t[..., None]
+    if min_p is not None:
+        logits = apply_min_p(logits, min_p)
+    return apply_top_k_top_p(logits, top_k, top_p)
+
+
+def _pre(logits: jax.Array, sampling: SamplingMetadata, prefix_tokens=None, prefix_len=None
+         ) -> jax.Array:
+    """``logits [B, T, V]`` through the logits processors (float32; unchanged without
+    ``sampling.procs``): what greedy verification takes the argmax of."""
+    logits = logits.astype(jnp.float32)
+    if sampling.procs is None:
+        return logits
+    return apply_processors(logits, sampling.procs, prefix_tokens, prefix_len, sampling.processors)
+
+
+def _post(logits: jax.Array, sampling: SamplingMetadata) -> jax.Array:
+    """``[B, T, V]`` processed logits -> temperature, min_p, top-k / top-p."""
+    col = lambda x: x[:, None]  # noqa: E731
+    min_p = None if sampling.procs is None else col(sampling.procs.min_p)
+    return _process(logits, col(sampling.temperature), col(sampling.top_k), col(sampling.top_p),
+                    min_p)
+
+
+def process_logits(logits: jax.Array, sampling: SamplingMetadata,
+                   prefix_tokens: jax.Array | None = None, prefix_len: jax.Array | None = None
+                   ) -> jax.Array:
+    """The fully processed logits the rejection sampler and the bonus sampler draw from.
+
+    ``logits``: ``[B, V]`` or ``[B, T, V]`` (T positions per request); ``prefix_tokens
+    [B, T, D] int32`` / ``prefix_len [B, T] int32``: the drafts before each position,
+    counted as output by the processors (None: none; chain verification passes the
+    request's drafts with ``prefix_len = j`` at draft position j). Applies the logits
+    processors (``sampling.procs``), then temperature (greedy rows: 1), min_p, top-k /
+    top-p. Returns float32 of ``logits``' shape; ``softmax`` of it is the target
+    distribution, and its argmax is greedy's token.
+    """
+    squeeze = logits.ndim == 2
+    x = logits[:, None] if squeeze else logits
+    if squeeze and prefix_tokens is not None and prefix_tokens.ndim == 2:
+        prefix_tokens, prefix_len = prefix_tokens[:, None], jnp.reshape(prefix_len, (-1, 1))
+    out = _post(_pre(x, sampling, prefix_tokens, prefix_len), sampling)
+    return out[:, 0] if squeeze else out
+
+
+def _chain_prefix(drafts: jax.Array, t: int):
+    """Chain verification: position j's prefix is the request's first j drafts."""
+    b, k = drafts.shape
+    tok = jnp.broadcast_to(drafts[:, None, :], (b, t, k))
+    return tok, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
 
 
 def _keys(keys: jax.Array, stream: int, pos: jax.Array | int):
@@ -162,17 +234,31 @@ def _keys(keys: jax.Array, stream: int, pos: jax.Array | int):
         jax.vmap(lambda kk: jax.vmap(lambda p: jax.random.fold_in(kk, p))(pos))(k)
 
 
-def sample_tokens(logits: jax.Array, sampling: SamplingMetadata) -> jax.Array:
+def sample_tokens(logits: jax.Array, sampling: SamplingMetadata,
+                  prefix_tokens: jax.Array | None = None, prefix_len: jax.Array | None = None
+                  ) -> jax.Array:
     """The ordinary sampler for the bonus position: ``[B, V]`` -> ``[B] int32``.
 
     Greedy rows take the argmax; random rows sample the processed distribution with the
-    exponential trick (``argmax p / q``, ``q ~ Exp(1)``), keyed per request.
+    exponential trick (``argmax p / q``, ``q ~ Exp(1)``), keyed per request. With logits
+    processors, ``prefix_tokens [B, D]`` / ``prefix_len [B]`` are the drafts before the
+    position (see :func:`process_logits`).
     """
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if sampling.all_greedy:
-        return greedy
-    probs = jax.nn.softmax(_process(logits, sampling.temperature, sampling.top_k, sampling.top_p), -1)
+    if sampling.procs is None:       # the plain program
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if sampling.all_greedy:
+            return greedy
+        probs = jax.nn.softmax(_process(logits, sampling.temperature, sampling.top_k,
+                                        sampling.top_p), -1)
+    else:
+        if prefix_tokens is not None:
+            prefix_tokens, prefix_len = prefix_tokens[:, None], prefix_len[:, None]
+        pre = _pre(logits[:, None], sampling, prefix_tokens, prefix_len)
+        greedy = jnp.argmax(pre[:, 0], axis=-1).astype(jnp.int32)
+        if sampling.all_greedy:
+            return greedy
+        probs = jax.nn.softmax(_post(pre, sampling)[:, 0], -1)
     keys = _keys(sampling.keys, _STREAM_BONUS, 0)
     q = jax.vmap(lambda k: jax.random.exponential(k, (logits.shape[-1],)))(keys)
     sampled = jnp.argmax(probs / q, axis=-1).astype(jnp.int32)
@@ -223,9 +309,14 @@ def rejection_sample(
     tgt_logits = logits[tgt_rows].astype(jnp.float32)                 # [B, K, V]
     bonus_logits = logits[metadata.bonus_logits_indices]              # [B, V]
     greedy_row = sampling.temperature == GREEDY_TEMPERATURE
-    tgt_argmax = jnp.argmax(tgt_logits, axis=-1).astype(jnp.int32)
-    bonus = sample_tokens(bonus_logits, sampling)
     safe_drafts = jnp.clip(drafts, 0, v - 1)
+    if sampling.procs is not None:     # position j sees drafts[:j] as output; bonus all
+        if k:
+            tgt_logits = _pre(tgt_logits, sampling, *_chain_prefix(safe_drafts, k))
+        bonus = sample_tokens(bonus_logits, sampling, safe_drafts, n_draft)
+    else:
+        bonus = sample_tokens(bonus_logits, sampling)
+    tgt_argmax = jnp.argmax(tgt_logits, axis=-1).astype(jnp.int32)
 
     if synthetic_conditional_rates is not None:
         u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(_keys(sampling.keys, _STREAM_ACCEPT, 0))
@@ -242,8 +333,7 @@ def rejection_sample(
         accept, recovered = accept_g, recovered_g
     else:
         # --- random rows
-        proc = _process(tgt_logits, sampling.temperature[:, None], sampling.top_k[:, None],
-                        sampling.top_p[:, None])
+        proc = _post(tgt_logits, sampling)
         tgt_probs = jax.nn.softmax(proc, axis=-1)
         p_t = jnp.take_along_axis(tgt_probs, safe_drafts[..., None], axis=-1)[..., 0]
         if draft_probs is None:
@@ -398,6 +488,22 @@ def _tree_children(tree) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
     return table, tuple(max_kids)
 
 
+def _tree_prefix(draft_token_ids: jax.Array, tree, v: int):
+    """Tree verification: slot 0 (the root) has no prefix; slot ``1 + j`` the drafted tokens
+    of node ``j``'s path from level 1 down to ``j`` (``[B, 1 + N, depth]``, ``[B, 1 + N]``)."""
+    n, depth = tree.num_nodes, tree.depth
+    paths = [[]]
+    for j in range(n):
+        p = tree.parents[j]
+        paths.append((paths[p + 1] if p >= 0 else []) + [j])
+    table = jnp.asarray([pp + [0] * (depth - len(pp)) for pp in paths], jnp.int32)
+    lens = jnp.asarray([len(pp) for pp in paths], jnp.int32)
+    d = jnp.clip(jnp.asarray(draft_token_ids).astype(jnp.int32), 0, v - 1)
+    b = d.shape[0]
+    tok = d[:, table]                                   # [B, 1 + N, depth]
+    return tok, jnp.broadcast_to(lens[None, :], (b, n + 1))
+
+
 def tree_rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
                           num_drafts: jax.Array | None, sampling: SamplingMetadata, *, tree,
                           num_reqs=None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -430,6 +536,8 @@ def tree_rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
     """
     n, depth = tree.num_nodes, tree.depth
     logits = target_logits.astype(jnp.float32)
+    if sampling.procs is not None:     # slot 1 + j sees node j's path (its drafts) as output
+        logits = _pre(logits, sampling, *_tree_prefix(draft_token_ids, tree, logits.shape[-1]))
     tgt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     greedy = tree_greedy_verify(tgt, draft_token_ids, num_drafts, tree=tree, num_reqs=num_reqs)
     if sampling.all_greedy:
@@ -439,8 +547,7 @@ def tree_rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
     rows = jnp.arange(b, dtype=jnp.int32)
     real = jnp.ones((b,), bool) if num_reqs is None else rows < num_reqs
     nd = jnp.full((b,), n, jnp.int32) if num_drafts is None else jnp.asarray(num_drafts, jnp.int32)
-    probs = jax.nn.softmax(_process(logits, sampling.temperature[:, None],
-                                    sampling.top_k[:, None], sampling.top_p[:, None]), axis=-1)
+    probs = jax.nn.softmax(_post(logits, sampling), axis=-1)
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (n,)))(_keys(sampling.keys, _STREAM_ACCEPT, 0))
     kids, max_kids = _tree_children(tree)
     kids = jnp.asarray(kids, jnp.int32)                # [1 + N, W]

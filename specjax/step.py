@@ -66,6 +66,8 @@ class StepBatch:
         each request's key: a seeded request's tokens do not depend on the batch).
       backup_next: ``[B] int32``, each request's last committed token.
       discard: ``[B] bool``, requests whose sampled token is ignored (a partial prefill).
+      procs: ``specjax.logits_processors.ProcessorState`` (penalties, bad words, ...) or
+        None: no logits processing (the plain program; a separate compiled variant).
       all_greedy: static; every real request has temperature 0 (skips the random path).
       block_size: static; tokens per KV block of ``attn.block_table`` (tree batches move
         KV through it).
@@ -82,6 +84,7 @@ class StepBatch:
     counters: Any
     backup_next: Any
     discard: Any
+    procs: Any = None
     all_greedy: bool = False
     block_size: int = 16
 
@@ -96,7 +99,7 @@ class StepBatch:
 
 jax.tree_util.register_dataclass(
     StepBatch, data_fields=["input_ids", "positions", "attn", "sdm", "temperature", "top_k",
-                            "top_p", "seeds", "counters", "backup_next", "discard"],
+                            "top_p", "seeds", "counters", "backup_next", "discard", "procs"],
     meta_fields=["all_greedy", "block_size"])
 
 
@@ -164,12 +167,15 @@ class _Spec(NamedTuple):
     hidden: bool
     aux: bool
     tree: Any                   # TokenTree verified on tree batches, else None
+    processors: tuple = ()      # user logits processors (static)
 
 
-def _sampling(b: StepBatch) -> SamplingMetadata:
+def _sampling(b: StepBatch, processors: tuple = ()) -> SamplingMetadata:
     keys = jax.vmap(lambda s, c: jax.random.key_data(jax.random.fold_in(jax.random.key(s), c)))(
         b.seeds, b.counters)
-    return SamplingMetadata(b.temperature, b.top_k, b.top_p, keys, all_greedy=b.all_greedy)
+    return SamplingMetadata(b.temperature, b.top_k, b.top_p, keys, b.procs,
+                            all_greedy=b.all_greedy,
+                            processors=processors if b.procs is not None else ())
 
 
 def _output(sampled, drafts=None, num_drafts=None, k: int = 0) -> StepOutput:
@@ -201,7 +207,7 @@ def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBa
     logits = spec.target.compute_logits(tparams, hidden[b.sdm.logits_indices])
     rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates,
                                                                   jnp.float32)
-    sampled = rejection_sample(b.sdm, None, logits, _sampling(b), rates)
+    sampled = rejection_sample(b.sdm, None, logits, _sampling(b, spec.processors), rates)
     if spec.drafts_in == "step":
         drafts, draft_state = _propose_padded(spec, dparams, draft_state, sampled, b, hidden, aux)
         return _output(sampled, drafts.token_ids, drafts.num_drafts), target_kv, draft_state, None
@@ -232,7 +238,8 @@ def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBat
     logits = spec.target.compute_logits(tparams, hidden[idx.reshape(-1)]).reshape(bp, n_nodes + 1, -1)
     num_drafts = jnp.where(real, qlen - 1, 0)
     out, acc_nodes, n_acc = tree_rejection_sample(logits, b.input_ids[idx[:, 1:]], num_drafts,
-                                                  _sampling(b), tree=tree, num_reqs=cad.num_reqs)
+                                                  _sampling(b, spec.processors), tree=tree,
+                                                  num_reqs=cad.num_reqs)
     root_pos = jnp.where(real, cad.seq_lens - qlen, 0)          # logical position p of the root
     target_kv = compact_tree_kv(target_kv, cad.block_table, root_pos, acc_nodes, n_acc, real,
                                 block_size=b.block_size)
@@ -404,10 +411,13 @@ class Step:
       tree: the token tree a tree batch is verified on (the proposer's, when it drafts
         trees and tree verification is on), else None.
       mesh, tp_axis: tensor parallelism (None: one device).
+      logits_processors: the static tuple of user logits processors
+        (``specjax.logits_processors``; a batch's ``procs.selector`` picks one per request).
     """
 
     def __init__(self, target, proposer: Proposer | None, *, mesh: Any = None,
-                 tp_axis: str = "tp", tree_verification: bool | None = None) -> None:
+                 tp_axis: str = "tp", tree_verification: bool | None = None,
+                 logits_processors: tuple = ()) -> None:
         from specjax.models import DecoderLM
 
         if not isinstance(target, DecoderLM):
@@ -441,12 +451,13 @@ class Step:
         self.tree = _resolve_tree(proposer, tree_verification)
         self.synthetic_rates = _synthetic_rates(proposer, self.tree)
         in_step = feed is not None and feed.in_step
+        self.logits_processors = _check_processors(logits_processors)
         self._spec = _Spec(
             target=target, impl=proposer.impl if in_step else None, k=self.k, vocab_size=vocab,
             synthetic_rates=self.synthetic_rates,
             drafts_in="none" if feed is None else feed.drafts_in,
             hidden=in_step and feed.hidden_states, aux=in_step and feed.aux_hidden_states,
-            tree=self.tree)
+            tree=self.tree, processors=self.logits_processors)
 
     # -- placement -----------------------------------------------------------------
 
@@ -549,7 +560,7 @@ class Step:
 
 
 def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: str = "tp",
-              tree_verification: bool | None = None) -> Step:
+              tree_verification: bool | None = None, logits_processors: tuple = ()) -> Step:
     """The fused speculative step of ``target`` (a ``specjax.models.DecoderLM``) with
     ``proposer`` (``specjax.make_proposer``; None for plain decoding).
 
@@ -558,13 +569,27 @@ def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: s
     make the caches with ``step.init_caches``). ``tree_verification``: None (default)
     verifies trees when the proposer's token tree branches; True forces the tree path for a
     chain tree (needs an in-step proposer with a tree); False verifies chains.
+    ``logits_processors``: a tuple of pure JAX functions ``fn(logits [T, V], params [T, P],
+    (token_ids [T, L], num_tokens [T], position [T])) -> [T, V]`` (see
+    ``specjax.logits_processors``; docs/sampling.md has an example).
     Raises ValueError (vocabulary mismatch, a tree of the wrong size, synthetic acceptance
     with trees, ...) before anything compiles.
     """
     from specjax.checks import check_type
 
     check_type("tp_axis", tp_axis, str, "a mesh axis name (str)")
-    return Step(target, proposer, mesh=mesh, tp_axis=tp_axis, tree_verification=tree_verification)
+    return Step(target, proposer, mesh=mesh, tp_axis=tp_axis, tree_verification=tree_verification,
+                logits_processors=logits_processors)
+
+
+def _check_processors(procs) -> tuple:
+    """``logits_processors`` as a tuple of callables (ValueError naming it otherwise)."""
+    if isinstance(procs, list):
+        procs = tuple(procs)
+    if not isinstance(procs, tuple) or not all(callable(f) for f in procs):
+        raise ValueError(f"logits_processors must be a tuple of functions (logits, params, "
+                         f"context) -> logits, got {procs!r}")
+    return procs
 
 
 def _resolve_tree(proposer: Proposer | None, tree_verification) -> TokenTree | None:

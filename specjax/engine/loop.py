@@ -17,6 +17,8 @@ from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
 from specjax.checks import check_int, check_opt_int
 from specjax.runtime_checks import check_engine_args as _check_engine_args
 from specjax.constants import next_power_of_2
+from specjax.logits_processors import (ProcessorLimits, check_limits, check_request,
+                                       make_processor_state)
 from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_size, loop_support,
                                  make_loop_state)
 from specjax.engine.diagnostics import Diagnostics
@@ -86,6 +88,12 @@ class Engine(Diagnostics):
         as ``steps_per_sync=1`` (greedy and seeded sampling; tree verification too).
         Proposers the device loop does not run (host n-gram, suffix, the non-padded drafter
         batch) are refused by name.
+      logits_processors: a static tuple of user logits processors (pure JAX functions,
+        ``specjax.logits_processors``; a request picks one with
+        ``SamplingParams.logits_processor``). See docs/sampling.md.
+      processor_limits: ``specjax.logits_processors.ProcessorLimits``, the fixed padded
+        sizes of logit_bias, bad_words, allowed_token_ids, min_tokens' stop ids and
+        processor parameters (a request beyond one is refused naming it); None: defaults.
       loop_early_exit: the device loop's form (``specjax.decode_loop.decode_loop``'s
         ``early_exit``): True (default) stops at once when every request has finished or
         one finished while another waits; False always runs ``steps_per_sync`` iterations
@@ -99,7 +107,8 @@ class Engine(Diagnostics):
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
                  min_tokens_per_step: int = 1, tree_verification: bool | None = None,
                  mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
-                 loop_early_exit: bool = True) -> None:
+                 loop_early_exit: bool = True, logits_processors: tuple = (),
+                 processor_limits: ProcessorLimits | None = None) -> None:
         from specjax.models import DecoderLM
 
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
@@ -127,8 +136,10 @@ class Engine(Diagnostics):
                 if got is not None and got != want:
                     raise ValueError(f"the proposer was built with {name}={got}, the engine uses {want}")
         # The public step: the proposer's Feed decides everything below.
+        self.processor_limits = check_limits(processor_limits)
         self.step = make_step(target.model, proposer, mesh=mesh, tp_axis=tp_axis,
-                              tree_verification=tree_verification)
+                              tree_verification=tree_verification,
+                              logits_processors=logits_processors)
         self.feed = feed
         self.proposer = self.step.proposer
         self.k = self.step.k
@@ -241,6 +252,9 @@ class Engine(Diagnostics):
             r = _Request(index=i, req_id=f"req-{next(_req_counter)}", prompt=p, params=sp,
                          seed=int(sp.seed if sp.seed is not None else rng.integers(0, 2**31 - 1)) % 2**32,
                          stop_ids=frozenset(stops))
+            r.proc = sp.processing(stops)
+            check_request(f"sampling_params[{i}]", r.proc, self.processor_limits, self.vocab_size,
+                          len(self.step.logits_processors))
             r.reserve = self._worst_blocks(len(p), sp.max_tokens)
             reqs.append(r)
             waiting.append(r)
@@ -281,31 +295,39 @@ class Engine(Diagnostics):
 
     def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
                context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
-               stop_pads: Sequence[int] = (1, 2)) -> int:
+               stop_pads: Sequence[int] = (1, 2), logits_processing: Sequence[bool] = (False,)
+               ) -> int:
         """Compile the step for every combination of the given buckets ahead of time (a
         dummy step with no real request, which writes nothing). Returns the number of
         variants compiled. ``context_blocks`` None: the widest (``max_model_len``).
         With ``steps_per_sync > 1`` the device loop is compiled too, for every batch size,
         context width, ``all_greedy`` and ``stop_pads`` (stop-id columns: the power of two
-        >= the most stop ids, EOS included, of a running request)."""
+        >= the most stop ids, EOS included, of a running request). ``logits_processing``:
+        the plain variant (False) and / or the one with logits processors (True: a batch in
+        which some request uses penalties, bad words, ... ; one fixed shape,
+        ``processor_limits``)."""
         if context_blocks is None:
             context_blocks = [self.max_blocks_per_req]
         before = step_cache_size() + loop_cache_size()
         phases = (False,) if self.tree is None else (False, True)
-        for b, q, c, g, tv in itertools.product(batch_sizes, query_lens, context_blocks, all_greedy,
-                                                phases):
+        for b, q, c, g, tv, lp in itertools.product(batch_sizes, query_lens, context_blocks,
+                                                    all_greedy, phases, logits_processing):
             if int(b) * int(q) < self.min_tokens_per_step:      # as _buckets pads it
                 q = _pick(self.query_buckets, -(-self.min_tokens_per_step // int(b)))
             batch = self._dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g))
+            if lp:
+                batch = dataclasses.replace(batch, procs=self._empty_procs(int(b)))
             jax.block_until_ready(self._run(batch))
         if self.steps_per_sync > 1:
-            for b, c, g, s in itertools.product(batch_sizes, context_blocks, all_greedy, stop_pads):
+            for b, c, g, s, lp in itertools.product(batch_sizes, context_blocks, all_greedy,
+                                                    stop_pads, logits_processing):
                 _, q, _ = self._buckets(int(b), self.k + 1, 1)
                 state = make_loop_state(
                     last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
                     block_ids=[], k=self.k, num_reqs_pad=int(b), blocks_per_req_pad=int(c),
                     query_len_pad=q, max_model_len=self.max_model_len, block_size=self.block_size,
-                    stop_pad=int(s), history=[] if self.drafts_in == "history" else None)
+                    stop_pad=int(s), history=[] if self.drafts_in == "history" else None,
+                    procs=self._empty_procs(int(b)) if lp else None)
                 out, self.target_kv, self.draft_state, _ = decode_loop(
                     self.step, self.target.params, self.step.draft_params, self.target_kv,
                     self.draft_state, dataclasses.replace(state, all_greedy=bool(g)),
@@ -363,8 +385,23 @@ class Engine(Diagnostics):
             max_spec_len=self.k, temperature=[r.params.temperature for r in running],
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
             seeds=[r.seed for r in running], num_output_tokens=[len(r.output) for r in running],
-            tree=self.tree if tree_verify else None)
+            tree=self.tree if tree_verify else None, procs=self._procs(running, B))
         return batch, qlens, B
+
+    def _empty_procs(self, B: int):
+        """A ``ProcessorState`` of ``B`` padding rows (compiles the processing variant)."""
+        return make_processor_state([], [], [], num_reqs_pad=B, max_len=self.max_model_len,
+                                    limits=self.processor_limits)
+
+    def _procs(self, running: list[_Request], B: int):
+        """The batch's ``ProcessorState`` (token histories from ``tok_buf``), or None when no
+        running request uses a logits-processing feature (the plain program)."""
+        if not any(r.proc is not None and r.proc.active for r in running):
+            return None
+        return make_processor_state(
+            [r.proc for r in running], [self.tok_buf[r.row, : r.num_tokens] for r in running],
+            [len(r.prompt) for r in running], num_reqs_pad=B, max_len=self.max_model_len,
+            limits=self.processor_limits)
 
     def _dummy_batch(self, B: int, Q: int, C: int, tree_verify: bool = False,
                      all_greedy: bool = True) -> StepBatch:
@@ -406,7 +443,7 @@ class Engine(Diagnostics):
             stop_pad=next_power_of_2(max([1] + [len(r.stop_ids) for r in running])),
             temperature=[r.params.temperature for r in running],
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
-            seeds=[r.seed for r in running], history=hist)
+            seeds=[r.seed for r in running], history=hist, procs=self._procs(running, B))
 
     def _sync(self, running: list[_Request], stop_on_finish: bool
               ) -> list[tuple[SpecDecodingStats | None, list[_Request]]]:
@@ -558,7 +595,8 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
              tp_axis: str = "tp", steps_per_sync: int | None = None,
-             loop_early_exit: bool = True) -> GenerateResult:
+             loop_early_exit: bool = True, logits_processors: tuple = (),
+             processor_limits: ProcessorLimits | None = None) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -595,6 +633,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     batch_buckets=batch_buckets, query_buckets=query_buckets,
                     context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step,
                     mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync,
-                    loop_early_exit=loop_early_exit)
+                    loop_early_exit=loop_early_exit, logits_processors=logits_processors,
+                    processor_limits=processor_limits)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)

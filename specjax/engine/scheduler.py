@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 from specjax.constants import next_power_of_2
 from specjax.engine.types import SamplingParams
@@ -26,6 +26,7 @@ class _Request:
     finish_reason: str | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    proc: Any = None            # specjax.logits_processors.RequestProcessing
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,19 @@ class SamplingParams:
         gives the same tokens whatever else is in the batch.
       stop_token_ids: generation stops after emitting any of these (the token is kept).
       ignore_eos: do not stop on ``generate``'s ``eos_token_id``.
+      presence_penalty, frequency_penalty: subtracted once / per occurrence for tokens in
+        the output (0 disables; in [-2, 2] as vLLM); repetition_penalty: > 0, over prompt
+        and output (1 disables).
+      min_p: in [0, 1]; tokens below ``min_p`` times the top probability are dropped.
+      logit_bias: ``{token_id: bias}`` added to the logits (bias in [-100, 100]).
+      bad_words: token-id sequences never completed (strings need a tokenizer: refused).
+      allowed_token_ids: only these may be sampled (None: all).
+      min_tokens: stop and EOS tokens are suppressed until this many were generated.
+      logits_processor: index into the engine's ``logits_processors`` (-1: none);
+        logits_processor_params: its per-request float parameters.
+      Refused by name when set: ``n`` / ``best_of`` other than 1 / None, ``prompt_logprobs``,
+      ``structured_outputs`` (structured-output engines), ``stop`` (stop strings need
+      detokenization).
     """
 
     max_tokens: int = 16
@@ -33,6 +46,21 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: Any = None
+    bad_words: Any = ()
+    allowed_token_ids: Any = None
+    min_tokens: int = 0
+    logits_processor: int = -1
+    logits_processor_params: tuple[float, ...] = ()
+    n: int = 1
+    best_of: Any = None
+    prompt_logprobs: Any = None
+    structured_outputs: Any = None
+    stop: Any = None
 
     def __post_init__(self) -> None:
         def is_int(v):
@@ -54,6 +82,70 @@ class SamplingParams:
 
         stops = check_int_sequence("stop_token_ids", self.stop_token_ids, 0)
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+        _check_processing(self)
+
+    def processing(self, stop_ids=()) -> Any:
+        """This request's ``specjax.logits_processors.RequestProcessing`` (``stop_ids``:
+        what ``min_tokens`` suppresses: stop_token_ids plus EOS)."""
+        from specjax.logits_processors import RequestProcessing
+
+        return RequestProcessing(
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_p,
+            self.logit_bias, self.bad_words, self.allowed_token_ids, self.min_tokens,
+            tuple(sorted(stop_ids)) if self.min_tokens else (), self.logits_processor,
+            self.logits_processor_params)
+
+
+def _check_processing(sp: "SamplingParams") -> None:
+    """The logits-processing fields of ``sp`` (normalized in place) and the refused ones."""
+    from specjax.checks import (ArgumentError, check_int, check_int_sequence, check_number,
+                                show)
+
+    def put(name, v):
+        object.__setattr__(sp, name, v)
+
+    if sp.n != 1 or sp.best_of not in (None, 1):
+        raise ArgumentError(f"n={show(sp.n)} / best_of={show(sp.best_of)}: several sequences "
+                            f"per request are not supported (allowed: n=1, best_of None or 1)")
+    for name in ("prompt_logprobs", "structured_outputs"):
+        if getattr(sp, name) is not None:
+            raise ArgumentError(f"{name}={show(getattr(sp, name))} is not supported (allowed: None)")
+    if sp.stop:
+        raise ArgumentError(f"stop={show(sp.stop)}: stop strings need detokenization, which "
+                            f"specjax does not do; use stop_token_ids (allowed: None or [])")
+    put("presence_penalty", check_number("presence_penalty", sp.presence_penalty, -2.0, 2.0))
+    put("frequency_penalty", check_number("frequency_penalty", sp.frequency_penalty, -2.0, 2.0))
+    rp = check_number("repetition_penalty", sp.repetition_penalty, 0.0)
+    if rp <= 0:
+        raise ArgumentError(f"repetition_penalty must be > 0 (1 disables), got {show(rp)}")
+    put("repetition_penalty", rp)
+    put("min_p", check_number("min_p", sp.min_p, 0.0, 1.0))
+    if sp.logit_bias is not None:
+        if not isinstance(sp.logit_bias, dict):
+            raise ArgumentError(f"logit_bias must be a dict {{token_id: bias}} or None, got "
+                                f"{show(sp.logit_bias)}")
+        put("logit_bias", {check_int(f"logit_bias key {show(t)}", t, 0):
+                           check_number(f"logit_bias[{t}]", b, -100.0, 100.0)
+                           for t, b in sp.logit_bias.items()} or None)
+    if isinstance(sp.bad_words, (str, bytes)) or not isinstance(sp.bad_words, (list, tuple)):
+        raise ArgumentError(f"bad_words must be a list of token-id lists (strings need a "
+                            f"tokenizer), got {show(sp.bad_words)}")
+    put("bad_words", tuple(check_int_sequence(f"bad_words[{i}]", w, 0, min_len=1)
+                           for i, w in enumerate(sp.bad_words)))
+    if sp.allowed_token_ids is not None:
+        put("allowed_token_ids", check_int_sequence("allowed_token_ids", sp.allowed_token_ids,
+                                                    0, min_len=1))
+    put("min_tokens", check_int("min_tokens", sp.min_tokens, 0))
+    if sp.min_tokens > sp.max_tokens:
+        raise ArgumentError(f"min_tokens={sp.min_tokens} must be <= max_tokens={sp.max_tokens}")
+    put("logits_processor", check_int("logits_processor", sp.logits_processor, -1))
+    if isinstance(sp.logits_processor_params, (str, bytes)) or not isinstance(
+            sp.logits_processor_params, (list, tuple)):
+        raise ArgumentError(f"logits_processor_params must be a list of numbers, got "
+                            f"{show(sp.logits_processor_params)}")
+    put("logits_processor_params", tuple(
+        check_number(f"logits_processor_params[{i}]", x)
+        for i, x in enumerate(sp.logits_processor_params)))
 
 
 class RequestOutput(NamedTuple):
