@@ -22,6 +22,7 @@ from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_siz
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
+from specjax.logprobs import logprobs_bucket, request_logprobs
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
 from specjax.sampler import PLACEHOLDER_TOKEN_ID
@@ -92,6 +93,9 @@ class Engine(Diagnostics):
         ``early_exit``): True (default) stops at once when every request has finished or
         one finished while another waits; False always runs ``steps_per_sync`` iterations
         (a known trip count, the rest masked).
+      logprobs_mode: vLLM's ``LogprobsMode`` of the logprobs requests ask for with
+        ``SamplingParams.logprobs`` (``specjax.logprobs.LOGPROBS_MODES``; default
+        ``"raw_logprobs"``).
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -101,7 +105,7 @@ class Engine(Diagnostics):
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
                  min_tokens_per_step: int = 2, tree_verification: bool | None = None,
                  mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
-                 loop_early_exit: bool = True) -> None:
+                 loop_early_exit: bool = True, logprobs_mode: str = "raw_logprobs") -> None:
         from specjax.models import DecoderLM
 
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
@@ -130,7 +134,7 @@ class Engine(Diagnostics):
                     raise ValueError(f"the proposer was built with {name}={got}, the engine uses {want}")
         # The public step: the proposer's Feed decides everything below.
         self.step = make_step(target.model, proposer, mesh=mesh, tp_axis=tp_axis,
-                              tree_verification=tree_verification)
+                              tree_verification=tree_verification, logprobs_mode=logprobs_mode)
         self.feed = feed
         self.proposer = self.step.proposer
         self.k = self.step.k
@@ -277,8 +281,8 @@ class Engine(Diagnostics):
             for r in running:
                 self._release(r)
         elapsed = time.perf_counter() - t0
-        outs = [RequestOutput(r.prompt, r.output, r.finish_reason, r.num_drafted, r.num_accepted)
-                for r in reqs]
+        outs = [RequestOutput(r.prompt, r.output, r.finish_reason, r.num_drafted, r.num_accepted,
+                              None if r.params.logprobs is None else r.logprobs) for r in reqs]
         return GenerateResult(outs, total, steps, elapsed)
 
     def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
@@ -366,6 +370,8 @@ class Engine(Diagnostics):
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
             seeds=[r.seed for r in running], num_output_tokens=[len(r.output) for r in running],
             tree=self.tree if tree_verify else None)
+        batch = dataclasses.replace(batch, num_logprobs=logprobs_bucket(
+            [r.params.logprobs for r in running]))
         return batch, qlens, B
 
     def _dummy_batch(self, B: int, Q: int, C: int, tree_verify: bool = False,
@@ -397,7 +403,7 @@ class Engine(Diagnostics):
         B, Q, C = self._buckets(len(running), k + 1, max(len(r.blocks) for r in running))
         hist = ([self.tok_buf[r.row, : r.num_tokens] for r in running]
                 if self.drafts_in == "history" else None)
-        return make_loop_state(
+        state = make_loop_state(
             last_token=[r.token(r.num_tokens - 1) for r in running],
             num_computed=[r.num_computed for r in running], drafts=[r.drafts for r in running],
             max_tokens=[r.params.max_tokens for r in running],
@@ -409,6 +415,8 @@ class Engine(Diagnostics):
             temperature=[r.params.temperature for r in running],
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
             seeds=[r.seed for r in running], history=hist)
+        return dataclasses.replace(state, num_logprobs=logprobs_bucket(
+            [r.params.logprobs for r in running]))
 
     def _sync(self, running: list[_Request], stop_on_finish: bool
               ) -> list[tuple[SpecDecodingStats | None, list[_Request]]]:
@@ -438,6 +446,9 @@ class Engine(Diagnostics):
                     r.num_accepted += n_acc
                 r.num_computed += 1 + n_acc
                 kept = out.tokens[it, i, :c].tolist()
+                if r.params.logprobs is not None:
+                    r.logprobs += request_logprobs(jax.tree.map(lambda a: a[it], out.logprobs),
+                                                   i, c, r.params.logprobs)
                 for j, tok in enumerate(kept):
                     r.output.append(tok)
                     if tok in r.stop_ids:
@@ -506,6 +517,8 @@ class Engine(Diagnostics):
                     r.finish_reason = "length"
                 if r.finish_reason:
                     break
+            if r.params.logprobs is not None:
+                r.logprobs += request_logprobs(out.logprobs, i, len(kept), r.params.logprobs)
             if r.row >= 0:
                 start = r.num_tokens - len(kept)
                 self.tok_buf[r.row, start : r.num_tokens] = kept
@@ -560,7 +573,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
              tp_axis: str = "tp", steps_per_sync: int | None = None,
-             loop_early_exit: bool = True) -> GenerateResult:
+             loop_early_exit: bool = True, logprobs_mode: str = "raw_logprobs") -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -597,6 +610,6 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     batch_buckets=batch_buckets, query_buckets=query_buckets,
                     context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step,
                     mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync,
-                    loop_early_exit=loop_early_exit)
+                    loop_early_exit=loop_early_exit, logprobs_mode=logprobs_mode)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)

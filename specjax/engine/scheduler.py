@@ -26,6 +26,7 @@ class _Request:
     finish_reason: str | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    logprobs: list = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

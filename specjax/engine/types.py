@@ -24,6 +24,9 @@ class SamplingParams:
         gives the same tokens whatever else is in the batch.
       stop_token_ids: generation stops after emitting any of these (the token is kept).
       ignore_eos: do not stop on ``generate``'s ``eos_token_id``.
+      logprobs: None (off) or ``n`` in 0..20: each generated token's logprob and rank and
+        the top-``n`` (``RequestOutput.logprobs``; values per the engine's
+        ``logprobs_mode``; ``specjax.logprobs``).
     """
 
     max_tokens: int = 16
@@ -33,6 +36,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def is_int(v):
@@ -54,18 +58,24 @@ class SamplingParams:
 
         stops = check_int_sequence("stop_token_ids", self.stop_token_ids, 0)
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+        from specjax.logprobs import check_num_logprobs
+
+        object.__setattr__(self, "logprobs", check_num_logprobs("logprobs", self.logprobs))
 
 
 class RequestOutput(NamedTuple):
     """One request's result: ``token_ids`` generated (prompt excluded), ``finish_reason``
     ``"stop"`` (stop / EOS token, kept in ``token_ids``) or ``"length"`` (``max_tokens`` or
-    ``max_model_len``), and its draft counts."""
+    ``max_model_len``), its draft counts, and ``logprobs``: None unless
+    ``SamplingParams.logprobs`` was set, else one ``{token_id: Logprob(logprob, rank)}``
+    per generated token (vLLM's ``SampleLogprobs``; ``specjax.logprobs``)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str
     num_draft_tokens: int
     num_accepted_tokens: int
+    logprobs: list | None = None
 
 
 @dataclasses.dataclass
