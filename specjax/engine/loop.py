@@ -22,7 +22,7 @@ from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_siz
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
-from specjax.logprobs import logprobs_bucket, request_logprobs
+from specjax.logprobs import check_logprobs_mode, logprobs_bucket, request_logprobs
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
 from specjax.sampler import PLACEHOLDER_TOKEN_ID
@@ -108,6 +108,7 @@ class Engine(Diagnostics):
                  loop_early_exit: bool = True, logprobs_mode: str = "raw_logprobs") -> None:
         from specjax.models import DecoderLM
 
+        check_logprobs_mode(logprobs_mode)
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
             if len(target) != 2:
                 raise ValueError("target must be TargetModel(model, params) or a (model, params) pair")
