@@ -345,6 +345,40 @@ def test_tree_verification_logprobs_equal_plain(n_sync):
         assert_same_logprobs(out, plain(mode), (NS * 4)[: len(PARAMS_A)])
 
 
+@pytest.mark.skipif("eagle3" not in METHODS, reason="needs EAGLE-3")
+def test_non_padded_drafter_batch_keeps_logprobs():
+    """vLLM's non-padded mode (the drafts come from a second call after the host's
+    prepare_inputs): the step's logprobs survive it."""
+    prop = build("eagle3", 3, disable_padded_drafter_batch=True)
+    assert prop.feed.drafts_in == "split"
+    out = generate(target(), prop, PROMPTS_A, _with_logprobs(PARAMS_A), **FIXED)
+    assert_same_logprobs(out, plain("raw_logprobs"), (NS * 4)[: len(PARAMS_A)])
+
+
+def test_warmup_compiles_the_logprobs_buckets():
+    """``Engine.warmup(num_logprobs=...)`` compiles the logprobs variants (per step and in
+    the device loop): a mixed run afterwards compiles nothing."""
+    from specjax.decode_loop import loop_cache_size
+
+    eng = Engine(target(), build("eagle3", 3), max_num_seqs=4, **FIXED)
+    with pytest.raises(ValueError, match="num_logprobs"):
+        eng.warmup([4], [16], num_logprobs=(99,))
+    # the batch's bucket follows its running requests' largest n: 4 (n = 3), then 2, 0, off
+    eng.warmup([4], [16], all_greedy=(True,), num_logprobs=(None, 0, 2, 3))
+    before = step_cache_size() + loop_cache_size()
+    ns = (None, 3, 0, 2)
+    out = eng.generate(PROMPTS_A, _with_logprobs(PARAMS_A, ns))
+    assert step_cache_size() + loop_cache_size() == before
+    assert out.token_ids == plain("raw_logprobs").token_ids
+    for o, w, n in zip(out.outputs, plain("raw_logprobs").outputs, ns):
+        if n is not None:      # plain asked each request for NS's n: compare the emitted entries
+            assert all(len(d) in (n, n + 1) for d in o.logprobs)
+            for tok, d, e in zip(o.token_ids, o.logprobs, w.logprobs or [{}] * len(o.token_ids)):
+                if tok in e:
+                    assert abs(d[tok].logprob - e[tok].logprob) <= TOL and d[tok].rank == e[tok].rank
+    assert [o.logprobs is None for o in out.outputs] == [n is None for n in ns]
+
+
 # --- off by default -----------------------------------------------------------------------
 
 

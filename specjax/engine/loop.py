@@ -22,7 +22,8 @@ from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_siz
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
-from specjax.logprobs import check_logprobs_mode, logprobs_bucket, request_logprobs
+from specjax.logprobs import (check_logprobs_mode, check_num_logprobs, logprobs_bucket,
+                              request_logprobs)
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
 from specjax.sampler import PLACEHOLDER_TOKEN_ID
@@ -288,25 +289,32 @@ class Engine(Diagnostics):
 
     def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
                context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
-               stop_pads: Sequence[int] = (1, 2)) -> int:
+               stop_pads: Sequence[int] = (1, 2),
+               num_logprobs: Sequence[int | None] = (None,)) -> int:
         """Compile the step for every combination of the given buckets ahead of time (a
         dummy step with no real request, which writes nothing). Returns the number of
         variants compiled. ``context_blocks`` None: the widest (``max_model_len``).
         With ``steps_per_sync > 1`` the device loop is compiled too, for every batch size,
         context width, ``all_greedy`` and ``stop_pads`` (stop-id columns: the power of two
-        >= the most stop ids, EOS included, of a running request)."""
+        >= the most stop ids, EOS included, of a running request). ``num_logprobs``: the
+        largest ``SamplingParams.logprobs`` among a batch's running requests (None: none
+        asks), each compiled as its bucket (``specjax.logprobs.logprobs_bucket``); list
+        every value the running requests' largest ``n`` can take as requests finish."""
+        lps = sorted({logprobs_bucket([check_num_logprobs("num_logprobs", n)]) for n in num_logprobs},
+                     key=lambda n: -1 if n is None else n)
         if context_blocks is None:
             context_blocks = [self.max_blocks_per_req]
         before = step_cache_size() + loop_cache_size()
         phases = (False,) if self.tree is None else (False, True)
-        for b, q, c, g, tv in itertools.product(batch_sizes, query_lens, context_blocks, all_greedy,
-                                                phases):
+        for b, q, c, g, tv, lp in itertools.product(batch_sizes, query_lens, context_blocks,
+                                                    all_greedy, phases, lps):
             if int(b) * int(q) < self.min_tokens_per_step:      # as _buckets pads it
                 q = _pick(self.query_buckets, -(-self.min_tokens_per_step // int(b)))
             batch = self._dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g))
-            jax.block_until_ready(self._run(batch))
+            jax.block_until_ready(self._run(dataclasses.replace(batch, num_logprobs=lp)))
         if self.steps_per_sync > 1:
-            for b, c, g, s in itertools.product(batch_sizes, context_blocks, all_greedy, stop_pads):
+            for b, c, g, s, lp in itertools.product(batch_sizes, context_blocks, all_greedy,
+                                                    stop_pads, lps):
                 _, q, _ = self._buckets(int(b), self.k + 1, 1)
                 state = make_loop_state(
                     last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
@@ -315,7 +323,7 @@ class Engine(Diagnostics):
                     stop_pad=int(s), history=[] if self.drafts_in == "history" else None)
                 out, self.target_kv, self.draft_state, _ = decode_loop(
                     self.step, self.target.params, self.step.draft_params, self.target_kv,
-                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g)),
+                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g), num_logprobs=lp),
                     steps_per_sync=self.steps_per_sync, early_exit=self.loop_early_exit)
                 jax.block_until_ready(out)
         return step_cache_size() + loop_cache_size() - before
