@@ -9,7 +9,8 @@ References, independent of the code under test:
 * plain (non-speculative) decoding of the same target: greedy speculative decoding must give
   the same tokens, the same top-n ids (except at ties) and values within 1e-5 (fp32, CPU),
   ranks equal: vLLM's ``test_spec_decode_logprobs`` (tests/v1/sample/test_logprobs.py,
-  n-gram and EAGLE-3 at k = 3, ``logprobs`` 0 and 3, every ``LogprobsMode``) restated;
+  n-gram and EAGLE-3 at k = 3, ``logprobs`` 0 and 3, every ``LogprobsMode``) restated
+  (its ``presence_penalty`` request belongs with the penalties, not here);
 * a dense forward of the emitted sequence (no paging, no speculation) for sampled runs;
 * the per-step path for the device-resident loop.
 """
