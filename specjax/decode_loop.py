@@ -36,6 +36,8 @@ loop state; each iteration a request's key is ``fold_in(key(seed), tokens genera
 far)``, as in the per-step path, so seeded sampling emits the same tokens in both. The
 logits processors' state (``SamplingState.procs``: penalties, bad words, ..., with the token
 history they read) rides there too and is extended with each iteration's emitted tokens.
+Logprobs (``LoopState.num_logprobs`` set, ``specjax.logprobs``): each iteration's, as the
+step computes them, in ``LoopOutput.logprobs`` (slots cut by a stop are padding).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import numpy as np
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
+from specjax.logprobs import Logprobs, check_num_logprobs, mask_slots
 from specjax.sampler import PLACEHOLDER_TOKEN_ID, SamplingState
 from specjax.step import StepBatch, _step
 
@@ -78,6 +81,7 @@ class LoopState:
         token-history proposer (n-gram GPU), else None.
       num_reqs: 0-d int32, rows in use.
       all_greedy, max_model_len, block_size, query_len_pad: static.
+      num_logprobs: static top-n bucket of ``LoopOutput.logprobs`` (None: off).
     """
 
     last_token: Any
@@ -95,6 +99,7 @@ class LoopState:
     max_model_len: int = 2048
     block_size: int = 16
     query_len_pad: int = 1
+    num_logprobs: int | None = None
 
     @property
     def num_reqs_pad(self) -> int:
@@ -105,7 +110,7 @@ jax.tree_util.register_dataclass(
     LoopState, data_fields=["last_token", "num_computed", "drafts", "num_drafts", "max_tokens",
                             "stop_ids", "finished", "block_table", "sampling", "history",
                             "num_reqs"],
-    meta_fields=["all_greedy", "max_model_len", "block_size", "query_len_pad"])
+    meta_fields=["all_greedy", "max_model_len", "block_size", "query_len_pad", "num_logprobs"])
 
 
 class LoopOutput(NamedTuple):
@@ -117,6 +122,8 @@ class LoopOutput(NamedTuple):
       that iteration). num_drafts: ``[N, B]``, drafts verified; num_accepted: ``[N, B]``,
       drafts accepted (before any stop cut the emitted tokens, as the per-step loop counts
       them). finished: ``[B] bool`` after the call. num_iters: 0-d, iterations run.
+      logprobs: ``specjax.logprobs.Logprobs`` of the emitted tokens with a leading ``[N]``
+      axis (slots not emitted are padding), or None without ``num_logprobs``.
     """
 
     tokens: Any
@@ -125,6 +132,7 @@ class LoopOutput(NamedTuple):
     num_accepted: Any
     finished: Any
     num_iters: Any
+    logprobs: Any = None
 
 
 def loop_blocks_needed(num_computed: int, *, steps_per_sync: int, k: int, lookahead: int,
@@ -331,7 +339,7 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[
         top_k=s.top_k, top_p=s.top_p, seeds=s.seeds, counters=s.counters,
         backup_next=jnp.where(real, st.last_token, 0).astype(jnp.int32),
         discard=jnp.zeros((b,), jnp.bool_), procs=s.procs, all_greedy=st.all_greedy,
-        block_size=bs)
+        block_size=bs, num_logprobs=st.num_logprobs)
     return batch, nd
 
 
@@ -371,6 +379,11 @@ def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, targe
     rec = (jnp.full((n_iters, b, k + 1), PLACEHOLDER_TOKEN_ID, jnp.int32),
            jnp.zeros((n_iters, b), jnp.int32), jnp.zeros((n_iters, b), jnp.int32),
            jnp.zeros((n_iters, b), jnp.int32))
+    if st.num_logprobs is not None:
+        m = st.num_logprobs + 1
+        rec = rec + (Logprobs(jnp.full((n_iters, b, k + 1, m), -1, jnp.int32),
+                              jnp.full((n_iters, b, k + 1, m), -jnp.inf, jnp.float32),
+                              jnp.full((n_iters, b, k + 1), -1, jnp.int32)),)
 
     def go(st):
         alive = jnp.any(real & ~st.finished)
@@ -381,7 +394,7 @@ def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, targe
         return (carry[0] < n_iters) & go(carry[2])
 
     def body(carry):
-        i, n_run, st, tkv, dstate, (toks, cnts, nds, accs) = carry
+        i, n_run, st, tkv, dstate, (toks, cnts, nds, accs, *lps) = carry
         # fixed trip count: once the loop should have ended, every row sits the remaining
         # iterations out (no target KV written, nothing emitted, the state kept)
         halt = jnp.zeros((), jnp.bool_) if early_exit else ~go(st)
@@ -411,6 +424,9 @@ def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, targe
                                  sampling=st.sampling.advance(emit, emitted), history=hist)
         rec = (toks.at[i].set(emitted), cnts.at[i].set(emit), nds.at[i].set(nd),
                accs.at[i].set(n_acc))
+        if lps:
+            lp = mask_slots(out.logprobs, emitted != PLACEHOLDER_TOKEN_ID)
+            rec = rec + (jax.tree.map(lambda a, x: a.at[i].set(x), lps[0], lp),)
         return i + 1, n_run + (~halt).astype(jnp.int32), st, tkv, dstate, rec
 
     zero = jnp.zeros((), jnp.int32)
@@ -419,8 +435,9 @@ def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, targe
         carry = jax.lax.while_loop(cond, body, carry)
     else:   # a known trip count: no predicate read back to the host per iteration
         carry = jax.lax.fori_loop(0, n_iters, lambda _, c: body(c), carry)
-    _, n_run, st, target_kv, draft_state, (toks, cnts, nds, accs) = carry
-    return LoopOutput(toks, cnts, nds, accs, st.finished, n_run), target_kv, draft_state, st
+    _, n_run, st, target_kv, draft_state, (toks, cnts, nds, accs, *lps) = carry
+    return (LoopOutput(toks, cnts, nds, accs, st.finished, n_run, lps[0] if lps else None),
+            target_kv, draft_state, st)
 
 
 _loop_jit = jax.jit(_loop, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 8))
@@ -490,6 +507,7 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
         if state.history is None:
             raise ValueError("this proposer drafts from the token history: build the state with "
                              "make_loop_state(history=...)")
+    check_num_logprobs("state.num_logprobs", state.num_logprobs)
     spec = step._spec
     dparams = draft_params if spec.impl is not None else None
     if early_exit not in (True, False):

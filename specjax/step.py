@@ -42,6 +42,8 @@ from specjax.metadata import SpecDecodeMetadata
 from specjax.proposers import Proposer, ProposerInputs
 from specjax.sampler import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_sample,
                              tree_rejection_sample, unconditional_to_conditional_rates)
+from specjax.logprobs import (chain_logprobs, check_logprobs_mode, check_num_logprobs,
+                              tree_logprobs)
 from specjax.token_tree import TokenTree
 
 __all__ = ["StepBatch", "StepOutput", "Step", "make_step", "compact_tree_kv",
@@ -71,6 +73,8 @@ class StepBatch:
       all_greedy: static; every real request has temperature 0 (skips the random path).
       block_size: static; tokens per KV block of ``attn.block_table`` (tree batches move
         KV through it).
+      num_logprobs: static top-n bucket of ``StepOutput.logprobs`` (``specjax.logprobs``);
+        None (default): no logprobs, the step compiles as without them.
     """
 
     input_ids: Any
@@ -87,6 +91,7 @@ class StepBatch:
     procs: Any = None
     all_greedy: bool = False
     block_size: int = 16
+    num_logprobs: int | None = None
 
     @property
     def num_reqs_pad(self) -> int:
@@ -100,7 +105,7 @@ class StepBatch:
 jax.tree_util.register_dataclass(
     StepBatch, data_fields=["input_ids", "positions", "attn", "sdm", "temperature", "top_k",
                             "top_p", "seeds", "counters", "backup_next", "discard", "procs"],
-    meta_fields=["all_greedy", "block_size"])
+    meta_fields=["all_greedy", "block_size", "num_logprobs"])
 
 
 class StepOutput:
@@ -117,7 +122,8 @@ class StepOutput:
         decoding).
       num_drafts: ``[B] int32``, valid leading columns of ``drafts``.
       num_accepted: ``[B] int32``, accepted drafts per request (0 on padding rows).
-      logprobs: reserved for the sampler's logprobs (None).
+      logprobs: ``specjax.logprobs.Logprobs`` of the emitted tokens (``[B, k+1, n+1]`` ids
+        and values, ``[B, k+1]`` ranks) for a batch with ``num_logprobs`` set, else None.
       packed: ``[sampled | drafts | num_drafts | num_accepted]`` along axis 1.
     """
 
@@ -168,6 +174,7 @@ class _Spec(NamedTuple):
     aux: bool
     tree: Any                   # TokenTree verified on tree batches, else None
     processors: tuple = ()      # user logits processors (static)
+    logprobs_mode: str = "raw_logprobs"   # specjax.logprobs.LOGPROBS_MODES
 
 
 def _sampling(b: StepBatch, processors: tuple = ()) -> SamplingMetadata:
@@ -178,7 +185,7 @@ def _sampling(b: StepBatch, processors: tuple = ()) -> SamplingMetadata:
                             processors=processors if b.procs is not None else ())
 
 
-def _output(sampled, drafts=None, num_drafts=None, k: int = 0) -> StepOutput:
+def _output(sampled, drafts=None, num_drafts=None, k: int = 0, lp=None) -> StepOutput:
     """Pack one step's results (one output buffer: one device-to-host copy)."""
     bp = sampled.shape[0]
     n_acc = jnp.maximum(jnp.sum(sampled != PLACEHOLDER_TOKEN_ID, axis=1, dtype=jnp.int32) - 1, 0)
@@ -187,7 +194,7 @@ def _output(sampled, drafts=None, num_drafts=None, k: int = 0) -> StepOutput:
         num_drafts = jnp.zeros((bp,), jnp.int32)
     packed = jnp.concatenate([sampled.astype(jnp.int32), drafts.astype(jnp.int32),
                               num_drafts.astype(jnp.int32)[:, None], n_acc[:, None]], axis=1)
-    return StepOutput(packed, drafts.shape[1])
+    return StepOutput(packed, drafts.shape[1], lp)
 
 
 def _propose_padded(spec: _Spec, dparams, draft_state, sampled, b: StepBatch, hidden, aux):
@@ -207,13 +214,16 @@ def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBa
     logits = spec.target.compute_logits(tparams, hidden[b.sdm.logits_indices])
     rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates,
                                                                   jnp.float32)
-    sampled = rejection_sample(b.sdm, None, logits, _sampling(b, spec.processors), rates)
+    sampling = _sampling(b, spec.processors)
+    sampled = rejection_sample(b.sdm, None, logits, sampling, rates)
+    lp = None if b.num_logprobs is None else chain_logprobs(
+        b.sdm, logits, sampling, sampled, num_logprobs=b.num_logprobs, mode=spec.logprobs_mode)
     if spec.drafts_in == "step":
         drafts, draft_state = _propose_padded(spec, dparams, draft_state, sampled, b, hidden, aux)
-        return _output(sampled, drafts.token_ids, drafts.num_drafts), target_kv, draft_state, None
+        return _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp), target_kv, draft_state, None
     extra = (hidden if spec.hidden else None, aux if spec.aux else None) \
         if spec.drafts_in == "split" else None
-    return _output(sampled, k=spec.k), target_kv, draft_state, extra
+    return _output(sampled, k=spec.k, lp=lp), target_kv, draft_state, extra
 
 
 def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
@@ -237,9 +247,9 @@ def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBat
     idx = jnp.clip(qsl[:-1, None] + jnp.arange(n_nodes + 1, dtype=jnp.int32)[None, :], 0, t_pad - 1)
     logits = spec.target.compute_logits(tparams, hidden[idx.reshape(-1)]).reshape(bp, n_nodes + 1, -1)
     num_drafts = jnp.where(real, qlen - 1, 0)
+    sampling = _sampling(b, spec.processors)
     out, acc_nodes, n_acc = tree_rejection_sample(logits, b.input_ids[idx[:, 1:]], num_drafts,
-                                                  _sampling(b, spec.processors), tree=tree,
-                                                  num_reqs=cad.num_reqs)
+                                                  sampling, tree=tree, num_reqs=cad.num_reqs)
     root_pos = jnp.where(real, cad.seq_lens - qlen, 0)          # logical position p of the root
     target_kv = compact_tree_kv(target_kv, cad.block_table, root_pos, acc_nodes, n_acc, real,
                                 block_size=b.block_size)
@@ -254,7 +264,9 @@ def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBat
     inputs = ProposerInputs(ids, pos, hidden[src] if spec.hidden else None,
                             aux[src] if spec.aux else None, next_ids, tis, nrej, md)
     drafts, draft_state = impl.propose(dparams, draft_state, inputs)
-    return _output(sampled, drafts.token_ids, drafts.num_drafts), target_kv, draft_state, None
+    lp = None if b.num_logprobs is None else tree_logprobs(
+        logits, acc_nodes, sampling, sampled, num_logprobs=b.num_logprobs, mode=spec.logprobs_mode)
+    return _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp), target_kv, draft_state, None
 
 
 def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
@@ -285,7 +297,7 @@ def _split_propose(impl, dparams, draft_state, out: StepOutput, input_ids, posit
     k = out.k
     packed = out.packed.at[:, k + 1: 2 * k + 1].set(drafts.token_ids.astype(jnp.int32))
     packed = packed.at[:, 2 * k + 1].set(drafts.num_drafts.astype(jnp.int32))
-    return StepOutput(packed, k), draft_state
+    return StepOutput(packed, k, out.logprobs), draft_state
 
 
 _split_propose_jit = jax.jit(_split_propose, static_argnums=0, donate_argnums=(2, 3))
@@ -417,8 +429,10 @@ class Step:
 
     def __init__(self, target, proposer: Proposer | None, *, mesh: Any = None,
                  tp_axis: str = "tp", tree_verification: bool | None = None,
-                 logits_processors: tuple = ()) -> None:
+                 logits_processors: tuple = (), logprobs_mode: str = "raw_logprobs") -> None:
         from specjax.models import DecoderLM
+
+        check_logprobs_mode(logprobs_mode)
 
         if not isinstance(target, DecoderLM):
             raise ValueError(f"target must be a specjax.models.DecoderLM, got {type(target).__name__}")
@@ -457,7 +471,8 @@ class Step:
             synthetic_rates=self.synthetic_rates,
             drafts_in="none" if feed is None else feed.drafts_in,
             hidden=in_step and feed.hidden_states, aux=in_step and feed.aux_hidden_states,
-            tree=self.tree, processors=self.logits_processors)
+            tree=self.tree, processors=self.logits_processors, logprobs_mode=logprobs_mode)
+        self.logprobs_mode = logprobs_mode
 
     # -- placement -----------------------------------------------------------------
 
@@ -506,6 +521,7 @@ class Step:
         if self.feed is not None and self.feed.block_size not in (None, batch.block_size):
             raise ValueError(f"batch was built with block_size={batch.block_size}; the proposer "
                              f"uses {self.feed.block_size}")
+        check_num_logprobs("batch.num_logprobs", batch.num_logprobs)
         if batch.sdm.max_spec_len != self.k:
             raise ValueError(f"batch was built for max_spec_len={batch.sdm.max_spec_len}; this "
                              f"step verifies k={self.k} drafts")
@@ -560,7 +576,8 @@ class Step:
 
 
 def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: str = "tp",
-              tree_verification: bool | None = None, logits_processors: tuple = ()) -> Step:
+              tree_verification: bool | None = None, logits_processors: tuple = (),
+              logprobs_mode: str = "raw_logprobs") -> Step:
     """The fused speculative step of ``target`` (a ``specjax.models.DecoderLM``) with
     ``proposer`` (``specjax.make_proposer``; None for plain decoding).
 
@@ -572,6 +589,8 @@ def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: s
     ``logits_processors``: a tuple of pure JAX functions ``fn(logits [T, V], params [T, P],
     (token_ids [T, L], num_tokens [T], position [T])) -> [T, V]`` (see
     ``specjax.logits_processors``; docs/sampling.md has an example).
+    ``logprobs_mode``: vLLM's ``LogprobsMode`` of ``StepOutput.logprobs`` (batches with
+    ``num_logprobs`` set; ``specjax.logprobs``).
     Raises ValueError (vocabulary mismatch, a tree of the wrong size, synthetic acceptance
     with trees, ...) before anything compiles.
     """
@@ -579,7 +598,7 @@ def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: s
 
     check_type("tp_axis", tp_axis, str, "a mesh axis name (str)")
     return Step(target, proposer, mesh=mesh, tp_axis=tp_axis, tree_verification=tree_verification,
-                logits_processors=logits_processors)
+                logits_processors=logits_processors, logprobs_mode=logprobs_mode)
 
 
 def _check_processors(procs) -> tuple:

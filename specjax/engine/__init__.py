@@ -53,8 +53,9 @@ path's levels as accepted positions (``SpecDecodingStats.num_spec_tokens`` = the
 depth); a chain tree gives exactly chain verification's numbers.
 
 Not supported (yet): chunked prefill, preemption (admission reserves each request's
-worst-case block count instead), synthetic acceptance with tree verification, logprobs,
-penalties and other logits processors (see ``specjax.sampler``).
+worst-case block count instead), synthetic acceptance with tree verification, penalties and
+other logits processors (see ``specjax.sampler``). Logprobs: ``SamplingParams.logprobs`` and
+``Engine(logprobs_mode=...)`` (``specjax.logprobs``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_siz
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
+from specjax.logprobs import (check_logprobs_mode, check_num_logprobs, logprobs_bucket,
+                              request_logprobs)
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
 from specjax.sampler import PLACEHOLDER_TOKEN_ID
@@ -98,6 +100,9 @@ class Engine(Diagnostics):
         ``early_exit``): True (default) stops at once when every request has finished or
         one finished while another waits; False always runs ``steps_per_sync`` iterations
         (a known trip count, the rest masked).
+      logprobs_mode: vLLM's ``LogprobsMode`` of the logprobs requests ask for with
+        ``SamplingParams.logprobs`` (``specjax.logprobs.LOGPROBS_MODES``; default
+        ``"raw_logprobs"``).
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -108,9 +113,11 @@ class Engine(Diagnostics):
                  min_tokens_per_step: int = 1, tree_verification: bool | None = None,
                  mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
                  loop_early_exit: bool = True, logits_processors: tuple = (),
-                 processor_limits: ProcessorLimits | None = None) -> None:
+                 processor_limits: ProcessorLimits | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         from specjax.models import DecoderLM
 
+        check_logprobs_mode(logprobs_mode)
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
             if len(target) != 2:
                 raise ValueError("target must be TargetModel(model, params) or a (model, params) pair")
@@ -139,7 +146,7 @@ class Engine(Diagnostics):
         self.processor_limits = check_limits(processor_limits)
         self.step = make_step(target.model, proposer, mesh=mesh, tp_axis=tp_axis,
                               tree_verification=tree_verification,
-                              logits_processors=logits_processors)
+                              logits_processors=logits_processors, logprobs_mode=logprobs_mode)
         self.feed = feed
         self.proposer = self.step.proposer
         self.k = self.step.k
@@ -289,14 +296,14 @@ class Engine(Diagnostics):
             for r in running:
                 self._release(r)
         elapsed = time.perf_counter() - t0
-        outs = [RequestOutput(r.prompt, r.output, r.finish_reason, r.num_drafted, r.num_accepted)
-                for r in reqs]
+        outs = [RequestOutput(r.prompt, r.output, r.finish_reason, r.num_drafted, r.num_accepted,
+                              None if r.params.logprobs is None else r.logprobs) for r in reqs]
         return GenerateResult(outs, total, steps, elapsed)
 
     def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
                context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
-               stop_pads: Sequence[int] = (1, 2), logits_processing: Sequence[bool] = (False,)
-               ) -> int:
+               stop_pads: Sequence[int] = (1, 2), logits_processing: Sequence[bool] = (False,),
+               num_logprobs: Sequence[int | None] = (None,)) -> int:
         """Compile the step for every combination of the given buckets ahead of time (a
         dummy step with no real request, which writes nothing). Returns the number of
         variants compiled. ``context_blocks`` None: the widest (``max_model_len``).
@@ -305,32 +312,37 @@ class Engine(Diagnostics):
         >= the most stop ids, EOS included, of a running request). ``logits_processing``:
         the plain variant (False) and / or the one with logits processors (True: a batch in
         which some request uses penalties, bad words, ... ; one fixed shape,
-        ``processor_limits``)."""
+        ``processor_limits``). ``num_logprobs``: the
+        largest ``SamplingParams.logprobs`` among a batch's running requests (None: none
+        asks), each compiled as its bucket (``specjax.logprobs.logprobs_bucket``); list
+        every value the running requests' largest ``n`` can take as requests finish."""
+        lps = sorted({logprobs_bucket([check_num_logprobs("num_logprobs", n)]) for n in num_logprobs},
+                     key=lambda n: -1 if n is None else n)
         if context_blocks is None:
             context_blocks = [self.max_blocks_per_req]
         before = step_cache_size() + loop_cache_size()
         phases = (False,) if self.tree is None else (False, True)
-        for b, q, c, g, tv, lp in itertools.product(batch_sizes, query_lens, context_blocks,
-                                                    all_greedy, phases, logits_processing):
+        for b, q, c, g, tv, pr, lp in itertools.product(batch_sizes, query_lens, context_blocks,
+                                                        all_greedy, phases, logits_processing, lps):
             if int(b) * int(q) < self.min_tokens_per_step:      # as _buckets pads it
                 q = _pick(self.query_buckets, -(-self.min_tokens_per_step // int(b)))
             batch = self._dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g))
-            if lp:
+            if pr:
                 batch = dataclasses.replace(batch, procs=self._empty_procs(int(b)))
-            jax.block_until_ready(self._run(batch))
+            jax.block_until_ready(self._run(dataclasses.replace(batch, num_logprobs=lp)))
         if self.steps_per_sync > 1:
-            for b, c, g, s, lp in itertools.product(batch_sizes, context_blocks, all_greedy,
-                                                    stop_pads, logits_processing):
+            for b, c, g, s, pr, lp in itertools.product(batch_sizes, context_blocks, all_greedy,
+                                                        stop_pads, logits_processing, lps):
                 _, q, _ = self._buckets(int(b), self.k + 1, 1)
                 state = make_loop_state(
                     last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
                     block_ids=[], k=self.k, num_reqs_pad=int(b), blocks_per_req_pad=int(c),
                     query_len_pad=q, max_model_len=self.max_model_len, block_size=self.block_size,
                     stop_pad=int(s), history=[] if self.drafts_in == "history" else None,
-                    procs=self._empty_procs(int(b)) if lp else None)
+                    procs=self._empty_procs(int(b)) if pr else None)
                 out, self.target_kv, self.draft_state, _ = decode_loop(
                     self.step, self.target.params, self.step.draft_params, self.target_kv,
-                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g)),
+                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g), num_logprobs=lp),
                     steps_per_sync=self.steps_per_sync, early_exit=self.loop_early_exit)
                 jax.block_until_ready(out)
         return step_cache_size() + loop_cache_size() - before
@@ -386,6 +398,8 @@ class Engine(Diagnostics):
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
             seeds=[r.seed for r in running], num_output_tokens=[len(r.output) for r in running],
             tree=self.tree if tree_verify else None, procs=self._procs(running, B))
+        batch = dataclasses.replace(batch, num_logprobs=logprobs_bucket(
+            [r.params.logprobs for r in running]))
         return batch, qlens, B
 
     def _empty_procs(self, B: int):
@@ -432,7 +446,7 @@ class Engine(Diagnostics):
         B, Q, C = self._buckets(len(running), k + 1, max(len(r.blocks) for r in running))
         hist = ([self.tok_buf[r.row, : r.num_tokens] for r in running]
                 if self.drafts_in == "history" else None)
-        return make_loop_state(
+        state = make_loop_state(
             last_token=[r.token(r.num_tokens - 1) for r in running],
             num_computed=[r.num_computed for r in running], drafts=[r.drafts for r in running],
             max_tokens=[r.params.max_tokens for r in running],
@@ -444,6 +458,8 @@ class Engine(Diagnostics):
             temperature=[r.params.temperature for r in running],
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
             seeds=[r.seed for r in running], history=hist, procs=self._procs(running, B))
+        return dataclasses.replace(state, num_logprobs=logprobs_bucket(
+            [r.params.logprobs for r in running]))
 
     def _sync(self, running: list[_Request], stop_on_finish: bool
               ) -> list[tuple[SpecDecodingStats | None, list[_Request]]]:
@@ -473,6 +489,9 @@ class Engine(Diagnostics):
                     r.num_accepted += n_acc
                 r.num_computed += 1 + n_acc
                 kept = out.tokens[it, i, :c].tolist()
+                if r.params.logprobs is not None:
+                    r.logprobs += request_logprobs(jax.tree.map(lambda a: a[it], out.logprobs),
+                                                   i, c, r.params.logprobs)
                 for j, tok in enumerate(kept):
                     r.output.append(tok)
                     if tok in r.stop_ids:
@@ -541,6 +560,8 @@ class Engine(Diagnostics):
                     r.finish_reason = "length"
                 if r.finish_reason:
                     break
+            if r.params.logprobs is not None:
+                r.logprobs += request_logprobs(out.logprobs, i, len(kept), r.params.logprobs)
             if r.row >= 0:
                 start = r.num_tokens - len(kept)
                 self.tok_buf[r.row, start : r.num_tokens] = kept
@@ -596,7 +617,8 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
              tp_axis: str = "tp", steps_per_sync: int | None = None,
              loop_early_exit: bool = True, logits_processors: tuple = (),
-             processor_limits: ProcessorLimits | None = None) -> GenerateResult:
+             processor_limits: ProcessorLimits | None = None,
+             logprobs_mode: str = "raw_logprobs") -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -634,6 +656,6 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step,
                     mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync,
                     loop_early_exit=loop_early_exit, logits_processors=logits_processors,
-                    processor_limits=processor_limits)
+                    processor_limits=processor_limits, logprobs_mode=logprobs_mode)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)

@@ -27,6 +27,7 @@ class _Request:
     num_drafted: int = 0
     num_accepted: int = 0
     proc: Any = None            # specjax.logits_processors.RequestProcessing
+    logprobs: list = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -37,6 +37,9 @@ class SamplingParams:
       Refused by name when set: ``n`` / ``best_of`` other than 1 / None, ``prompt_logprobs``,
       ``structured_outputs`` (structured-output engines), ``stop`` (stop strings need
       detokenization).
+      logprobs: None (off) or ``n`` in 0..20: each generated token's logprob and rank and
+        the top-``n`` (``RequestOutput.logprobs``; values per the engine's
+        ``logprobs_mode``; ``specjax.logprobs``).
     """
 
     max_tokens: int = 16
@@ -61,6 +64,7 @@ class SamplingParams:
     prompt_logprobs: Any = None
     structured_outputs: Any = None
     stop: Any = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def is_int(v):
@@ -82,6 +86,9 @@ class SamplingParams:
 
         stops = check_int_sequence("stop_token_ids", self.stop_token_ids, 0)
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+        from specjax.logprobs import check_num_logprobs
+
+        object.__setattr__(self, "logprobs", check_num_logprobs("logprobs", self.logprobs))
         _check_processing(self)
 
     def processing(self, stop_ids=()) -> Any:
@@ -151,13 +158,16 @@ def _check_processing(sp: "SamplingParams") -> None:
 class RequestOutput(NamedTuple):
     """One request's result: ``token_ids`` generated (prompt excluded), ``finish_reason``
     ``"stop"`` (stop / EOS token, kept in ``token_ids``) or ``"length"`` (``max_tokens`` or
-    ``max_model_len``), and its draft counts."""
+    ``max_model_len``), its draft counts, and ``logprobs``: None unless
+    ``SamplingParams.logprobs`` was set, else one ``{token_id: Logprob(logprob, rank)}``
+    per generated token (vLLM's ``SampleLogprobs``; ``specjax.logprobs``)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str
     num_draft_tokens: int
     num_accepted_tokens: int
+    logprobs: list | None = None
 
 
 @dataclasses.dataclass

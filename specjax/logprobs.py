@@ -1,0 +1,203 @@
+"""Logprobs of the emitted tokens and the top-n, as vLLM v0.20's ``RejectionSampler`` returns them.
+
+What is returned (vLLM's ``_get_logprobs_tensors`` / ``Sampler.gather_logprobs``): for every
+emitted token of a step (the accepted drafts, the recovered token at the first rejection,
+the bonus token) the distribution at the position that token was verified or sampled at
+(draft position ``j`` for slot ``j``, the bonus position for the bonus token; a tree: the
+slot of the token's parent on the accepted path) gives
+
+* the emitted token's value and its rank, ``#{v : values[v] >= values[token]}`` (vLLM's
+  ``batched_count_greater_than``: 1 is the most likely; ties count against the token);
+* the top-``n`` values and their token ids (``lax.top_k``: descending, ties by lower id).
+
+Values, per ``logprobs_mode`` (vLLM's ``LogprobsMode``; static per step / engine):
+
+* ``raw_logprobs`` (vLLM's default): ``log_softmax`` of the target's raw fp32 logits;
+* ``raw_logits``: the raw logits;
+* ``processed_logprobs`` / ``processed_logits``: the same after the sampling processing the
+  verification used: temperature (greedy rows divided by 1), then top-k / top-p (off for
+  greedy rows, as vLLM's ``SamplingParams`` resets them at temperature 0); tokens outside
+  the top-k / top-p set are ``-inf``.
+
+Layout (:class:`Logprobs`, vLLM's ``LogprobsTensors`` with a slot axis): ``S`` = the step's
+``sampled`` columns (``k + 1``), ``n`` = the step's top-n bucket:
+``logprob_token_ids [B, S, n + 1] int32`` (column 0 the emitted token, then the top-n),
+``logprobs [B, S, n + 1] float32``, ``selected_token_ranks [B, S] int32``. A slot with no
+emitted token (``sampled == -1``: after the emitted ones, padding rows, and in the device
+loop the slots cut by a stop) is padding: ids -1, values ``-inf``, rank -1. A real slot's
+rank is >= 1.
+
+Off by default at no cost: the top-n bucket (``None`` = off) is static (``StepBatch``'s
+``num_logprobs``, ``LoopState``'s ``num_logprobs``), so a step without logprobs traces and
+compiles exactly as before. Host side (:func:`request_logprobs`), each request keeps its own
+``n`` of the bucket's columns, as a list (one per generated token) of ``{token_id:
+Logprob(logprob, rank)}`` dicts, vLLM's ``SampleLogprobs`` (the emitted token plus its
+top-n: ``n`` or ``n + 1`` entries).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.checks import ArgumentError, check_choice, check_int
+
+__all__ = ["LOGPROBS_MODES", "DEFAULT_LOGPROBS_MODE", "MAX_LOGPROBS", "Logprob", "Logprobs",
+           "check_num_logprobs", "check_logprobs_mode", "logprobs_bucket", "gather_logprobs",
+           "chain_logprobs", "tree_logprobs", "mask_slots", "request_logprobs"]
+
+#: vLLM v0.20's ``LogprobsMode`` values.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+DEFAULT_LOGPROBS_MODE = "raw_logprobs"
+#: Most top logprobs a request may ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+#: Compiled top-n buckets (a request's ``n`` is served by the smallest bucket >= n).
+_BUCKETS = (0, 1, 2, 4, 8, 16, 20)
+
+
+class Logprob(NamedTuple):
+    """One entry of a position's dict (vLLM's ``Logprob`` without the decoded text)."""
+
+    logprob: float
+    rank: int
+
+
+class Logprobs(NamedTuple):
+    """Device logprobs of one step (see the module docstring for the layout)."""
+
+    logprob_token_ids: Any
+    logprobs: Any
+    selected_token_ranks: Any
+
+
+def check_num_logprobs(name: str, value: Any) -> int | None:
+    """A request's ``logprobs`` (vLLM's sampling parameter): None (off) or an int in
+    ``0..MAX_LOGPROBS``. vLLM's ``-1`` (the whole vocabulary) exceeds vLLM's default
+    ``max_logprobs`` (20) and is refused here too."""
+    if value is None:
+        return None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value == -1:
+        raise ArgumentError(f"{name}=-1 asks for the whole vocabulary (vLLM's meaning), more than "
+                            f"max_logprobs={MAX_LOGPROBS}; use None (off) or an int in "
+                            f"[0, {MAX_LOGPROBS}]")
+    return check_int(name, value, 0, MAX_LOGPROBS, why="None turns logprobs off")
+
+
+def check_logprobs_mode(value: Any) -> str:
+    """``logprobs_mode`` is one of :data:`LOGPROBS_MODES`."""
+    return check_choice("logprobs_mode", value, LOGPROBS_MODES)
+
+
+def logprobs_bucket(ns: Sequence[int | None]) -> int | None:
+    """The static top-n bucket of a batch whose requests ask for ``ns`` (None: off)."""
+    want = [int(n) for n in ns if n is not None]
+    if not want:
+        return None
+    m = max(want)
+    return next(b for b in _BUCKETS if b >= m)
+
+
+def _processed_for_logprobs(logits: jax.Array, sampling, emitted: jax.Array | None = None
+                            ) -> jax.Array:
+    """The processed logits ``[B, S, V]`` verification samples from: the sampler's
+    ``process_logits`` (logits processors, temperature, min_p, top-k / top-p), with greedy
+    rows at temperature 1 and no top-k / top-p, as vLLM's ``SamplingParams`` resets them.
+
+    Slot ``i``'s token was drawn after the first ``i`` emitted tokens of the step (the
+    accepted drafts, chain or tree path), so those are the output tokens the processors
+    count before it: ``emitted [B, S]`` (-1 padded) is the prefix, ``i`` its length."""
+    import dataclasses
+
+    from specjax.sampler import GREEDY_TEMPERATURE, process_logits
+
+    g = sampling.temperature == GREEDY_TEMPERATURE
+    sampling = dataclasses.replace(sampling, top_k=jnp.where(g, 0, sampling.top_k),
+                                   top_p=jnp.where(g, 1.0, sampling.top_p))
+    if sampling.procs is None or emitted is None:
+        return process_logits(logits, sampling)
+    b, s = emitted.shape
+    tok = jnp.broadcast_to(jnp.maximum(emitted, 0).astype(jnp.int32)[:, None, :], (b, s, s))
+    n = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
+    return process_logits(logits, sampling, tok, n)
+
+
+def _values(raw: jax.Array, sampling, mode: str, emitted: jax.Array | None = None) -> jax.Array:
+    x = raw.astype(jnp.float32)
+    if mode.startswith("processed"):
+        x = _processed_for_logprobs(x, sampling, emitted)
+    if mode.endswith("logprobs"):
+        x = jax.nn.log_softmax(x, axis=-1)
+    return x
+
+
+def gather_logprobs(values: jax.Array, tokens: jax.Array, num_logprobs: int) -> Logprobs:
+    """vLLM's ``gather_logprobs`` per slot: ``values [B, S, V]``, ``tokens [B, S]`` (-1:
+    padding) -> :class:`Logprobs` with the padding convention."""
+    pad = tokens < 0
+    tok = jnp.where(pad, 0, tokens).astype(jnp.int32)
+    tok_val = jnp.take_along_axis(values, tok[..., None], axis=-1)         # [B, S, 1]
+    ranks = jnp.sum(values >= tok_val, axis=-1, dtype=jnp.int32)
+    if num_logprobs:
+        top_val, top_ids = jax.lax.top_k(values, num_logprobs)
+        ids = jnp.concatenate([tok[..., None], top_ids.astype(jnp.int32)], axis=-1)
+        vals = jnp.concatenate([tok_val, top_val], axis=-1)
+    else:
+        ids, vals = tok[..., None], tok_val
+    return Logprobs(jnp.where(pad[..., None], -1, ids),
+                    jnp.where(pad[..., None], -jnp.inf, vals).astype(jnp.float32),
+                    jnp.where(pad, -1, ranks))
+
+
+def chain_logprobs(metadata, logits: jax.Array, sampling, sampled: jax.Array, *,
+                   num_logprobs: int, mode: str) -> Logprobs:
+    """Logprobs of a chain step (traceable): ``logits [N_pad + B_pad, V]`` as
+    ``rejection_sample`` reads them (row ``cu_num_sampled_tokens[r] - n_r - 1 + j`` is
+    request ``r``'s draft position ``j``, the last its bonus position), ``sampled [B, k+1]``
+    its output."""
+    b, s = sampled.shape
+    nd = metadata.num_draft_tokens
+    start = metadata.cu_num_sampled_tokens - nd - 1
+    rows = jnp.clip(start[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :], 0,
+                    logits.shape[0] - 1)
+    return gather_logprobs(_values(logits[rows], sampling, mode, sampled), sampled, num_logprobs)
+
+
+def tree_logprobs(target_logits: jax.Array, accepted_nodes: jax.Array, sampling,
+                  sampled: jax.Array, *, num_logprobs: int, mode: str) -> Logprobs:
+    """Logprobs of a tree step (traceable): ``target_logits [B, 1 + N, V]`` (slot 0 the
+    root, ``1 + j`` node ``j``), ``accepted_nodes [B, depth]`` (-1 after the path),
+    ``sampled [B, S]``: emitted token ``i`` was drawn at path node ``i`` (the root, then the
+    accepted nodes)."""
+    b, s = sampled.shape
+    depth = accepted_nodes.shape[1]
+    slots = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                             1 + jnp.maximum(accepted_nodes, 0).astype(jnp.int32)], axis=1)
+    if s > depth + 1:
+        slots = jnp.concatenate([slots, jnp.zeros((b, s - depth - 1), jnp.int32)], axis=1)
+    rows = jnp.take_along_axis(target_logits, slots[:, :s, None], axis=1)     # [B, S, V]
+    return gather_logprobs(_values(rows, sampling, mode, sampled), sampled, num_logprobs)
+
+
+def mask_slots(lp: Logprobs, keep: jax.Array) -> Logprobs:
+    """Padding (the module's convention) wherever ``keep [B, S]`` is False."""
+    return Logprobs(jnp.where(keep[..., None], lp.logprob_token_ids, -1),
+                    jnp.where(keep[..., None], lp.logprobs, -jnp.inf),
+                    jnp.where(keep, lp.selected_token_ranks, -1))
+
+
+def request_logprobs(lp, row: int, num_tokens: int, n: int, slot0: int = 0
+                     ) -> list[dict[int, Logprob]]:
+    """Host: the dicts of request ``row``'s ``num_tokens`` emitted tokens from slot
+    ``slot0`` of a fetched :class:`Logprobs` (NumPy), keeping ``n`` top entries (vLLM's
+    ``LogprobsProcessor``: the emitted token with its rank, then the top-n with ranks
+    1..n; a token in both keeps its top-n entry)."""
+    out = []
+    for j in range(slot0, slot0 + num_tokens):
+        ids = lp.logprob_token_ids[row, j, : n + 1].tolist()
+        vals = lp.logprobs[row, j, : n + 1].tolist()
+        ranks = [int(lp.selected_token_ranks[row, j])] + list(range(1, n + 1))
+        out.append({int(t): Logprob(float(v), r) for t, v, r in zip(ids, vals, ranks)})
+    return out
