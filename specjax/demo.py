@@ -95,7 +95,9 @@ def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL
     if method not in demo_models.NAMES:
         raise ValueError(f"method must be one of {ALL_METHODS}, got {method!r}")
     _, cfg, params = demo_models.load(method)
-    extra = {"model": "specjax/demo_models/draft_model"} if method == "draft_model" else {}
+    # draft_model needs a model name; the weights come as draft= (a name, not a path: a
+    # relative path that exists from the caller's directory would be loaded as well)
+    extra = {"model": "specjax-demo-draft-model"} if method == "draft_model" else {}
     if tree is not None:
         from specjax.token_tree import TokenTree
 

@@ -62,3 +62,19 @@ def test_console_script_is_installed():
         pytest.skip("the specjax console script is not installed (pip install -e .)")
     res = subprocess.run([exe, "demo", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--max-tokens" in res.stdout and "--method" in res.stdout
+
+
+@pytest.mark.smoke
+def test_demo_draft_model_from_any_directory(monkeypatch):
+    """The demo's draft_model proposer builds whatever the working directory (from the repo
+    root its model name used to be a relative path to the shipped weights, loaded a second
+    time beside draft= and refused)."""
+    import pathlib
+
+    import specjax
+
+    target = demo.demo_target()
+    for where in (pathlib.Path(specjax.__file__).parent.parent, pathlib.Path("/")):
+        monkeypatch.chdir(where)
+        prop = demo.demo_proposer("draft_model", 2, target)
+        assert prop.num_speculative_tokens == 2
