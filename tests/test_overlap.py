@@ -110,3 +110,16 @@ def test_overlap_refused_by_name():
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="overlap must be True or False"):
             Engine(target(), None, overlap=bad, **FIXED4)
+
+
+def test_tree_overlap_equals_plain_greedy():
+    """Tree verification (a branching EAGLE-3 tree) under overlap: plain greedy's tokens
+    (its acceptance counts may differ: a step that prefills a joining request verifies no
+    tree, and overlap runs one more tree step before a request joins)."""
+    if "eagle3" not in METHODS:
+        pytest.skip("eagle3 not available")
+    tree = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]
+    prop = build("eagle3", len(tree), speculative_token_tree=str(tree))
+    for which in ("A", "B"):
+        for n in (1, 4):
+            assert run(prop, which, n, True).token_ids == baseline(which).token_ids, (which, n)

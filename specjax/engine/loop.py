@@ -16,7 +16,6 @@ import numpy as np
 from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
 from specjax.checks import check_int, check_opt_int
 from specjax.runtime_checks import check_engine_args as _check_engine_args
-from specjax.constants import next_power_of_2
 from specjax.decode_loop import decode_loop, loop_cache_size, loop_support, make_loop_state
 from specjax.engine.device_loop import DeviceLoop, _InFlight
 from specjax.engine.diagnostics import Diagnostics
