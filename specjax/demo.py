@@ -61,8 +61,8 @@ class Row:
     note: str = ""
     spread: float = 0.0          # (max - min) / median tokens/s over the repeated runs
     steps_per_sync: int = 1      # iterations per host sync the method ran with
-    tokens_per_iter: float = 1.0  # generated tokens per request per decoding iteration
-    ms_per_iter: float = 0.0     # wall time per iteration (the median run's)
+    tokens_per_iter: float = 1.0  # tokens per request per decoding iteration (after prefill)
+    ms_per_iter: float = 0.0     # wall time per decoding iteration (the median run's)
 
 
 def demo_target():
@@ -152,7 +152,8 @@ def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress 
            repeats: int = 5, steps_per_sync: int = 1):
     """A warm-up run of the same workload (compiles every bucket the timed runs use), then
     the timed run, ``repeats`` times. Returns ``(result, tokens/s: the median run's, spread: (max - min) /
-    median, steps_per_sync used, the median run's result)``. The device loop (``steps_per_sync``) is used when the
+    median, steps_per_sync used, the median run's (tokens per request, ms) per decoding
+    iteration after its prefill step)``. The device loop (``steps_per_sync``) is used when the
     method runs in it, else one step per sync. Every run gets a fresh proposer (same
     configuration, so no new compilation): suffix decoding must not draft from its cache of
     the previous runs' responses."""
@@ -171,17 +172,27 @@ def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress 
 
     warm = engine()
     warm.generate(prompts, SamplingParams(max_tokens=max_tokens))   # compiles every bucket it uses
-    runs = []
+    runs, decode = [], []
     for _ in range(repeats):
-        res = engine().generate(prompts, SamplingParams(max_tokens=max_tokens),
-                                progress=None if progress is None else progress.update)
+        marks: list[tuple[float, int]] = []     # (time, generated tokens) after each iteration
+
+        def on_step(done, total, tokens, marks=marks):
+            marks.append((time.perf_counter(), tokens))
+            if progress is not None:
+                progress.update(done, total, tokens)
+
+        res = engine().generate(prompts, SamplingParams(max_tokens=max_tokens), progress=on_step)
         if runs and res.token_ids != runs[0].token_ids:
             raise RuntimeError("greedy decoding gave different tokens on a repeated run")
         runs.append(res)
+        # after the prefill step: (tokens per request per iteration, ms per iteration)
+        its = max(len(marks) - 1, 1)
+        decode.append(((marks[-1][1] - marks[0][1]) / its / len(prompts),
+                       (marks[-1][0] - marks[0][0]) / its * 1e3))
     tps = [r.num_generated_tokens / r.elapsed_s for r in runs]
     med = statistics.median(tps)
-    mid = runs[tps.index(sorted(tps)[len(tps) // 2])]
-    return runs[0], med, (max(tps) - min(tps)) / med, warm.steps_per_sync, mid
+    i = tps.index(sorted(tps)[len(tps) // 2])
+    return runs[0], med, (max(tps) - min(tps)) / med, warm.steps_per_sync, decode[i]
 
 
 def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: int = 48,
@@ -225,7 +236,7 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
                                             repeat, steps_per_sync)
     progress.finish(f"{base_tps:.0f} tokens/s")
     rows = [Row("plain", 0, 1.0, [], base_tps, 1.0, True, spread=spread, steps_per_sync=n,
-                **_per_iter(mid, len(prompts)))]
+                tokens_per_iter=mid[0], ms_per_iter=mid[1])]
     for m in run:
         mk = 1 if m == "extract_hidden_states" else k
         progress.start(m)
@@ -235,7 +246,7 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
         progress.finish("OK" if ok else "MISMATCH")
         rows.append(Row(m, mk, res.mean_acceptance_length, res.acceptance_rate_per_position, tps,
                         tps / base_tps, ok, spread=spread, steps_per_sync=n,
-                        **_per_iter(mid, len(prompts))))
+                        tokens_per_iter=mid[0], ms_per_iter=mid[1]))
     print(format_table(rows), file=out)
     for line in slow_reasons(rows):
         print(line, file=out)
@@ -262,22 +273,18 @@ def query_buckets(prompts) -> tuple[int, ...]:
                         | {-(-longest // 16) * 16}))
 
 
-def _per_iter(res, num_reqs: int) -> dict:
-    return dict(tokens_per_iter=res.num_generated_tokens / max(res.num_steps, 1) / num_reqs,
-                ms_per_iter=res.elapsed_s / max(res.num_steps, 1) * 1e3)
-
-
 def slow_reasons(rows: Sequence[Row]) -> list[str]:
     """One measured reason per method below 1.0x: the tokens a decoding iteration gains
-    against what an iteration costs next to plain decoding's (the median runs)."""
+    against what an iteration costs next to plain decoding's (the median runs, from the
+    end of the prefill step)."""
     plain = next(r for r in rows if r.method == "plain")
     out = []
     for r in rows:
         if r.method == "plain" or r.speedup >= 1.0:
             continue
         why = (f"{r.method} {r.speedup:.2f}x: {r.tokens_per_iter:.2f} tokens per request per "
-               f"iteration (plain {plain.tokens_per_iter:.2f}) at {r.ms_per_iter:.2f} ms per "
-               f"iteration, {r.ms_per_iter / plain.ms_per_iter:.2f}x plain's "
+               f"decoding iteration (plain {plain.tokens_per_iter:.2f}) at {r.ms_per_iter:.2f} "
+               f"ms per iteration, {r.ms_per_iter / plain.ms_per_iter:.2f}x plain's "
                f"{plain.ms_per_iter:.2f} ms")
         if r.method == "extract_hidden_states":
             why += "; it drafts the token just sampled (accepted only when a byte repeats)"

@@ -92,7 +92,7 @@ def test_slow_methods_get_a_measured_reason():
                      tokens_per_iter=1.05, ms_per_iter=2.2)]
     lines = demo.slow_reasons(rows)
     assert len(lines) == 2                                   # only the methods below 1.0x
-    assert lines[0].startswith("slower than plain: ngram 0.90x: 2.50 tokens")
+    assert lines[0].startswith("slower than plain: ngram 0.90x: 2.50 tokens per request per decoding")
     assert "2.80x plain's 2.00 ms" in lines[0] and "drafts on the host" in lines[0]
     assert "extract_hidden_states" in lines[1] and "token just sampled" in lines[1]
     qb = demo.query_buckets(demo._prompts())
