@@ -10,10 +10,16 @@ until ``--iters`` (rounded up to a multiple of N) more iterations have been deli
 
     per-iter ms = decode wall / iterations
     tokens/s    = tokens delivered in that window / decode wall (all requests)
+    host / wait = per iteration, the engine's host time (building, dispatching and
+                  committing steps) and the time it sat blocked on the device's results
+                  (``Engine.host_s`` / ``wait_s``); the rest of ``iter ms`` is the benchmark's
+                  own callback and the loop around it
+    ov          = ``Engine(overlap=...)`` (``--overlap``): y = the next device-loop call
+                  is dispatched before the previous one is committed (N = 1 too)
     ex          = the device loop's form (``--early-exit``): w = while_loop (stops as
                   soon as it may), f = a fixed trip count of N (masked once done)
-    speed-up    = tokens/s / plain decoding's tokens/s at the same B, N and form (and, the
-                  last column, plain's at N = 1: the per-step loop)
+    speed-up    = tokens/s / plain decoding's tokens/s at the same B, N, form and overlap
+                  (and, the last column, plain's at N = 1 without overlap: the per-step loop)
     TTFT ms     = start of generate -> first token (the prefill step, compiled already)
     rec.        = programs compiled during the timed runs (must be 0)
     ITL ms      = decode wall / tokens per request (mean inter-token latency); ``gap ms``:
@@ -25,6 +31,7 @@ context grows by at most ``iters * (k + 1)`` tokens over the window.
 Usage (GPU: an 8B-shaped target like ``benchmarks/e2e.py --target 8b``)::
 
     python benchmarks/loop.py --target 8b --batch 1,8,32 --n 1,4,8,16,32 --out loop.json
+    python benchmarks/loop.py --target 8b --batch 1,8 --n 1,8 --overlap 0,1   # overlap on / off
     python benchmarks/loop.py --target tiny --batch 1,2 --n 1,4 --iters 8 --context 24  # CPU
 
 Prints a table and writes every row as JSON (a list) to ``--out``.
@@ -92,9 +99,11 @@ def eagle3(target: TargetModel, geo: dict, size: str, k: int, rates, mml: int, d
 def measure(eng: Engine, prompts, iters: int, max_tokens: int) -> dict:
     """One generate call cut after the first token + ``iters`` delivered iterations."""
     marks: list[tuple[float, int, int]] = []   # (time, generated, sync) after each iteration
+    split: list[tuple[float, float]] = []      # (engine host s, engine wait s) at each mark
 
     def progress(done, total, generated):
         marks.append((time.perf_counter(), generated, eng.num_syncs))
+        split.append((eng.host_s, eng.wait_s))
         if len(marks) > iters:
             raise _Stop
 
@@ -113,7 +122,9 @@ def measure(eng: Engine, prompts, iters: int, max_tokens: int) -> dict:
     # a delivery: the first iteration of each sync (the rest come from the same fetch)
     times = [t for i, (t, _, s) in enumerate(marks[: iters + 1]) if i == 0 or s != marks[i - 1][2]]
     gaps = [y - x for x, y in zip(times, times[1:])]
-    return dict(per_iter_ms=wall / iters * 1e3, tokens_per_s=tokens / wall,
+    host_ms, wait_ms = ((split[iters][j] - split[0][j]) / iters * 1e3 for j in (0, 1))
+    return dict(per_iter_ms=wall / iters * 1e3, host_ms=host_ms, wait_ms=wait_ms,
+                tokens_per_s=tokens / wall,
                 tokens_per_iter=tokens / iters / b, ttft_ms=(t_first - t0) * 1e3,
                 itl_ms=wall / (tokens / b) * 1e3, gap_ms=(statistics.median(gaps) * 1e3
                                                          if gaps else float("nan")),
@@ -125,6 +136,7 @@ def run(args) -> list[dict]:
     batches = [int(x) for x in args.batch.split(",")]
     ns = [int(x) for x in args.n.split(",")]
     exits = [bool(int(x)) for x in args.early_exit.split(",")]
+    overlaps = [bool(int(x)) for x in args.overlap.split(",")]
     k = args.k
     target, geo = build_target(args.target, dtype)
     # timed iterations: a multiple of N (the window ends on a sync), at least --iters
@@ -139,10 +151,11 @@ def run(args) -> list[dict]:
         for method in args.methods:
             prop = None if method == "plain" else eagle3(target, geo, args.target, k, args.rates,
                                                          mml, dtype)
-            for n, ee in [(n, ee) for n in ns for ee in (exits if n > 1 else [True])]:
+            for n, ee, ov in [(n, ee, ov) for n in ns for ee in (exits if n > 1 else [True])
+                              for ov in overlaps]:
                 eng = Engine(target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
                              batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype,
-                             steps_per_sync=n, loop_early_exit=ee)
+                             steps_per_sync=n, loop_early_exit=ee, overlap=ov)
                 t = time.perf_counter()
                 measure(eng, prompts, min(window[n], 2 * n), max_tokens)   # compiles
                 compile_s = time.perf_counter() - t
@@ -150,15 +163,19 @@ def run(args) -> list[dict]:
                 reps = [measure(eng, prompts, window[n], max_tokens) for _ in range(args.repeat)]
                 recompiles = loop_cache_size() + step_cache_size() - before
                 r = min(reps, key=lambda x: x["per_iter_ms"])           # the least disturbed
-                r.update(method=method, batch=b, n=n, early_exit=ee, k=0 if prop is None else k,
+                r.update(method=method, batch=b, n=n, early_exit=ee, overlap=ov,
+                         k=0 if prop is None else k,
                          compile_s=compile_s, recompiles=recompiles,
                          per_iter_ms_all=[x["per_iter_ms"] for x in reps])
                 if prop is None:
-                    plain_tps[(b, n, ee)] = r["tokens_per_s"]
-                r["speedup"] = r["tokens_per_s"] / plain_tps.get((b, n, ee), float("nan"))
-                r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1, True), float("nan"))
+                    plain_tps[(b, n, ee, ov)] = r["tokens_per_s"]
+                r["speedup"] = r["tokens_per_s"] / plain_tps.get((b, n, ee, ov), float("nan"))
+                r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1, True, False),
+                                                                         float("nan"))
                 rows.append(r)
-                print(f"{method:<7} {b:>3} {n:>3} {'w' if ee else 'f':>2} {r['per_iter_ms']:>9.3f} {r['tokens_per_iter']:>7.2f} "
+                print(f"{method:<7} {b:>3} {n:>3} {'w' if ee else 'f':>2} {'y' if ov else 'n':>2} "
+                      f"{r['per_iter_ms']:>9.3f} {r['host_ms']:>7.3f} {r['wait_ms']:>7.3f} "
+                      f"{r['tokens_per_iter']:>7.2f} "
                       f"{r['tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['speedup_vs_step']:>7.2f}x "
                       f"{r['ttft_ms']:>8.1f} {r['itl_ms']:>7.3f} {r['gap_ms']:>7.3f} {r['syncs']:>5} "
                       f"{compile_s:>8.1f} {recompiles:>4}", flush=True)
@@ -186,6 +203,9 @@ def main(argv=None) -> int:
                     default="bfloat16" if gpu else "float32")
     ap.add_argument("--early-exit", default="1", help="the device loop's form(s), comma "
                     "separated: 1 = while_loop (stops early), 0 = fixed trip count (masked)")
+    ap.add_argument("--overlap", default="0", help="Engine(overlap=...) value(s), comma "
+                    "separated: 1 = the next device-loop call dispatched before the host "
+                    "commits the previous one (N = 1 included), 0 = none")
     ap.add_argument("--out", default=None, help="write the rows as a JSON list here")
     args = ap.parse_args(argv)
     if len(args.rates) != args.k:
@@ -197,7 +217,8 @@ def main(argv=None) -> int:
           f"{dev.platform} {dev.device_kind}; target {args.target} {args.dtype}; context "
           f"{args.context}; k={args.k}; rates {args.rates}; iters {args.iters}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-    head = (f"{'method':<7} {'B':>3} {'N':>3} {'ex':>2} {'iter ms':>9} {'tok/it':>7} {'tokens/s':>10} "
+    head = (f"{'method':<7} {'B':>3} {'N':>3} {'ex':>2} {'ov':>2} {'iter ms':>9} {'host':>7} "
+            f"{'wait':>7} {'tok/it':>7} {'tokens/s':>10} "
             f"{'speedup':>8} {'vs N=1':>8} {'TTFT ms':>8} {'ITL ms':>7} {'gap ms':>7} {'syncs':>5} "
             f"{'compile':>8} {'rec.':>4}")
     print(head)

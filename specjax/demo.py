@@ -26,6 +26,10 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
 #: The demo's decoding iterations per host sync (the device loop; see run_demo).
 DEFAULT_STEPS_PER_SYNC = 8
+#: KV block-table widths the demo compiles for (blocks of BLOCK_SIZE): attention reads the
+#: whole bucket, and on 2 CPU cores a decoding step over 32 blocks cost twice one over 8
+#: (the demo's requests hold 6-10 blocks).
+CONTEXT_BUCKETS = (8, 16, MAX_MODEL_LEN // BLOCK_SIZE)
 
 #: The demo's prompts: starts of Python files (BOS first, as in training).
 PROMPTS = (
@@ -57,6 +61,8 @@ class Row:
     note: str = ""
     spread: float = 0.0          # (max - min) / median tokens/s over the repeated runs
     steps_per_sync: int = 1      # iterations per host sync the method ran with
+    tokens_per_iter: float = 1.0  # tokens per request per decoding iteration (after prefill)
+    ms_per_iter: float = 0.0     # wall time per decoding iteration (the median run's)
 
 
 def demo_target():
@@ -95,7 +101,9 @@ def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL
     if method not in demo_models.NAMES:
         raise ValueError(f"method must be one of {ALL_METHODS}, got {method!r}")
     _, cfg, params = demo_models.load(method)
-    extra = {"model": "specjax/demo_models/draft_model"} if method == "draft_model" else {}
+    # draft_model needs a model name; the weights come as draft= (a name, not a path: a
+    # relative path that exists from the caller's directory would be loaded as well)
+    extra = {"model": "specjax-demo-draft-model"} if method == "draft_model" else {}
     if tree is not None:
         from specjax.token_tree import TokenTree
 
@@ -142,9 +150,10 @@ class _Progress:
 
 def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress | None,
            repeats: int = 5, steps_per_sync: int = 1):
-    """A short warm-up run (compiles the prefill and decode buckets), then the timed run,
-    ``repeats`` times. Returns ``(result, tokens/s: the median run's, spread: (max - min) /
-    median, steps_per_sync used)``. The device loop (``steps_per_sync``) is used when the
+    """A warm-up run of the same workload (compiles every bucket the timed runs use), then
+    the timed run, ``repeats`` times. Returns ``(result, tokens/s: the median run's, spread: (max - min) /
+    median, steps_per_sync used, the median run's (tokens per request, ms) per decoding
+    iteration after its prefill step)``. The device loop (``steps_per_sync``) is used when the
     method runs in it, else one step per sync. Every run gets a fresh proposer (same
     configuration, so no new compilation): suffix decoding must not draft from its cache of
     the previous runs' responses."""
@@ -156,23 +165,34 @@ def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress 
     def engine():
         eng = Engine(target, make_proposer(), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                      max_num_seqs=len(prompts), batch_buckets=(len(prompts),),
-                     context_buckets=(MAX_MODEL_LEN // BLOCK_SIZE,))
+                     query_buckets=query_buckets(prompts), context_buckets=CONTEXT_BUCKETS)
         if steps_per_sync > 1 and loop_support(eng.step) is None:
             eng.steps_per_sync = steps_per_sync
         return eng
 
     warm = engine()
-    warm.generate(prompts, SamplingParams(max_tokens=min(3, max_tokens)))   # compiles
-    runs = []
+    warm.generate(prompts, SamplingParams(max_tokens=max_tokens))   # compiles every bucket it uses
+    runs, decode = [], []
     for _ in range(repeats):
-        res = engine().generate(prompts, SamplingParams(max_tokens=max_tokens),
-                                progress=None if progress is None else progress.update)
+        marks: list[tuple[float, int]] = []     # (time, generated tokens) after each iteration
+
+        def on_step(done, total, tokens, marks=marks):
+            marks.append((time.perf_counter(), tokens))
+            if progress is not None:
+                progress.update(done, total, tokens)
+
+        res = engine().generate(prompts, SamplingParams(max_tokens=max_tokens), progress=on_step)
         if runs and res.token_ids != runs[0].token_ids:
             raise RuntimeError("greedy decoding gave different tokens on a repeated run")
         runs.append(res)
+        # after the prefill step: (tokens per request per iteration, ms per iteration)
+        its = max(len(marks) - 1, 1)
+        decode.append(((marks[-1][1] - marks[0][1]) / its / len(prompts),
+                       (marks[-1][0] - marks[0][0]) / its * 1e3))
     tps = [r.num_generated_tokens / r.elapsed_s for r in runs]
     med = statistics.median(tps)
-    return runs[0], med, (max(tps) - min(tps)) / med, warm.steps_per_sync
+    i = tps.index(sorted(tps)[len(tps) // 2])
+    return runs[0], med, (max(tps) - min(tps)) / med, warm.steps_per_sync, decode[i]
 
 
 def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: int = 48,
@@ -212,31 +232,71 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
     progress = _Progress(err, len(run) + 1)
     target = demo_target()
     progress.start("plain decoding")
-    base, base_tps, spread, n = _timed(target, lambda: None, prompts, max_tokens, progress,
-                                       repeat, steps_per_sync)
+    base, base_tps, spread, n, mid = _timed(target, lambda: None, prompts, max_tokens, progress,
+                                            repeat, steps_per_sync)
     progress.finish(f"{base_tps:.0f} tokens/s")
-    rows = [Row("plain", 0, 1.0, [], base_tps, 1.0, True, spread=spread, steps_per_sync=n)]
+    rows = [Row("plain", 0, 1.0, [], base_tps, 1.0, True, spread=spread, steps_per_sync=n,
+                tokens_per_iter=mid[0], ms_per_iter=mid[1])]
     for m in run:
         mk = 1 if m == "extract_hidden_states" else k
         progress.start(m)
-        res, tps, spread, n = _timed(target, lambda: demo_proposer(m, mk, target), prompts,
-                                     max_tokens, progress, repeat, steps_per_sync)
+        res, tps, spread, n, mid = _timed(target, lambda: demo_proposer(m, mk, target), prompts,
+                                          max_tokens, progress, repeat, steps_per_sync)
         ok = res.token_ids == base.token_ids
         progress.finish("OK" if ok else "MISMATCH")
         rows.append(Row(m, mk, res.mean_acceptance_length, res.acceptance_rate_per_position, tps,
-                        tps / base_tps, ok, spread=spread, steps_per_sync=n))
+                        tps / base_tps, ok, spread=spread, steps_per_sync=n,
+                        tokens_per_iter=mid[0], ms_per_iter=mid[1]))
     print(format_table(rows), file=out)
+    for line in slow_reasons(rows):
+        print(line, file=out)
     print(f"tokens/s: generated tokens / wall time of the whole batch, median of {repeat} runs "
           f"(spread: (max - min) / median), compilation excluded; sync: decoding iterations per "
           f"host sync (the device loop, steps_per_sync={steps_per_sync}; 1: a method that drafts "
-          "on the host runs one step per sync). On this tiny model a step costs mostly host "
-          "time, so the speed-ups say little about a real model; see benchmarks/e2e.py and "
-          "benchmarks/loop.py for GPU costs.", file=out)
+          "on the host runs one step per sync). On this tiny model every matrix product costs "
+          "about the same whatever its size (a drafter pass about as much as a target layer), "
+          "and other jobs on the machine widen the spread, so the speed-ups say little about "
+          "a real model; see benchmarks/e2e.py and benchmarks/loop.py for GPU costs.", file=out)
     bad = [r.method for r in rows if not r.ok]
     print("all methods reproduce plain greedy decoding: " + ("OK" if not bad else
           f"MISMATCH in {', '.join(bad)}"), file=out)
     out.flush()
     return rows
+
+
+def query_buckets(prompts) -> tuple[int, ...]:
+    """The demo's query buckets: powers of two (decode steps) and the longest prompt rounded
+    up to a multiple of 16 (the prefill step: its 88-94 tokens in 96, not 128; on 2 CPU
+    cores the 4-prompt prefill took 33 ms at 96 and 56 ms at 128)."""
+    longest = max(len(p) for p in prompts)
+    return tuple(sorted({1 << i for i in range(MAX_MODEL_LEN.bit_length())}
+                        | {-(-longest // 16) * 16}))
+
+
+def slow_reasons(rows: Sequence[Row]) -> list[str]:
+    """One measured reason per method below 1.0x: the tokens a decoding iteration gains
+    against what an iteration costs next to plain decoding's (the median runs, from the
+    end of the prefill step)."""
+    plain = next(r for r in rows if r.method == "plain")
+    out = []
+    for r in rows:
+        if r.method == "plain" or r.speedup >= 1.0:
+            continue
+        why = (f"{r.method} {r.speedup:.2f}x: {r.tokens_per_iter:.2f} tokens per request per "
+               f"decoding iteration (plain {plain.tokens_per_iter:.2f}) at {r.ms_per_iter:.2f} "
+               f"ms per iteration, {r.ms_per_iter / plain.ms_per_iter:.2f}x plain's "
+               f"{plain.ms_per_iter:.2f} ms")
+        if r.method == "extract_hidden_states":
+            why += "; it drafts the token just sampled (accepted only when a byte repeats)"
+        elif r.steps_per_sync == 1:
+            why += ("; it drafts on the host, so every iteration is a host sync (plain: "
+                    f"{plain.steps_per_sync} per sync)")
+        elif r.tokens_per_iter * plain.ms_per_iter < r.ms_per_iter:
+            why += "; an iteration costs more than the tokens it gains"
+        else:
+            why += "; the prefill step's fixed cost, or load on the machine (see spread)"
+        out.append("slower than plain: " + why)
+    return out
 
 
 def format_table(rows: Sequence[Row]) -> str:

@@ -62,3 +62,38 @@ def test_console_script_is_installed():
         pytest.skip("the specjax console script is not installed (pip install -e .)")
     res = subprocess.run([exe, "demo", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--max-tokens" in res.stdout and "--method" in res.stdout
+
+
+@pytest.mark.smoke
+def test_demo_draft_model_from_any_directory(monkeypatch):
+    """The demo's draft_model proposer builds whatever the working directory (from the repo
+    root its model name used to be a relative path to the shipped weights, loaded a second
+    time beside draft= and refused)."""
+    import pathlib
+
+    import specjax
+
+    target = demo.demo_target()
+    for where in (pathlib.Path(specjax.__file__).parent.parent, pathlib.Path("/")):
+        monkeypatch.chdir(where)
+        prop = demo.demo_proposer("draft_model", 2, target)
+        assert prop.num_speculative_tokens == 2
+
+
+@pytest.mark.smoke
+def test_slow_methods_get_a_measured_reason():
+    rows = [demo.Row("plain", 0, 1.0, [], 1000.0, 1.0, True, steps_per_sync=8, tokens_per_iter=1.0,
+                     ms_per_iter=2.0),
+            demo.Row("ngram", 3, 3.0, [], 900.0, 0.9, True, steps_per_sync=1, tokens_per_iter=2.5,
+                     ms_per_iter=5.6),
+            demo.Row("eagle3", 3, 3.2, [], 1600.0, 1.6, True, steps_per_sync=8,
+                     tokens_per_iter=2.8, ms_per_iter=3.5),
+            demo.Row("extract_hidden_states", 1, 1.1, [], 950.0, 0.95, True, steps_per_sync=8,
+                     tokens_per_iter=1.05, ms_per_iter=2.2)]
+    lines = demo.slow_reasons(rows)
+    assert len(lines) == 2                                   # only the methods below 1.0x
+    assert lines[0].startswith("slower than plain: ngram 0.90x: 2.50 tokens per request per decoding")
+    assert "2.80x plain's 2.00 ms" in lines[0] and "drafts on the host" in lines[0]
+    assert "extract_hidden_states" in lines[1] and "token just sampled" in lines[1]
+    qb = demo.query_buckets(demo._prompts())
+    assert 96 in qb and max(len(p) for p in demo._prompts()) <= 96 and 4 in qb and 512 in qb

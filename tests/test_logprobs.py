@@ -403,3 +403,28 @@ def test_off_compiles_the_same_step():
         step(target().params, None, kv, st, dataclasses.replace(b, num_logprobs=40))
     out = generate(target(), None, PROMPTS_A[:1], PARAMS_A[:1], **FIXED)
     assert out.outputs[0].logprobs is None
+
+
+@pytest.mark.parametrize("method", [m for m in ("ngram", "draft_model") if m in METHODS])
+def test_processed_logprobs_with_logits_processors_equal_plain(method):
+    """With penalties, logit_bias and min_tokens on (``specjax.logits_processors``), the
+    processed modes read the distribution verification used: the step's emitted tokens
+    before each slot count as output, so greedy speculative logprobs equal plain
+    decoding's with the same parameters (the draft model accepts every draft: every slot
+    but the bonus has accepted drafts before it)."""
+    ns = (NS * 4)[: len(PARAMS_A)]
+    feats = dict(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.3,
+                 logit_bias={3: 2.5, 7: -4.0}, min_tokens=2)
+    params = [dataclasses.replace(p, **feats) for p in _with_logprobs(PARAMS_A)]
+    for mode in ("processed_logprobs", "processed_logits"):
+        want = generate(target(), None, PROMPTS_A, params, logprobs_mode=mode, steps_per_sync=1,
+                        **FIXED)
+        out = generate(target(), build(method, 3), PROMPTS_A, params, logprobs_mode=mode, **FIXED)
+        assert out.spec_stats.num_accepted_tokens > 0
+        assert_same_logprobs(out, want, ns)
+        # the processors changed what was emitted or its values: the test can tell
+        base = generate(target(), None, PROMPTS_A, _with_logprobs(PARAMS_A), logprobs_mode=mode,
+                        steps_per_sync=1, **FIXED)
+        assert base.token_ids != want.token_ids or any(
+            a != b for o, w in zip(base.outputs, want.outputs) if o.logprobs
+            for a, b in zip(o.logprobs, w.logprobs))

@@ -16,11 +16,10 @@ import numpy as np
 from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
 from specjax.checks import check_int, check_opt_int
 from specjax.runtime_checks import check_engine_args as _check_engine_args
-from specjax.constants import next_power_of_2
 from specjax.logits_processors import (ProcessorLimits, check_limits, check_request,
                                        make_processor_state)
-from specjax.decode_loop import (decode_loop, loop_blocks_needed, loop_cache_size, loop_support,
-                                 make_loop_state)
+from specjax.decode_loop import decode_loop, loop_cache_size, loop_support, make_loop_state
+from specjax.engine.device_loop import DeviceLoop, _InFlight
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
@@ -42,7 +41,7 @@ _req_counter = itertools.count()
 
 
 
-class Engine(Diagnostics):
+class Engine(DeviceLoop, Diagnostics):
     """A target, a proposer (or None), a paged KV cache, and the decoding loop.
 
     Args:
@@ -103,6 +102,14 @@ class Engine(Diagnostics):
       logprobs_mode: vLLM's ``LogprobsMode`` of the logprobs requests ask for with
         ``SamplingParams.logprobs`` (``specjax.logprobs.LOGPROBS_MODES``; default
         ``"raw_logprobs"``).
+      overlap: host/device overlap of the decoding phase (``specjax.engine.device_loop``):
+        the next device-loop call (``steps_per_sync`` iterations, 1 included) is dispatched
+        from the previous call's device-resident state before the host commits that call,
+        so the host's commit and block allocation run while the device computes. Default
+        False (the lead's GPU measurement decides). The same tokens either way. Refused by
+        name for proposers the device loop does not run (host n-gram, suffix, the
+        non-padded drafter batch: their next drafts are computed on the host from the
+        step's tokens, so nothing of the next step can be dispatched before they arrive).
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -114,7 +121,7 @@ class Engine(Diagnostics):
                  mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
                  loop_early_exit: bool = True, logits_processors: tuple = (),
                  processor_limits: ProcessorLimits | None = None,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs", overlap: bool = False) -> None:
         from specjax.models import DecoderLM
 
         check_logprobs_mode(logprobs_mode)
@@ -181,10 +188,19 @@ class Engine(Diagnostics):
         if loop_early_exit not in (True, False):
             raise ValueError(f"loop_early_exit must be True or False, got {loop_early_exit!r}")
         self.loop_early_exit = bool(loop_early_exit)
+        if not isinstance(overlap, (bool, np.bool_)):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        self.overlap = bool(overlap)
         #: device-to-host round trips so far (one per step, or per device-loop call)
         self.num_syncs = 0
+        #: seconds the host spent building / dispatching / committing steps (host_s) and
+        #: blocked waiting for the device's results (wait_s), over every generate call
+        self.host_s = self.wait_s = 0.0
         if self.steps_per_sync > 1 and (why := loop_support(self.step)) is not None:
             raise ValueError(f"steps_per_sync={self.steps_per_sync}: {why}")
+        if self.overlap and (why := loop_support(self.step)) is not None:
+            raise ValueError(f"overlap=True: {why}; its next step's drafts come from this "
+                             "step's tokens on the host, so it cannot be dispatched earlier")
         self._reset_cache()
 
     # -- state ---------------------------------------------------------------------
@@ -269,12 +285,18 @@ class Engine(Diagnostics):
         total = SpecDecodingStats.new(self.num_spec_positions)
         steps, done = 0, 0
         t0 = time.perf_counter()
+        inflight: _InFlight | None = None       # overlap: a device-loop call not committed yet
         try:
             while waiting or running:
-                self._admit(waiting, running)
-                if self.steps_per_sync > 1 and all(r.num_tokens - r.num_computed == 1
-                                                   for r in running):
-                    results = self._sync(running, stop_on_finish=bool(waiting))
+                if inflight is None:     # (none can join before a request in flight finishes)
+                    self._admit(waiting, running)
+                if inflight is not None or ((self.steps_per_sync > 1 or self.overlap) and all(
+                        r.num_tokens - r.num_computed == 1 for r in running)):
+                    if self.overlap:
+                        results, inflight = self._sync_overlapped(running, inflight,
+                                                                  stop_on_finish=bool(waiting))
+                    else:
+                        results = self._sync(running, stop_on_finish=bool(waiting))
                 else:
                     results = [self._step(running)]
                 self.num_syncs += 1
@@ -307,7 +329,7 @@ class Engine(Diagnostics):
         """Compile the step for every combination of the given buckets ahead of time (a
         dummy step with no real request, which writes nothing). Returns the number of
         variants compiled. ``context_blocks`` None: the widest (``max_model_len``).
-        With ``steps_per_sync > 1`` the device loop is compiled too, for every batch size,
+        With ``steps_per_sync > 1`` or ``overlap`` the device loop is compiled too, for every batch size,
         context width, ``all_greedy`` and ``stop_pads`` (stop-id columns: the power of two
         >= the most stop ids, EOS included, of a running request). ``logits_processing``:
         the plain variant (False) and / or the one with logits processors (True: a batch in
@@ -330,7 +352,7 @@ class Engine(Diagnostics):
             if pr:
                 batch = dataclasses.replace(batch, procs=self._empty_procs(int(b)))
             jax.block_until_ready(self._run(dataclasses.replace(batch, num_logprobs=lp)))
-        if self.steps_per_sync > 1:
+        if self.steps_per_sync > 1 or self.overlap:   # the device loop runs
             for b, c, g, s, pr, lp in itertools.product(batch_sizes, context_blocks, all_greedy,
                                                         stop_pads, logits_processing, lps):
                 _, q, _ = self._buckets(int(b), self.k + 1, 1)
@@ -432,91 +454,6 @@ class Engine(Diagnostics):
             self.target.params, self.step.draft_params, self.target_kv, self.draft_state, batch)
         return out
 
-    # -- the device loop -------------------------------------------------------------
-
-    def _loop_state(self, running: list[_Request]):
-        """Blocks for ``steps_per_sync`` iterations, then the device loop's state."""
-        n_iter, k, bs = self.steps_per_sync, self.k, self.block_size
-        for r in running:
-            limit = min(self.max_model_len, len(r.prompt) + r.params.max_tokens + self.lookahead)
-            need = loop_blocks_needed(r.num_computed, steps_per_sync=n_iter, k=k,
-                                      lookahead=self.lookahead, block_size=bs, limit=limit)
-            while len(r.blocks) < need:      # within r.reserve: admission stays the same
-                r.blocks.append(self.free_blocks.pop())
-        B, Q, C = self._buckets(len(running), k + 1, max(len(r.blocks) for r in running))
-        hist = ([self.tok_buf[r.row, : r.num_tokens] for r in running]
-                if self.drafts_in == "history" else None)
-        state = make_loop_state(
-            last_token=[r.token(r.num_tokens - 1) for r in running],
-            num_computed=[r.num_computed for r in running], drafts=[r.drafts for r in running],
-            max_tokens=[r.params.max_tokens for r in running],
-            num_output=[len(r.output) for r in running], block_ids=[r.blocks for r in running],
-            k=k, num_reqs_pad=B, blocks_per_req_pad=C, query_len_pad=Q,
-            max_model_len=self.max_model_len, block_size=bs,
-            stop_ids=[sorted(r.stop_ids) for r in running],
-            stop_pad=next_power_of_2(max([1] + [len(r.stop_ids) for r in running])),
-            temperature=[r.params.temperature for r in running],
-            top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
-            seeds=[r.seed for r in running], history=hist, procs=self._procs(running, B))
-        return dataclasses.replace(state, num_logprobs=logprobs_bucket(
-            [r.params.logprobs for r in running]))
-
-    def _sync(self, running: list[_Request], stop_on_finish: bool
-              ) -> list[tuple[SpecDecodingStats | None, list[_Request]]]:
-        """Up to ``steps_per_sync`` iterations on the device (every running request
-        decodes), then the commit of each iteration as ``_step`` commits one: the same
-        tokens, stop rule, counters and metrics. Returns one ``(stats, finished)`` per
-        iteration run."""
-        state = self._loop_state(running)
-        out, self.target_kv, self.draft_state, state = decode_loop(
-            self.step, self.target.params, self.step.draft_params, self.target_kv,
-            self.draft_state, state, steps_per_sync=self.steps_per_sync,
-            stop_on_finish=stop_on_finish, early_exit=self.loop_early_exit)
-        out, drafts, num_drafts = jax.device_get((out, state.drafts, state.num_drafts))
-        results = []
-        for it in range(int(out.num_iters)):
-            stats = SpecDecodingStats.new(self.num_spec_positions) if self.proposer is not None else None
-            finished = []
-            for i, r in enumerate(running):
-                c = int(out.counts[it, i])
-                if r.finish_reason or c == 0:
-                    continue
-                nd, n_acc = int(out.num_drafts[it, i]), int(out.num_accepted[it, i])
-                if nd:
-                    nd_stat = nd if self.tree is None else self.tree.depths[nd - 1]
-                    stats.observe_draft(nd_stat, n_acc)
-                    r.num_drafted += nd_stat
-                    r.num_accepted += n_acc
-                r.num_computed += 1 + n_acc
-                kept = out.tokens[it, i, :c].tolist()
-                if r.params.logprobs is not None:
-                    r.logprobs += request_logprobs(jax.tree.map(lambda a: a[it], out.logprobs),
-                                                   i, c, r.params.logprobs)
-                for j, tok in enumerate(kept):
-                    r.output.append(tok)
-                    if tok in r.stop_ids:
-                        r.finish_reason = "stop"
-                    elif len(r.output) >= r.params.max_tokens or r.num_tokens >= self.max_model_len:
-                        r.finish_reason = "length"
-                    if r.finish_reason and j != c - 1:
-                        raise RuntimeError("device loop emitted tokens past a stop")
-                if r.row >= 0:
-                    self.tok_buf[r.row, r.num_tokens - c : r.num_tokens] = kept
-                r.drafts = []
-                if r.finish_reason:
-                    finished.append(r)
-            results.append((stats, finished))
-        for i, r in enumerate(running):
-            if bool(out.finished[i]) != bool(r.finish_reason):
-                raise RuntimeError(f"device loop and host disagree on request {r.req_id}'s stop")
-            if not r.finish_reason:
-                kv_room = self.max_model_len - r.num_tokens
-                r.drafts = trim_drafts(drafts[i, : int(num_drafts[i])].tolist(),
-                                       max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
-                                       kv_room=kv_room, k=self.k, vocab_size=self.vocab_size,
-                                       tree=self.tree)
-        return results
-
     # -- one step ------------------------------------------------------------------
 
     def _step(self, running: list[_Request]) -> tuple[SpecDecodingStats | None, list[_Request]]:
@@ -529,8 +466,13 @@ class Engine(Diagnostics):
         if self.tree is not None and not tree_verify:
             for r in running:
                 r.drafts = []
+        t0 = time.perf_counter()
         batch, qlens, b_pad = self._build_batch(running, tree_verify=tree_verify)
-        out = jax.device_get(self._run(batch))       # one fetch of the step's results
+        dev = self._run(batch)
+        t1 = time.perf_counter()
+        out = jax.device_get(dev)       # one fetch of the step's results
+        t2 = time.perf_counter()
+        self.wait_s += t2 - t1
         sampled = out.sampled
         drafts_np = (out.drafts, out.num_drafts) if self.drafts_in in ("step", "split") else None
 
@@ -595,6 +537,7 @@ class Engine(Diagnostics):
             r.drafts = trim_drafts(r.drafts, max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
                                    kv_room=kv_room, k=self.k, vocab_size=self.vocab_size,
                                    tree=self.tree)
+        self.host_s += (t1 - t0) + (time.perf_counter() - t2)
         return stats, finished
 
 
@@ -618,7 +561,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              tp_axis: str = "tp", steps_per_sync: int | None = None,
              loop_early_exit: bool = True, logits_processors: tuple = (),
              processor_limits: ProcessorLimits | None = None,
-             logprobs_mode: str = "raw_logprobs") -> GenerateResult:
+             logprobs_mode: str = "raw_logprobs", overlap: bool = False) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -656,6 +599,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     context_buckets=context_buckets, min_tokens_per_step=min_tokens_per_step,
                     mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync,
                     loop_early_exit=loop_early_exit, logits_processors=logits_processors,
-                    processor_limits=processor_limits, logprobs_mode=logprobs_mode)
+                    processor_limits=processor_limits, logprobs_mode=logprobs_mode,
+                    overlap=overlap)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)

@@ -239,7 +239,7 @@ def test_joining_leaving_zero_recompiles(caplog, monkeypatch):
     """Workload B (3 rows, 7 requests joining as others leave, EOS and max_tokens stops):
     syncs are fewer than iterations, and a second run with the requests in another order
     compiles nothing (neither the loop nor the per-step prefills)."""
-    import specjax.engine.loop as loop_mod
+    import specjax.engine.device_loop as loop_mod
 
     prop = build("eagle3", 3)
     eng = Engine(target(), prop, max_num_seqs=3, steps_per_sync=8, **FIXED)

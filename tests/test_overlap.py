@@ -1,0 +1,125 @@
+"""Host/device overlap of the engine's decoding phase (``Engine(overlap=True)``,
+``specjax.engine.device_loop``): the next device-loop call is dispatched from the previous
+call's device state before the host commits it.
+
+References: the engine without overlap (``overlap=False``, itself checked against the
+per-step loop and plain greedy decoding in ``test_decode_loop.py`` / ``test_engine.py``) for
+the tokens, finish reasons and per-request acceptance counts; the compilation log for
+recompiles.
+"""
+
+import logging
+
+import jax
+import pytest
+
+from specjax.decode_loop import loop_cache_size
+from specjax.engine import Engine, SamplingParams, generate, step_cache_size
+
+try:
+    from test_engine import (FIXED, METHODS, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B,
+                             _fast_compiles, baseline, build, eos_b, target)  # noqa: F401
+except ImportError:  # tests/ made a package
+    from tests.test_engine import (FIXED, METHODS, PARAMS_A, PARAMS_B, PROMPTS_A,  # noqa: F401
+                                   PROMPTS_B, _fast_compiles, baseline, build, eos_b, target)
+
+
+def run(proposer, which: str, n: int, overlap: bool, params=None):
+    if which == "A":
+        return generate(target(), proposer, PROMPTS_A, params or PARAMS_A, steps_per_sync=n,
+                        overlap=overlap, **FIXED)
+    return generate(target(), proposer, PROMPTS_B, params or PARAMS_B, max_num_seqs=3,
+                    eos_token_id=eos_b(), steps_per_sync=n, overlap=overlap, **FIXED)
+
+
+def _per_request(res):
+    return [(o.finish_reason, o.num_draft_tokens, o.num_accepted_tokens) for o in res.outputs]
+
+
+@pytest.mark.parametrize("method", [pytest.param(None, marks=pytest.mark.smoke), "eagle3",
+                                    "draft_model", "ngram_gpu"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_greedy_overlap_equals_no_overlap(method, n):
+    """Workload A (all at once) and B (3 rows, 7 requests joining as others leave, EOS and
+    max_tokens stops): the same tokens, finish reasons and per-request draft / accepted
+    counts as without overlap, and as plain greedy decoding."""
+    if method is not None and method not in METHODS:
+        pytest.skip(f"{method} not available")
+    prop = None if method is None else build(method, 3)
+    for which in ("A", "B"):
+        off = run(prop, which, n, False)
+        on = run(prop, which, n, True)
+        assert on.token_ids == off.token_ids == baseline(which).token_ids, (method, which)
+        assert _per_request(on) == _per_request(off)
+        assert on.spec_stats == off.spec_stats
+
+
+def test_sampled_overlap_equals_no_overlap():
+    """Seeded sampling (temperature, top-k, top-p; greedy rows mixed in): identical tokens
+    (a request's key folds in its own generated count, whatever the batch)."""
+    sps = [SamplingParams(max_tokens=m, temperature=t, top_k=tk, top_p=tp, seed=s)
+           for m, t, tk, tp, s in ((9, 1.0, 0, 1.0, 1), (3, 0.0, 0, 1.0, None), (25, 0.8, 5, 1.0, 2),
+                                   (14, 1.2, 0, 0.9, 3), (30, 1.0, 0, 1.0, 4), (7, 0.5, 3, 0.8, 5),
+                                   (18, 1.0, 0, 1.0, 6))]
+    for method in ("draft_model", None):
+        prop = None if method is None else build(method, 3)
+        for n in (1, 3):
+            off = run(prop, "B", n, False, params=sps)
+            on = run(prop, "B", n, True, params=sps)
+            assert on.token_ids == off.token_ids, (method, n)
+            assert _per_request(on) == _per_request(off)
+
+
+def test_overlap_dispatches_ahead_and_frees_everything(monkeypatch):
+    """The next call is dispatched before the previous one is committed (in the steady
+    state, dispatch / commit alternate with one call in flight), every block and row comes
+    back, and a second run compiles nothing."""
+    import specjax.engine.device_loop as dl
+
+    eng = Engine(target(), build("eagle3", 3), max_num_seqs=3, steps_per_sync=1, overlap=True,
+                 **FIXED)
+    events = []
+    disp, comm = dl.DeviceLoop._dispatch, dl.DeviceLoop._commit_loop
+    monkeypatch.setattr(dl.DeviceLoop, "_dispatch",
+                        lambda self, *a, **k: events.append("d") or disp(self, *a, **k))
+    monkeypatch.setattr(dl.DeviceLoop, "_commit_loop",
+                        lambda self, *a, **k: events.append("c") or comm(self, *a, **k))
+    out = eng.generate(PROMPTS_B, PARAMS_B, eos_token_id=eos_b())
+    assert out.token_ids == baseline("B").token_ids
+    seq = "".join(events)
+    assert "ddc" in seq and seq.count("d") == seq.count("c")     # ahead by one; all committed
+    assert len(eng.free_blocks) == eng.num_blocks - 1 and len(eng.free_rows) == 3
+    assert eng.host_s > 0 and eng.wait_s > 0
+    before = (loop_cache_size(), step_cache_size())
+    again = eng.generate(PROMPTS_B[::-1], PARAMS_B[::-1], eos_token_id=eos_b())
+    assert again.token_ids == baseline("B").token_ids[::-1]
+    assert (loop_cache_size(), step_cache_size()) == before
+
+
+@pytest.mark.smoke
+def test_overlap_refused_by_name():
+    FIXED4 = dict(FIXED, max_num_seqs=4)
+    for method, extra, match in (("ngram", {}, "overlap=True: method='ngram'"),
+                                 ("suffix", {}, "overlap=True: method='suffix'"),
+                                 ("eagle3", dict(disable_padded_drafter_batch=True),
+                                  "overlap=True: disable_padded_drafter_batch")):
+        if method not in METHODS:
+            continue
+        with pytest.raises(ValueError, match=match):
+            Engine(target(), build(method, 3, **extra), overlap=True, **FIXED4)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="overlap must be True or False"):
+            Engine(target(), None, overlap=bad, **FIXED4)
+
+
+def test_tree_overlap_equals_plain_greedy():
+    """Tree verification (a branching EAGLE-3 tree) under overlap: plain greedy's tokens
+    (its acceptance counts may differ: a step that prefills a joining request verifies no
+    tree, and overlap runs one more tree step before a request joins)."""
+    if "eagle3" not in METHODS:
+        pytest.skip("eagle3 not available")
+    tree = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]
+    prop = build("eagle3", len(tree), speculative_token_tree=str(tree))
+    for which in ("A", "B"):
+        for n in (1, 4):
+            assert run(prop, which, n, True).token_ids == baseline(which).token_ids, (which, n)
