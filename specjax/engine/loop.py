@@ -157,6 +157,8 @@ class Engine(Diagnostics):
         self.num_blocks = int(num_blocks)
         self.kv_dtype = kv_dtype
         self.drafts_in = "none" if feed is None else feed.drafts_in
+        #: the drafter's context limit when shorter than max_model_len (else None)
+        self.drafter_max_model_len = None if feed is None else feed.drafter_max_model_len
         self.tree = self.step.tree
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
@@ -383,6 +385,10 @@ class Engine(Diagnostics):
             self.target.params, self.step.draft_params, self.target_kv, self.draft_state, batch)
         return out
 
+    def _drafter_room(self, r: _Request) -> int | None:
+        lim = self.drafter_max_model_len
+        return None if lim is None else lim - r.num_tokens
+
     # -- the device loop -------------------------------------------------------------
 
     def _loop_state(self, running: list[_Request]):
@@ -460,7 +466,7 @@ class Engine(Diagnostics):
                 r.drafts = trim_drafts(drafts[i, : int(num_drafts[i])].tolist(),
                                        max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
                                        kv_room=kv_room, k=self.k, vocab_size=self.vocab_size,
-                                       tree=self.tree)
+                                       tree=self.tree, drafter_room=self._drafter_room(r))
         return results
 
     # -- one step ------------------------------------------------------------------
@@ -538,7 +544,7 @@ class Engine(Diagnostics):
             kv_room = self.max_model_len - r.num_tokens
             r.drafts = trim_drafts(r.drafts, max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
                                    kv_room=kv_room, k=self.k, vocab_size=self.vocab_size,
-                                   tree=self.tree)
+                                   tree=self.tree, drafter_room=self._drafter_room(r))
         return stats, finished
 
 

@@ -142,7 +142,10 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
       draft_params: the draft's params dict.
       block_size: KV-cache block size the loop uses (draft caches share the target's
         block table).
-      max_model_len: context cap (default ``config.max_model_len``; required).
+      max_model_len: the loop's context cap, the target's (default ``config.max_model_len``;
+        required). A smaller ``config.max_model_len`` is the drafter's limit, as in vLLM:
+        requests past it decode without drafts (``Feed.drafter_max_model_len``); a larger
+        one is refused.
       aux_layer_ids: target layers whose inputs the method reads (EAGLE-3, DFlash,
         extract-hidden-states); default from the draft's config.
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ``"pallas"``,
@@ -172,6 +175,11 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
         raise ValueError("max_model_len is required (the argument or config.max_model_len), "
                          "an int >= 2")
     max_model_len = check_int("max_model_len", max_model_len, 2)
+    if config.max_model_len is not None and config.max_model_len > max_model_len:
+        # vLLM's _maybe_override_draft_max_model_len: the drafter's limit cannot pass the target's
+        raise ValueError(f"config.max_model_len={config.max_model_len} (the drafter's context "
+                         f"limit) cannot be larger than max_model_len={max_model_len} (the "
+                         f"target's); allowed: 1 .. {max_model_len}")
     block_size = check_int("block_size", block_size, 1, 1 << 16)
     check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
     if aux_layer_ids is not None:
