@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "method detected from the checkpoint)")
     demo.add_argument("--prompts", metavar="FILE", default=None,
                       help="prompts, one per line (default: the shipped Python-code prompts)")
+    demo.add_argument("--temperature", type=_temperature, default=0.0,
+                      help="0 (default): greedy, each method checked against plain decoding; "
+                           "> 0: seeded sampling, acceptance and speed only")
     gen = sub.add_parser(
         "generate", help="generate text with your own checkpoint (and a speculative_config)",
         description="Load --target (a specjax-convert output or an original HF checkpoint "

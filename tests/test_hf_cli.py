@@ -209,3 +209,17 @@ def test_demo_bad_paths_refused_before_work(ckpt, tmp_path, capsys, monkeypatch)
         assert _demo(*argv) == 2, argv
         err = capsys.readouterr().err
         assert msg in err and "specjax demo: error" in err, (argv, err)
+
+
+def test_demo_sampled_on_own_checkpoint(ckpt, tmp_path, capsys):
+    """``--temperature``: seeded sampling, no token check (the check column is '-')."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("the cat sat on\n")
+    rc = _demo("--target", str(ckpt), "--draft", str(ckpt), "--prompts", str(f), "--method",
+               "ngram", "--max-tokens", "5", "--k", "2", "--temperature", "0.8")
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    rows = [line.split() for line in cap.out.splitlines()
+            if line.split() and line.split()[0] in ("plain", "ngram", "draft_model")]
+    assert len(rows) == 3 and all(r[-1] == "-" for r in rows)
+    assert "temperature 0.8 (seeded)" in cap.out and "no token check" in cap.out
