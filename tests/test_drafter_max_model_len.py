@@ -161,3 +161,41 @@ def test_history_proposer_feed_carries_the_limit():
     same = make_proposer({"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 64},
                          max_model_len=64)
     assert same.feed.drafter_max_model_len is None
+
+
+TREE = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]"   # 6 nodes, depth 3
+
+
+@pytest.mark.parametrize("steps_per_sync", [1, 4])
+def test_tree_drafting_stops_past_the_drafters_limit(monkeypatch, steps_per_sync):
+    """Trees: a request verifies no node once its deepest level would pass the limit
+    (``num_tokens + depth > limit``), in both loops; greedy output stays plain greedy's."""
+    from specjax import generate, make_proposer
+    from specjax.engine import SamplingParams
+
+    tgt, prompts, sp = _target(), _prompts(), SamplingParams(max_tokens=MAX_TOKENS)
+    want = generate(tgt, None, prompts, sp, max_model_len=MAX_MODEL_LEN)
+    d = {"model": str(demo_models.path("eagle3")), "num_speculative_tokens": 6,
+         "speculative_token_tree": TREE, "max_model_len": LIMIT}
+    prop = make_proposer(d, target=tgt.model, target_params=tgt.params,
+                         max_model_len=MAX_MODEL_LEN)
+    depth = prop.feed.token_tree.depth
+    assert depth == 3 and prop.feed.drafter_max_model_len == LIMIT
+    seen, _ = _record(monkeypatch)
+    got = generate(tgt, prop, prompts, sp, max_model_len=MAX_MODEL_LEN,
+                   steps_per_sync=steps_per_sync)
+    assert got.token_ids == want.token_ids
+    on = off = 0
+    for rows in seen:
+        for nt, nd in rows:
+            if nt < 0:
+                continue
+            i = int(nt >= len(prompts[1]))
+            left = MAX_TOKENS - (nt - len(prompts[i]))
+            if nt + depth > LIMIT:
+                assert nd == 0, (i, nt, nd)
+                off += 1
+            elif left > 1:
+                assert nd > 0, (i, nt, nd)
+                on += 1
+    assert on and off
