@@ -170,7 +170,8 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
 
 
 def trim_drafts(drafts: Sequence[int], *, max_new_tokens: int, kv_room: int, k: int,
-                vocab_size: int, tree: TokenTree | None = None) -> list[int]:
+                vocab_size: int, tree: TokenTree | None = None,
+                drafter_room: int | None = None) -> list[int]:
     """The drafts of a request worth verifying next step (the reference loop's rule).
 
     ``max_new_tokens``: tokens the request may still emit (``min(max_model_len -
@@ -180,8 +181,12 @@ def trim_drafts(drafts: Sequence[int], *, max_new_tokens: int, kv_room: int, k: 
     step's) the breadth-first prefix of the levels ``<= max_new_tokens - 1``, at most
     ``kv_room`` nodes (a prefix holds every ancestor of its nodes). Either is cut before
     the first token outside ``[0, vocab_size)`` (a buggy proposer's: the target would
-    embed it as garbage).
+    embed it as garbage). ``drafter_room``: positions left before the drafter's limit
+    (``Feed.drafter_max_model_len - num_tokens``) or None; below the draft depth (k, a
+    tree's depth) the request drafts nothing (its drafts would pass the drafter's limit).
     """
+    if drafter_room is not None and drafter_room < (k if tree is None else tree.depth):
+        return []
     room = max_new_tokens - 1
     if tree is None:
         d = list(drafts[: max(0, min(room, k))])

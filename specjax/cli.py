@@ -2,7 +2,8 @@
 
 ``specjax demo``: speculative decoding with every available method on the embedded demo
 model, checked against plain decoding (see :mod:`specjax.demo`). Runs on a fresh install
-with no network and no GPU.
+with no network and no GPU. ``--target DIR [--draft DIR ...] [--prompts FILE]``: the same
+table on your own checkpoints and prompts.
 
 ``specjax generate --target DIR [--speculative-config JSON] --prompt TEXT ...``: your own
 checkpoint (converted or original HF directory) with its tokenizer (the ``hf`` extra), its
@@ -67,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps-per-sync", type=_positive, default=None,
                       help="decoding iterations per host sync in the device loop (default: "
                            "specjax.demo.DEFAULT_STEPS_PER_SYNC; 1: one step per sync)")
+    demo.add_argument("--target", metavar="DIR", default=None,
+                      help="your target checkpoint (a specjax-convert output or an original HF "
+                           "directory, with its tokenizer: the hf extra) instead of the shipped "
+                           "one; --method then picks among ngram, ngram_gpu, suffix, "
+                           "extract_hidden_states")
+    demo.add_argument("--draft", metavar="DIR", action="append", default=[],
+                      help="a draft checkpoint for --target (repeat for more; one row each, the "
+                           "method detected from the checkpoint)")
+    demo.add_argument("--prompts", metavar="FILE", default=None,
+                      help="prompts, one per line (default: the shipped Python-code prompts)")
+    demo.add_argument("--temperature", type=_temperature, default=0.0,
+                      help="0 (default): greedy, each method checked against plain decoding; "
+                           "> 0: seeded sampling, acceptance and speed only")
     gen = sub.add_parser(
         "generate", help="generate text with your own checkpoint (and a speculative_config)",
         description="Load --target (a specjax-convert output or an original HF checkpoint "

@@ -82,6 +82,9 @@ class LoopState:
       num_reqs: 0-d int32, rows in use.
       all_greedy, max_model_len, block_size, query_len_pad: static.
       num_logprobs: static top-n bucket of ``LoopOutput.logprobs`` (None: off).
+      drafter_max_model_len: static, the drafter's context limit (``Feed.drafter_max_model_len``;
+        ``decode_loop`` sets it from the step's proposer) or None: a request whose drafts
+        would pass it verifies none (``nt + depth > drafter_max_model_len``).
     """
 
     last_token: Any
@@ -100,6 +103,7 @@ class LoopState:
     block_size: int = 16
     query_len_pad: int = 1
     num_logprobs: int | None = None
+    drafter_max_model_len: int | None = None
 
     @property
     def num_reqs_pad(self) -> int:
@@ -110,7 +114,8 @@ jax.tree_util.register_dataclass(
     LoopState, data_fields=["last_token", "num_computed", "drafts", "num_drafts", "max_tokens",
                             "stop_ids", "finished", "block_table", "sampling", "history",
                             "num_reqs"],
-    meta_fields=["all_greedy", "max_model_len", "block_size", "query_len_pad", "num_logprobs"])
+    meta_fields=["all_greedy", "max_model_len", "block_size", "query_len_pad", "num_logprobs",
+                 "drafter_max_model_len"])
 
 
 class LoopOutput(NamedTuple):
@@ -258,7 +263,8 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[
     """The next iteration's :class:`StepBatch` from the loop state, on the device
     (traceable): what ``specjax.batch.build_batch`` builds on the host for the same
     requests (each request's last token then its drafts, trimmed by ``trim_drafts``' rule:
-    at most ``min(k, max_new_tokens - 1)``, cut before a token outside the vocabulary).
+    at most ``min(k, max_new_tokens - 1)``, cut before a token outside the vocabulary, none
+    once they would pass ``st.drafter_max_model_len``).
     ``tree`` (the step's ``TokenTree``): a tree-verification batch (the root, then a
     breadth-first prefix of the tree: the levels the request can still use, at most as many
     nodes as KV slots remain). Finished rows stay in the batch with their last token and
@@ -283,6 +289,9 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[
             lut = jnp.asarray((0,) + tuple(tree.cu_level_sizes), jnp.int32)
             lim = jnp.clip(jnp.minimum(lut[jnp.clip(room, 0, tree.depth)], kv_room), 0, k)
         nd = jnp.minimum(jnp.minimum(st.num_drafts, lim), first_bad)
+        if st.drafter_max_model_len is not None:    # trim_drafts' drafter_room rule
+            depth = k if tree is None else tree.depth
+            nd = jnp.where(nt + depth <= st.drafter_max_model_len, nd, 0)
     else:
         nd = jnp.zeros((b,), jnp.int32)
     nd = jnp.where(active, nd, 0).astype(jnp.int32)
@@ -508,6 +517,9 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
             raise ValueError("this proposer drafts from the token history: build the state with "
                              "make_loop_state(history=...)")
     check_num_logprobs("state.num_logprobs", state.num_logprobs)
+    limit = None if feed is None else feed.drafter_max_model_len
+    if state.drafter_max_model_len != limit:
+        state = dataclasses.replace(state, drafter_max_model_len=limit)
     spec = step._spec
     dparams = draft_params if spec.impl is not None else None
     if early_exit not in (True, False):

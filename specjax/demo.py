@@ -13,6 +13,7 @@ states is not a drafter (its draft is the token just sampled).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -26,10 +27,6 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
 #: The demo's decoding iterations per host sync (the device loop; see run_demo).
 DEFAULT_STEPS_PER_SYNC = 8
-#: KV block-table widths the demo compiles for (blocks of BLOCK_SIZE): attention reads the
-#: whole bucket, and on 2 CPU cores a decoding step over 32 blocks cost twice one over 8
-#: (the demo's requests hold 6-10 blocks).
-CONTEXT_BUCKETS = (8, 16, MAX_MODEL_LEN // BLOCK_SIZE)
 
 #: The demo's prompts: starts of Python files (BOS first, as in training).
 PROMPTS = (
@@ -57,7 +54,7 @@ class Row:
     per_position: list[float]
     tokens_per_s: float
     speedup: float
-    ok: bool
+    ok: bool | None              # None: sampled (the check needs greedy decoding)
     note: str = ""
     spread: float = 0.0          # (max - min) / median tokens/s over the repeated runs
     steps_per_sync: int = 1      # iterations per host sync the method ran with
@@ -149,7 +146,8 @@ class _Progress:
 
 
 def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress | None,
-           repeats: int = 5, steps_per_sync: int = 1):
+           repeats: int = 5, steps_per_sync: int = 1, max_model_len: int = MAX_MODEL_LEN,
+           temperature: float = 0.0):
     """A warm-up run of the same workload (compiles every bucket the timed runs use), then
     the timed run, ``repeats`` times. Returns ``(result, tokens/s: the median run's, spread: (max - min) /
     median, steps_per_sync used, the median run's (tokens per request, ms) per decoding
@@ -163,15 +161,17 @@ def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress 
     from specjax.engine import Engine, SamplingParams
 
     def engine():
-        eng = Engine(target, make_proposer(), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+        eng = Engine(target, make_proposer(), max_model_len=max_model_len, block_size=BLOCK_SIZE,
                      max_num_seqs=len(prompts), batch_buckets=(len(prompts),),
-                     query_buckets=query_buckets(prompts), context_buckets=CONTEXT_BUCKETS)
+                     query_buckets=query_buckets(prompts, max_model_len),
+                     context_buckets=context_buckets(max_model_len))
         if steps_per_sync > 1 and loop_support(eng.step) is None:
             eng.steps_per_sync = steps_per_sync
         return eng
 
     warm = engine()
-    warm.generate(prompts, SamplingParams(max_tokens=max_tokens))   # compiles every bucket it uses
+    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    warm.generate(prompts, sp)        # compiles every bucket the timed runs use
     runs, decode = [], []
     for _ in range(repeats):
         marks: list[tuple[float, int]] = []     # (time, generated tokens) after each iteration
@@ -181,9 +181,9 @@ def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress 
             if progress is not None:
                 progress.update(done, total, tokens)
 
-        res = engine().generate(prompts, SamplingParams(max_tokens=max_tokens), progress=on_step)
+        res = engine().generate(prompts, sp, progress=on_step)
         if runs and res.token_ids != runs[0].token_ids:
-            raise RuntimeError("greedy decoding gave different tokens on a repeated run")
+            raise RuntimeError("a repeated run gave different tokens (greedy or seeded)")
         runs.append(res)
         # after the prefill step: (tokens per request per iteration, ms per iteration)
         its = max(len(marks) - 1, 1)
@@ -197,13 +197,24 @@ def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress 
 
 def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: int = 48,
              device=None, out: TextIO | None = None, err: TextIO | None = None,
-             repeat: int = 5, steps_per_sync: int = DEFAULT_STEPS_PER_SYNC) -> list[Row]:
+             repeat: int = 5, steps_per_sync: int = DEFAULT_STEPS_PER_SYNC,
+             target_dir: str | None = None, draft_dirs: Sequence[str] = (),
+             prompts_file: str | None = None, temperature: float = 0.0) -> list[Row]:
     """Run the demo; print the note and the table on ``out``, progress on ``err``.
 
     ``repeat``: timed runs per method (the median counts; the spread is printed);
     ``steps_per_sync``: the device loop's iterations per host sync for every method that
-    runs in it (1: the per-step loop everywhere). Returns one ``Row`` per method that ran
-    (plain decoding first, as ``"plain"``).
+    runs in it (1: the per-step loop everywhere). ``target_dir`` (``--target``): your target
+    checkpoint (a ``specjax-convert`` output or an original HF directory, with its
+    tokenizer) instead of the shipped one; ``draft_dirs`` (``--draft``): draft checkpoints
+    for it, one row each (method detected from the checkpoint, as for a vLLM
+    ``speculative_config`` without ``method``); ``methods`` then picks among the model-free
+    methods (default: n-gram CPU / GPU and suffix). ``prompts_file`` (``--prompts``): one
+    prompt per line (encoded by the target's tokenizer; the shipped byte-level model reads
+    the bytes). Bad paths are refused before anything loads. ``temperature`` > 0: seeded
+    sampling (the table's acceptance and speed; no check column: sampled speculative output
+    has the target's distribution, not plain decoding's tokens). Returns one ``Row`` per
+    method that ran (plain decoding first, as ``"plain"``).
     """
     import jax
 
@@ -211,41 +222,62 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    have = available_methods()
-    wanted = list(ALL_METHODS if not methods else methods)
+    wanted = list(methods or ())
     unknown = [m for m in wanted if m not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {ALL_METHODS}")
+    lines = _check_demo_paths(target_dir, draft_dirs, prompts_file)
+    have = available_methods()
+    if target_dir is None:
+        wanted = wanted or list(ALL_METHODS)
+    else:
+        model_based = [m for m in wanted if m not in _MODEL_FREE]
+        if model_based:
+            raise ValueError(f"--method {' '.join(model_based)}: with --target, model-based "
+                             f"methods come from --draft DIR (their checkpoints); --method picks "
+                             f"among {_MODEL_FREE}")
+        wanted = wanted or [m for m in _MODEL_FREE if m != "extract_hidden_states"]
     skipped = [m for m in wanted if m not in have]
     run = [m for m in wanted if m in have]
-    prompts = _prompts()
     dev = device if device is not None else jax.devices()[0]
-    print(NOTE, file=out)
-    print(f"target: byte-level Llama, 4 layers, hidden 256, vocab {VOCAB}; {len(prompts)} "
-          f"prompts, {max_tokens} new tokens each, k={k}, greedy; "
-          f"device: {dev.platform} ({dev.device_kind})", file=out)
+    mode = "greedy" if temperature == 0 else f"temperature {temperature} (seeded)"
+    if target_dir is None:
+        target = demo_target()
+        prompts = _prompts() if lines is None else [[BOS_ID] + list(x.encode()) for x in lines]
+        mml = _context(prompts, max_tokens, k)
+        rows_spec = [(m, 1 if m == "extract_hidden_states" else k,
+                      functools.partial(demo_proposer, m, 1 if m == "extract_hidden_states" else k,
+                                        target, max_model_len=mml)) for m in run]
+        print(NOTE, file=out)
+        print(f"target: byte-level Llama, 4 layers, hidden 256, vocab {VOCAB}; {len(prompts)} "
+              f"prompts, {max_tokens} new tokens each, k={k}, {mode}; "
+              f"device: {dev.platform} ({dev.device_kind})", file=out)
+    else:
+        target, prompts, mml, rows_spec, about = _user_setup(
+            target_dir, draft_dirs, lines, run, k, max_tokens)
+        print(USER_NOTE, file=out)
+        print(f"target: {about}; {len(prompts)} prompts, {max_tokens} new tokens each, k={k}, "
+              f"{mode}; device: {dev.platform} ({dev.device_kind})", file=out)
     for m in skipped:
         hint = ' (pip install "specjax[suffix]")' if m == "suffix" else ""
         print(f"skipped {m}: not available in this install{hint}", file=out)
     out.flush()
 
-    progress = _Progress(err, len(run) + 1)
-    target = demo_target()
+    progress = _Progress(err, len(rows_spec) + 1)
     progress.start("plain decoding")
     base, base_tps, spread, n, mid = _timed(target, lambda: None, prompts, max_tokens, progress,
-                                            repeat, steps_per_sync)
+                                            repeat, steps_per_sync, mml, temperature)
     progress.finish(f"{base_tps:.0f} tokens/s")
-    rows = [Row("plain", 0, 1.0, [], base_tps, 1.0, True, spread=spread, steps_per_sync=n,
-                tokens_per_iter=mid[0], ms_per_iter=mid[1])]
-    for m in run:
-        mk = 1 if m == "extract_hidden_states" else k
-        progress.start(m)
-        res, tps, spread, n, mid = _timed(target, lambda: demo_proposer(m, mk, target), prompts,
-                                          max_tokens, progress, repeat, steps_per_sync)
-        ok = res.token_ids == base.token_ids
-        progress.finish("OK" if ok else "MISMATCH")
-        rows.append(Row(m, mk, res.mean_acceptance_length, res.acceptance_rate_per_position, tps,
-                        tps / base_tps, ok, spread=spread, steps_per_sync=n,
+    rows = [Row("plain", 0, 1.0, [], base_tps, 1.0, True if temperature == 0 else None,
+                spread=spread, steps_per_sync=n, tokens_per_iter=mid[0], ms_per_iter=mid[1])]
+    for label, mk, make in rows_spec:
+        progress.start(label)
+        res, tps, spread, n, mid = _timed(target, make, prompts, max_tokens, progress, repeat,
+                                          steps_per_sync, mml, temperature)
+        ok = res.token_ids == base.token_ids if temperature == 0 else None
+        progress.finish({True: "OK", False: "MISMATCH", None: "done"}[ok])
+        rows.append(Row(label, mk, res.mean_acceptance_length, res.acceptance_rate_per_position,
+                        tps, tps / base_tps, ok, spread=spread, steps_per_sync=n,
                         tokens_per_iter=mid[0], ms_per_iter=mid[1]))
     print(format_table(rows), file=out)
     for line in slow_reasons(rows):
@@ -257,20 +289,35 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
           "about the same whatever its size (a drafter pass about as much as a target layer), "
           "and other jobs on the machine widen the spread, so the speed-ups say little about "
           "a real model; see benchmarks/e2e.py and benchmarks/loop.py for GPU costs.", file=out)
-    bad = [r.method for r in rows if not r.ok]
-    print("all methods reproduce plain greedy decoding: " + ("OK" if not bad else
-          f"MISMATCH in {', '.join(bad)}"), file=out)
+    bad = [r.method for r in rows if r.ok is False]
+    if temperature == 0:
+        print("all methods reproduce plain greedy decoding: " + ("OK" if not bad else
+              f"MISMATCH in {', '.join(bad)}"), file=out)
+    else:
+        print(f"temperature {temperature}: seeded sampling, no token check (sampled speculative "
+              "decoding keeps the target's distribution, not plain decoding's tokens; the "
+              "distribution tests are in tests/test_sampler.py)", file=out)
     out.flush()
     return rows
 
 
-def query_buckets(prompts) -> tuple[int, ...]:
+def query_buckets(prompts, max_model_len: int = MAX_MODEL_LEN) -> tuple[int, ...]:
     """The demo's query buckets: powers of two (decode steps) and the longest prompt rounded
     up to a multiple of 16 (the prefill step: its 88-94 tokens in 96, not 128; on 2 CPU
     cores the 4-prompt prefill took 33 ms at 96 and 56 ms at 128)."""
     longest = max(len(p) for p in prompts)
-    return tuple(sorted({1 << i for i in range(MAX_MODEL_LEN.bit_length())}
+    return tuple(sorted({1 << i for i in range(max_model_len.bit_length())}
                         | {-(-longest // 16) * 16}))
+
+
+def context_buckets(max_model_len: int = MAX_MODEL_LEN) -> tuple[int, ...]:
+    """KV block-table widths the demo compiles for (blocks of BLOCK_SIZE): 8, 16, then powers
+    of two up to ``max_model_len``. Attention reads the whole bucket, and on 2 CPU cores a
+    decoding step over 32 blocks cost twice one over 8 (the shipped demo's requests hold
+    6-10 blocks)."""
+    top = max_model_len // BLOCK_SIZE
+    return tuple(sorted({w for w in (8, 16) if w < top} | {1 << i for i in range(5, top.bit_length())
+                                                            if 1 << i < top} | {top}))
 
 
 def slow_reasons(rows: Sequence[Row]) -> list[str]:
@@ -299,6 +346,93 @@ def slow_reasons(rows: Sequence[Row]) -> list[str]:
     return out
 
 
+#: Methods that need no draft checkpoint (with ``--target`` the others come from ``--draft``).
+_MODEL_FREE = ("ngram", "ngram_gpu", "suffix", "extract_hidden_states")
+
+USER_NOTE = ("Models: your checkpoints (--target, one row per --draft, the method detected from "
+             "each checkpoint as vLLM's speculative_config does without 'method'). Every method "
+             "must reproduce plain greedy decoding exactly (the check column).")
+
+
+def _check_demo_paths(target_dir, draft_dirs, prompts_file) -> list[str] | None:
+    """Refuse bad ``--target`` / ``--draft`` / ``--prompts`` before any work, naming the
+    flag; returns the prompt lines (None: the shipped prompts)."""
+    from pathlib import Path
+
+    if target_dir is not None and not Path(target_dir).expanduser().is_dir():
+        raise FileNotFoundError(f"--target {str(target_dir)!r}: no such checkpoint directory")
+    for d in draft_dirs:
+        if target_dir is None:
+            raise ValueError("--draft needs --target (a draft is trained for its target; the "
+                             "shipped demo drafts run without either)")
+        if not Path(d).expanduser().is_dir():
+            raise FileNotFoundError(f"--draft {str(d)!r}: no such checkpoint directory")
+    if prompts_file is None:
+        return None
+    p = Path(prompts_file).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"--prompts {str(prompts_file)!r}: no such file")
+    lines = [x for x in p.read_text().splitlines() if x.strip()]
+    if not lines:
+        raise ValueError(f"--prompts {str(prompts_file)!r} holds no prompt (one per line)")
+    return lines
+
+
+def _context(prompts, max_tokens: int, k: int) -> int:
+    """The demo's ``max_model_len``: 512, or more when a prompt needs it (block multiple)."""
+    need = max(len(p) for p in prompts) + max_tokens + 2 * k + 2
+    return max(MAX_MODEL_LEN, -(-need // BLOCK_SIZE) * BLOCK_SIZE)
+
+
+def _user_setup(target_dir, draft_dirs, lines, methods, k: int, max_tokens: int):
+    """``(target, prompts, max_model_len, rows, description)`` for ``--target`` /
+    ``--draft`` / ``--prompts``."""
+    from pathlib import Path
+
+    from specjax.engine import TargetModel
+    from specjax.hf import encode_prompt, load_model, load_tokenizer
+    from specjax.models import DecoderLM
+    from specjax.proposers import make_proposer
+
+    model, kind, cfg, params = load_model(target_dir)
+    if not isinstance(model, DecoderLM):
+        raise ValueError(f"--target {str(target_dir)!r} is a {kind!r} checkpoint, not a decoder LM")
+    target = TargetModel(model, params)
+    if lines is None:
+        prompts = [[BOS_ID] + list(p) for p in PROMPTS]
+        if any(max(p) >= cfg.vocab_size for p in prompts):
+            raise ValueError("--target: give --prompts FILE (the shipped prompts are bytes of the "
+                             "demo's byte-level vocabulary)")
+        tok_note = "the shipped prompts as byte ids"
+    else:
+        tok = load_tokenizer(target_dir)
+        prompts = [encode_prompt(tok, x) for x in lines]
+        tok_note = "prompts through its tokenizer"
+    mml = _context(prompts, max_tokens, k)
+    rows = []
+    for m in methods:
+        if m == "extract_hidden_states":
+            aux = (0,)
+            rows.append((m, 1, functools.partial(
+                make_proposer, SpeculativeConfig(method=m, num_speculative_tokens=1),
+                target=model, target_params=params, aux_layer_ids=aux, max_model_len=mml,
+                block_size=BLOCK_SIZE)))
+            continue
+        extra = dict(prompt_lookup_min=2, prompt_lookup_max=5) if m.startswith("ngram") else {}
+        spec = SpeculativeConfig(method=m, num_speculative_tokens=k, **extra)
+        rows.append((m, k, functools.partial(make_proposer, spec, max_model_len=mml,
+                                             block_size=BLOCK_SIZE)))
+    for d in draft_dirs:
+        spec = {"model": str(d), "num_speculative_tokens": k}
+        prop = make_proposer(spec, target=model, target_params=params, max_model_len=mml,
+                             block_size=BLOCK_SIZE)      # loads and checks it once, up front
+        # a device proposer keeps no state between runs (the engine owns its caches): reuse it
+        rows.append((f"{prop.method} ({Path(d).name})", k, functools.partial(lambda p: p, prop)))
+    about = (f"{Path(target_dir).name} ({kind}, {cfg.num_hidden_layers} layers, hidden "
+             f"{cfg.hidden_size}, vocab {cfg.vocab_size}), {tok_note}")
+    return target, prompts, mml, rows, about
+
+
 def format_table(rows: Sequence[Row]) -> str:
     head = ("method", "k", "mean acc. len", "per-position acceptance", "tokens/s", "spread",
             "sync", "speed-up", "check")
@@ -309,7 +443,7 @@ def format_table(rows: Sequence[Row]) -> str:
         pp = "-" if not r.per_position else " ".join(f"{p:.2f}" for p in r.per_position)
         body.append((r.method, str(r.k) if r.k else "-", mal, pp, f"{r.tokens_per_s:.0f}",
                      f"{100 * r.spread:.0f}%", str(r.steps_per_sync), f"{r.speedup:.2f}x",
-                     "OK" if r.ok else "MISMATCH"))
+                     {True: "OK", False: "MISMATCH", None: "-"}[r.ok]))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
@@ -331,10 +465,19 @@ def main_demo(args, out: TextIO | None = None, err: TextIO | None = None) -> int
             return 2
         ctx = contextlib.nullcontext()
     with ctx:
-        rows = run_demo(args.method, k=args.k, max_tokens=args.max_tokens, device=dev, out=out,
-                        err=err, repeat=getattr(args, "repeat", 5),
-                        steps_per_sync=getattr(args, "steps_per_sync", None) or DEFAULT_STEPS_PER_SYNC)
-    return 0 if all(r.ok for r in rows) else 1
+        try:
+            rows = run_demo(args.method, k=args.k, max_tokens=args.max_tokens, device=dev,
+                            out=out, err=err, repeat=getattr(args, "repeat", 5),
+                            steps_per_sync=getattr(args, "steps_per_sync", None)
+                            or DEFAULT_STEPS_PER_SYNC,
+                            target_dir=getattr(args, "target", None),
+                            draft_dirs=getattr(args, "draft", None) or (),
+                            prompts_file=getattr(args, "prompts", None),
+                            temperature=getattr(args, "temperature", 0.0) or 0.0)
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            print(f"specjax demo: error: {e}", file=err or sys.stderr)
+            return 2
+    return 0 if all(r.ok is not False for r in rows) else 1
 
 
 __all__ = ["run_demo", "demo_target", "demo_proposer", "format_table", "ALL_METHODS", "PROMPTS",

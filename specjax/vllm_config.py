@@ -151,6 +151,10 @@ def from_vllm(d: Mapping[str, Any], fields: tuple[str, ...], **overrides: Any) -
             raise ArgumentError(f"speculative_config {key}={show(d[key])} is not implemented by "
                                 f"specjax; only vLLM's default {show(allowed[0])} is accepted")
     kw = {k: v for k, v in d.items() if k in own}
+    if kw.get("rejection_sample_method") == "standard":
+        # v0.33's name of the default: the ratio test with q = 1 for greedy drafts, which is
+        # v0.20's "strict" on the V1 runner (no draft probabilities); "block" / "fly" stay refused
+        kw["rejection_sample_method"] = "strict"
     if isinstance(kw.get("synthetic_acceptance_rates"), list):
         kw["synthetic_acceptance_rates"] = tuple(kw["synthetic_acceptance_rates"])
     model, method = kw.get("model"), kw.get("method")

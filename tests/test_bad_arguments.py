@@ -136,12 +136,17 @@ def test_make_proposer_bad_arguments():
     hc, hp = _head()
     ok = dict(target=tgt, target_params=tp, draft=hc, draft_params=hp, max_model_len=64)
     cfg = SpeculativeConfig(**E)
+    L = tgt.config.num_hidden_layers
     cases = [
         (dict(ok, max_model_len="64"), TypeError, "max_model_len"),
         (dict(ok, max_model_len=None), ValueError, "max_model_len"),
         (dict(ok, block_size=0), ValueError, "block_size"),
         (dict(ok, kernel_backend="cuda"), ValueError, "kernel_backend"),
         (dict(ok, aux_layer_ids=5), TypeError, "aux_layer_ids"),
+        # the target has BASE's num_hidden_layers layers: ids in [0, L-1], increasing, 3 of them
+        (dict(ok, aux_layer_ids=(0, 1, L)), ValueError, rf"aux_layer_ids.*\[0, {L - 1}\]"),
+        (dict(ok, aux_layer_ids=(2, 1, 0)), ValueError, r"aux_layer_ids.*strictly increasing"),
+        (dict(ok, aux_layer_ids=(0, 1)), ValueError, r"aux_layer_ids has 2 ids.*give 3"),
         (dict(ok, draft_params=[1]), TypeError, "draft_params"),
         (dict(ok, target="model"), TypeError, "target"),
     ]

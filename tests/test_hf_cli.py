@@ -156,3 +156,70 @@ def test_version_and_python_m():
     r = subprocess.run([sys.executable, "-m", "specjax", "--version"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == f"specjax {specjax.__version__}"
+
+
+def _demo(*argv):
+    from specjax.cli import main
+
+    return main(["demo", "--device", "cpu", "--repeat", "1", *argv])
+
+
+def test_demo_on_own_checkpoints(ckpt, tmp_path, capsys):
+    """``specjax demo --target --draft --prompts``: the table on the user's checkpoint and
+    prompts; the checkpoint drafting for itself accepts every draft (7 tokens = the prefill's
+    one + two steps of k + 1 = 3)."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("the cat sat on\n\none two three\n")
+    rc = _demo("--target", str(ckpt), "--draft", str(ckpt), "--prompts", str(f),
+               "--method", "ngram", "--max-tokens", "7", "--k", "2")
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    rows = {line.split()[0]: line.split() for line in cap.out.splitlines()
+            if line.split() and line.split()[0] in ("plain", "ngram", "draft_model")}
+    assert set(rows) == {"plain", "ngram", "draft_model"}
+    assert all(r[-1] == "OK" for r in rows.values())
+    assert rows["draft_model"][1] == "(tiny-llama)" and rows["draft_model"][3] == "3.00"
+    assert "target: tiny-llama (llama, 2 layers, hidden 32, vocab 48)" in cap.out
+    assert "2 prompts" in cap.out
+    assert "all methods reproduce plain greedy decoding: OK" in cap.out
+
+
+def test_demo_bad_paths_refused_before_work(ckpt, tmp_path, capsys, monkeypatch):
+    import specjax.demo
+    import specjax.hf
+
+    def no_work(*a, **k):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    monkeypatch.setattr(specjax.hf, "load_model", no_work)
+    monkeypatch.setattr(specjax.demo, "demo_target", no_work)
+    f = tmp_path / "p.txt"
+    f.write_text("the cat\n")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    none = str(tmp_path / "none")
+    for argv, msg in ((["--target", none], "--target"),
+                      (["--target", str(ckpt), "--draft", none], "--draft"),
+                      (["--target", str(ckpt), "--prompts", none], "--prompts"),
+                      (["--prompts", none], "--prompts"),
+                      (["--prompts", str(empty)], "--prompts"),
+                      (["--draft", str(ckpt)], "--draft needs --target"),
+                      (["--target", str(ckpt), "--method", "eagle3", "--prompts", str(f)],
+                       "--method eagle3")):
+        assert _demo(*argv) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and "specjax demo: error" in err, (argv, err)
+
+
+def test_demo_sampled_on_own_checkpoint(ckpt, tmp_path, capsys):
+    """``--temperature``: seeded sampling, no token check (the check column is '-')."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("the cat sat on\n")
+    rc = _demo("--target", str(ckpt), "--draft", str(ckpt), "--prompts", str(f), "--method",
+               "ngram", "--max-tokens", "5", "--k", "2", "--temperature", "0.8")
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    rows = [line.split() for line in cap.out.splitlines()
+            if line.split() and line.split()[0] in ("plain", "ngram", "draft_model")]
+    assert len(rows) == 3 and all(r[-1] == "-" for r in rows)
+    assert "temperature 0.8 (seeded)" in cap.out and "no token check" in cap.out

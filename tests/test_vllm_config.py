@@ -219,3 +219,30 @@ def test_dict_model_and_draft_both_refused():
     with pytest.raises(ValueError, match="both draft= and config.model"):
         make_proposer(d, target=tgt.model, target_params=tgt.params, max_model_len=128,
                       draft=registry.make_model(kind, cfg), draft_params=params)
+
+
+@pytest.mark.smoke
+def test_v033_spelling_of_the_default_rejection_method():
+    """v0.33 renamed the default "strict" to "standard" (the same test with greedy drafts);
+    its other new values are not implemented and stay refused by name."""
+    d = {"method": "ngram", "num_speculative_tokens": 2}
+    c = SpeculativeConfig.from_vllm({**d, "rejection_sample_method": "standard"})
+    assert c.rejection_sample_method == "strict"
+    assert c == SpeculativeConfig.from_vllm(d)
+    for v in ("block", "fly"):
+        with pytest.raises(ValueError, match="rejection_sample_method"):
+            SpeculativeConfig.from_vllm({**d, "rejection_sample_method": v})
+
+
+@pytest.mark.smoke
+def test_max_num_new_slots_for_drafting_is_a_property():
+    """vLLM v0.20: ``k - 1`` with parallel drafting, plus 1 for a draft model, read as a
+    property (the earlier call form still answers)."""
+    cases = [(dict(method="eagle3"), 0), (dict(method="eagle3", parallel_drafting=True), 3),
+             (dict(method="draft_model", model="d"), 1),
+             (dict(method="draft_model", model="d", parallel_drafting=True), 4)]
+    for kw, want in cases:
+        c = SpeculativeConfig(num_speculative_tokens=4, **kw)
+        assert c.max_num_new_slots_for_drafting == want and isinstance(
+            c.max_num_new_slots_for_drafting, int)
+        assert c.max_num_new_slots_for_drafting() == want

@@ -162,7 +162,7 @@ class DeviceLoop:
                 r.drafts = trim_drafts(drafts[i, : int(num_drafts[i])].tolist(),
                                        max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
                                        kv_room=kv_room, k=self.k, vocab_size=self.vocab_size,
-                                       tree=self.tree)
+                                       tree=self.tree, drafter_room=self._drafter_room(r))
         self.host_s += time.perf_counter() - t1
         return results
 

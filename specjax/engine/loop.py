@@ -180,6 +180,8 @@ class Engine(DeviceLoop, Diagnostics):
         self.num_blocks = int(num_blocks)
         self.kv_dtype = kv_dtype
         self.drafts_in = "none" if feed is None else feed.drafts_in
+        #: the drafter's context limit when shorter than max_model_len (else None)
+        self.drafter_max_model_len = None if feed is None else feed.drafter_max_model_len
         self.tree = self.step.tree
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
@@ -454,6 +456,10 @@ class Engine(DeviceLoop, Diagnostics):
             self.target.params, self.step.draft_params, self.target_kv, self.draft_state, batch)
         return out
 
+    def _drafter_room(self, r: _Request) -> int | None:
+        lim = self.drafter_max_model_len
+        return None if lim is None else lim - r.num_tokens
+
     # -- one step ------------------------------------------------------------------
 
     def _step(self, running: list[_Request]) -> tuple[SpecDecodingStats | None, list[_Request]]:
@@ -536,7 +542,7 @@ class Engine(DeviceLoop, Diagnostics):
             kv_room = self.max_model_len - r.num_tokens
             r.drafts = trim_drafts(r.drafts, max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
                                    kv_room=kv_room, k=self.k, vocab_size=self.vocab_size,
-                                   tree=self.tree)
+                                   tree=self.tree, drafter_room=self._drafter_room(r))
         self.host_s += (t1 - t0) + (time.perf_counter() - t2)
         return stats, finished
 

@@ -142,7 +142,10 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
       draft_params: the draft's params dict.
       block_size: KV-cache block size the loop uses (draft caches share the target's
         block table).
-      max_model_len: context cap (default ``config.max_model_len``; required).
+      max_model_len: the loop's context cap, the target's (default ``config.max_model_len``;
+        required). A smaller ``config.max_model_len`` is the drafter's limit, as in vLLM:
+        requests past it decode without drafts (``Feed.drafter_max_model_len``); a larger
+        one is refused.
       aux_layer_ids: target layers whose inputs the method reads (EAGLE-3, DFlash,
         extract-hidden-states); default from the draft's config.
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ``"pallas"``,
@@ -172,6 +175,11 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
         raise ValueError("max_model_len is required (the argument or config.max_model_len), "
                          "an int >= 2")
     max_model_len = check_int("max_model_len", max_model_len, 2)
+    if config.max_model_len is not None and config.max_model_len > max_model_len:
+        # vLLM's _maybe_override_draft_max_model_len: the drafter's limit cannot pass the target's
+        raise ValueError(f"config.max_model_len={config.max_model_len} (the drafter's context "
+                         f"limit) cannot be larger than max_model_len={max_model_len} (the "
+                         f"target's); allowed: 1 .. {max_model_len}")
     block_size = check_int("block_size", block_size, 1, 1 << 16)
     check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
     if aux_layer_ids is not None:
@@ -275,10 +283,15 @@ def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params
     if target_cfg is not None and vocab is not None and vocab != target_cfg.vocab_size:
         raise ValueError(f"method={method!r}: the draft's vocabulary ({vocab}) does not match the "
                          f"target's ({target_cfg.vocab_size})")
+    source = "aux_layer_ids"
     if aux_layer_ids is None:
         aux_layer_ids = getattr(dcfg, "aux_layer_ids", None)
+        source = "the draft config's aux_layer_ids"
         if aux_layer_ids is None and method == "eagle3" and target_cfg is not None:
             aux_layer_ids = eagle3_default_aux_layer_ids(target_cfg.num_hidden_layers)
+            source = "the EAGLE-3 default aux_layer_ids (2, L // 2, L - 3)"
+    if aux_layer_ids is not None and method in ("eagle3", "dflash", "extract_hidden_states"):
+        _check_aux_layer_ids(method, tuple(int(i) for i in aux_layer_ids), source, dcfg, target_cfg)
     # Each proposer takes the subset of these its dataclass declares.
     offered = dict(block_size=block_size, max_model_len=max_model_len, kernel_backend=kernel_backend,
                    target_vocab_size=(target_cfg.vocab_size if target_cfg is not None else vocab))
@@ -295,6 +308,23 @@ def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params
     impl = cls(config, model, **kwargs)
     return ModelProposer(config, impl, params, vocab_size=vocab, aux_layer_ids=aux_layer_ids or (),
                          mesh_fields=builder.mesh_fields)
+
+
+def _check_aux_layer_ids(method: str, ids: tuple[int, ...], source: str, dcfg, target_cfg) -> None:
+    """Aux layer ids (EAGLE-3 / DFlash / extract-hidden-states) are strictly increasing
+    target layers in ``[0, num_hidden_layers)`` (the target runs only those it has) and
+    as many as the head's ``fc`` reads, checked before anything is built (the target's
+    runner would refuse them only when the step is made)."""
+    if target_cfg is not None:
+        n = target_cfg.num_hidden_layers
+        if not ids or any(not 0 <= i < n for i in ids) or list(ids) != sorted(set(ids)):
+            raise ValueError(f"method={method!r}: {source} = {show(list(ids))} must be strictly "
+                             f"increasing target layer ids in [0, {n - 1}] (the target has "
+                             f"num_hidden_layers={n}; id k reads the input of layer k)")
+    want = getattr(dcfg, "num_aux", None) if method in ("eagle3", "dflash") else None
+    if isinstance(want, int) and len(ids) != want:
+        raise ValueError(f"method={method!r}: {source} has {len(ids)} ids; the head's fc reads "
+                         f"{want} aux states: give {want} ids")
 
 
 #: The ``ModelConfig.kind`` values each model-based method accepts as its draft.

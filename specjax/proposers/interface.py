@@ -20,6 +20,16 @@ def lookahead(config: SpeculativeConfig) -> int:
     return config.num_speculative_tokens + config.max_num_new_slots_for_drafting() + 1
 
 
+def drafter_limit(config: SpeculativeConfig, max_model_len: int | None) -> int | None:
+    """``Feed.drafter_max_model_len``: ``config.max_model_len`` when it is shorter than the
+    loop's ``max_model_len`` (the drafter stops there, vLLM's draft ``max_model_len``),
+    else None. Longer is refused by ``make_proposer``."""
+    limit = config.max_model_len
+    if limit is None or max_model_len is None or limit >= max_model_len:
+        return None
+    return int(limit)
+
+
 class TokenHistory(NamedTuple):
     """What a token-history proposer sees after a verification step (host arrays).
 
@@ -166,7 +176,8 @@ class ModelProposer(Proposer):
             hidden_states=bool(impl.needs_hidden_states), aux_layer_ids=aux,
             lookahead=lookahead(config), token_tree=tree, vocab_size=vocab_size,
             block_size=getattr(impl, "block_size", None),
-            max_model_len=getattr(impl, "max_model_len", None))
+            max_model_len=getattr(impl, "max_model_len", None),
+            drafter_max_model_len=drafter_limit(config, getattr(impl, "max_model_len", None)))
 
     @property
     def feed(self) -> Feed:
@@ -266,7 +277,8 @@ def prepare_inputs_padded(impl: Any, spec_decode_metadata, valid_sampled_tokens_
 
 def history_feed(config: SpeculativeConfig, max_model_len: int) -> Feed:
     return Feed(drafts_in="history", num_speculative_tokens=config.num_speculative_tokens,
-                lookahead=lookahead(config), max_model_len=max_model_len)
+                lookahead=lookahead(config), max_model_len=max_model_len,
+                drafter_max_model_len=drafter_limit(config, max_model_len))
 
 
 class HistoryProposer(Proposer):

@@ -164,6 +164,11 @@ class Feed:
         the target's.
       block_size / max_model_len: what the proposer was built for (None: unconstrained);
         the loop must use the same.
+      drafter_max_model_len: the drafter's context limit when it is shorter than
+        ``max_model_len`` (``SpeculativeConfig.max_model_len``, vLLM's draft
+        ``max_model_len``), else None: a request drafts for its next step only while every
+        draft position stays below it (``num_tokens + depth <= drafter_max_model_len``;
+        ``depth``: k, a tree's depth); past it the request decodes without drafts.
     """
 
     drafts_in: DraftsIn
@@ -175,6 +180,7 @@ class Feed:
     vocab_size: int | None = None
     block_size: int | None = None
     max_model_len: int | None = None
+    drafter_max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.drafts_in not in ("step", "split", "history"):
@@ -182,6 +188,9 @@ class Feed:
                              f"{self.drafts_in!r}")
         check_int("Feed.num_speculative_tokens", self.num_speculative_tokens, minimum=1)
         check_int("Feed.lookahead", self.lookahead, minimum=0)
+        if self.drafter_max_model_len is not None:
+            check_int("Feed.drafter_max_model_len", self.drafter_max_model_len, minimum=1,
+                      maximum=self.max_model_len)
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
 
     @property

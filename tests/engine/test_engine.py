@@ -323,6 +323,13 @@ def test_synthetic_acceptance_mode():
                  synthetic_acceptance_rates=(0.0, 0.0, 0.0))
     s = generate(target(), prop, PROMPTS_A, PARAMS_A, **FIXED).spec_stats
     assert s.num_draft_tokens > 0 and s.num_accepted_tokens == 0
+    # synthetic_acceptance_length runs too (issue 26: it passed validation and the engine then
+    # refused it): length 2.0 with k = 3 is vLLM's least-variance schedule [1, 0, 0]
+    prop = build("ngram", 3, rejection_sample_method="synthetic", synthetic_acceptance_length=2.0)
+    assert prop.config.synthetic_rates == (1.0, 0.0, 0.0)
+    s = generate(target(), prop, PROMPTS_A, PARAMS_A, **FIXED).spec_stats
+    assert s.num_drafts > 0 and s.num_accepted_tokens == s.num_drafts      # exactly one each
+    assert s.num_accepted_tokens_per_pos[1:] == [0, 0]
 
 
 class _FixedDraft(Proposer):

@@ -40,6 +40,12 @@ CASES = {
     "eagle3": lambda: build("eagle3", 3),
     "eagle3-tree": lambda: build("eagle3", len(TREE), speculative_token_tree=str(TREE)),
     "ngram": lambda: build("ngram", 3),
+    # a drafter limit (speculative_config.max_model_len) shorter than the loop's: seeded
+    # sampling only matches generate's tokens when the loop stops drafting where it does
+    "ngram-short": lambda: specjax.make_proposer(
+        specjax.SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                  prompt_lookup_max=3, max_model_len=24),
+        max_model_len=MML, block_size=BS),
     "plain": lambda: None,
 }
 

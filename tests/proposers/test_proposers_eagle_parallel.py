@@ -414,7 +414,8 @@ def test_make_proposer_end_to_end(tmp_path):
                       config_extra={"ptd_token_id": 13})
     _, dcfg, dparams = load_pretrained(src, dtype="fp32")
     assert "mask_hidden" in dparams
-    tcfg = registry.config_from_hf("llama", dict(GEO, num_hidden_layers=1, vocab_size=dcfg.vocab_size,
+    # six layers: the head reads aux layers (1, 3, 5), checked against the target up front
+    tcfg = registry.config_from_hf("llama", dict(GEO, num_hidden_layers=6, vocab_size=dcfg.vocab_size,
                                                  hidden_size=CK_H))
     p = make_proposer(_spec("eagle3", k), target=registry.make_model("llama", tcfg),
                       target_params={"embed_tokens": {"embedding": jnp.asarray(
