@@ -2,7 +2,8 @@
 
 ``vllm_ngram_gpu`` follows ``NgramGPUKernel.forward`` / ``_find_first_and_extract_all_n_parallel``
 as ``../shared/research/vllm_spec_decode.md`` §1.5 describes it: for each n in
-[min_n, max_n] every length-n window (``unfold``) is compared with the trailing n tokens;
+[min_n, max_n] every length-n window (vLLM: ``unfold``; here n shifted slices of a padded
+copy, the same comparison, as inductor failed on the original) is compared with the trailing n tokens;
 a window counts only if at least one token follows it (start <= L - n - 1); the earliest
 match per n, the largest n with a match wins; the drafts are the k tokens after the match,
 -1 past the sequence end (no ``max_model_len`` cap), all -1 without a match or where the
@@ -29,12 +30,19 @@ def vllm_ngram_gpu(num_tokens, token_ids, mask, min_n: int, max_n: int, k: int):
     rows = torch.arange(b, device=dev)
     best_start = torch.full((b,), -1, dtype=torch.long, device=dev)
     best_n = torch.zeros((b,), dtype=torch.long, device=dev)
+    # Every n compares windows at all t starts of a copy padded with max_n - 1 columns of
+    # -2 (no token): a window running into the padding never matches, so this is vLLM's
+    # ``unfold(1, n, 1) == tail`` over t - n + 1 starts. (Inductor in torch 2.11 failed,
+    # "8253 v.s. 8254", fusing the per-n reductions of different widths.)
+    padded = torch.cat([token_ids, torch.full((b, max_n - 1), -2, dtype=token_ids.dtype,
+                                              device=dev)], dim=1)
+    starts = torch.arange(t, device=dev)[None, :]
     for n in range(min_n, max_n + 1):
-        windows = token_ids.unfold(1, n, 1)                               # [B, T - n + 1, n]
         tail_idx = (lens[:, None] - n + torch.arange(n, device=dev)[None, :]).clamp(min=0)
         tail = token_ids[rows[:, None], tail_idx]                         # [B, n]
-        hit = (windows == tail[:, None, :]).all(dim=-1)                   # [B, W]
-        starts = torch.arange(windows.shape[1], device=dev)[None, :]
+        hit = padded[:, 0:t] == tail[:, 0:1]
+        for j in range(1, n):
+            hit = hit & (padded[:, j:j + t] == tail[:, j:j + 1])          # [B, T]
         hit = hit & (starts <= (lens[:, None] - n - 1)) & (lens[:, None] >= n)
         any_hit = hit.any(dim=1)
         first = torch.where(any_hit, hit.float().argmax(dim=1), torch.full_like(lens, -1))
