@@ -106,7 +106,8 @@ class Engine(DeviceLoop, Diagnostics):
         the next device-loop call (``steps_per_sync`` iterations, 1 included) is dispatched
         from the previous call's device-resident state before the host commits that call,
         so the host's commit and block allocation run while the device computes. Default
-        False (the lead's GPU measurement decides). The same tokens either way. Refused by
+        False: measured on the H200, the next call's dispatch blocks the host as long as
+        the wait it removes, and EAGLE-3 got 3-24% slower (``benchmarks/RESULTS.md``). The same tokens either way. Refused by
         name for proposers the device loop does not run (host n-gram, suffix, the
         non-padded drafter batch: their next drafts are computed on the host from the
         step's tokens, so nothing of the next step can be dispatched before they arrive).
