@@ -54,11 +54,12 @@ def _record(monkeypatch):
     """Every verification the engine runs, per row: ``(num_tokens, num_drafts)`` with
     ``num_tokens`` the request's committed tokens when the step starts (its drafts sit at
     positions ``num_tokens ..``), read from the step's batch / the loop's output."""
+    import specjax.engine.device_loop as device_loop_mod
     import specjax.engine.loop as loop_mod
 
     seen: list[list[tuple[int, int]]] = []
     shapes: set = set()
-    run, dl = loop_mod.Engine._run, loop_mod.decode_loop
+    run, dl = loop_mod.Engine._run, device_loop_mod.decode_loop
 
     def _run(self, batch):
         shapes.add(("step", np.shape(batch.input_ids), np.shape(batch.attn.block_table)))
@@ -84,7 +85,7 @@ def _record(monkeypatch):
         return out, tkv, ds, state
 
     monkeypatch.setattr(loop_mod.Engine, "_run", _run)
-    monkeypatch.setattr(loop_mod, "decode_loop", decode_loop)
+    monkeypatch.setattr(device_loop_mod, "decode_loop", decode_loop)   # the engine's loop calls
     return seen, shapes
 
 
