@@ -83,7 +83,6 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import e2e  # the shapes, random params and proposers of benchmarks/e2e.py
@@ -157,6 +156,13 @@ def main(argv=None) -> int:
                 t = engines[(v, m, b)].time_decode_step(b, args.context, iters=args.iters)
                 if r:
                     times[(v, m, b)].append((t["step_s"] + t["host_propose_s"]) * 1e3)
+    return report(cases, times, args.json)
+
+
+def report(cases, times, json_path, **extra) -> int:
+    """Print the parent / head table (median over rounds, spread, ratio); rows to JSON."""
+    import numpy as np
+
     head = f"{'method':<8} {'B':>3} {'parent ms (spread)':>22} {'head ms (spread)':>22} {'head/parent':>11}"
     print(head)
     print("-" * len(head))
@@ -166,9 +172,9 @@ def main(argv=None) -> int:
         mp, mh = float(np.median(p)), float(np.median(h))
         print(f"{m:<8} {b:>3} {mp:>12.3f} ({max(p) - min(p):>6.3f}) {mh:>12.3f} ({max(h) - min(h):>6.3f}) "
               f"{mh / mp:>11.3f}", flush=True)
-        rows.append(dict(method=m, batch=b, parent_ms=p, head_ms=h, ratio=mh / mp))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        rows.append(dict(method=m, batch=b, parent_ms=p, head_ms=h, ratio=mh / mp, **extra))
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
     return 0
 
 
@@ -211,7 +217,6 @@ def propose_ab(args, mods, engine, batches, rev) -> int:
     """Each model method's pipelined ``propose``, parent vs head, interleaved rounds."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from proposers import time_propose
 
@@ -237,19 +242,7 @@ def propose_ab(args, mods, engine, batches, rev) -> int:
                 if r:
                     times[(v, *key)].append(pipe * 1e3)
     print(f"propose (pipelined ms per call), parent {rev} vs head")
-    head = f"{'method':<8} {'B':>3} {'parent ms (spread)':>22} {'head ms (spread)':>22} {'head/parent':>11}"
-    print(head)
-    print("-" * len(head))
-    rows = []
-    for m, b in cases:
-        p, h = times[("parent", m, b)], times[("head", m, b)]
-        mp, mh = float(np.median(p)), float(np.median(h))
-        print(f"{m:<8} {b:>3} {mp:>12.3f} ({max(p) - min(p):>6.3f}) {mh:>12.3f} ({max(h) - min(h):>6.3f}) "
-              f"{mh / mp:>11.3f}", flush=True)
-        rows.append(dict(method=m, batch=b, parent_ms=p, head_ms=h, ratio=mh / mp, what="propose"))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return report(cases, times, args.json, what="propose")
 
 
 if __name__ == "__main__":
