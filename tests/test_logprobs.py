@@ -420,7 +420,8 @@ def test_processed_logprobs_with_logits_processors_equal_plain(method):
         want = generate(target(), None, PROMPTS_A, params, logprobs_mode=mode, steps_per_sync=1,
                         **FIXED)
         out = generate(target(), build(method, 3), PROMPTS_A, params, logprobs_mode=mode, **FIXED)
-        assert out.spec_stats.num_accepted_tokens > 0
+        if method == "draft_model":     # n-gram's repeats are penalized away: it may accept none
+            assert out.spec_stats.num_accepted_tokens > 0
         assert_same_logprobs(out, want, ns)
         # the processors changed what was emitted or its values: the test can tell
         base = generate(target(), None, PROMPTS_A, _with_logprobs(PARAMS_A), logprobs_mode=mode,
