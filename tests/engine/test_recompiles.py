@@ -6,7 +6,6 @@ rows, so finished rows are refilled) and counts every compilation after the warm
 variant (~50 iterations) per mode, and the 1,000-iteration run (``-m slow``)."""
 
 import io
-import os
 import sys
 
 import pytest
@@ -18,7 +17,9 @@ try:
 except ImportError:  # tests/ made a package
     from tests.test_engine import FIXED, METHODS, MML, _fast_compiles, build, target  # noqa: F401
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import suite_paths  # noqa: E402  (tests/support)
+
+sys.path.insert(0, str(suite_paths.BENCHMARKS))
 import recompiles as bench  # noqa: E402
 
 # FIXED: one batch bucket (4 rows), one query bucket (16: prompts of up to 15 tokens and the
