@@ -32,7 +32,6 @@ class Layout(NamedTuple):
 
     treedef: Any
     leaves: tuple[tuple[str, tuple[int, ...], int, int], ...]
-    words: int
 
 
 def packable(tree: Any) -> bool:
@@ -71,7 +70,7 @@ def pack(tree: Any) -> tuple[np.ndarray, Layout]:
         meta.append((dt, tuple(a.shape), off, int(w.size)))
         off += int(w.size)
     words = np.concatenate(parts) if parts else np.zeros(0, _WORD)
-    return words, Layout(treedef, tuple(meta), off)
+    return words, Layout(treedef, tuple(meta))
 
 
 def unpack(words: jax.Array, layout: Layout) -> Any:

@@ -15,9 +15,10 @@ Values, per ``logprobs_mode`` (vLLM's ``LogprobsMode``; static per step / engine
 * ``raw_logprobs`` (vLLM's default): ``log_softmax`` of the target's raw fp32 logits;
 * ``raw_logits``: the raw logits;
 * ``processed_logprobs`` / ``processed_logits``: the same after the sampling processing the
-  verification used: temperature (greedy rows divided by 1), then top-k / top-p (off for
-  greedy rows, as vLLM's ``SamplingParams`` resets them at temperature 0); tokens outside
-  the top-k / top-p set are ``-inf``.
+  verification used (``specjax.sampler.process_logits``): the logits processors (penalties,
+  bad words, ..., with the step's emitted tokens before the slot counted as output), then
+  temperature (greedy rows divided by 1), min_p, top-k / top-p (off for greedy rows, as
+  vLLM's ``SamplingParams`` resets them at temperature 0); tokens removed are ``-inf``.
 
 Layout (:class:`Logprobs`, vLLM's ``LogprobsTensors`` with a slot axis): ``S`` = the step's
 ``sampled`` columns (``k + 1``), ``n`` = the step's top-n bucket:
