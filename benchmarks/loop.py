@@ -35,6 +35,15 @@ Usage (GPU: an 8B-shaped target like ``benchmarks/e2e.py --target 8b``)::
     python benchmarks/loop.py --target tiny --batch 1,2 --n 1,4 --iters 8 --context 24  # CPU
 
 Prints a table and writes every row as JSON (a list) to ``--out``.
+
+``--torch`` then times ``benchmarks/torch_anchors.py``'s PyTorch decode step and fused
+EAGLE-3 step (4-token verify + propose; torch.compile + CUDA graph) at the same B and
+``--context`` in this process, and prints loop / torch per iteration (the loop's context
+grows over its window, the anchors' does not: the ratio is conservative).
+``--profile DIR`` traces one more run of each row under the JAX profiler and prints, per
+compiled program (the device events' ``hlo_module``), its kernel time, the device's busy
+time and span while it runs, and the idle gaps between its kernels by size: where the loop's
+per-iteration time goes beyond its kernels.
 """
 
 from __future__ import annotations
@@ -131,6 +140,82 @@ def measure(eng: Engine, prompts, iters: int, max_tokens: int) -> dict:
                 syncs=len(times) - 1, iters=iters)
 
 
+def _module_of(e: dict) -> str:
+    a = e.get("args") or {}
+    return str(a.get("hlo_module") or a.get("hlo_module_name") or a.get("module") or "?")
+
+
+#: idle gaps between consecutive kernels of one program, binned (us)
+GAP_BINS = (5.0, 20.0, 100.0, 1000.0)
+
+
+def device_time_by_module(events: list, iterations: int) -> dict:
+    """Per compiled program: kernel time, device busy time (union of kernel intervals) and
+    span (first kernel start to last kernel end, per run of the program: runs are split
+    by idle gaps over 1 ms), kernel count and the idle gaps between its kernels, binned
+    by GAP_BINS; every figure divided by ``iterations``."""
+    by: dict[str, list] = {}
+    for e in events:
+        by.setdefault(_module_of(e), []).append((float(e["ts"]), float(e.get("dur", 0.0))))
+    out = {}
+    for mod, spans in by.items():
+        spans.sort()
+        kern = sum(d for _, d in spans)
+        busy, span, end, start = 0.0, 0.0, None, None
+        gaps = [0.0] * (len(GAP_BINS) + 1)
+        counts = [0] * (len(GAP_BINS) + 1)
+        for ts, dur in spans:
+            if end is None or ts - end > 1000.0:          # a new run of the program
+                if end is not None:
+                    span += end - start
+                start, end = ts, ts + dur
+                busy += dur
+                continue
+            if ts > end:
+                g = ts - end
+                i = sum(g > b for b in GAP_BINS)
+                gaps[i] += g
+                counts[i] += 1
+            busy += max(ts + dur - max(ts, end), 0.0)
+            end = max(end, ts + dur)
+        if end is not None:
+            span += end - start
+        out[mod] = dict(kernels=len(spans) / iterations, kernel_us=kern / iterations,
+                        busy_us=busy / iterations, span_us=span / iterations,
+                        gap_us=[g / iterations for g in gaps], gap_counts=[c / iterations for c in counts])
+    return out
+
+
+def profile_row(eng: Engine, prompts, iters: int, max_tokens: int, log_dir: str) -> dict:
+    """One more ``measure`` run under the JAX profiler; device time by program."""
+    import profile_step
+
+    os.makedirs(log_dir, exist_ok=True)
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        r = measure(eng, prompts, iters, max_tokens)
+    trace = profile_step._load_trace(log_dir)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    dev = {p for p, n in pname.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in dev]
+    mods = device_time_by_module(kernels, r["iters"])
+    return dict(per_iter_ms=r["per_iter_ms"], iters=r["iters"], modules=mods,
+                args_keys=sorted((kernels[0].get("args") or {}).keys()) if kernels else [])
+
+
+def print_profile(label: str, p: dict) -> None:
+    bins = ["<5", "5-20", "20-100", "100-1000", ">1000"]
+    print(f"### profile {label}: {p['per_iter_ms']:.3f} ms/iteration over {p['iters']} iterations "
+          f"(event args: {p['args_keys']})")
+    for mod, m in sorted(p["modules"].items(), key=lambda kv: -kv[1]["kernel_us"])[:6]:
+        gaps = ", ".join(f"{b} us: {c:.1f} gaps {g:.0f} us" for b, c, g in
+                         zip(bins, m["gap_counts"], m["gap_us"]) if c)
+        print(f"###   {mod[:60]}: {m['kernels']:.0f} kernels, kernels {m['kernel_us']:.0f} us, busy "
+              f"{m['busy_us']:.0f} us, span {m['span_us']:.0f} us per iteration; idle gaps: {gaps}",
+              flush=True)
+
+
 def run(args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     batches = [int(x) for x in args.batch.split(",")]
@@ -173,18 +258,64 @@ def run(args) -> list[dict]:
                 r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1, True, False),
                                                                          float("nan"))
                 rows.append(r)
+                if args.profile:
+                    tag = f"{method}_b{b}_n{n}_{'w' if ee else 'f'}_{'y' if ov else 'n'}"
+                    r["profile"] = profile_row(eng, prompts, min(window[n], max(2 * n, 16)), max_tokens,
+                                               os.path.join(args.profile, tag))
                 print(f"{method:<7} {b:>3} {n:>3} {'w' if ee else 'f':>2} {'y' if ov else 'n':>2} "
                       f"{r['per_iter_ms']:>9.3f} {r['host_ms']:>7.3f} {r['wait_ms']:>7.3f} "
                       f"{r['tokens_per_iter']:>7.2f} "
                       f"{r['tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['speedup_vs_step']:>7.2f}x "
                       f"{r['ttft_ms']:>8.1f} {r['itl_ms']:>7.3f} {r['gap_ms']:>7.3f} {r['syncs']:>5} "
                       f"{compile_s:>8.1f} {recompiles:>4}", flush=True)
+                if r.get("profile"):
+                    print_profile(tag, r["profile"])
                 del eng
                 gc.collect()
+        del prop
+        gc.collect()
     return rows
 
 
+def torch_pairs(args, rows: list[dict]) -> list[dict]:
+    """The PyTorch anchors (decode, fused = 4-token verify + propose) at each B, in this
+    process, and each loop row against its anchor (plain -> decode, eagle3 -> fused)."""
+    import torch_anchors
+    import floors
+    from e2e import TARGETS
+
+    batches = sorted({r["batch"] for r in rows})
+    print(f"\n# PyTorch anchors (torch.compile + CUDA graph), B = {batches}", flush=True)
+    trows = torch_anchors.measure(
+        TARGETS[args.target], batches, args.context, k=args.k, anchors=("decode", "fused"),
+        draft_vocab=floors.EAGLE3_DRAFT_VOCAB_8B if args.target == "8b" else None,
+        dtype=args.dtype)
+    by = {(t["anchor"], t["batch"]): t for t in trows}
+    pairs = []
+    print("\n| loop | B | N | form | loop ms / iteration | torch anchor | torch ms (synced) | "
+          "torch ms (graph) | floor ms | loop / torch (synced) | loop / torch (graph) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        a = by.get(("decode" if r["method"] == "plain" else "fused", r["batch"]))
+        if a is None:
+            continue
+        p = dict(method=r["method"], batch=r["batch"], n=r["n"], early_exit=r["early_exit"],
+                 overlap=r["overlap"], loop_ms=r["per_iter_ms"], anchor=a["anchor"],
+                 torch_synced_ms=a["synced_ms"], torch_graph_ms=a["graph_ms"], floor_ms=a["floor_ms"])
+        pairs.append(p)
+        print(f"| {p['method']} | {p['batch']} | {p['n']} | {'w' if p['early_exit'] else 'f'} | "
+              f"{p['loop_ms']:.3f} | {p['anchor']} | {p['torch_synced_ms']:.3f} | "
+              f"{p['torch_graph_ms']:.3f} | {p['floor_ms']:.3f} | "
+              f"{p['loop_ms'] / p['torch_synced_ms']:.2f} | {p['loop_ms'] / p['torch_graph_ms']:.2f} |",
+              flush=True)
+    return pairs
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--torch" in argv and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+        # before JAX's backend starts: leave PyTorch half the GPU (JAX takes 75% by default)
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
     gpu = jax.default_backend() == "gpu"
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,8 +337,16 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", default="0", help="Engine(overlap=...) value(s), comma "
                     "separated: 1 = the next device-loop call dispatched before the host "
                     "commits the previous one (N = 1 included), 0 = none")
+    ap.add_argument("--torch", action="store_true",
+                    help="then time the PyTorch decode and fused EAGLE-3 anchors (torch.compile + "
+                         "CUDA graph) in this process and print loop / torch")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="trace one more run per row under the JAX profiler (traces under DIR) "
+                         "and print device time by program, with the idle gaps between kernels")
     ap.add_argument("--out", default=None, help="write the rows as a JSON list here")
     args = ap.parse_args(argv)
+    if args.torch and args.target == "tiny":
+        ap.error("--torch needs --target 8b or 1b (the anchors' Llama geometry in benchmarks/e2e.py)")
     if len(args.rates) != args.k:
         ap.error(f"--rates needs k={args.k} values, got {len(args.rates)}")
     if args.iters < 2 or args.repeat < 1:
@@ -224,9 +363,10 @@ def main(argv=None) -> int:
     print(head)
     print("-" * len(head), flush=True)
     rows = run(args)
+    pairs = torch_pairs(args, rows) if args.torch else []
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(argv=sys.argv[1:] if argv is None else list(argv), rows=rows), f, indent=1)
+            json.dump(dict(argv=argv, rows=rows, torch_pairs=pairs), f, indent=1)
     return 0
 
 
