@@ -8,7 +8,12 @@ table on your own checkpoints and prompts.
 ``specjax generate --target DIR [--speculative-config JSON] --prompt TEXT ...``: your own
 checkpoint (converted or original HF directory) with its tokenizer (the ``hf`` extra), its
 ``generation_config.json`` stop ids and an optional vLLM ``speculative_config``; prints
-each completion, then acceptance and tokens/s (progress on stderr).
+each completion, then acceptance and tokens/s (progress on stderr). vLLM's per-request
+sampling parameters as flags (``--min-p``, ``--presence-penalty``, ``--frequency-penalty``,
+``--repetition-penalty``, ``--min-tokens``, ``--stop-token-ids``, ``--ignore-eos``,
+``--bad-words``, ``--allowed-token-ids``, ``--logit-bias``, ``--logprobs N``,
+``--logprobs-mode``), checked before any model is loaded; ``--json FILE`` writes the
+results (see :mod:`specjax.generate_cli`).
 
 ``specjax --version``.
 """
@@ -20,6 +25,7 @@ import sys
 from typing import Sequence
 
 from specjax.demo import ALL_METHODS
+from specjax.constants import DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES, MAX_LOGPROBS
 
 
 def _positive(v: str) -> int:
@@ -40,6 +46,57 @@ def _temperature(v: str) -> float:
     if not t >= 0 or t == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {v!r}")
     return t
+
+
+def _number(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
+    if x != x or x in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {v!r}")
+    return x
+
+
+def _int(v: str) -> int:
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+
+
+def _logit_bias(v: str) -> dict[int, float]:
+    """``--logit-bias``: a JSON object ``{"TOKEN_ID": BIAS, ...}`` or one ``TOKEN_ID=BIAS``
+    (the ranges are ``SamplingParams``')."""
+    import json
+
+    how = "a JSON object {\"TOKEN_ID\": BIAS, ...} or TOKEN_ID=BIAS"
+    if v.lstrip().startswith("{"):
+        try:
+            d = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"expected {how}; not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise argparse.ArgumentTypeError(f"expected {how}, got {v!r}")
+        items: list[tuple[object, object]] = list(d.items())
+    else:
+        if v.count("=") != 1:
+            raise argparse.ArgumentTypeError(f"expected {how}, got {v!r}")
+        tid_s, bias_s = v.split("=")
+        items = [(tid_s, bias_s)]
+    out: dict[int, float] = {}
+    for t, b in items:
+        try:
+            tid = int(str(t).strip())
+            if isinstance(b, bool) or not isinstance(b, (int, float, str)):
+                raise ValueError
+            bias = float(b.strip() if isinstance(b, str) else b)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {how} (integer token ids, numeric biases), got the entry "
+                f"{t!r}: {b!r}") from None
+        out[tid] = bias
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,9 +157,46 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=_positive, default=64, help="new tokens per prompt")
     gen.add_argument("--temperature", type=_temperature, default=0.0,
                      help="0 (default) is greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=_int, default=0, help="0 (default) disables")
+    gen.add_argument("--top-p", type=_number, default=1.0, help="in (0, 1]; 1 (default) disables")
     gen.add_argument("--seed", type=int, default=0)
+    # vLLM's per-request sampling parameters (SamplingParams checks the ranges before any
+    # model is loaded; docs/sampling.md)
+    gen.add_argument("--min-p", type=_number, default=0.0,
+                     help="in [0, 1]: drop tokens below min_p times the top probability "
+                          "(0, the default, disables)")
+    gen.add_argument("--presence-penalty", type=_number, default=0.0,
+                     help="in [-2, 2], subtracted once for each token in the output (0 disables)")
+    gen.add_argument("--frequency-penalty", type=_number, default=0.0,
+                     help="in [-2, 2], subtracted per occurrence in the output (0 disables)")
+    gen.add_argument("--repetition-penalty", type=_number, default=1.0,
+                     help="> 0, over prompt and output tokens (1, the default, disables)")
+    gen.add_argument("--min-tokens", type=_int, default=0,
+                     help="stop and EOS tokens are suppressed until this many were generated "
+                          "(<= --max-tokens)")
+    gen.add_argument("--stop-token-ids", type=_int, nargs="+", default=[], metavar="ID",
+                     help="stop after any of these token ids (added to generation_config.json's "
+                          "EOS ids)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop on the EOS ids of generation_config.json / the tokenizer")
+    gen.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                     help="a word never to complete (repeat for more), tokenized as vLLM does: "
+                          "as written and with a leading space")
+    gen.add_argument("--allowed-token-ids", type=_int, nargs="+", default=None, metavar="ID",
+                     help="only these token ids may be generated")
+    gen.add_argument("--logit-bias", type=_logit_bias, action="append", default=[],
+                     metavar="ID=BIAS|JSON",
+                     help="add BIAS (in [-100, 100]) to token ID's logit: TOKEN_ID=BIAS "
+                          "(repeat for more) or a JSON object '{\"TOKEN_ID\": BIAS}'")
+    gen.add_argument("--logprobs", type=_int, default=None, metavar="N",
+                     help="print each generated token's logprob and rank and the top N "
+                          f"(0..{MAX_LOGPROBS}; default: off)")
+    gen.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=DEFAULT_LOGPROBS_MODE,
+                     help=f"what --logprobs returns (vLLM's LogprobsMode): "
+                          f"{', '.join(LOGPROBS_MODES)} (default {DEFAULT_LOGPROBS_MODE})")
+    gen.add_argument("--json", metavar="FILE", default=None,
+                     help="also write the results as JSON: a list with, per prompt, prompt, "
+                          "text, token_ids, finish_reason and logprobs")
     gen.add_argument("--max-model-len", type=_positive, default=None,
                      help="context cap (default: min(max_position_embeddings, 4096))")
     gen.add_argument("--no-chat-template", action="store_true",

@@ -13,6 +13,12 @@ INDEX_DTYPE = np.int32
 #: Exclusive upper bound of an int32 index.
 INT32_LIMIT: int = 2**31
 
+#: vLLM v0.20's ``LogprobsMode`` values (``specjax.logprobs``).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+DEFAULT_LOGPROBS_MODE = "raw_logprobs"
+#: Most top logprobs a request may ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
 
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= ``n``; 1 for ``n <= 0`` (vLLM's bit-smearing helper)."""

@@ -1,13 +1,34 @@
 """``specjax generate``: a real checkpoint, its tokenizer and a vLLM ``speculative_config``
-from the command line (see :mod:`specjax.cli`)."""
+from the command line (see :mod:`specjax.cli`).
+
+The sampling flags are vLLM's ``SamplingParams`` fields (:data:`FLAGS`); each value is
+checked by ``SamplingParams`` itself and by the engine's request check
+(``specjax.logits_processors.check_request``, the vocabulary read from the checkpoint's
+config) before any model is loaded, the error naming the flag. ``--logprobs N`` prints
+each generated token's logprob, rank and top-N under its completion; ``--json FILE``
+writes every result (:func:`result_records`).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+from specjax.checks import ArgumentError
+
+#: ``SamplingParams`` field -> the ``specjax generate`` flag that sets it.
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
+         "top_p": "--top-p", "min_p": "--min-p", "presence_penalty": "--presence-penalty",
+         "frequency_penalty": "--frequency-penalty",
+         "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens",
+         "stop_token_ids": "--stop-token-ids", "ignore_eos": "--ignore-eos",
+         "bad_words": "--bad-words", "allowed_token_ids": "--allowed-token-ids",
+         "logit_bias": "--logit-bias", "logprobs": "--logprobs"}
 
 
 def _progress(err: TextIO, total_tokens: int):
@@ -34,14 +55,129 @@ def main_generate(args, out: TextIO | None = None, err: TextIO | None = None) ->
         return 2
 
 
+def sampling_params(args, *, bad_words: Any = (), stop_token_ids: Any = None):
+    """The ``SamplingParams`` of parsed ``generate`` arguments. ``bad_words``: token-id
+    sequences (``specjax.hf.encode_bad_words`` of ``--bad-words``); ``stop_token_ids``:
+    None for ``--stop-token-ids`` alone, else the ids to stop on (the flag's plus EOS).
+    Each field is checked alone by ``SamplingParams`` first (``min_tokens`` with
+    ``max_tokens``), so a bad value raises ``ArgumentError`` naming its flag."""
+    from specjax.engine import SamplingParams
+
+    bias: dict[int, float] = {}
+    for d in args.logit_bias:
+        bias.update(d)
+    fields = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, min_p=args.min_p, presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty,
+                  repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+                  stop_token_ids=tuple(args.stop_token_ids if stop_token_ids is None
+                                       else stop_token_ids),
+                  ignore_eos=bool(args.ignore_eos), bad_words=tuple(map(tuple, bad_words)),
+                  allowed_token_ids=(None if args.allowed_token_ids is None
+                                     else tuple(args.allowed_token_ids)),
+                  logit_bias=bias or None, logprobs=args.logprobs)
+    for name, value in fields.items():
+        kw = {name: value}
+        if name == "min_tokens":
+            kw["max_tokens"] = fields["max_tokens"]
+        try:
+            SamplingParams(**kw)
+        except (ValueError, TypeError) as e:
+            raise ArgumentError(f"{FLAGS[name]}: {e}") from None
+    return SamplingParams(**fields)
+
+
+def check_vocabulary(sp, vocab_size: int) -> None:
+    """The engine's request check of ``sp`` (its default ``ProcessorLimits``; stop ids as
+    ``min_tokens`` suppresses them) against ``vocab_size``, naming the flag."""
+    from specjax.logits_processors import ProcessorLimits, check_request
+
+    try:
+        check_request("sampling", sp.processing(sp.stop_token_ids), ProcessorLimits(),
+                      vocab_size, 0)
+    except ValueError as e:
+        m = re.match(r"sampling\.(\w+)", str(e))
+        flag = FLAGS.get(m.group(1), "sampling") if m else "sampling"
+        raise ArgumentError(f"{flag}: {str(e).replace('sampling.', '', 1)}") from None
+
+
+def _config_vocab_size(target: str) -> int | None:
+    """``vocab_size`` of the checkpoint's config (top level or ``text_config``), if any."""
+    from specjax.hf import read_checkpoint_config
+
+    d = read_checkpoint_config(target)
+    for c in (d, d.get("text_config"), d.get("config")):
+        v = c.get("vocab_size") if isinstance(c, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _piece(tok, t: int) -> str | None:
+    """The text of token ``t`` (None where the tokenizer has no such token)."""
+    try:
+        if t >= len(tok):
+            return None
+        return tok.decode([t])
+    except Exception:  # noqa: BLE001 - a token the tokenizer cannot show is shown as None
+        return None
+
+
+def _value(v: float) -> float | None:
+    return float(v) if math.isfinite(v) else None
+
+
+def token_logprobs(tok, token_ids, logprobs, n: int) -> list[dict]:
+    """Per generated token: ``token_id``, ``token`` (its text or None), ``logprob``, ``rank``
+    and ``top_logprobs`` (the top ``n`` by rank, each ``token_id``, ``token``, ``logprob``,
+    ``rank``) from ``RequestOutput.logprobs``; a removed token's ``-inf`` is None."""
+    out = []
+    for t, d in zip(token_ids, logprobs):
+        items = list(d.items())
+        if len(items) == n + 1:      # the emitted token is not in the top n: its own entry
+            items = [(i, lp) for i, lp in items if i != t]
+        top = sorted(items, key=lambda kv: kv[1].rank)
+        e = d[t]
+        out.append({"token_id": int(t), "token": _piece(tok, int(t)), "logprob": _value(e.logprob),
+                    "rank": int(e.rank),
+                    "top_logprobs": [{"token_id": int(i), "token": _piece(tok, int(i)),
+                                      "logprob": _value(lp.logprob), "rank": int(lp.rank)}
+                                     for i, lp in top]})
+    return out
+
+
+def result_records(tok, prompts, outputs, n: int | None) -> list[dict]:
+    """``--json``'s list: per prompt ``prompt``, ``text``, ``token_ids``, ``finish_reason``
+    and ``logprobs`` (None without ``--logprobs``, else :func:`token_logprobs`)."""
+    return [{"prompt": p, "text": tok.decode(o.token_ids, skip_special_tokens=True),
+             "token_ids": [int(t) for t in o.token_ids], "finish_reason": o.finish_reason,
+             "logprobs": None if n is None or o.logprobs is None
+             else token_logprobs(tok, o.token_ids, o.logprobs, n)} for p, o in zip(prompts, outputs)]
+
+
+def _show_value(v: float | None) -> str:
+    return "-inf" if v is None else f"{v:.4f}"
+
+
+def _write_logprobs(out: TextIO, rows: list[dict]) -> None:
+    for j, r in enumerate(rows):
+        top = ", ".join(f"{e['token_id']} {e['token']!r} {_show_value(e['logprob'])}"
+                        for e in r["top_logprobs"])
+        out.write(f"  [{j}] {r['token_id']} {r['token']!r} logprob {_show_value(r['logprob'])} "
+                  f"rank {r['rank']}" + (f" | top: {top}" if top else "") + "\n")
+
+
 def _run(args, out: TextIO, err: TextIO) -> int:
     import contextlib
+    import dataclasses
 
     import jax
 
     from specjax import generate, make_proposer
-    from specjax.engine import SamplingParams, TargetModel
-    from specjax.hf import encode_prompt, load_generation_config, load_model, load_tokenizer
+    from specjax.engine import TargetModel
+    from specjax.hf import (encode_bad_words, encode_prompt, load_generation_config, load_model,
+                            load_tokenizer)
+    from specjax.logprobs import check_logprobs_mode
     from specjax.models import DecoderLM
 
     prompts = list(args.prompt)
@@ -60,34 +196,60 @@ def _run(args, out: TextIO, err: TextIO) -> int:
             raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
         if not isinstance(spec, dict):
             raise ValueError("--speculative-config must be a JSON object")
+    try:
+        check_logprobs_mode(args.logprobs_mode)
+    except ValueError as e:
+        raise ArgumentError(f"--logprobs-mode: {e}") from None
+    if args.json is not None and not Path(args.json).expanduser().parent.is_dir():
+        raise FileNotFoundError(f"--json {args.json!r}: its directory does not exist")
+    sp = sampling_params(args)                       # every flag but --bad-words' text
     ctx = jax.default_device(jax.devices("cpu")[0]) if args.device == "cpu" \
         else contextlib.nullcontext()
     with ctx:
         tok = load_tokenizer(args.target)
-        model, kind, cfg, params = load_model(args.target, args.dtype)
-        if not isinstance(model, DecoderLM):
-            raise ValueError(f"--target {args.target!r} is a {kind!r} checkpoint, not a decoder LM")
+        try:
+            bad = encode_bad_words(tok, list(args.bad_words))
+        except ValueError as e:
+            raise ArgumentError(f"--bad-words: {e}") from None
         gen_cfg = load_generation_config(args.target)
         eos = tuple(gen_cfg.get("eos_token_ids", ()))
         if tok.eos_token_id is not None and tok.eos_token_id not in eos:
             eos += (int(tok.eos_token_id),)
-        eos = tuple(i for i in eos if i < cfg.vocab_size)
+        vocab = _config_vocab_size(args.target)
+
+        def stops(vocab_size: int | None) -> tuple[int, ...]:   # the flag's, then EOS
+            e = () if args.ignore_eos else tuple(
+                i for i in eos if vocab_size is None or i < vocab_size)
+            return tuple(args.stop_token_ids) + tuple(i for i in e if i not in args.stop_token_ids)
+
+        sp = sampling_params(args, bad_words=bad, stop_token_ids=stops(vocab))
+        if vocab is not None:
+            check_vocabulary(sp, vocab)
+        model, kind, cfg, params = load_model(args.target, args.dtype)
+        if not isinstance(model, DecoderLM):
+            raise ValueError(f"--target {args.target!r} is a {kind!r} checkpoint, not a decoder LM")
+        sp = dataclasses.replace(sp, stop_token_ids=stops(cfg.vocab_size))
+        check_vocabulary(sp, cfg.vocab_size)
         mml = args.max_model_len or min(cfg.max_position_embeddings, 4096)
         chat = False if args.no_chat_template else None
         ids = [encode_prompt(tok, p, chat=chat) for p in prompts]
-        sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, stop_token_ids=eos)
         proposer = None
         if spec is not None:
             proposer = make_proposer(spec, target=model, target_params=params, max_model_len=mml)
         total = args.max_tokens * len(ids)
         res = generate(TargetModel(model, params), proposer, ids, sp, max_model_len=mml,
-                       seed=args.seed, progress=_progress(err, total))
+                       seed=args.seed, progress=_progress(err, total),
+                       logprobs_mode=args.logprobs_mode)
     err.write("\n")
+    records = result_records(tok, prompts, res.outputs, args.logprobs)
     tokens = 0
-    for p, o in zip(prompts, res.outputs):
-        tokens += len(o.token_ids)
-        out.write(tok.decode(o.token_ids, skip_special_tokens=True) + "\n")
+    for rec in records:
+        tokens += len(rec["token_ids"])
+        out.write(rec["text"] + "\n")
+        if rec["logprobs"] is not None:
+            _write_logprobs(out, rec["logprobs"])
+    if args.json is not None:
+        Path(args.json).expanduser().write_text(json.dumps(records, indent=1) + "\n")
     mal = res.mean_acceptance_length if proposer is not None else None
     method = "plain" if proposer is None else proposer.method
     acc = "-" if mal is None else f"{mal:.2f}"

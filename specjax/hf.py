@@ -13,12 +13,12 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
-from specjax.checks import ArgumentTypeError, check_int_sequence, show
+from specjax.checks import ArgumentError, ArgumentTypeError, check_int_sequence, show
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["checkpoint_dir", "read_checkpoint_config", "load_model", "load_draft",
-           "load_generation_config", "load_tokenizer", "encode_prompt", "score",
+           "load_generation_config", "load_tokenizer", "encode_prompt", "encode_bad_words", "score",
            "DRAFT_KIND_METHODS"]
 
 #: ``ModelConfig.kind`` -> the method a draft of that kind is used by.
@@ -143,6 +143,31 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool | None = None) -> list[i
             ids = ids["input_ids"]
         return [int(i) for i in ids]
     return [int(i) for i in tokenizer(prompt)["input_ids"]]
+
+
+def encode_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Token-id sequences of vLLM's string ``bad_words`` (``SamplingParams.
+    update_from_tokenizer``): each word, left-stripped, encoded without special tokens as
+    written, and again with a leading space when that gives a different first token and
+    as many tokens (the word in mid-text). A word that encodes to no token is refused."""
+    if isinstance(words, (str, bytes)) or not isinstance(words, (list, tuple)):
+        raise ArgumentTypeError(f"bad_words must be a list of str, got {show(words)}")
+    out: list[list[int]] = []
+    for i, w in enumerate(words):
+        if not isinstance(w, str):
+            raise ArgumentTypeError(f"bad_words[{i}] must be a str, got {show(w)}")
+        first: list[int] | None = None
+        for prefix in ("", " "):
+            ids = [int(t) for t in tokenizer.encode(prefix + w.lstrip(), add_special_tokens=False)]
+            if first is None:
+                if not ids:
+                    raise ArgumentError(f"bad_words[{i}]={show(w)} encodes to no token "
+                                        f"(allowed: a word the tokenizer encodes)")
+                first = ids
+                out.append(ids)
+            elif ids and ids[0] != first[0] and len(ids) == len(first):
+                out.append(ids)
+    return out
 
 
 def score(model, params, token_ids: Sequence[int]):

@@ -45,16 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.checks import ArgumentError, check_choice, check_int
+# (defined in specjax.constants so that the command line reads them without importing JAX)
+from specjax.constants import DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES, MAX_LOGPROBS
 
 __all__ = ["LOGPROBS_MODES", "DEFAULT_LOGPROBS_MODE", "MAX_LOGPROBS", "Logprob", "Logprobs",
            "check_num_logprobs", "check_logprobs_mode", "logprobs_bucket", "gather_logprobs",
            "chain_logprobs", "tree_logprobs", "mask_slots", "request_logprobs"]
 
-#: vLLM v0.20's ``LogprobsMode`` values.
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-DEFAULT_LOGPROBS_MODE = "raw_logprobs"
-#: Most top logprobs a request may ask for (vLLM's default ``max_logprobs``).
-MAX_LOGPROBS = 20
 #: Compiled top-n buckets (a request's ``n`` is served by the smallest bucket >= n).
 _BUCKETS = (0, 1, 2, 4, 8, 16, 20)
 

@@ -115,7 +115,7 @@ def test_cli_text_equals_plain_greedy(ckpt, capsys, spec):
     if spec is not None:
         argv += ["--speculative-config", spec]
     lines = _cli(capsys, *argv)
-    assert lines[:2] == want
+    assert lines[:2] == want and len(lines) == 3     # without --logprobs: no other line
     assert lines[2].startswith("method: " + ("plain" if spec is None else
                                              "ngram" if "ngram" in spec else "draft_model"))
     assert "tokens/s:" in lines[2]
@@ -223,3 +223,308 @@ def test_demo_sampled_on_own_checkpoint(ckpt, tmp_path, capsys):
             if line.split() and line.split()[0] in ("plain", "ngram", "draft_model")]
     assert len(rows) == 3 and all(r[-1] == "-" for r in rows)
     assert "temperature 0.8 (seeded)" in cap.out and "no token check" in cap.out
+
+
+# -- the sampling flags of ``specjax generate`` ------------------------------------------
+
+#: every flag with a non-default value (and the SamplingParams it must give)
+FLAG_ARGV = ["--max-tokens", "6", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9",
+             "--min-p", "0.05", "--presence-penalty", "0.5", "--frequency-penalty", "-0.25",
+             "--repetition-penalty", "1.3", "--min-tokens", "2", "--stop-token-ids", "7", "9",
+             "--ignore-eos", "--allowed-token-ids", "3", "4", "5", "--logit-bias", "4=-1.5",
+             "--logit-bias", '{"5": 2, "4": 0.5}', "--logprobs", "3",
+             "--logprobs-mode", "processed_logits", "--bad-words", "cat", "--bad-words",
+             "dog sat", "--json", "out.json"]
+#: SamplingParams fields without a flag, and why
+NOT_FLAGS = {"seed": "--seed seeds generate(), which draws each request's seed",
+             "logits_processor": "a Python function", "logits_processor_params": "idem",
+             "n": "refused", "best_of": "refused", "prompt_logprobs": "refused",
+             "structured_outputs": "refused", "stop": "refused"}
+
+
+def _parse(*argv):
+    from specjax.cli import build_parser
+
+    return build_parser().parse_args(["generate", "--target", "DIR", *argv])
+
+
+@pytest.mark.smoke
+def test_generate_flags_reach_sampling_params():
+    import dataclasses
+
+    from specjax import generate_cli
+    from specjax.engine import SamplingParams
+
+    assert set(generate_cli.FLAGS) | set(NOT_FLAGS) == {
+        f.name for f in dataclasses.fields(SamplingParams)}
+    assert not set(generate_cli.FLAGS) & set(NOT_FLAGS)
+    args = _parse(*FLAG_ARGV)
+    assert args.bad_words == ["cat", "dog sat"] and args.json == "out.json"
+    assert args.logprobs_mode == "processed_logits"
+    sp = generate_cli.sampling_params(args, bad_words=[[4], [5, 6]])
+    assert sp == SamplingParams(
+        max_tokens=6, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+        frequency_penalty=-0.25, repetition_penalty=1.3, min_tokens=2, stop_token_ids=(7, 9),
+        ignore_eos=True, allowed_token_ids=(3, 4, 5), logit_bias={4: 0.5, 5: 2.0},
+        bad_words=((4,), (5, 6)), logprobs=3)
+    assert generate_cli.sampling_params(args, stop_token_ids=(7, 9, 2)).stop_token_ids == (7, 9, 2)
+    # without the flags: the SamplingParams generate always used
+    plain = _parse()
+    assert generate_cli.sampling_params(plain) == SamplingParams(max_tokens=64)
+    assert plain.logprobs is None and plain.logprobs_mode == "raw_logprobs" and plain.json is None
+    assert _parse("--logprobs", "0").logprobs == 0
+
+
+def test_encode_bad_words_as_vllm(ckpt):
+    """vLLM's ``update_from_tokenizer``: the word as written, plus its leading-space form
+    when that is a different first token of the same length."""
+    from specjax.hf import encode_bad_words, load_tokenizer
+
+    tok = load_tokenizer(ckpt)
+    assert encode_bad_words(tok, ["cat", "  dog sat"]) == [[4], [5, 6]]  # " cat" is cat again
+
+    class Tok:
+        table = {"ab": [10, 11], " ab": [12, 11], "x": [3], " x": [4, 5], "": [], " ": []}
+
+        def encode(self, text, add_special_tokens=True):
+            assert add_special_tokens is False
+            return self.table[text]
+
+    assert encode_bad_words(Tok(), [" ab", "x"]) == [[10, 11], [12, 11], [3]]
+    with pytest.raises(ValueError, match=r"bad_words\[1\]='' encodes to no token"):
+        encode_bad_words(Tok(), ["x", ""])
+    with pytest.raises(TypeError, match="bad_words"):
+        encode_bad_words(Tok(), "ab")
+
+
+def test_bad_sampling_flags_refused_before_loading(ckpt, capsys, monkeypatch):
+    """A bad value exits 2 naming the flag and what is allowed; the model is never loaded
+    (argparse refuses what does not parse, SamplingParams / the engine's request check the
+    rest, the vocabulary read from config.json)."""
+    import specjax.hf
+    from specjax.cli import main
+
+    def no_work(*a, **k):
+        raise AssertionError("loaded the model before checking the flags")
+
+    monkeypatch.setattr(specjax.hf, "load_model", no_work)
+    base = ["generate", "--device", "cpu", "--target", str(ckpt), "--prompt", "the cat",
+            "--max-tokens", "10"]
+    refused = [(["--min-p", "1.5"], "--min-p: min_p must be a finite number in [0.0, 1.0]"),
+               (["--presence-penalty", "2.5"], "--presence-penalty: presence_penalty must be a "
+                                               "finite number in [-2.0, 2.0]"),
+               (["--frequency-penalty", "-3"], "--frequency-penalty: frequency_penalty"),
+               (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must "
+                                               "be > 0 (1 disables)"),
+               (["--min-tokens", "20"], "--min-tokens: min_tokens=20 must be <= max_tokens=10"),
+               (["--min-tokens", "-1"], "--min-tokens: min_tokens must be an int >= 0"),
+               (["--stop-token-ids", "3", "-1"], "--stop-token-ids: stop_token_ids[1] must be "
+                                                 "an int >= 0"),
+               (["--allowed-token-ids", "3", "48"], "--allowed-token-ids: allowed_token_ids "
+                                                    "holds a token outside [0, 48)"),
+               (["--logit-bias", "5=101"], "--logit-bias: logit_bias[5] must be a finite number "
+                                           "in [-100.0, 100.0]"),
+               (["--logit-bias", "48=1"], "--logit-bias: logit_bias key 48 is outside the "
+                                          "vocabulary [0, 48)"),
+               (["--logprobs", "21"], "--logprobs: logprobs must be an int in [0, 20]"),
+               (["--logprobs", "-1"], "--logprobs: logprobs=-1 asks for the whole vocabulary"),
+               (["--bad-words", "cat", "--bad-words", " "], "--bad-words: bad_words[1]=' ' "
+                                                            "encodes to no token"),
+               (["--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
+               (["--top-k", "-1"], "--top-k: top_k must be an int >= 0")]
+    for argv, msg in refused:
+        assert main([*base, *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"specjax generate: error: {msg}" in err, (argv, err)
+    unparsable = [(["--min-p", "abc"], "argument --min-p: expected a number, got 'abc'"),
+                  (["--min-p", "nan"], "argument --min-p: expected a finite number"),
+                  (["--min-tokens", "1.5"], "argument --min-tokens: expected an integer"),
+                  (["--stop-token-ids", "a"], "argument --stop-token-ids: expected an integer"),
+                  (["--allowed-token-ids"], "argument --allowed-token-ids: expected at least one"),
+                  (["--logprobs", "2.5"], "argument --logprobs: expected an integer"),
+                  (["--logit-bias", "x=1"], "argument --logit-bias: expected a JSON object"),
+                  (["--logit-bias", "5"], "argument --logit-bias: expected a JSON object"),
+                  (["--logit-bias", "[1]"], "argument --logit-bias: expected a JSON object"),
+                  (["--logit-bias", '{"5": "big"}'], "argument --logit-bias: expected a JSON "
+                                                     "object"),
+                  (["--logit-bias", "{5: 1}"], "not valid JSON"),
+                  (["--logprobs-mode", "nope"], "argument --logprobs-mode: invalid choice: "
+                                                "'nope' (choose from"),
+                  ]
+    for argv, msg in unparsable:
+        with pytest.raises(SystemExit) as e:
+            main([*base, *argv])
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err, (argv, err)
+    assert "raw_logprobs, raw_logits, processed_logprobs, processed_logits" in err.replace("'", "")
+
+
+PENALTY_ARGV = ["--repetition-penalty", "1.3", "--presence-penalty", "0.4",
+                "--frequency-penalty", "0.2"]
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def penalized_greedy(d, ids, max_tokens, stop, *, rep, pres, freq):
+    """NumPy oracle (docs/sampling.md's steps 6, vLLM's order): repetition over prompt and
+    output (``l / r`` if ``l > 0`` else ``l * r``), then ``l - freq * count - pres *
+    (count > 0)`` over the output; greedy. Returns the tokens and, per token, the raw and
+    the processed log-softmax."""
+    from specjax.hf import load_model, score
+
+    model, _, _, params = load_model(d)
+    seq, out, raw_lp, proc_lp = list(ids), [], [], []
+    while len(out) < max_tokens:
+        raw = score(model, params, seq)[-1].astype(np.float64)
+        seen = np.zeros(raw.size, bool)
+        seen[seq] = True
+        lg = np.where(seen, np.where(raw > 0, raw / rep, raw * rep), raw)
+        cnt = np.bincount(np.asarray(out, int), minlength=raw.size)
+        lg = lg - freq * cnt - pres * (cnt > 0)
+        tok = int(np.argmax(lg))
+        raw_lp.append(_log_softmax(raw))
+        proc_lp.append(_log_softmax(lg))
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop:
+            break
+    return out, raw_lp, proc_lp
+
+
+def _generate_json(capsys, tmp_path, *argv, name="out.json"):
+    f = tmp_path / name
+    lines = _cli(capsys, *argv, "--json", str(f))
+    return lines, json.loads(f.read_text())
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_generate_logprobs_with_penalties(ckpt, capsys, tmp_path, mode):
+    """``--logprobs 2`` under penalties: the printed and JSON logprobs are the NumPy
+    oracle's (naive forward, penalties, log-softmax) and equal ``Engine.generate``'s for
+    the same SamplingParams; tokens are penalized greedy decoding's."""
+    import re
+
+    from specjax import generate_cli
+    from specjax.engine import Engine, SamplingParams, TargetModel
+    from specjax.hf import encode_prompt, load_model, load_tokenizer
+
+    prompts = ["the cat sat on", "one two three"]
+    tok = load_tokenizer(ckpt)
+    lines, recs = _generate_json(capsys, tmp_path, "--target", str(ckpt), "--logprobs", "2",
+                                 "--logprobs-mode", mode, *PENALTY_ARGV,
+                                 *[a for p in prompts for a in ("--prompt", p)])
+    assert [r["prompt"] for r in recs] == prompts
+    ids = [encode_prompt(tok, p) for p in prompts]
+    model, _, _, params = load_model(ckpt)
+    sp = SamplingParams(max_tokens=MAXTOK, repetition_penalty=1.3, presence_penalty=0.4,
+                        frequency_penalty=0.2, stop_token_ids=(2,), logprobs=2)
+    eng = Engine(TargetModel(model, params), None, max_model_len=128, logprobs_mode=mode)
+    ref = eng.generate(ids, sp).outputs
+    row, changed = 0, False
+    for p, rec, o in zip(ids, recs, ref):
+        want, raw_lp, proc_lp = penalized_greedy(ckpt, p, MAXTOK, {2}, rep=1.3, pres=0.4,
+                                                 freq=0.2)
+        assert rec["token_ids"] == o.token_ids == want
+        changed |= want != naive_greedy(ckpt, p, MAXTOK, {2})
+        assert rec["finish_reason"] == o.finish_reason
+        assert lines[row] == rec["text"] == tok.decode(want, skip_special_tokens=True)
+        # the independent path: Engine.generate's RequestOutput.logprobs
+        assert rec["logprobs"] == generate_cli.token_logprobs(tok, o.token_ids, o.logprobs, 2)
+        lps = raw_lp if mode == "raw_logprobs" else proc_lp
+        assert len(rec["logprobs"]) == len(want)
+        for j, (t, e, lp) in enumerate(zip(want, rec["logprobs"], lps)):
+            assert e["token_id"] == t
+            assert e["token"] == (tok.decode([t]) if t < len(tok) else None)
+            assert e["logprob"] == pytest.approx(lp[t], abs=2e-5)
+            assert e["rank"] == int((lp >= lp[t] - 1e-6).sum())
+            top = np.argsort(-lp, kind="stable")[:2]
+            assert [x["token_id"] for x in e["top_logprobs"]] == top.tolist()
+            assert [x["rank"] for x in e["top_logprobs"]] == [1, 2]
+            assert [x["logprob"] for x in e["top_logprobs"]] == pytest.approx(lp[top], abs=2e-5)
+            m = re.fullmatch(r"  \[(\d+)\] (\d+) (None|'.*') logprob (\S+) rank (\d+) \| top: "
+                             r"(\d+) .* (\S+), (\d+) .* (\S+)", lines[row + 1 + j])
+            assert m, lines[row + 1 + j]
+            assert (int(m[1]), int(m[2]), int(m[5])) == (j, t, e["rank"])
+            assert float(m[4]) == pytest.approx(lp[t], abs=1e-4)
+            assert [int(m[6]), int(m[8])] == top.tolist()
+            assert [float(m[7]), float(m[9])] == pytest.approx(lp[top], abs=1e-4)
+        row += 1 + len(want)
+    assert lines[row].startswith("method: plain") and len(lines) == row + 1
+    assert changed                  # the penalties changed greedy decoding's tokens
+
+
+@pytest.mark.parametrize("spec, penalties", [
+    # penalties that make repeats likely: the n-gram drafts are verified (and some accepted)
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+     ["--repetition-penalty", "0.9", "--presence-penalty", "-0.3", "--frequency-penalty", "0.1"]),
+    # the checkpoint drafting for itself without penalties: they reject some drafts
+    ("DRAFT", PENALTY_ARGV)], ids=["ngram", "draft_model"])
+def test_generate_penalties_lossless_under_speculation(ckpt, capsys, tmp_path, spec, penalties):
+    """Greedy with penalties: --speculative-config emits the tokens and the logprobs of
+    plain decoding under the same penalties."""
+    prompts = ["the cat sat on the mat and", "one two three one two three"]
+    argv = ["--target", str(ckpt), "--logprobs", "2", *penalties,
+            *[a for p in prompts for a in ("--prompt", p)]]
+    plain_lines, plain = _generate_json(capsys, tmp_path, *argv, name="plain.json")
+    if spec == "DRAFT":
+        spec = {"model": str(ckpt), "num_speculative_tokens": 2}
+    lines, recs = _generate_json(capsys, tmp_path, *argv, "--speculative-config",
+                                 json.dumps(spec), name="spec.json")
+    assert [r["token_ids"] for r in recs] == [r["token_ids"] for r in plain]
+    assert [r["text"] for r in recs] == [r["text"] for r in plain]
+    assert [ln.split(" logprob ")[0] for ln in lines[:-1]] == \
+        [ln.split(" logprob ")[0] for ln in plain_lines[:-1]]
+    for r, q in zip(recs, plain):
+        assert len(r["logprobs"]) == len(q["logprobs"]) == len(q["token_ids"])
+        for e, f in zip(r["logprobs"], q["logprobs"]):
+            assert (e["token_id"], e["rank"]) == (f["token_id"], f["rank"])
+            assert e["logprob"] == pytest.approx(f["logprob"], abs=1e-5)
+            assert [x["token_id"] for x in e["top_logprobs"]] == \
+                [x["token_id"] for x in f["top_logprobs"]]
+            assert [x["logprob"] for x in e["top_logprobs"]] == \
+                pytest.approx([x["logprob"] for x in f["top_logprobs"]], abs=1e-5)
+    method = "ngram" if "method" in spec else "draft_model"
+    assert lines[-1].startswith(f"method: {method}")
+    # drafts were verified, some accepted, some rejected (k + 1 would be all accepted)
+    mal = float(lines[-1].split("mean acceptance length: ")[1].split()[0])
+    assert 1.0 < mal < spec["num_speculative_tokens"] + 1, lines[-1]
+
+
+def test_generate_stop_and_processing_flags_reach_the_engine(ckpt, capsys, tmp_path):
+    """--ignore-eos, --stop-token-ids (the NumPy oracle's tokens) and --bad-words,
+    --min-tokens, --logit-bias, --allowed-token-ids (Engine.generate with the
+    SamplingParams written by hand) through the whole command."""
+    from specjax.engine import Engine, SamplingParams, TargetModel
+    from specjax.hf import encode_prompt, load_model, load_tokenizer
+
+    prompt = "one two three one two three"
+    tok = load_tokenizer(ckpt)
+    ids = encode_prompt(tok, prompt)
+    base = ["--target", str(ckpt), "--prompt", prompt, *PENALTY_ARGV]
+    pen = dict(rep=1.3, pres=0.4, freq=0.2)
+    with_eos = penalized_greedy(ckpt, ids, MAXTOK, {2}, **pen)[0]
+    assert with_eos[-1] == 2 and len(with_eos) < MAXTOK          # it stops on EOS ...
+    _, [rec] = _generate_json(capsys, tmp_path, *base, "--ignore-eos")
+    assert rec["token_ids"] == penalized_greedy(ckpt, ids, MAXTOK, set(), **pen)[0]
+    assert len(rec["token_ids"]) == MAXTOK and rec["finish_reason"] == "length"  # ... not here
+    stop = with_eos[2]
+    _, [rec] = _generate_json(capsys, tmp_path, *base, "--stop-token-ids", "47", str(stop))
+    assert rec["token_ids"] == with_eos[:3] and rec["finish_reason"] == "stop"
+
+    allowed = [2, 5, 12, 18, 22, 23, 32, 35, 40, 41]
+    _, [rec] = _generate_json(capsys, tmp_path, *base, "--bad-words", "blue", "--min-tokens", "8",
+                              "--logit-bias", "5=3", "--logit-bias", '{"40": -2.5}',
+                              "--allowed-token-ids", *map(str, allowed))
+    model, _, _, params = load_model(ckpt)
+    sp = SamplingParams(max_tokens=MAXTOK, repetition_penalty=1.3, presence_penalty=0.4,
+                        frequency_penalty=0.2, stop_token_ids=(2,), bad_words=((18,),),
+                        min_tokens=8, logit_bias={5: 3.0, 40: -2.5}, allowed_token_ids=allowed)
+    [o] = Engine(TargetModel(model, params), None, max_model_len=128).generate([ids], sp).outputs
+    assert rec["token_ids"] == o.token_ids
+    assert set(o.token_ids) <= set(allowed) - {18} and len(o.token_ids) >= 8
+    assert o.token_ids != with_eos
