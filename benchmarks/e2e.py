@@ -169,6 +169,20 @@ class Models:
         return make_proposer(spec, draft=cfg, draft_params=params, **common)
 
 
+def max_model_len(context: int, k: int) -> int:
+    """The engines' ``max_model_len``: ``context`` plus room for two steps of ``k`` drafts,
+    rounded up to whole blocks."""
+    return -(-(context + 2 * k + 8) // BS) * BS
+
+
+def make_engine(target, prop, b: int, mml: int, dtype, mesh=None, **extra) -> Engine:
+    """The benchmarks' engine: ``b`` requests in one batch bucket, one context bucket
+    (``mml`` tokens), the KV cache in ``dtype``; ``extra``: more ``Engine`` arguments."""
+    return Engine(target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
+                  batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype, mesh=mesh,
+                  **extra)
+
+
 def demo_acceptance(methods, k: int) -> dict[str, float]:
     """Mean acceptance length of each method on the demo models (greedy, 48 tokens)."""
     target = demo.demo_target()
@@ -308,7 +322,7 @@ def main(argv=None) -> int:
                                    [m for m in demo.ALL_METHODS if m in available_methods()])
         trees = args.tree
     k = args.k
-    mml = -(-(args.context + 2 * k + 8) // BS) * BS
+    mml = max_model_len(args.context, k)
     dev = jax.devices()[0]
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{dev.platform} {dev.device_kind}; target {args.target} {args.dtype}; context {args.context}; "
@@ -340,9 +354,7 @@ def main(argv=None) -> int:
 
     def timed(prop, b, **extra):
         """(time_decode_step dict, padded tokens of the step, KV-cache copies in its HLO)."""
-        eng = Engine(models.target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
-                     batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype, mesh=mesh,
-                     **extra)
+        eng = make_engine(models.target, prop, b, mml, dtype, mesh=mesh, **extra)
         t = eng.time_decode_step(b, args.context, iters=args.iters)
         low = eng.lower_decode_step(b, args.context)     # compiled already: a cache hit
         t_pad = eng.decode_step_tokens(b, args.context)

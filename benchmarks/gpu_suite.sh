@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -11,7 +11,10 @@
 # methods: every device method's fused step beside the plain step (e2e.py --device-methods);
 # both with JAX's default flags; ab: one parent-vs-head A/B (benchmarks/ab_step.py, AB_PARENT /
 # AB_ARGS); cmdbuf: the fused step with command buffers on (JAX's default) and off, and XLA's
-# log of command-buffer re-records;
+# log of command-buffer re-records; sampling: the engine step with the sampling features on
+# (benchmarks/sampling.py: greedy, top-k/top-p, + penalties and min_p, + logprobs, processed
+# logprobs, a mixed batch) against none, 8B target (128k vocab) at B = 1, 8 (SAMPLING_BATCH,
+# SAMPLING_METHODS, default plain ngram eagle3);
 # none of these is part of `all`, each needs several minutes). `tests` runs every GPU test
 # but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
@@ -105,6 +108,12 @@ if [ "$what" = cmdbuf ]; then
   grep -o "after [0-9]* executions since last update" "$OUT/cmdbuf_vlog.txt" | sort | uniq -c | sort -rn | head | tee -a "$OUT/cmdbuf.log"
   grep -c "command buffer" "$OUT/cmdbuf_vlog.txt" | tee -a "$OUT/cmdbuf.log"
   gzip -f "$OUT/cmdbuf_vlog.txt"
+fi
+if [ "$what" = sampling ]; then
+  # what the sampling features cost in the step; the JSON is rewritten after each (B, method)
+  timeout "${SAMPLING_S:-560}" python benchmarks/sampling.py --target 8b --batch "${SAMPLING_BATCH:-1,8}" \
+    --context 1024 --k 3 --methods ${SAMPLING_METHODS:-plain ngram eagle3} --rounds 3 --iters 20 \
+    --json "$OUT/sampling.json" 2>&1 | grep -v Warning | tee "$OUT/sampling.log" | tail -45
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-500}" python -m pytest -m gpu -q -p no:cacheprovider tests \
