@@ -186,6 +186,31 @@ def device_time_by_module(events: list, iterations: int) -> dict:
     return out
 
 
+def host_between_calls(kernels: list, host: list, top: int = 30) -> dict:
+    """What the host does while the device sits idle between two calls of the loop program:
+    the idle intervals (the loop's kernels split into calls by gaps over 1 ms) and, per
+    host event name (Python frames ``$...`` included: they nest, so the sums overlap),
+    its time inside those intervals, per interval."""
+    loop = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in kernels
+                  if "loop" in _module_of(e))
+    idle, end = [], None
+    for ts, te in loop:
+        if end is not None and ts - end > 1000.0:
+            idle.append((end, ts))
+        end = te if end is None else max(end, te)
+    names: dict[str, float] = {}
+    for e in host:
+        hs = float(e.get("ts", 0.0))
+        he = hs + float(e.get("dur", 0.0))
+        for a, b in idle:
+            o = min(he, b) - max(hs, a)
+            if o > 0:
+                names[e.get("name", "?")] = names.get(e.get("name", "?"), 0.0) + o
+    n = max(len(idle), 1)
+    return dict(intervals=len(idle), idle_us=sum(b - a for a, b in idle) / n,
+                host_us={k: v / n for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:top]})
+
+
 def profile_row(eng: Engine, prompts, iters: int, max_tokens: int, log_dir: str) -> dict:
     """One more ``measure`` run under the JAX profiler; device time by program."""
     import profile_step
@@ -200,7 +225,9 @@ def profile_row(eng: Engine, prompts, iters: int, max_tokens: int, log_dir: str)
     dev = {p for p, n in pname.items() if "gpu" in n.lower() or "/device:" in n.lower()}
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in dev]
     mods = device_time_by_module(kernels, r["iters"])
+    host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in dev]
     return dict(per_iter_ms=r["per_iter_ms"], iters=r["iters"], modules=mods,
+                between_calls=host_between_calls(kernels, host),
                 args_keys=sorted((kernels[0].get("args") or {}).keys()) if kernels else [])
 
 
@@ -214,6 +241,12 @@ def print_profile(label: str, p: dict) -> None:
         print(f"###   {mod[:60]}: {m['kernels']:.0f} kernels, kernels {m['kernel_us']:.0f} us, busy "
               f"{m['busy_us']:.0f} us, span {m['span_us']:.0f} us per iteration; idle gaps: {gaps}",
               flush=True)
+    bc = p.get("between_calls") or {}
+    if bc.get("intervals"):
+        print(f"###   between loop calls: {bc['intervals']} idle intervals of {bc['idle_us']:.0f} us "
+              "each; host events inside them (us per interval; nested frames overlap):")
+        for name, us in bc["host_us"].items():
+            print(f"###     {us:8.0f}  {name[:110]}")
 
 
 def run(args) -> list[dict]:
