@@ -14,10 +14,13 @@ until ``--iters`` (rounded up to a multiple of N) more iterations have been deli
                   committing steps) and the time it sat blocked on the device's results
                   (``Engine.host_s`` / ``wait_s``); the rest of ``iter ms`` is the benchmark's
                   own callback and the loop around it
-    ov          = ``Engine(overlap=...)`` (``--overlap``): y = the next device-loop call
-                  is dispatched before the previous one is committed (N = 1 too)
+    ov          = ``Engine(overlap=...)`` (``--overlap``; default: the engine's own
+                  choice, on for N > 1): y = the next device-loop call is dispatched
+                  before the previous one is committed (N = 1 too)
     ex          = the device loop's form (``--early-exit``): w = while_loop (stops as
-                  soon as it may), f = a fixed trip count of N (masked once done)
+                  soon as it may), f = a fixed trip count of N (masked once done),
+                  a = the engine's default (``loop_early_exit=None``: f while no request
+                  waits, which is every iteration here), - = N = 1
     speed-up    = tokens/s / plain decoding's tokens/s at the same B, N, form and overlap
                   (and, the last column, plain's at N = 1 without overlap: the per-step loop)
     TTFT ms     = start of generate -> first token (the prefill step, compiled already)
@@ -253,8 +256,9 @@ def run(args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     batches = [int(x) for x in args.batch.split(",")]
     ns = [int(x) for x in args.n.split(",")]
-    exits = [bool(int(x)) for x in args.early_exit.split(",")]
-    overlaps = [bool(int(x)) for x in args.overlap.split(",")]
+    auto = lambda x: None if x == "auto" else bool(int(x))  # noqa: E731  (None: Engine's default)
+    exits = [auto(x) for x in args.early_exit.split(",")]
+    overlaps = [auto(x) for x in args.overlap.split(",")]
     k = args.k
     target, geo = build_target(args.target, dtype)
     # timed iterations: a multiple of N (the window ends on a sync), at least --iters
@@ -269,7 +273,7 @@ def run(args) -> list[dict]:
         for method in args.methods:
             prop = None if method == "plain" else eagle3(target, geo, args.target, k, args.rates,
                                                          mml, dtype)
-            for n, ee, ov in [(n, ee, ov) for n in ns for ee in (exits if n > 1 else [True])
+            for n, ee, ov in [(n, ee, ov) for n in ns for ee in (exits if n > 1 else [None])
                               for ov in overlaps]:
                 eng = Engine(target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
                              batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype,
@@ -281,21 +285,23 @@ def run(args) -> list[dict]:
                 reps = [measure(eng, prompts, window[n], max_tokens) for _ in range(args.repeat)]
                 recompiles = loop_cache_size() + step_cache_size() - before
                 r = min(reps, key=lambda x: x["per_iter_ms"])           # the least disturbed
-                r.update(method=method, batch=b, n=n, early_exit=ee, overlap=ov,
+                ov = eng.overlap                                       # None: the engine's pick
+                form = "-" if n == 1 else {None: "a", True: "w", False: "f"}[ee]
+                r.update(method=method, batch=b, n=n, early_exit=ee, form=form, overlap=ov,
                          k=0 if prop is None else k,
                          compile_s=compile_s, recompiles=recompiles,
                          per_iter_ms_all=[x["per_iter_ms"] for x in reps])
                 if prop is None:
                     plain_tps[(b, n, ee, ov)] = r["tokens_per_s"]
                 r["speedup"] = r["tokens_per_s"] / plain_tps.get((b, n, ee, ov), float("nan"))
-                r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1, True, False),
+                r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1, None, False),
                                                                          float("nan"))
                 rows.append(r)
                 if args.profile:
-                    tag = f"{method}_b{b}_n{n}_{'w' if ee else 'f'}_{'y' if ov else 'n'}"
+                    tag = f"{method}_b{b}_n{n}_{form}_{'y' if ov else 'n'}"
                     r["profile"] = profile_row(eng, prompts, min(window[n], max(2 * n, 16)), max_tokens,
                                                os.path.join(args.profile, tag))
-                print(f"{method:<7} {b:>3} {n:>3} {'w' if ee else 'f':>2} {'y' if ov else 'n':>2} "
+                print(f"{method:<7} {b:>3} {n:>3} {form:>2} {'y' if ov else 'n':>2} "
                       f"{r['per_iter_ms']:>9.3f} {r['host_ms']:>7.3f} {r['wait_ms']:>7.3f} "
                       f"{r['tokens_per_iter']:>7.2f} "
                       f"{r['tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['speedup_vs_step']:>7.2f}x "
@@ -332,11 +338,11 @@ def torch_pairs(args, rows: list[dict]) -> list[dict]:
         a = by.get(("decode" if r["method"] == "plain" else "fused", r["batch"]))
         if a is None:
             continue
-        p = dict(method=r["method"], batch=r["batch"], n=r["n"], early_exit=r["early_exit"],
+        p = dict(method=r["method"], batch=r["batch"], n=r["n"], form=r["form"],
                  overlap=r["overlap"], loop_ms=r["per_iter_ms"], anchor=a["anchor"],
                  torch_synced_ms=a["synced_ms"], torch_graph_ms=a["graph_ms"], floor_ms=a["floor_ms"])
         pairs.append(p)
-        print(f"| {p['method']} | {p['batch']} | {p['n']} | {'w' if p['early_exit'] else 'f'} | "
+        print(f"| {p['method']} | {p['batch']} | {p['n']} | {p['form']} | "
               f"{p['loop_ms']:.3f} | {p['anchor']} | {p['torch_synced_ms']:.3f} | "
               f"{p['torch_graph_ms']:.3f} | {p['floor_ms']:.3f} | "
               f"{p['loop_ms'] / p['torch_synced_ms']:.2f} | {p['loop_ms'] / p['torch_graph_ms']:.2f} |",
@@ -365,11 +371,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row (the fastest kept)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"),
                     default="bfloat16" if gpu else "float32")
-    ap.add_argument("--early-exit", default="1", help="the device loop's form(s), comma "
-                    "separated: 1 = while_loop (stops early), 0 = fixed trip count (masked)")
-    ap.add_argument("--overlap", default="0", help="Engine(overlap=...) value(s), comma "
+    ap.add_argument("--early-exit", default="auto", help="the device loop's form(s), comma "
+                    "separated: 1 = while_loop (stops early), 0 = fixed trip count (masked), auto = "
+                    "the Engine's default (the fixed trip count while no request waits: every "
+                    "row here)")
+    ap.add_argument("--overlap", default="auto", help="Engine(overlap=...) value(s), comma "
                     "separated: 1 = the next device-loop call dispatched before the host "
-                    "commits the previous one (N = 1 included), 0 = none")
+                    "commits the previous one (N = 1 included), 0 = none, auto = the Engine's "
+                    "default (on for N > 1)")
     ap.add_argument("--torch", action="store_true",
                     help="then time the PyTorch decode and fused EAGLE-3 anchors (torch.compile + "
                          "CUDA graph) in this process and print loop / torch")

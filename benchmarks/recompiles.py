@@ -47,7 +47,7 @@ EOS = 3
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
-def build_engine(method: str, n: int, overlap: bool) -> Engine:
+def build_engine(method: str, n: int, overlap: bool | None = None) -> Engine:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from e2e import random_params
 
@@ -169,7 +169,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", choices=("plain", "eagle3"), default="eagle3")
     ap.add_argument("--n", type=int, default=8, help="steps_per_sync (1: per-step)")
-    ap.add_argument("--overlap", type=int, choices=(0, 1), default=0)
+    ap.add_argument("--overlap", type=int, choices=(0, 1), default=None,
+                    help="Engine(overlap=...); default: the engine's own (on for --n > 1), "
+                         "with its default loop form")
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=None, help="requests per generate call "
                     "(default 3 * rows); calls repeat until --iters")
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
     try:
         f.write(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
                 f"{jax.devices()[0].platform}; argv {sys.argv[1:] if argv is None else argv}\n")
-        eng = build_engine(args.method, args.n, bool(args.overlap))
+        eng = build_engine(args.method, args.n, None if args.overlap is None else bool(args.overlap))
         out = run(eng, iters=args.iters, requests=args.requests, seed=args.seed, log=f)
     finally:
         if args.log:

@@ -524,5 +524,8 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
     dparams = draft_params if spec.impl is not None else None
     if early_exit not in (True, False):
         raise ValueError(f"early_exit must be True or False, got {early_exit!r}")
+    # one kind of input whether the state comes from the host (NumPy) or from the previous
+    # call (device arrays, e.g. overlapped): the compiled variant is keyed on both
+    state = jax.device_put(state)
     return _loop_jit(spec, int(steps_per_sync), drafter, bool(early_exit), target_params,
                      dparams, target_kv, draft_state, state, jnp.asarray(bool(stop_on_finish)))

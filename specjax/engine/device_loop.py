@@ -11,9 +11,13 @@ hands out KV blocks while call ``t + 1`` runs. Blocks are given two calls ahead
 (``loop_blocks_needed`` over ``2 * steps_per_sync`` iterations, within each request's
 reservation). A request that finishes in call ``t`` sits call ``t + 1`` out (finished
 rows write no KV and emit nothing); when one finishes, the in-flight call is committed
-too (the pipeline drains) and the next batch is rebuilt from the host, so waiting
-requests join as without overlap. The same tokens either way (greedy and seeded: a
-request's key depends on its own generated count only).
+too (the pipeline drains) and the next batch is rebuilt from the host. The engine
+overlaps only while no request waits (``Engine.generate``): with one waiting, each call
+ends as soon as a request finishes so that it joins at once, as without overlap. The
+same tokens either way (greedy and seeded: a request's key depends on its own generated
+count only). Overlap pays with the fixed-trip form only (``early_exit=False``, the
+engine's form while no request waits): the ``while_loop``'s dispatch reads the loop
+predicate back each iteration and so returns only when the loop has ended.
 """
 
 from __future__ import annotations
@@ -81,6 +85,10 @@ class DeviceLoop:
         while len(r.blocks) < need:
             r.blocks.append(self.free_blocks.pop())
 
+    def _loop_forms(self) -> tuple[bool, ...]:
+        """The device loop's forms this engine runs (``early_exit`` values)."""
+        return (False, True) if self.loop_early_exit is None else (self.loop_early_exit,)
+
     def _dispatch(self, rows: list[_Request], state, stop_on_finish: bool) -> _InFlight:
         """Dispatch one device-loop call (not waiting for it). ``state``: the previous
         call's device state to continue from (its block table refreshed for blocks two
@@ -101,7 +109,8 @@ class DeviceLoop:
         out, self.target_kv, self.draft_state, state = decode_loop(
             self.step, self.target.params, self.step.draft_params, self.target_kv,
             self.draft_state, state, steps_per_sync=self.steps_per_sync,
-            stop_on_finish=stop_on_finish, early_exit=self.loop_early_exit)
+            stop_on_finish=stop_on_finish,
+            early_exit=stop_on_finish if self.loop_early_exit is None else self.loop_early_exit)
         for x in jax.tree.leaves(out):      # the next call may donate the state: not its drafts
             x.copy_to_host_async()
         self.host_s += time.perf_counter() - t

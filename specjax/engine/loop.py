@@ -96,21 +96,29 @@ class Engine(DeviceLoop, Diagnostics):
         sizes of logit_bias, bad_words, allowed_token_ids, min_tokens' stop ids and
         processor parameters (a request beyond one is refused naming it); None: defaults.
       loop_early_exit: the device loop's form (``specjax.decode_loop.decode_loop``'s
-        ``early_exit``): True (default) stops at once when every request has finished or
-        one finished while another waits; False always runs ``steps_per_sync`` iterations
-        (a known trip count, the rest masked).
+        ``early_exit``): True, a ``lax.while_loop`` that stops at once when every request
+        has finished or one finished while another waits; False, always ``steps_per_sync``
+        iterations (a known trip count, the rest masked). None (default): False while no
+        request waits, True for a call made while one does (so it can join as soon as a
+        request finishes). Both forms are compiled by ``warmup``. On the H200 the
+        fixed-trip form launches its iterations without reading a predicate back to the
+        host each one, so its dispatch returns while the device computes, which is what
+        overlap needs (``benchmarks/RESULTS.md``, eleventh session).
       logprobs_mode: vLLM's ``LogprobsMode`` of the logprobs requests ask for with
         ``SamplingParams.logprobs`` (``specjax.logprobs.LOGPROBS_MODES``; default
         ``"raw_logprobs"``).
       overlap: host/device overlap of the decoding phase (``specjax.engine.device_loop``):
         the next device-loop call (``steps_per_sync`` iterations, 1 included) is dispatched
         from the previous call's device-resident state before the host commits that call,
-        so the host's commit and block allocation run while the device computes. Default
-        False: measured on the H200, the next call's dispatch blocks the host as long as
-        the wait it removes, and EAGLE-3 got 3-24% slower (``benchmarks/RESULTS.md``). The same tokens either way. Refused by
-        name for proposers the device loop does not run (host n-gram, suffix, the
-        non-padded drafter batch: their next drafts are computed on the host from the
-        step's tokens, so nothing of the next step can be dispatched before they arrive).
+        so the host's commit, block allocation and the next call's launch run while the
+        device computes. None (default): on where the device loop runs
+        (``steps_per_sync > 1``), else off. Measured on the H200 with the default form
+        (8B-shaped target, N = 8): the plain loop 5.05 -> 4.47 ms per iteration at B = 1,
+        EAGLE-3 5.64 -> 5.09 ms (``benchmarks/loop.py --early-exit 0 --overlap 0,1``).
+        The same tokens either way. ``True`` is refused by name for proposers the device
+        loop does not run (host n-gram, suffix, the non-padded drafter batch: their next
+        drafts are computed on the host from the step's tokens, so nothing of the next
+        step can be dispatched before they arrive).
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -120,9 +128,9 @@ class Engine(DeviceLoop, Diagnostics):
                  context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
                  min_tokens_per_step: int = 1, tree_verification: bool | None = None,
                  mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
-                 loop_early_exit: bool = True, logits_processors: tuple = (),
+                 loop_early_exit: bool | None = None, logits_processors: tuple = (),
                  processor_limits: ProcessorLimits | None = None,
-                 logprobs_mode: str = "raw_logprobs", overlap: bool = False) -> None:
+                 logprobs_mode: str = "raw_logprobs", overlap: bool | None = None) -> None:
         from specjax.models import DecoderLM
 
         check_logprobs_mode(logprobs_mode)
@@ -188,12 +196,17 @@ class Engine(DeviceLoop, Diagnostics):
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
         self.steps_per_sync = (int(steps_per_sync) if steps_per_sync is not None else
                                DEFAULT_STEPS_PER_SYNC if loop_support(self.step) is None else 1)
-        if loop_early_exit not in (True, False):
-            raise ValueError(f"loop_early_exit must be True or False, got {loop_early_exit!r}")
-        self.loop_early_exit = bool(loop_early_exit)
-        if not isinstance(overlap, (bool, np.bool_)):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        self.overlap = bool(overlap)
+        if loop_early_exit is not None and not isinstance(loop_early_exit, (bool, np.bool_)):
+            raise ValueError(f"loop_early_exit must be True, False or None (the fixed-trip form "
+                             f"unless a request waits), got {loop_early_exit!r}")
+        #: the device loop's form: True / False, or None (per call: early exit while a
+        #: request waits, else the fixed trip count)
+        self.loop_early_exit = None if loop_early_exit is None else bool(loop_early_exit)
+        if overlap is not None and not isinstance(overlap, (bool, np.bool_)):
+            raise ValueError(f"overlap must be True, False or None (on where the device loop "
+                             f"runs), got {overlap!r}")
+        self.overlap = (self.steps_per_sync > 1 and loop_support(self.step) is None
+                        if overlap is None else bool(overlap))
         #: device-to-host round trips so far (one per step, or per device-loop call)
         self.num_syncs = 0
         #: seconds the host spent building / dispatching / committing steps (host_s) and
@@ -295,9 +308,9 @@ class Engine(DeviceLoop, Diagnostics):
                     self._admit(waiting, running)
                 if inflight is not None or ((self.steps_per_sync > 1 or self.overlap) and all(
                         r.num_tokens - r.num_computed == 1 for r in running)):
-                    if self.overlap:
+                    if self.overlap and not waiting:     # (waiting only ever shrinks)
                         results, inflight = self._sync_overlapped(running, inflight,
-                                                                  stop_on_finish=bool(waiting))
+                                                                  stop_on_finish=False)
                     else:
                         results = self._sync(running, stop_on_finish=bool(waiting))
                 else:
@@ -332,9 +345,10 @@ class Engine(DeviceLoop, Diagnostics):
         """Compile the step for every combination of the given buckets ahead of time (a
         dummy step with no real request, which writes nothing). Returns the number of
         variants compiled. ``context_blocks`` None: the widest (``max_model_len``).
-        With ``steps_per_sync > 1`` or ``overlap`` the device loop is compiled too, for every batch size,
-        context width, ``all_greedy`` and ``stop_pads`` (stop-id columns: the power of two
-        >= the most stop ids, EOS included, of a running request). ``logits_processing``:
+        With ``steps_per_sync > 1`` or ``overlap`` the device loop is compiled too, for every
+        batch size, context width, ``all_greedy``, ``stop_pads`` (stop-id columns: the power
+        of two >= the most stop ids, EOS included, of a running request) and loop form (both
+        under ``loop_early_exit=None``). ``logits_processing``:
         the plain variant (False) and / or the one with logits processors (True: a batch in
         which some request uses penalties, bad words, ... ; one fixed shape,
         ``processor_limits``). ``num_logprobs``: the
@@ -356,8 +370,9 @@ class Engine(DeviceLoop, Diagnostics):
                 batch = dataclasses.replace(batch, procs=self._empty_procs(int(b)))
             jax.block_until_ready(self._run(dataclasses.replace(batch, num_logprobs=lp)))
         if self.steps_per_sync > 1 or self.overlap:   # the device loop runs
-            for b, c, g, s, pr, lp in itertools.product(batch_sizes, context_blocks, all_greedy,
-                                                        stop_pads, logits_processing, lps):
+            for b, c, g, s, pr, lp, ee in itertools.product(batch_sizes, context_blocks, all_greedy,
+                                                            stop_pads, logits_processing, lps,
+                                                            self._loop_forms()):
                 _, q, _ = self._buckets(int(b), self.k + 1, 1)
                 state = make_loop_state(
                     last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
@@ -368,7 +383,7 @@ class Engine(DeviceLoop, Diagnostics):
                 out, self.target_kv, self.draft_state, _ = decode_loop(
                     self.step, self.target.params, self.step.draft_params, self.target_kv,
                     self.draft_state, dataclasses.replace(state, all_greedy=bool(g), num_logprobs=lp),
-                    steps_per_sync=self.steps_per_sync, early_exit=self.loop_early_exit)
+                    steps_per_sync=self.steps_per_sync, early_exit=ee)
                 jax.block_until_ready(out)
         return step_cache_size() + loop_cache_size() - before
 
@@ -566,9 +581,10 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None, mesh: Any = None,
              tp_axis: str = "tp", steps_per_sync: int | None = None,
-             loop_early_exit: bool = True, logits_processors: tuple = (),
+             loop_early_exit: bool | None = None, logits_processors: tuple = (),
              processor_limits: ProcessorLimits | None = None,
-             logprobs_mode: str = "raw_logprobs", overlap: bool = False) -> GenerateResult:
+             logprobs_mode: str = "raw_logprobs", overlap: bool | None = None,
+             kv_dtype=jnp.float32) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -607,6 +623,6 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync,
                     loop_early_exit=loop_early_exit, logits_processors=logits_processors,
                     processor_limits=processor_limits, logprobs_mode=logprobs_mode,
-                    overlap=overlap)
+                    overlap=overlap, kv_dtype=kv_dtype)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)

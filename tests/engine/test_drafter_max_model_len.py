@@ -73,7 +73,8 @@ def _record(monkeypatch):
         return run(self, batch)
 
     def decode_loop(step, tp, dp, tkv, ds, state, **kw):
-        shapes.add(("loop", np.shape(state.drafts), np.shape(state.block_table)))
+        shapes.add(("loop", kw.get("early_exit"), np.shape(state.drafts),
+                    np.shape(state.block_table)))
         nt = np.asarray(jax.device_get(state.num_computed)) + 1
         n = int(np.asarray(state.num_reqs))
         out, tkv, ds, state = dl(step, tp, dp, tkv, ds, state, **kw)

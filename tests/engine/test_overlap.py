@@ -107,9 +107,38 @@ def test_overlap_refused_by_name():
             continue
         with pytest.raises(ValueError, match=match):
             Engine(target(), build(method, 3, **extra), overlap=True, **FIXED4)
-    for bad in (1, "yes", None):
-        with pytest.raises(ValueError, match="overlap must be True or False"):
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(ValueError, match="overlap must be True, False or None"):
             Engine(target(), None, overlap=bad, **FIXED4)
+        with pytest.raises(ValueError, match="loop_early_exit must be True, False or None"):
+            Engine(target(), None, loop_early_exit=bad, **FIXED4)
+
+
+@pytest.mark.smoke
+def test_defaults_overlap_the_device_loop_with_the_fixed_trip_form_unless_a_request_waits(monkeypatch):
+    """The defaults (overlap=None, loop_early_exit=None): overlap on where the device loop
+    runs (N > 1), off per-step and for host proposers; each device-loop call uses the
+    fixed-trip form while no request waits and the early-exit form when one does."""
+    import specjax.engine.device_loop as dl
+
+    FIXED4 = dict(FIXED, max_num_seqs=2)
+    assert Engine(target(), None, **FIXED4).overlap is True
+    assert Engine(target(), None, steps_per_sync=1, **FIXED4).overlap is False
+    if "ngram" in METHODS:
+        assert Engine(target(), build("ngram", 3), **FIXED4).overlap is False
+    forms = []
+    real = dl.decode_loop
+
+    def spy(*a, **kw):
+        forms.append((bool(kw["stop_on_finish"]), kw["early_exit"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dl, "decode_loop", spy)
+    eng = Engine(target(), None, steps_per_sync=4, **FIXED4)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]          # 3 requests, 2 at a time: one waits
+    eng.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 12, 12)])
+    assert (True, True) in forms and (False, False) in forms
+    assert all(stop == ee for stop, ee in forms)
 
 
 def test_tree_overlap_equals_plain_greedy():
