@@ -175,6 +175,14 @@ class DeviceLoop:
         self.host_s += time.perf_counter() - t1
         return results
 
+    def _done_after(self, r: _Request) -> bool:
+        """Whether ``r`` is sure to have finished once the call in flight (not committed:
+        ``r.output`` does not hold its tokens yet) has run its ``steps_per_sync``
+        iterations: finished already, or within that many tokens of ``max_tokens`` or
+        ``max_model_len`` (every iteration emits at least one token)."""
+        left = min(r.params.max_tokens - len(r.output), self.max_model_len - r.num_tokens)
+        return bool(r.finish_reason) or left <= self.steps_per_sync
+
     def _sync(self, running: list[_Request], stop_on_finish: bool
               ) -> list[tuple[SpecDecodingStats | None, list[_Request]]]:
         """Up to ``steps_per_sync`` iterations on the device (every running request
@@ -189,6 +197,10 @@ class DeviceLoop:
         ``(results, the call left in flight or None)``."""
         if inflight is None:
             inflight = self._dispatch(running, None, stop_on_finish)
+        if all(self._done_after(r) for r in inflight.rows):
+            # every request surely finishes in the call in flight (each of its iterations
+            # emits a token): a call dispatched after it would only run masked iterations
+            return self._commit_loop(inflight), None
         nxt = self._dispatch(inflight.rows, inflight.state, stop_on_finish)
         results = self._commit_loop(inflight, last=False)
         if any(fin for _, fin in results) or all(r.finish_reason for r in nxt.rows):

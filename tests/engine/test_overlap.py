@@ -152,3 +152,29 @@ def test_tree_overlap_equals_plain_greedy():
     for which in ("A", "B"):
         for n in (1, 4):
             assert run(prop, which, n, True).token_ids == baseline(which).token_ids, (which, n)
+
+
+def test_no_call_dispatched_ahead_once_every_request_surely_finishes(monkeypatch):
+    """With overlap, a call is not dispatched after one in which every request surely
+    finishes (within ``steps_per_sync`` tokens of ``max_tokens``): no call runs only masked
+    iterations at the end of a batch. Reference: the same tokens as without overlap, and a
+    spy on every device-loop call's iteration count."""
+    import specjax.engine.device_loop as dl
+
+    runs = []
+    real = dl.decode_loop
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        runs.append(int(jax.device_get(out[0].num_iters)))
+        return out
+
+    monkeypatch.setattr(dl, "decode_loop", spy)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    sps = SamplingParams(max_tokens=11, ignore_eos=True)
+    kw = dict(FIXED, max_num_seqs=2, steps_per_sync=4)
+    got = generate(target(), None, prompts, sps, overlap=True, **kw)
+    assert runs and all(n > 0 for n in runs), runs
+    runs.clear()
+    want = generate(target(), None, prompts, sps, overlap=False, **kw)
+    assert got.token_ids == want.token_ids
