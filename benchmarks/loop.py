@@ -66,7 +66,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e import TARGETS, random_params  # noqa: E402
+from e2e import TARGETS, make_engine, random_params  # noqa: E402
 
 from specjax.config import SpeculativeConfig  # noqa: E402
 from specjax.decode_loop import loop_cache_size  # noqa: E402
@@ -223,9 +223,7 @@ def profile_row(eng: Engine, prompts, iters: int, max_tokens: int, log_dir: str)
         r = measure(eng, prompts, iters, max_tokens)
     trace = profile_step._load_trace(log_dir)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pname = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    dev = {p for p, n in pname.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+    _, dev = profile_step.device_pids(events)
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in dev]
     mods = device_time_by_module(kernels, r["iters"])
     host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in dev]
@@ -275,9 +273,8 @@ def run(args) -> list[dict]:
                                                          mml, dtype)
             for n, ee, ov in [(n, ee, ov) for n in ns for ee in (exits if n > 1 else [None])
                               for ov in overlaps]:
-                eng = Engine(target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
-                             batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype,
-                             steps_per_sync=n, loop_early_exit=ee, overlap=ov)
+                eng = make_engine(target, prop, b, mml, dtype, steps_per_sync=n,
+                                  loop_early_exit=ee, overlap=ov)
                 t = time.perf_counter()
                 measure(eng, prompts, min(window[n], 2 * n), max_tokens)   # compiles
                 compile_s = time.perf_counter() - t

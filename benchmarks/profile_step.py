@@ -47,16 +47,20 @@ def _load_trace(log_dir: str) -> dict:
         return json.load(f)
 
 
+def device_pids(events: list) -> tuple[dict, set]:
+    """``(process name by pid, the pids of device processes)``: processes whose name
+    mentions the GPU."""
+    pname = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return pname, {pid for pid, n in pname.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+
+
 def summarize(trace: dict, calls: int) -> dict:
     """Per-step numbers from a trace of ``calls`` steps: device kernel time by name, the
     number of device events, device busy time (union of the event intervals over every
     stream), the trace's wall span, and host events by name (total duration)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pname = {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            pname[e.get("pid")] = str(e.get("args", {}).get("name", ""))
-    dev = {pid for pid, n in pname.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+    pname, dev = device_pids(events)
     kernels: dict[str, float] = collections.defaultdict(float)
     host: dict[str, float] = collections.defaultdict(float)
     spans = []
