@@ -126,7 +126,7 @@ class Models:
     def proposer(self, method: str, k: int, max_model_len: int, tree: str | None = None):
         if self.size == "demo":
             return demo.demo_proposer(method, k, self.target, max_model_len=max_model_len,
-                                      block_size=BS)
+                                      block_size=BS, tree=tree)
         common = dict(max_model_len=max_model_len, block_size=BS)
         if method in ("ngram", "ngram_gpu"):
             return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k,
@@ -387,10 +387,7 @@ def main(argv=None) -> int:
                 from specjax.token_tree import TokenTree
                 mk = TokenTree.from_choices(tree).depth
             try:
-                if tree is not None and models.size == "demo":
-                    ts, ts_pad, sc = timed(demo.demo_proposer(m, mk, models.target, max_model_len=mml,
-                                                              block_size=BS, tree=tree), b)
-                elif tree is not None:
+                if tree is not None:
                     ts, ts_pad, sc = timed(models.proposer(m, mk, mml, tree=tree), b)
                 else:
                     ts, ts_pad, sc = timed(models.proposer(m, mk, mml), b)

@@ -28,7 +28,10 @@ backend is present. ``latency`` is the median of single calls each followed by
 ``block_until_ready`` (dispatch included); ``pipelined`` is the mean per call over
 back-to-back calls with one final sync (device time when dispatch overlaps). ``step`` times
 the stateful ``propose`` (scatter one sampled token per row, then draft; state donated).
-``floor`` is the buffer read once at 4.3 TB/s (the H200 copy rate).
+``floor`` is the buffer read once at 4.3 TB/s (the H200 copy rate); ``jax a+1`` is JAX's own
+per-call floor on the machine, a one-op program (``x + 1`` on a ``[B]`` array) timed the same
+two ways: what no standalone JAX call can go below. ``--profile DIR`` also prints the
+matcher's kernels (device time per call) from a profiler trace.
 
 References (256 requests x 8k tokens of repetitive text, min 3, max 5, k 5): vLLM's numba
 proposer 4.61 ms on one core of the dev machine; vLLM's GPU proposer 180 us on the H200.
@@ -203,6 +206,7 @@ def run_device(args, rows: list[dict]) -> None:
 
     backend = jax.default_backend()
     device = str(jax.devices()[0])
+    plus_one = jax.jit(lambda x: x + 1)
     for text in args.texts:
         for requests in args.requests:
             for context in args.contexts:
@@ -245,6 +249,23 @@ def run_device(args, rows: list[dict]) -> None:
                     jax.block_until_ready(out)
 
                 step_t = median_time(step, min(args.repeats, 30))
+                # JAX's own per-call cost on this machine: a one-op program on a [B] array
+                one = jax.device_put(np.zeros((requests,), np.int32))
+
+                def trivial():
+                    return jax.block_until_ready(plus_one(one))
+
+                trivial_lat = median_time(trivial, args.repeats)
+                trivial()
+                t0 = time.perf_counter()
+                jax.block_until_ready([plus_one(one) for _ in range(n_pipe)])
+                trivial_pipe = (time.perf_counter() - t0) / n_pipe
+                if args.profile:
+                    from profile_step import _table, _trace
+                    r = _trace(os.path.join(args.profile, f"{text}_{requests}x{context}"), 20,
+                               lambda: [call() for _ in range(20)])
+                    print(_table(f"propose_arrays {requests} x {context} ({text})",
+                                 dict(r, step_ms=latency * 1e3), 12), flush=True)
                 floor = requests * width * 4 / COPY_RATE_BYTES_PER_S
                 extra = {}
                 if args.torch:
@@ -261,6 +282,8 @@ def run_device(args, rows: list[dict]) -> None:
                     latency_us=latency * 1e6,
                     pipelined_us=pipelined * 1e6,
                     step_us=step_t * 1e6,
+                    jax_floor_latency_us=trivial_lat * 1e6,
+                    jax_floor_pipelined_us=trivial_pipe * 1e6,
                     floor_us=floor * 1e6,
                     **extra,
                 )
@@ -313,6 +336,7 @@ def print_row(row: dict) -> None:
             f"dev  {row['text']:>8} B={row['requests']:>5} T={row['context']:>6} [{row['backend']}]"
             f"  latency {row['latency_us']:10.1f} us  pipelined {row['pipelined_us']:10.1f} us"
             f"  step {row['step_us']:10.1f} us  floor {row['floor_us']:8.1f} us"
+            f"  jax a+1 {row['jax_floor_latency_us']:6.1f} / {row['jax_floor_pipelined_us']:6.1f} us"
         )
         if "torch_latency_us" in row:
             line += (f"  | vLLM torch latency {row['torch_latency_us']:8.1f} us pipelined "
@@ -336,6 +360,9 @@ def main(argv=None) -> int:
                         help="device rows: also time vLLM's GPU matcher restated in torch "
                              "(benchmarks/ngram_torch.py; checked against specjax's first)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="device rows: also trace 20 synced propose_arrays calls under the "
+                             "JAX profiler (traces under DIR) and print kernel time by name")
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else dict(requests=REQUESTS, contexts=CONTEXTS, texts=TEXTS)
     args.requests = args.requests or grid["requests"]

@@ -176,6 +176,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--methods", nargs="+", default=["eagle3"])
+    ap.add_argument("--tree", action="append", default=[],
+                    help="also profile eagle / eagle3 (of --methods) with this "
+                         "speculative_token_tree (tree verification + tree drafting; repeatable)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--propose", action="store_true",
@@ -194,7 +197,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dtype = jax.numpy.bfloat16 if gpu else jax.numpy.float32
     models = Models(args.target, dtype)
-    mml = -(-(args.context + 2 * args.k + 8) // BS) * BS
+    from specjax.token_tree import TokenTree
+    widest = max([args.k] + [TokenTree.from_choices(t).num_nodes for t in args.tree])
+    mml = -(-(args.context + 2 * widest + 8) // BS) * BS
     dev = jax.devices()[0]
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{dev.platform} {dev.device_kind}; target {args.target}; B={args.batch}; "
@@ -212,6 +217,10 @@ def main(argv=None) -> int:
         for m in args.methods:
             results[m] = profile(engine(models.proposer(m, args.k, mml)), args.batch, args.context,
                                  args.steps, os.path.join(args.out, m))
+            for i, tree in enumerate(args.tree if m in ("eagle", "eagle3") else ()):
+                results[f"{m} tree {tree}"] = profile(
+                    engine(models.proposer(m, TokenTree.from_choices(tree).depth, mml, tree=tree)),
+                    args.batch, args.context, args.steps, os.path.join(args.out, f"{m}_tree{i}"))
     if args.propose:
         results["propose alone"] = profile_propose(args.batch, args.k, args.context, args.steps,
                                                    os.path.join(args.out, "propose"))
