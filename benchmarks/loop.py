@@ -20,7 +20,7 @@ until ``--iters`` (rounded up to a multiple of N) more iterations have been deli
     ex          = the device loop's form (``--early-exit``): w = while_loop (stops as
                   soon as it may), f = a fixed trip count of N (masked once done),
                   a = the engine's default (``loop_early_exit=None``: f while no request
-                  waits, which is every iteration here), - = N = 1
+                  waits, which is every iteration here; w on a CPU target), - = N = 1
     speed-up    = tokens/s / plain decoding's tokens/s at the same B, N, form and overlap
                   (and, the last column, plain's at N = 1 without overlap: the per-step loop)
     TTFT ms     = start of generate -> first token (the prefill step, compiled already)

@@ -285,10 +285,12 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
     print(f"tokens/s: generated tokens / wall time of the whole batch, median of {repeat} runs "
           f"(spread: (max - min) / median), compilation excluded; sync: decoding iterations per "
           f"host sync (the device loop, steps_per_sync={steps_per_sync}; 1: a method that drafts "
-          "on the host runs one step per sync). On this tiny model every matrix product costs "
-          "about the same whatever its size (a drafter pass about as much as a target layer), "
-          "and other jobs on the machine widen the spread, so the speed-ups say little about "
-          "a real model; see benchmarks/e2e.py and benchmarks/loop.py for GPU costs.", file=out)
+          "on the host runs one step per sync). On a CPU the matrix products are "
+          "compute-bound: verifying k+1 tokens per request costs about twice a one-token "
+          "step, and a drafter pass of this tiny target's width costs a fifth to a half of "
+          "one (benchmarks/demo_pieces.py); other jobs on the machine widen the spread. So "
+          "the speed-ups say little about a real model on a GPU; see benchmarks/e2e.py and "
+          "benchmarks/loop.py for GPU costs.", file=out)
     bad = [r.method for r in rows if r.ok is False]
     if temperature == 0:
         print("all methods reproduce plain greedy decoding: " + ("OK" if not bad else

@@ -100,7 +100,9 @@ class Engine(DeviceLoop, Diagnostics):
         has finished or one finished while another waits; False, always ``steps_per_sync``
         iterations (a known trip count, the rest masked). None (default): False while no
         request waits, True for a call made while one does (so it can join as soon as a
-        request finishes). Both forms are compiled by ``warmup``. On the H200 the
+        request finishes); on a CPU target True for every call (XLA:CPU reads no predicate
+        back, and a masked iteration costs a whole step). The forms it uses are compiled by
+        ``warmup``. On the H200 the
         fixed-trip form launches its iterations without reading a predicate back to the
         host each one, so its dispatch returns while the device computes, which is what
         overlap needs (``benchmarks/RESULTS.md``, eleventh session).
@@ -200,7 +202,7 @@ class Engine(DeviceLoop, Diagnostics):
             raise ValueError(f"loop_early_exit must be True, False or None (the fixed-trip form "
                              f"unless a request waits), got {loop_early_exit!r}")
         #: the device loop's form: True / False, or None (per call: early exit while a
-        #: request waits, else the fixed trip count)
+        #: request waits or on a CPU target, else the fixed trip count)
         self.loop_early_exit = None if loop_early_exit is None else bool(loop_early_exit)
         if overlap is not None and not isinstance(overlap, (bool, np.bool_)):
             raise ValueError(f"overlap must be True, False or None (on where the device loop "

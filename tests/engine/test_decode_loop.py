@@ -412,21 +412,27 @@ def test_fixed_trip_count_loop_equals_per_step(method):
         Engine(target(), prop, steps_per_sync=4, loop_early_exit="no", max_num_seqs=4, **FIXED)
 
 
-def test_warmup_compiles_the_loop(caplog):
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_warmup_compiles_the_loop(caplog, monkeypatch, on_cpu):
     """``Engine.warmup`` compiles the device loop beside the step (a dummy state of padding
-    rows, nothing written): a run afterwards compiles nothing."""
-    want = generate(target(), None, PROMPTS_A, PARAMS_A, max_num_seqs=2,
-                    **dict(FIXED, batch_buckets=(2,))).token_ids   # compiled outside the window
+    rows, nothing written): a run afterwards compiles nothing. ``on_cpu``: the target's
+    devices as the engine finds them (a CPU target runs the early-exit form only)."""
+    import specjax.engine.device_loop as dl
+
+    monkeypatch.setattr(dl, "_on_cpu", lambda params: on_cpu)
+    rows = 3 if on_cpu else 2      # a bucket no other test (nor the other case) compiles
+    want = generate(target(), None, PROMPTS_A, PARAMS_A, max_num_seqs=rows,
+                    **dict(FIXED, batch_buckets=(rows,))).token_ids   # compiled outside the window
     for method in ("eagle3", "ngram_gpu"):
         if method not in METHODS:
             continue
-        # two rows: a bucket no other test compiles
-        eng = Engine(target(), build(method, 3), max_num_seqs=2, steps_per_sync=4,
-                     **dict(FIXED, batch_buckets=(2,)))
-        n = eng.warmup([2], [16], all_greedy=(True, False), stop_pads=(1,))
-        # steps and loops, greedy and not; the loop in both forms (loop_early_exit=None)
-        assert eng._loop_forms() == (False, True)
-        assert n == 2 + 2 * 2, n
+        eng = Engine(target(), build(method, 3), max_num_seqs=rows, steps_per_sync=4,
+                     **dict(FIXED, batch_buckets=(rows,)))
+        n = eng.warmup([rows], [16], all_greedy=(True, False), stop_pads=(1,))
+        # steps and loops, greedy and not; the loop in both forms (loop_early_exit=None),
+        # or the early-exit one on a CPU target
+        assert eng._loop_forms() == ((True,) if on_cpu else (False, True))
+        assert n == 2 + 2 * (1 if on_cpu else 2), n
         before = (loop_cache_size(), step_cache_size())
         with jax.log_compiles(), caplog.at_level(logging.DEBUG, logger="jax"):
             out = eng.generate(PROMPTS_A, PARAMS_A)

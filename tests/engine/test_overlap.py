@@ -115,11 +115,17 @@ def test_overlap_refused_by_name():
 
 
 @pytest.mark.smoke
-def test_defaults_overlap_the_device_loop_with_the_fixed_trip_form_unless_a_request_waits(monkeypatch):
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_defaults_overlap_the_device_loop_with_the_fixed_trip_form_unless_a_request_waits(
+        monkeypatch, on_cpu):
     """The defaults (overlap=None, loop_early_exit=None): overlap on where the device loop
     runs (N > 1), off per-step and for host proposers; each device-loop call uses the
-    fixed-trip form while no request waits and the early-exit form when one does."""
+    fixed-trip form while no request waits and the early-exit form when one does, and on a
+    CPU target the early-exit form for every call (``on_cpu``: what the engine finds the
+    target's devices to be)."""
     import specjax.engine.device_loop as dl
+
+    monkeypatch.setattr(dl, "_on_cpu", lambda params: on_cpu)
 
     FIXED4 = dict(FIXED, max_num_seqs=2)
     assert Engine(target(), None, **FIXED4).overlap is True
@@ -137,8 +143,25 @@ def test_defaults_overlap_the_device_loop_with_the_fixed_trip_form_unless_a_requ
     eng = Engine(target(), None, steps_per_sync=4, **FIXED4)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]          # 3 requests, 2 at a time: one waits
     eng.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 12, 12)])
-    assert (True, True) in forms and (False, False) in forms
-    assert all(stop == ee for stop, ee in forms)
+    assert eng._loop_forms() == ((True,) if on_cpu else (False, True))
+    if on_cpu:
+        assert (True, True) in forms and (False, True) in forms
+        assert all(ee for _, ee in forms)
+    else:
+        assert (True, True) in forms and (False, False) in forms
+        assert all(stop == ee for stop, ee in forms)
+
+
+def test_cpu_target_found_from_its_params():
+    """``_on_cpu``: True for params on CPU devices (this suite's), from the arrays' devices,
+    and the backend's platform for host arrays."""
+    import numpy as np
+    from specjax.engine.device_loop import _on_cpu
+
+    assert _on_cpu({"w": jax.device_put(np.ones(2), jax.devices("cpu")[0])}) is True
+    assert _on_cpu({"w": np.ones(2)}) is (jax.default_backend() == "cpu")
+    assert Engine(target(), None, **dict(FIXED, max_num_seqs=2))._idle_early_exit() is (
+        jax.devices()[0].platform == "cpu")
 
 
 def test_tree_overlap_equals_plain_greedy():

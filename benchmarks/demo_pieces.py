@@ -1,0 +1,148 @@
+"""Where a decoding iteration of ``specjax demo`` goes on the CPU: the demo's model passes
+timed alone, in one process, interleaved (so load from other jobs hits every row alike).
+
+Rows: the target's forward (+ logits + argmax) over 4 rows (plain decoding of the 4 demo
+requests) and over 16 (the EAGLE-3 verify at k = 3), at 128- and 256-token contexts (8 and
+16 blocks of 16); the EAGLE-3 head's first drafting pass (16 rows, through ``fc``) and a
+later one (4 rows); and, with ``--products``, one matrix product of the demo's widest shape
+(``[R, 256] @ [256, 768]``, R = 4 and 16) chained in a loop, and a 1024-cube product (the
+machine's matmul rate). Each figure is the min and the median over ``--repeat`` rounds of
+one call of ``--iters`` passes inside a ``lax.fori_loop`` (no host round trip between
+passes), in ms per pass.
+
+Usage::
+
+    python benchmarks/demo_pieces.py               # the model passes
+    python benchmarks/demo_pieces.py --products    # and the matmul rates
+
+The figures (README, "Demo") say why EAGLE-3 cannot reach 1.5x plain decoding on 2 CPU
+cores: the matrix products are compute-bound, so the 16-row verify alone costs more than
+twice the 4-row step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from specjax import demo  # noqa: E402
+from specjax.attention_metadata import CommonAttentionMetadata  # noqa: E402
+
+B, BS, NB = 4, demo.BLOCK_SIZE, 200
+
+
+def _metadata(q: int, blocks: int) -> CommonAttentionMetadata:
+    """``B`` requests of ``q`` query tokens each over ``blocks`` blocks (contexts past the
+    previous bucket, so the whole bucket is plausible)."""
+    table = jnp.asarray(np.arange(B * blocks).reshape(B, blocks) + 1, jnp.int32)
+    lo = (blocks // 2) * BS + 2
+    seq = jnp.asarray([lo, lo + 11, lo + 20, lo + 3], jnp.int32)
+    qsl = jnp.arange(B + 1, dtype=jnp.int32) * q
+    return CommonAttentionMetadata(qsl, seq, table, jnp.full((B * q,), 5, jnp.int32), jnp.int32(B),
+                                   jnp.int32(B * q), jnp.max(seq), q)
+
+
+def model_cases(iters: int) -> dict:
+    target = demo.demo_target()
+    head = demo.demo_proposer("eagle3", 3, target, max_model_len=demo.MAX_MODEL_LEN)
+    tm, tp = target
+    hm, hp = head.impl.model, head.params
+    tcache, hcache = tm.init_kv_caches(NB, BS), hm.init_kv_caches(NB, BS)
+
+    def target_pass(q, blocks):
+        md = _metadata(q, blocks)
+        pos = jnp.full((B * q,), 100, jnp.int32)
+
+        @jax.jit
+        def run(p, caches, ids):
+            def body(_, c):
+                caches, ids = c
+                h, _aux, caches = tm.forward(p, ids, pos, caches, md)
+                return caches, jnp.argmax(tm.compute_logits(p, h), -1).astype(jnp.int32)
+            return jax.lax.fori_loop(0, iters, body, (caches, ids))[1]
+        ids = jnp.zeros((B * q,), jnp.int32)
+        return lambda: run(tp, tcache, ids)
+
+    def head_pass(q, blocks, first):
+        md = _metadata(q, blocks)
+        pos = jnp.full((B * q,), 100, jnp.int32)
+        width = hm.config.num_aux * tm.config.hidden_size if first else hm.config.hidden_size
+
+        @jax.jit
+        def run(p, caches, ids, hid):
+            def body(_, c):
+                caches, ids, hid = c
+                normed, pre, caches = hm.forward(p, ids, pos, hid, caches, md)
+                ids = jnp.argmax(hm.compute_draft_logits(p, normed), -1).astype(jnp.int32)
+                return caches, ids, (hid + 0 * pre.sum()) if first else pre
+            return jax.lax.fori_loop(0, iters, body, (caches, ids, hid))[1]
+        ids = jnp.zeros((B * q,), jnp.int32)
+        hid = jnp.full((B * q, width), 0.01, jnp.float32)
+        return lambda: run(hp, hcache, ids, hid)
+
+    return {
+        "target, 4 rows, ctx 128 (plain)": target_pass(1, 8),
+        "target, 4 rows, ctx 256": target_pass(1, 16),
+        "target, 16 rows, ctx 128": target_pass(4, 8),
+        "target, 16 rows, ctx 256 (EAGLE-3 verify)": target_pass(4, 16),
+        "EAGLE-3 head, 16 rows + fc, ctx 256 (pass 1)": head_pass(4, 16, True),
+        "EAGLE-3 head, 4 rows, ctx 256 (pass 2, 3)": head_pass(1, 16, False),
+    }
+
+
+def product_cases(iters: int) -> dict:
+    rng = np.random.default_rng(0)
+    out = {}
+    for rows, k, n in ((4, 256, 768), (16, 256, 768), (1024, 1024, 1024)):
+        w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32) * 0.05)
+        back = jnp.asarray(rng.standard_normal((n, k), dtype=np.float32) * 0.05)
+        x = jnp.ones((rows, k), jnp.float32)
+
+        @jax.jit
+        def run(x, w, back):   # x @ w, then back to K wide (a second product, n x k)
+            return jax.lax.fori_loop(0, iters, lambda _, x: jnp.tanh((x @ w) @ back), x)
+        flop = 2 * 2 * rows * k * n
+        out[f"[{rows}, {k}] @ [{k}, {n}] and back ({flop / 1e6:.1f} MFLOP)"] = (
+            lambda run=run, x=x, w=w, back=back: run(x, w, back), flop)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=8, help="passes per timed call")
+    ap.add_argument("--repeat", type=int, default=25, help="timed rounds (every row once each)")
+    ap.add_argument("--products", action="store_true", help="also the matmul rates")
+    args = ap.parse_args(argv)
+    cases = {k: (f, None) for k, f in model_cases(args.iters).items()}
+    if args.products:
+        cases.update(product_cases(args.iters))
+    for f, _ in cases.values():
+        f().block_until_ready()            # compile
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(args.repeat):
+        for name, (f, _) in cases.items():
+            t = time.perf_counter()
+            f().block_until_ready()
+            times[name].append((time.perf_counter() - t) / args.iters * 1e3)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, load average "
+          f"{' '.join(open('/proc/loadavg').read().split()[:3]) if os.path.exists('/proc/loadavg') else '?'}; "
+          f"ms per pass, min / median of {args.repeat}")
+    width = max(len(k) for k in cases)
+    for name, (_, flop) in cases.items():
+        lo, med = min(times[name]), statistics.median(times[name])
+        rate = f"  {flop / lo / 1e6:.0f} GFLOP/s at the min" if flop else ""
+        print(f"  {name:<{width}}  {lo:7.3f} / {med:7.3f}{rate}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
