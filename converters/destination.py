@@ -171,7 +171,8 @@ def _deliver(signum: int, handler) -> None:
 @contextlib.contextmanager
 def held_signals(log: Log = _quiet, *, deliver: bool = True,
                  doing: str = "the write in progress") -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while inside; on leaving, deliver the first one held (as the
+    """Hold SIGINT and SIGTERM (those the process does not ignore) while inside; on leaving,
+    deliver the first one held (as the
     handler in force before would), or drop it when ``deliver`` is False (used while
     already unwinding). ``log`` is told once when a signal arrives. Main thread only."""
     if threading.current_thread() is not threading.main_thread():
@@ -185,7 +186,10 @@ def held_signals(log: Log = _quiet, *, deliver: bool = True,
                 "can be removed cleanly")
         held.append(signum)
 
-    previous = {s: signal.signal(s, hold) for s in _SIGNALS}
+    # a signal the process ignores (e.g. SIGINT in a job started with `&` by a shell without
+    # job control) stays ignored: not held, not reported, not delivered
+    previous = {s: signal.signal(s, hold) for s in _SIGNALS
+                if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:

@@ -298,15 +298,24 @@ def test_stale_stage_holding_the_old_output_restores_it(tmp_path):
 
 # -- real signals ---------------------------------------------------------------------------------
 
-def _start(tmp_path: Path, pause: str, src: Path, dst: Path, *args: str):
+def _start(tmp_path: Path, pause: str, src: Path, dst: Path, *args: str,
+           sigint=signal.SIG_DFL):
+    """The driver, paused at ``pause``. Its SIGINT disposition is ``sigint`` (default: the
+    default action, as in a terminal), whatever this process inherited: a shell without
+    job control starts `&` jobs with SIGINT ignored, and children inherit that."""
     ready = tmp_path / f"ready-{pause}"
     if ready.exists():
         ready.unlink()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def dispositions():
+        signal.signal(signal.SIGINT, sigint)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
     proc = subprocess.Popen([sys.executable, str(DRIVER), pause, str(ready), str(src),
                              str(dst), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(tmp_path))
+                            cwd=str(tmp_path), preexec_fn=dispositions)
     deadline = time.monotonic() + 180
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -339,6 +348,20 @@ def test_signal_mid_conversion_leaves_nothing(tmp_path, pause, name):
     assert "Traceback" not in err
     assert not dst.exists() and not _stages(tmp_path)
     assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_ignored_sigint_stays_ignored(tmp_path):
+    """A conversion started with SIGINT ignored (a `&` job of a shell without job control)
+    ignores it, as the process was told to: it completes (exit 0, the output written) and
+    says nothing about a SIGINT it will not act on."""
+    src = _src(tmp_path)
+    dst = tmp_path / "out"
+    proc = _start(tmp_path, "commit", src, dst, "-q", sigint=signal.SIG_IGN)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "SIGINT" not in err and dst.exists() and not _stages(tmp_path)
 
 
 @pytest.mark.slow
