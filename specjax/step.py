@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 # Defines the attention-backend jit option and imports the kernels before the step is first
 # traced (config states in the trace context; see the end of kernels/paged_attention/__init__.py).

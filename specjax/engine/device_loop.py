@@ -100,8 +100,9 @@ class DeviceLoop:
         """The device loop's forms this engine runs (``early_exit`` values)."""
         if self.loop_early_exit is not None:
             return (self.loop_early_exit,)
-        return (True,) if self._idle_early_exit() else (False, True)
+        return (True,) if self._idle_early_exit else (False, True)
 
+    @functools.cached_property
     def _idle_early_exit(self) -> bool:
         """The form of a call made while no request waits, under ``loop_early_exit=None``:
         the fixed trip count (False), except on a CPU target (True). On a GPU the fixed-trip
@@ -110,10 +111,6 @@ class DeviceLoop:
         save there, while the fixed-trip form's masked iterations (once every request has
         finished) cost a whole step each: on 2 CPU cores ``specjax demo``'s EAGLE-3 engine
         ran 6.8-7.0 ms per decoding iteration in it against 5.2-5.4 in the while form."""
-        return self._target_on_cpu
-
-    @functools.cached_property
-    def _target_on_cpu(self) -> bool:
         return _on_cpu(self.target.params)
 
     def _dispatch(self, rows: list[_Request], state, stop_on_finish: bool) -> _InFlight:
@@ -137,7 +134,7 @@ class DeviceLoop:
             self.step, self.target.params, self.step.draft_params, self.target_kv,
             self.draft_state, state, steps_per_sync=self.steps_per_sync,
             stop_on_finish=stop_on_finish,
-            early_exit=(stop_on_finish or self._idle_early_exit()) if self.loop_early_exit is None
+            early_exit=(stop_on_finish or self._idle_early_exit) if self.loop_early_exit is None
             else self.loop_early_exit)
         for x in jax.tree.leaves(out):      # the next call may donate the state: not its drafts
             x.copy_to_host_async()

@@ -160,7 +160,7 @@ def test_cpu_target_found_from_its_params():
 
     assert _on_cpu({"w": jax.device_put(np.ones(2), jax.devices("cpu")[0])}) is True
     assert _on_cpu({"w": np.ones(2)}) is (jax.default_backend() == "cpu")
-    assert Engine(target(), None, **dict(FIXED, max_num_seqs=2))._idle_early_exit() is (
+    assert Engine(target(), None, **dict(FIXED, max_num_seqs=2))._idle_early_exit is (
         jax.devices()[0].platform == "cpu")
 
 
