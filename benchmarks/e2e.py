@@ -67,7 +67,7 @@ import floors  # noqa: E402
 from specjax import demo  # noqa: E402
 from specjax.config import SpeculativeConfig  # noqa: E402
 from specjax.engine import Engine, SamplingParams, TargetModel, generate  # noqa: E402
-from specjax.models import registry  # noqa: E402
+from specjax.models import fuse_projections, registry  # noqa: E402
 from specjax.models.config import eagle3_default_aux_layer_ids  # noqa: E402
 from specjax.proposers import available_methods, make_proposer  # noqa: E402
 
@@ -119,8 +119,9 @@ class Models:
         else:
             self.geo = TARGETS[size]
             cfg = registry.config_from_hf("llama", self.geo)
-            self.target = TargetModel(registry.make_model("llama", cfg),
-                                      random_params("llama", cfg, dtype, jax.random.key(0)))
+            # fused once here, so each engine's place_target_params (which fuses) keeps these
+            self.target = TargetModel(registry.make_model("llama", cfg), fuse_projections(
+                random_params("llama", cfg, dtype, jax.random.key(0))))
             self.aux = eagle3_default_aux_layer_ids(self.geo["num_hidden_layers"])
 
     def proposer(self, method: str, k: int, max_model_len: int, tree: str | None = None):

@@ -71,7 +71,7 @@ from e2e import TARGETS, make_engine, random_params  # noqa: E402
 from specjax.config import SpeculativeConfig  # noqa: E402
 from specjax.decode_loop import loop_cache_size  # noqa: E402
 from specjax.engine import Engine, SamplingParams, TargetModel, step_cache_size  # noqa: E402
-from specjax.models import registry  # noqa: E402
+from specjax.models import fuse_projections, registry  # noqa: E402
 from specjax.models.config import eagle3_default_aux_layer_ids  # noqa: E402
 from specjax.proposers import make_proposer  # noqa: E402
 
@@ -86,11 +86,15 @@ class _Stop(Exception):
     """Raised from the progress callback once the timed window is complete."""
 
 
-def build_target(size: str, dtype) -> tuple[TargetModel, dict]:
+def build_target(size: str, dtype, unfused: bool = False) -> tuple[TargetModel, dict, dict | None]:
+    """``(target with fused projections, geometry, the checkpoint-layout params or None)``:
+    fused once here, so each engine's ``place_target_params`` (which fuses) keeps these
+    arrays; the unfused params only when ``unfused`` (``--fuse 0``)."""
     geo = TINY if size == "tiny" else TARGETS[size]
     cfg = registry.config_from_hf("llama", geo)
-    return TargetModel(registry.make_model("llama", cfg),
-                       random_params("llama", cfg, dtype, jax.random.key(0))), geo
+    raw = random_params("llama", cfg, dtype, jax.random.key(0))
+    return (TargetModel(registry.make_model("llama", cfg), fuse_projections(raw)), geo,
+            raw if unfused else None)
 
 
 def eagle3(target: TargetModel, geo: dict, size: str, k: int, rates, mml: int, dtype):
@@ -257,8 +261,9 @@ def run(args) -> list[dict]:
     auto = lambda x: None if x == "auto" else bool(int(x))  # noqa: E731  (None: Engine's default)
     exits = [auto(x) for x in args.early_exit.split(",")]
     overlaps = [auto(x) for x in args.overlap.split(",")]
+    fuses = [bool(int(x)) for x in args.fuse.split(",")]
     k = args.k
-    target, geo = build_target(args.target, dtype)
+    target, geo, raw = build_target(args.target, dtype, unfused=False in fuses)
     # timed iterations: a multiple of N (the window ends on a sync), at least --iters
     window = {n: -(-args.iters // n) * n for n in ns}
     max_tokens = (max(window.values()) + 2) * (k + 1)  # nobody finishes inside the window
@@ -271,10 +276,11 @@ def run(args) -> list[dict]:
         for method in args.methods:
             prop = None if method == "plain" else eagle3(target, geo, args.target, k, args.rates,
                                                          mml, dtype)
-            for n, ee, ov in [(n, ee, ov) for n in ns for ee in (exits if n > 1 else [None])
-                              for ov in overlaps]:
-                eng = make_engine(target, prop, b, mml, dtype, steps_per_sync=n,
-                                  loop_early_exit=ee, overlap=ov)
+            for n, ee, ov, fu in [(n, ee, ov, fu) for n in ns for ee in (exits if n > 1 else [None])
+                                  for ov in overlaps for fu in fuses]:
+                tgt = target if fu else TargetModel(target.model, raw)
+                eng = make_engine(tgt, prop, b, mml, dtype, steps_per_sync=n,
+                                  loop_early_exit=ee, overlap=ov, fuse_projections=fu)
                 t = time.perf_counter()
                 measure(eng, prompts, min(window[n], 2 * n), max_tokens)   # compiles
                 compile_s = time.perf_counter() - t
@@ -285,20 +291,20 @@ def run(args) -> list[dict]:
                 ov = eng.overlap                                       # None: the engine's pick
                 form = "-" if n == 1 else {None: "a", True: "w", False: "f"}[ee]
                 r.update(method=method, batch=b, n=n, early_exit=ee, form=form, overlap=ov,
-                         k=0 if prop is None else k,
+                         fused=fu, k=0 if prop is None else k,
                          compile_s=compile_s, recompiles=recompiles,
                          per_iter_ms_all=[x["per_iter_ms"] for x in reps])
                 if prop is None:
-                    plain_tps[(b, n, ee, ov)] = r["tokens_per_s"]
-                r["speedup"] = r["tokens_per_s"] / plain_tps.get((b, n, ee, ov), float("nan"))
-                r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1, None, False),
+                    plain_tps[(b, n, ee, ov, fu)] = r["tokens_per_s"]
+                r["speedup"] = r["tokens_per_s"] / plain_tps.get((b, n, ee, ov, fu), float("nan"))
+                r["speedup_vs_step"] = r["tokens_per_s"] / plain_tps.get((b, 1, None, False, fu),
                                                                          float("nan"))
                 rows.append(r)
                 if args.profile:
                     tag = f"{method}_b{b}_n{n}_{form}_{'y' if ov else 'n'}"
                     r["profile"] = profile_row(eng, prompts, min(window[n], max(2 * n, 16)), max_tokens,
                                                os.path.join(args.profile, tag))
-                print(f"{method:<7} {b:>3} {n:>3} {form:>2} {'y' if ov else 'n':>2} "
+                print(f"{method:<7} {b:>3} {n:>3} {form:>2} {'y' if ov else 'n':>2} {'y' if fu else 'n':>2} "
                       f"{r['per_iter_ms']:>9.3f} {r['host_ms']:>7.3f} {r['wait_ms']:>7.3f} "
                       f"{r['tokens_per_iter']:>7.2f} "
                       f"{r['tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['speedup_vs_step']:>7.2f}x "
@@ -376,6 +382,9 @@ def main(argv=None) -> int:
                     "separated: 1 = the next device-loop call dispatched before the host "
                     "commits the previous one (N = 1 included), 0 = none, auto = the Engine's "
                     "default (on for N > 1)")
+    ap.add_argument("--fuse", default="1", help="Engine(fuse_projections=...) value(s), comma "
+                    "separated: 1 = q/k/v and gate/up fused (the default), 0 = the checkpoint "
+                    "layout (one process, the same random weights)")
     ap.add_argument("--torch", action="store_true",
                     help="then time the PyTorch decode and fused EAGLE-3 anchors (torch.compile + "
                          "CUDA graph) in this process and print loop / torch")
@@ -395,7 +404,7 @@ def main(argv=None) -> int:
           f"{dev.platform} {dev.device_kind}; target {args.target} {args.dtype}; context "
           f"{args.context}; k={args.k}; rates {args.rates}; iters {args.iters}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-    head = (f"{'method':<7} {'B':>3} {'N':>3} {'ex':>2} {'ov':>2} {'iter ms':>9} {'host':>7} "
+    head = (f"{'method':<7} {'B':>3} {'N':>3} {'ex':>2} {'ov':>2} {'fu':>2} {'iter ms':>9} {'host':>7} "
             f"{'wait':>7} {'tok/it':>7} {'tokens/s':>10} "
             f"{'speedup':>8} {'vs N=1':>8} {'TTFT ms':>8} {'ITL ms':>7} {'gap ms':>7} {'syncs':>5} "
             f"{'compile':>8} {'rec.':>4}")

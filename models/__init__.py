@@ -50,6 +50,7 @@ from specjax.models.eagle3 import Eagle3Head
 from specjax.models.extract_hidden_states import ExtractHiddenStates
 from specjax.models.llama import DecoderLM
 from specjax.models.medusa import MedusaHeads
+from specjax.models.params import fuse_projections, unfuse_projections
 from specjax.models.registry import (
     abstract_params,
     config_from_hf,
@@ -107,4 +108,5 @@ __all__ = [
     "config_from_hf", "config_to_dict", "expected_tensors", "params_from_tensors",
     "tensors_from_params",
     "abstract_params", "init_params", "make_model", "share_target_weights",
+    "fuse_projections", "unfuse_projections",
 ]

@@ -65,10 +65,17 @@ class DFlashHead:
         # devices every call).
         for i in range(nl):
             a = layers[i]["self_attn"]
-            k = ctx @ a["k_proj"]["kernel"]
-            v = ctx @ a["v_proj"]["kernel"]
-            if c.qkv_bias:
-                k, v = k + a["k_proj"]["bias"], v + a["v_proj"]["bias"]
+            if "qkv_proj" in a:        # fused (mp.fuse_projections): its k and v columns
+                nq = c.num_attention_heads * hd
+                kv = ctx @ a["qkv_proj"]["kernel"][:, nq:]
+                if c.qkv_bias:
+                    kv = kv + a["qkv_proj"]["bias"][nq:]
+                k, v = kv[:, : nkv * hd], kv[:, nkv * hd:]
+            else:
+                k = ctx @ a["k_proj"]["kernel"]
+                v = ctx @ a["v_proj"]["kernel"]
+                if c.qkv_bias:
+                    k, v = k + a["k_proj"]["bias"], v + a["v_proj"]["bias"]
             k, v = k.reshape(tc, nkv, hd), v.reshape(tc, nkv, hd)
             if c.qk_norm:
                 k = rms_norm(k, a["k_norm"]["weight"], c.rms_norm_eps)

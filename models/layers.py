@@ -15,7 +15,7 @@ from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels import paged_attention as attn_lib
 from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig
-from specjax.models.params import two_row_matmul
+from specjax.models.params import is_fused_kernel, split_fused, two_row_matmul
 from specjax.models.rope import apply_rope
 
 
@@ -56,9 +56,14 @@ class MLP(nnx.Module):
         self.gate_proj = linear(hidden, inter, bias, rngs)
         self.up_proj = linear(hidden, inter, bias, rngs)
         self.down_proj = linear(inter, hidden, bias, rngs)
+        self.inter = inter
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if is_fused_kernel(self.up_proj):            # gate_up_proj (params.fuse_projections)
+            gate, up = split_fused(self.gate_proj(x), (self.inter,) * 2)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Attention(nnx.Module):
@@ -79,10 +84,15 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache,
                  md: CommonAttentionMetadata) -> tuple[jax.Array, KVCache]:
-        t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        t, hd = x.shape[0], self.head_dim
+        if is_fused_kernel(self.k_proj):             # qkv_proj (params.fuse_projections)
+            q, k, v = split_fused(self.q_proj(x), (self.num_heads * hd, self.num_kv_heads * hd,
+                                                   self.num_kv_heads * hd))
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, hd)
+        k = k.reshape(t, self.num_kv_heads, hd)
+        v = v.reshape(t, self.num_kv_heads, hd)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models import params as mp
 from specjax.models.config import DECODER_KINDS, KINDS, ModelConfig
 from specjax.models.hf_config import _PRESENCE, config_from_hf, config_to_dict
 from specjax.models.tensors import Entry, layer_entries  # noqa: F401 - re-exported
@@ -216,11 +217,14 @@ def tensors_from_params(kind: str, config: ModelConfig, params: Mapping) -> dict
     Which tensors are emitted (the rule): exactly the entries :func:`abstract_params`
     expects, i.e. every required tensor plus each optional one whose ``has_*`` flag is True
     (None counts as absent). Tensors a checkpoint has but specjax never keeps (a tied
-    decoder's ``lm_head.weight``, an EAGLE-1 ``embed_tokens.weight``) are not emitted. A
+    decoder's ``lm_head.weight``, an EAGLE-1 ``embed_tokens.weight``) are not emitted. Fused
+    projections (``specjax.models.fuse_projections``) are exported as their parts. A
     top-level ``embed_tokens`` / ``lm_head`` entry that the head does not own by this rule
     (the target's arrays added by ``share_target_weights``) is skipped, not exported. Any
     other missing, unexpected, mis-shaped or mis-typed leaf raises ValueError naming it.
     """
+    if mp.is_fused(params):            # fuse_projections' layout: the checkpoint's again
+        params = mp.unfuse_projections(dict(params), config)
     table = tensor_table(kind, config)
     owned = [x for x in table if _included(x, config)]
     owned_roots = {x.path[0] for x in owned}
@@ -322,8 +326,9 @@ def check_params(kind: str, config: ModelConfig, params: Any, *, name: str = "pa
     absent (the target's are shared) or present though the config does not own them."""
     if not isinstance(params, Mapping):
         raise TypeError(f"{name} must be a params dict, got {type(params).__name__}")
-    want = _leaf_paths(abstract_params(kind, config,
-                                       mask_hidden=MASK_HIDDEN in params and kind in MASK_HIDDEN_KINDS))
+    abstract = abstract_params(kind, config,
+                               mask_hidden=MASK_HIDDEN in params and kind in MASK_HIDDEN_KINDS)
+    want = _leaf_paths(mp.fuse_projections(abstract) if mp.is_fused(params) else abstract)
     got = _leaf_paths(params)
     skip = lambda p: bool(p) and p[0] in _SHARED and (shared_ok or kind not in DECODER_KINDS)  # noqa: E731
     missing = sorted(_dotted(p) for p in want if p not in got and not skip(p))

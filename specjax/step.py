@@ -420,8 +420,9 @@ class Step:
     Attributes:
       target: the ``DecoderLM`` the step runs (rebuilt with the proposer's
         ``feed.aux_layer_ids`` when it needs aux hidden states).
-      proposer: the proposer (on ``mesh``, a placed copy: pass ``step.proposer.params`` as
-        ``draft_params``), or None for plain decoding.
+      proposer: the proposer (on ``mesh``, a placed copy; on one device a copy with fused
+        projections unless ``fuse_projections=False``: pass ``step.draft_params``), or None
+        for plain decoding.
       feed: ``proposer.feed`` (None for plain decoding).
       k: draft columns (``feed.num_speculative_tokens``; 0 for plain decoding).
       tree: the token tree a tree batch is verified on (the proposer's, when it drafts
@@ -433,10 +434,14 @@ class Step:
 
     def __init__(self, target, proposer: Proposer | None, *, mesh: Any = None,
                  tp_axis: str = "tp", tree_verification: bool | None = None,
-                 logits_processors: tuple = (), logprobs_mode: str = "raw_logprobs") -> None:
+                 logits_processors: tuple = (), logprobs_mode: str = "raw_logprobs",
+                 fuse_projections: bool = True) -> None:
+        from specjax.checks import check_type
         from specjax.models import DecoderLM
 
         check_logprobs_mode(logprobs_mode)
+        check_type("fuse_projections", fuse_projections, bool, "True or False")
+        self.fuse_projections = fuse_projections
 
         if not isinstance(target, DecoderLM):
             raise ValueError(f"target must be a specjax.models.DecoderLM, got {type(target).__name__}")
@@ -463,6 +468,8 @@ class Step:
                                  f"{mesh.axis_names})")
             if proposer is not None:
                 proposer = proposer.on_mesh(mesh, tp_axis)
+        elif fuse_projections and getattr(proposer, "params", None) is not None:
+            proposer = _with_fused_params(proposer)
         self.target, self.proposer, self.feed = target, proposer, feed
         self.k = 0 if feed is None else feed.num_speculative_tokens
         self.vocab_size = vocab
@@ -482,9 +489,16 @@ class Step:
 
     def place_target_params(self, params):
         """``params`` placed for this step: sharded by ``specjax.sharding``'s Megatron rules
-        over ``tp_axis`` on a mesh (indivisible sizes raise ValueError naming them); as given
-        on one device."""
+        over ``tp_axis`` on a mesh (indivisible sizes raise ValueError naming them); on one
+        device, with q/k/v and gate/up fused into one GEMM each
+        (``specjax.models.fuse_projections``: a new array per group unless ``params`` is
+        fused already, the rest as given) unless the step was made with
+        ``fuse_projections=False``."""
         if self.mesh is None:
+            if self.fuse_projections:
+                from specjax.models import fuse_projections
+
+                return fuse_projections(params)
             return params
         from specjax import sharding as sh
 
@@ -581,7 +595,7 @@ class Step:
 
 def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: str = "tp",
               tree_verification: bool | None = None, logits_processors: tuple = (),
-              logprobs_mode: str = "raw_logprobs") -> Step:
+              logprobs_mode: str = "raw_logprobs", fuse_projections: bool = True) -> Step:
     """The fused speculative step of ``target`` (a ``specjax.models.DecoderLM``) with
     ``proposer`` (``specjax.make_proposer``; None for plain decoding).
 
@@ -594,7 +608,9 @@ def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: s
     (token_ids [T, L], num_tokens [T], position [T])) -> [T, V]`` (see
     ``specjax.logits_processors``; docs/sampling.md has an example).
     ``logprobs_mode``: vLLM's ``LogprobsMode`` of ``StepOutput.logprobs`` (batches with
-    ``num_logprobs`` set; ``specjax.logprobs``).
+    ``num_logprobs`` set; ``specjax.logprobs``). ``fuse_projections``: whether
+    ``step.place_target_params`` fuses q/k/v and gate/up on one device, and the step the
+    proposer's (default True: the fast path; the step runs either layout).
     Raises ValueError (vocabulary mismatch, a tree of the wrong size, synthetic acceptance
     with trees, ...) before anything compiles.
     """
@@ -602,7 +618,23 @@ def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: s
 
     check_type("tp_axis", tp_axis, str, "a mesh axis name (str)")
     return Step(target, proposer, mesh=mesh, tp_axis=tp_axis, tree_verification=tree_verification,
-                logits_processors=logits_processors, logprobs_mode=logprobs_mode)
+                logits_processors=logits_processors, logprobs_mode=logprobs_mode,
+                fuse_projections=fuse_projections)
+
+
+def _with_fused_params(proposer):
+    """``proposer``, or a copy whose params have q/k/v and gate/up fused (a drafting
+    model's layers: EAGLE, EAGLE-3, DFlash, the draft model) when fusing changes them."""
+    import copy
+
+    from specjax.models import fuse_projections
+
+    fused = fuse_projections(proposer.params)
+    if fused is proposer.params:
+        return proposer
+    out = copy.copy(proposer)
+    out.params = fused
+    return out
 
 
 def _check_processors(procs) -> tuple:

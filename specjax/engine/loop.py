@@ -121,6 +121,11 @@ class Engine(DeviceLoop, Diagnostics):
         loop does not run (host n-gram, suffix, the non-padded drafter batch: their next
         drafts are computed on the host from the step's tokens, so nothing of the next
         step can be dispatched before they arrive).
+      fuse_projections: on one device, run the target and a drafting model with q/k/v and
+        gate/up fused into one GEMM each (default True; ``specjax.models.fuse_projections``;
+        0.14-0.46 ms per 8B-shaped step on the H200). Unless the params are fused already,
+        the engine holds its own fused copy of those weights: fuse them first and drop the
+        original to hold one copy. False: the params as given.
     """
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
@@ -132,7 +137,8 @@ class Engine(DeviceLoop, Diagnostics):
                  mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
                  loop_early_exit: bool | None = None, logits_processors: tuple = (),
                  processor_limits: ProcessorLimits | None = None,
-                 logprobs_mode: str = "raw_logprobs", overlap: bool | None = None) -> None:
+                 logprobs_mode: str = "raw_logprobs", overlap: bool | None = None,
+                 fuse_projections: bool = True) -> None:
         from specjax.models import DecoderLM
 
         check_logprobs_mode(logprobs_mode)
@@ -164,7 +170,8 @@ class Engine(DeviceLoop, Diagnostics):
         self.processor_limits = check_limits(processor_limits)
         self.step = make_step(target.model, proposer, mesh=mesh, tp_axis=tp_axis,
                               tree_verification=tree_verification,
-                              logits_processors=logits_processors, logprobs_mode=logprobs_mode)
+                              logits_processors=logits_processors, logprobs_mode=logprobs_mode,
+                              fuse_projections=fuse_projections)
         self.feed = feed
         self.proposer = self.step.proposer
         self.k = self.step.k
@@ -586,7 +593,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              loop_early_exit: bool | None = None, logits_processors: tuple = (),
              processor_limits: ProcessorLimits | None = None,
              logprobs_mode: str = "raw_logprobs", overlap: bool | None = None,
-             kv_dtype=jnp.float32) -> GenerateResult:
+             kv_dtype=jnp.float32, fuse_projections: bool = True) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
@@ -625,6 +632,6 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
                     mesh=mesh, tp_axis=tp_axis, steps_per_sync=steps_per_sync,
                     loop_early_exit=loop_early_exit, logits_processors=logits_processors,
                     processor_limits=processor_limits, logprobs_mode=logprobs_mode,
-                    overlap=overlap, kv_dtype=kv_dtype)
+                    overlap=overlap, kv_dtype=kv_dtype, fuse_projections=fuse_projections)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
                            stat_loggers=stat_loggers, progress=progress)

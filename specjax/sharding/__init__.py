@@ -154,6 +154,11 @@ class _Rules:
                              "'bias' or 'embedding')")
         if top in ("fc", "blocks") or (parent in _NORMS and last == "weight"):
             return P()
+        if parent in ("qkv_proj", "gate_up_proj"):
+            raise ValueError(f"params entry {name!r} is a fused projection "
+                             "(specjax.models.fuse_projections), which the tensor-parallel rules "
+                             "do not split (they shard q, k and v by head); pass the checkpoint "
+                             "layout: specjax.models.unfuse_projections(params, config)")
         if parent in ("q_proj", "k_proj", "v_proj", "o_proj") and last in ("kernel", "bias"):
             if not self.kv_sharded:
                 # Fewer kv heads than shards: the whole attention block stays replicated.

@@ -25,7 +25,7 @@ from specjax.models import (
     share_target_weights,
     write_kv,
 )
-from specjax.models.params import merge
+from specjax.models.params import fuse_projections, is_fused, merge, unfuse_projections
 from specjax.models.config import ModelConfig
 
 BS = 4            # block size
@@ -183,9 +183,14 @@ def run_chunks(step, seqs, chunks, table, causal=True, extra=None):
     return got
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["hf_layout", "fused"])
 @pytest.mark.parametrize("name", list(DECODER_CASES))
-def test_decoder_matches_oracle_through_cache(name):
+def test_decoder_matches_oracle_through_cache(name, fused):
     cfg, tensors, params, model = decoder_setup(name)
+    if fused:           # q/k/v and gate/up as one GEMM each: the same forward
+        params = fuse_projections(params)
+        assert "qkv_proj" in params["layers"][0]["self_attn"]
+        assert "gate_up_proj" in params["layers"][0]["mlp"]
     fwd = jitted(model.forward)
     logits_fn = jitted(model.compute_logits)
     rng = np.random.default_rng(5)
@@ -247,13 +252,17 @@ def target_weights(cfg_head, seed=11, tied=False):
     return target, emb.astype(np.float64), (emb if tied else head).astype(np.float64)
 
 
-def test_eagle_matches_oracle():
+@pytest.mark.parametrize("fused", [False, True], ids=["hf_layout", "fused"])
+def test_eagle_matches_oracle(fused):
     cfg = cfg_of("eagle", **GEO, num_hidden_layers=2, vocab_size=80, bias=True, rope_theta=10000.0)
     tensors = registry.random_tensors("eagle", cfg, seed=4)
     target, emb, head = target_weights(cfg)
     own = registry.params_from_tensors("eagle", cfg, tensors)
     assert "embed_tokens" not in own        # no own embedding: the target's is shared
     params = share_target_weights(own, target, kind="eagle")
+    if fused:           # layer 0 without its input norm
+        params = fuse_projections(params)
+        assert "qkv_proj" in params["layers"][0]["self_attn"]
     model = registry.make_model("eagle", cfg)
     fwd, logits_fn = jitted(model.forward), jitted(model.compute_logits)
     rng = np.random.default_rng(7)
@@ -291,12 +300,16 @@ EAGLE3_CASES = {
 }
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["hf_layout", "fused"])
 @pytest.mark.parametrize("name", list(EAGLE3_CASES))
-def test_eagle3_matches_oracle(name):
+def test_eagle3_matches_oracle(name, fused):
     cfg = cfg_of("eagle3", **{**GEO, **EAGLE3_CASES[name]})
     tensors = registry.random_tensors("eagle3", cfg, seed=8)
     target, emb, _ = target_weights(cfg)
     params = share_target_weights(registry.params_from_tensors("eagle3", cfg, tensors), target)
+    if fused:           # the head's layer reads [embeds | hidden]: q/k/v fused at 2H wide
+        params = fuse_projections(params)
+        assert is_fused(params)
     assert params["embed_tokens"] is target["embed_tokens"]
     model = registry.make_model("eagle3", cfg)
     fwd, combine = jitted(model.forward), jitted(model.combine_hidden_states)
@@ -335,7 +348,8 @@ def test_eagle3_matches_oracle(name):
             assert_close(full, dl)
 
 
-def test_dflash_matches_oracle_over_two_steps():
+@pytest.mark.parametrize("fused", [False, True], ids=["hf_layout", "fused"])
+def test_dflash_matches_oracle_over_two_steps(fused):
     B = 4
     cfg = cfg_of("dflash", **{**GEO, "rms_norm_eps": 1e-6}, num_hidden_layers=2, vocab_size=72, target_hidden_size=24,
                  block_size=B, rope_theta=1e6,
@@ -344,6 +358,9 @@ def test_dflash_matches_oracle_over_two_steps():
     tensors = registry.random_tensors("dflash", cfg, seed=10)
     target, emb, head = target_weights(cfg, tied=True)
     params = share_target_weights(registry.params_from_tensors("dflash", cfg, tensors), target)
+    if fused:           # the context K/V read the fused matrix's k and v columns
+        params = fuse_projections(params)
+        assert "qkv_proj" in params["layers"][0]["self_attn"]
     model = registry.make_model("dflash", cfg)
     combine = jitted(model.combine_hidden_states)
     store = jitted(model.precompute_and_store_context_kv)
