@@ -75,9 +75,9 @@ def fuse_projections(params: Any) -> Any:
     and every ``gate_proj`` / ``up_proj`` pair as one ``gate_up_proj`` (kernels and biases
     concatenated along the output axis; every other entry the same object).
 
-    The same forward, one GEMM per group: on the H200 the 8B-shaped target's q/k/v and
-    gate/up GEMMs cost 0.14-0.46 ms less per step fused (benchmarks/RESULTS.md, thirteenth
-    session). Already fused params are returned as they are. NumPy leaves stay NumPy (fuse on
+    The same forward, one GEMM per group: on the H200 the 8B-shaped loop ran 0.07-0.56 ms
+    faster per iteration fused (the k and v GEMMs alone reached 29-38% of the bandwidth
+    floor; benchmarks/RESULTS.md, thirteenth session). Already fused params are returned as they are. NumPy leaves stay NumPy (fuse on
     the host before placing to avoid holding both layouts on the device). The fused layout
     is for inference on one device: ``specjax.sharding`` refuses it (its Megatron rules split
     q, k and v by head); :func:`unfuse_projections` restores the checkpoint layout."""
