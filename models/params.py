@@ -77,8 +77,9 @@ def fuse_projections(params: Any) -> Any:
 
     The same forward, one GEMM per group: on the H200 the 8B-shaped loop ran 0.07-0.56 ms
     faster per iteration fused (the k and v GEMMs alone reached 29-38% of the bandwidth
-    floor; benchmarks/RESULTS.md, thirteenth session). Already fused params are returned as they are. NumPy leaves stay NumPy (fuse on
-    the host before placing to avoid holding both layouts on the device). The fused layout
+    floor; benchmarks/RESULTS.md, thirteenth session). Already fused params are returned as
+    they are. NumPy leaves stay NumPy (fuse on the host before placing to avoid holding both
+    layouts on the device). The fused layout
     is for inference on one device: ``specjax.sharding`` refuses it (its Megatron rules split
     q, k and v by head); :func:`unfuse_projections` restores the checkpoint layout."""
     if not isinstance(params, dict):
@@ -121,7 +122,7 @@ def unfuse_projections(params: Any, config) -> Any:
             raise ValueError(f"{fused} has {n} output columns; this config's {'/'.join(parts)} "
                              f"need {' + '.join(map(str, widths[fused]))}")
         for name, arr in group.items():
-            for p, part in zip(parts, _split(arr, widths[fused])):
+            for p, part in zip(parts, split_fused(arr, widths[fused])):
                 out.setdefault(p, {})[name] = part
     return out
 
@@ -133,11 +134,6 @@ def is_fused(params: Any) -> bool:
     return any(k in FUSED_GROUPS for k in params) or any(is_fused(v) for v in params.values())
 
 
-def split_fused(y: jax.Array, widths: tuple[int, ...]) -> list[jax.Array]:
-    """The fused projection's output ``[..., sum(widths)]`` as its parts, in order."""
-    return _split(y, widths)
-
-
 def _concat(arrays):
     if all(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):     # abstract params
         return jax.ShapeDtypeStruct(arrays[0].shape[:-1] + (sum(a.shape[-1] for a in arrays),),
@@ -146,7 +142,9 @@ def _concat(arrays):
     return xp.concatenate(arrays, axis=-1)
 
 
-def _split(y, widths):
+def split_fused(y, widths: tuple[int, ...]) -> list:
+    """A fused projection's output (or its kernel / bias) ``[..., sum(widths)]`` as its
+    parts, in order (NumPy stays NumPy)."""
     bounds = np.cumsum(widths)[:-1].tolist()
     xp = np if isinstance(y, np.ndarray) else jnp
     return xp.split(y, bounds, axis=-1)
