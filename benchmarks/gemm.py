@@ -11,6 +11,7 @@ Usage (H200)::
 
     python benchmarks/gemm.py --ms 1,2,8 --json /tmp/gemm.json
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/gemm.py   # cuBLAS only
+    python benchmarks/gemm.py --shapes 8b --ms 4,32,128                      # the target's verify
     python benchmarks/gemm.py --quick                                        # CPU smoke run
 """
 
@@ -44,6 +45,12 @@ SHAPES = [
     ("1b gate|up", 2048, 8192),
     ("1b gate_up merged", 2048, 16384),
     ("1b down", 8192, 2048),
+    # the Llama-3.1-8B-shaped target's projections (fused: models.fuse_projections), whose
+    # verify runs them at M = B * (k + 1) rows
+    ("8b qkv merged", 4096, 6144),
+    ("8b o", 4096, 4096),
+    ("8b gate_up merged", 4096, 28672),
+    ("8b down", 14336, 4096),
 ]
 
 
@@ -79,10 +86,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,2,8")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default=None,
+                    help="only the shapes whose name starts with this (e.g. '8b', 'eagle3')")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    shapes = [(n, k // 32, nn // 32) for n, k, nn in SHAPES[:3]] if args.quick else SHAPES
+    shapes = [s for s in SHAPES if args.shapes is None or s[0].startswith(args.shapes)]
+    if args.quick:
+        shapes = [(n, k // 32, nn // 32) for n, k, nn in shapes[:3]]
     min_bytes = 2 ** 16 if args.quick else 4 * L2_BYTES
     print(f"# jax {jax.__version__}, {jax.devices()[0].device_kind}; XLA_FLAGS="
           f"{os.environ.get('XLA_FLAGS', '')!r}")

@@ -87,7 +87,8 @@ FUSED_KV_WRITE_MODES = ("auto", "0", "1")
 #: :func:`~specjax.kernels.paged_attention.limits.fused_write_pays` says so -- the kernel
 #: splits each request's context over several programs (small batches). On the H200 the
 #: fused write took 1-5% off the B = 1 / 8 propose and cost 4-16% at B = 64
-#: (benchmarks/RESULTS.md, "The cache write inside the attention kernel").
+#: (benchmarks/RESULTS.md, "The cache write inside the attention kernel"); at B = 32 the
+#: kernel alone, split in two, beat it (fourteenth session).
 FUSED_KV_WRITE = os.environ.get("SPECJAX_FUSED_KV_WRITE", "auto")
 if FUSED_KV_WRITE not in FUSED_KV_WRITE_MODES:
     raise ValueError(f"SPECJAX_FUSED_KV_WRITE must be one of {FUSED_KV_WRITE_MODES}, "

@@ -21,6 +21,16 @@ DEFAULT_BLOCK_K = 64
 MAX_SPLITS = 16
 #: Streaming multiprocessors assumed when the device does not say (H200: 132).
 DEFAULT_NUM_SMS = 132
+#: Programs per SM the default context split aims for, attention alone. One program per SM
+#: left the H200 latency-bound: 32 layers of the 8B-shaped verify attention (B = 32, 4
+#: queries, 1k context) took 1.446 ms with 256 programs and 1.326 ms with 512 (two
+#: splits); B = 16, 0.908 -> 0.796 ms with four splits; B = 8, 0.574 -> 0.545 with eight;
+#: B = 64 (512 programs unsplit) was fastest unsplit. The kernel with the K/V write fused
+#: keeps one program per SM (``FUSED_WRITE_PROGRAMS_PER_SM``): with two, the B = 32 EAGLE-3
+#: loop took 8.05 ms per iteration against 7.86 with the write unfused, and B = 8 lost
+#: ~0.12 ms (benchmarks/RESULTS.md, fourteenth session).
+PROGRAMS_PER_SM = 3
+FUSED_WRITE_PROGRAMS_PER_SM = 1
 
 
 def pow2_at_least(n: int, lo: int = 1) -> int:
@@ -67,12 +77,15 @@ def _num_sms() -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int,
-                       num_sms: int | None = None) -> int:
+                       num_sms: int | None = None, *, fused_write: bool = False) -> int:
     """Context splits per request: the smallest power of two that gives every SM of the GPU
-    a program (``batch * num_kv_heads * splits >= num_sms``), at most ``MAX_SPLITS`` and at
-    most half the tiles of a full-width request (at least two tiles a split at capacity).
+    ``PROGRAMS_PER_SM`` programs (``FUSED_WRITE_PROGRAMS_PER_SM`` for the kernel that also
+    writes the step's K/V: ``fused_write``), i.e. ``batch * num_kv_heads * splits >=
+    programs_per_sm * num_sms``, at most ``MAX_SPLITS`` and at most half the tiles of a
+    full-width request (at least two tiles a split at capacity).
     """
-    target = num_sms or _num_sms()
+    per_sm = FUSED_WRITE_PROGRAMS_PER_SM if fused_write else PROGRAMS_PER_SM
+    target = per_sm * (num_sms or _num_sms())
     cap = max(1, min(MAX_SPLITS, max_tiles // 2))
     s = 1
     while batch * num_kv_heads * s < target and s * 2 <= cap:
@@ -85,18 +98,20 @@ def fused_write_pays(num_requests: int, num_kv_heads: int, context: int, *,
     """Whether :func:`paged_attention_write` should replace the two scatters and
     :func:`paged_attention` (``SPECJAX_FUSED_KV_WRITE=auto``): when
     :func:`default_num_splits` splits each request's context (``context`` keys of block
-    table, ``num_requests`` rows) over several programs. Each program then walks few tiles,
+    table, ``num_requests`` rows) over several programs of the fused kernel. Each program then walks few tiles,
     and the scatter kernels saved outweigh the kernel's extra work; with one split per
     request (B = 64 of an 8-kv-head model on the H200) the fused kernel measured 4-16%
     slower (benchmarks/RESULTS.md)."""
     return default_num_splits(max(int(num_requests), 1), num_kv_heads,
-                              cdiv(int(context), block_k or DEFAULT_BLOCK_K), num_sms) > 1
+                              cdiv(int(context), block_k or DEFAULT_BLOCK_K), num_sms,
+                              fused_write=True) > 1
 
 
 def kernel_config(who: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
                   block_size: int, max_blocks: int, batch: int, max_query_len: int, tree_mask,
                   dtype, block_k: int | None, num_splits: int | None,
-                  num_warps: int | None) -> tuple[int, int, int, int, int]:
+                  num_warps: int | None, fused_write: bool = False
+                  ) -> tuple[int, int, int, int, int]:
     """The static configuration shared by this kernel and its Triton twin
     (``triton.py``): ``(group, rows, block_k, num_splits,
     num_warps)`` with the defaults filled in; ValueError (naming ``who``'s kernel and the
@@ -113,7 +128,8 @@ def kernel_config(who: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     if num_splits is None:
         num_splits = default_num_splits(max(batch, 1), num_kv_heads,
-                                        cdiv(max_blocks * block_size, block_k))
+                                        cdiv(max_blocks * block_size, block_k),
+                                        fused_write=fused_write)
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     if num_warps is None:

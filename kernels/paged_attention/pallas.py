@@ -331,7 +331,8 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
     group, rows, block_k, num_splits, num_warps = kernel_config(
         "pallas", num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=bs,
         max_blocks=max_blocks, batch=b_pad, max_query_len=max_query_len, tree_mask=tree_mask,
-        dtype=q.dtype, block_k=block_k, num_splits=num_splits, num_warps=num_warps)
+        dtype=q.dtype, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+        fused_write=write)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if b_pad == 0 or t_pad == 0:

@@ -376,7 +376,13 @@ def test_empty_batch_and_all_padding():
 
 def test_default_num_splits():
     assert pk.default_num_splits(64, 8, 32, num_sms=132) == 1
-    assert pk.default_num_splits(8, 8, 32, num_sms=132) == 4
+    assert pk.default_num_splits(8, 8, 32, num_sms=132) == 8      # >= 3 programs per SM
+    assert pk.default_num_splits(32, 8, 32, num_sms=132) == 2
+    assert pk.default_num_splits(48, 8, 32, num_sms=132) == 2
+    # the kernel that also writes the K/V: >= 1 program per SM
+    assert pk.default_num_splits(8, 8, 32, num_sms=132, fused_write=True) == 4
+    assert pk.default_num_splits(32, 8, 32, num_sms=132, fused_write=True) == 1
+    assert pk.default_num_splits(1, 8, 32, num_sms=132, fused_write=True) == 16
     assert pk.default_num_splits(1, 8, 32, num_sms=132) == 16
     assert pk.default_num_splits(1, 8, 4, num_sms=132) == 2     # at least two tiles a split
     assert pk.default_num_splits(1, 8, 1, num_sms=132) == 1
@@ -385,9 +391,10 @@ def test_default_num_splits():
     assert pk.fused_write_pays(1, 8, 2048, num_sms=132)
     assert pk.fused_write_pays(8, 8, 2048, num_sms=132)
     assert not pk.fused_write_pays(64, 8, 2048, num_sms=132)
+    assert not pk.fused_write_pays(32, 8, 2048, num_sms=132)      # measured: unfused faster
     assert not pk.fused_write_pays(1, 8, 64, num_sms=132)          # one tile: one split
     assert pk.fused_write_pays(16, 8, 2048, num_sms=132) == (
-        pk.default_num_splits(16, 8, 32, num_sms=132) > 1)
+        pk.default_num_splits(16, 8, 32, num_sms=132, fused_write=True) > 1)
 
 
 def test_unsupported_shapes():
@@ -660,7 +667,9 @@ def test_gpu_kernel_matches_reference(b, qlen, mask, dtype, backend):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_fused_write_equals_unfused(b, qlen, mask, dtype):
     """The compiled fused-write kernel == scatter then the compiled kernel, bit for bit
-    (caches and outputs), with unwritten (-1) slots among the requests' tokens."""
+    (caches and outputs), with unwritten (-1) slots among the requests' tokens. Both run
+    the fused kernel's default context split (the kernel alone defaults to more splits,
+    which sums the context in another order)."""
     if mask == "tree" and qlen == 1:
         pytest.skip("a one-node tree is the causal case")
     tree = random_tree(np.random.default_rng(b), qlen) if mask == "tree" else None
@@ -672,8 +681,11 @@ def test_gpu_fused_write_equals_unfused(b, qlen, mask, dtype):
     nkv = cache.k.shape[2]
     kv = jax.random.normal(jax.random.key(b), (q.shape[0], 2 * nkv, q.shape[2])).astype(q.dtype)
     scale = 128 ** -0.5
+    splits = pk.default_num_splits(md.query_start_loc.shape[0] - 1, nkv,
+                                   md.block_table.shape[1] * cache.k.shape[1] // 64,
+                                   fused_write=True)
     kw = dict(scale=scale, max_query_len=md.max_query_len, causal=md.causal,
-              tree_mask=md.tree_mask)
+              tree_mask=md.tree_mask, num_splits=splits)
 
     @jax.jit
     def unfused(q, kv, c, m):
