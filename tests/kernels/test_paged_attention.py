@@ -485,7 +485,10 @@ def test_kernel_config_defaults_and_errors():
     # B = 1: 1024 keys = 16 tiles of 64, 8 kv heads -> 8 splits (capped at half the tiles)
     assert pk.kernel_config("pallas", batch=1, **kw) == (4, 16, 64, 8, 4)
     assert pk.kernel_config("pallas", batch=64, **kw) == (4, 16, 64, 1, 4)
-    assert pk.kernel_config("triton", batch=8, **dict(kw, max_query_len=16))[1:] == (64, 64, 4, 8)
+    # B = 8: three programs per SM want eight splits (the cap here); the fused write, four
+    assert pk.kernel_config("triton", batch=8, **dict(kw, max_query_len=16))[1:] == (64, 64, 8, 8)
+    assert pk.kernel_config("pallas", batch=8, fused_write=True,
+                            **dict(kw, max_query_len=16))[1:] == (64, 64, 4, 8)
     for bad, match in ((dict(block_k=24), "block_k=24 must be a power of two >= 16"),
                        (dict(block_k=8), "block_k=8 must be a power of two >= 16"),
                        (dict(num_splits=0), "num_splits=0 must be >= 1"),
