@@ -98,10 +98,10 @@ def fused_write_pays(num_requests: int, num_kv_heads: int, context: int, *,
     """Whether :func:`paged_attention_write` should replace the two scatters and
     :func:`paged_attention` (``SPECJAX_FUSED_KV_WRITE=auto``): when
     :func:`default_num_splits` splits each request's context (``context`` keys of block
-    table, ``num_requests`` rows) over several programs of the fused kernel. Each program then walks few tiles,
-    and the scatter kernels saved outweigh the kernel's extra work; with one split per
-    request (B = 64 of an 8-kv-head model on the H200) the fused kernel measured 4-16%
-    slower (benchmarks/RESULTS.md)."""
+    table, ``num_requests`` rows) over several programs of the fused kernel. Each program
+    then walks few tiles, and the scatter kernels saved outweigh the kernel's extra work;
+    with one split per request (B = 64 of an 8-kv-head model on the H200) the fused kernel
+    measured 4-16% slower (benchmarks/RESULTS.md)."""
     return default_num_splits(max(int(num_requests), 1), num_kv_heads,
                               cdiv(int(context), block_k or DEFAULT_BLOCK_K), num_sms,
                               fused_write=True) > 1
