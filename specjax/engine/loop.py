@@ -114,8 +114,8 @@ class Engine(DeviceLoop, Diagnostics):
         from the previous call's device-resident state before the host commits that call,
         so the host's commit, block allocation and the next call's launch run while the
         device computes. None (default): on where the device loop runs this proposer,
-        except per-step (``steps_per_sync=1``) on a CPU target, where the loop's while form
-        gains nothing from it. Measured on the H200 (8B-shaped target): N = 8, the plain loop
+        except per-step (``steps_per_sync=1``) where it runs only the while form (a CPU
+        target, or ``loop_early_exit=True``), which gains nothing from it. Measured on the H200 (8B-shaped target): N = 8, the plain loop
         5.05 -> 4.47 ms per iteration at B = 1, EAGLE-3 5.64 -> 5.09 ms (``benchmarks/loop.py
         --early-exit 0 --overlap 0,1``); per-step (``--n 1 --overlap 0,1``), plain 6.25 ->
         4.38 / 6.69 -> 4.61 ms per step at B = 1 / 8, EAGLE-3 7.40 -> 4.99 / 7.96 -> 5.65.
@@ -217,7 +217,7 @@ class Engine(DeviceLoop, Diagnostics):
             raise ValueError(f"overlap must be True, False or None (on where the device loop "
                              f"runs), got {overlap!r}")
         self.overlap = (loop_support(self.step) is None and (
-            self.steps_per_sync > 1 or not self._idle_early_exit) if overlap is None else bool(overlap))
+            self.steps_per_sync > 1 or False in self._loop_forms()) if overlap is None else bool(overlap))
         #: device-to-host round trips so far (one per step, or per device-loop call)
         self.num_syncs = 0
         #: seconds the host spent building / dispatching / committing steps (host_s) and

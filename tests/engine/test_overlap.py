@@ -119,8 +119,8 @@ def test_overlap_refused_by_name():
 def test_defaults_overlap_the_device_loop_with_the_fixed_trip_form_unless_a_request_waits(
         monkeypatch, on_cpu):
     """The defaults (overlap=None, loop_early_exit=None): overlap on where the device loop
-    runs the proposer, per-step (N = 1) too except on a CPU target, off for host proposers;
-    each device-loop call uses the
+    runs the proposer, per-step (N = 1) too unless only the while form runs there (a CPU
+    target, or loop_early_exit=True), off for host proposers; each device-loop call uses the
     fixed-trip form while no request waits and the early-exit form when one does, and on a
     CPU target the early-exit form for every call (``on_cpu``: what the engine finds the
     target's devices to be)."""
@@ -132,6 +132,8 @@ def test_defaults_overlap_the_device_loop_with_the_fixed_trip_form_unless_a_requ
     assert Engine(target(), None, **FIXED4).overlap is True
     assert Engine(target(), None, steps_per_sync=1, **FIXED4).overlap is (not on_cpu)
     assert Engine(target(), None, steps_per_sync=1, overlap=False, **FIXED4).overlap is False
+    assert Engine(target(), None, steps_per_sync=1, loop_early_exit=True, **FIXED4).overlap is False
+    assert Engine(target(), None, steps_per_sync=4, loop_early_exit=True, **FIXED4).overlap is True
     if "ngram" in METHODS:
         assert Engine(target(), build("ngram", 3), **FIXED4).overlap is False
     forms = []
