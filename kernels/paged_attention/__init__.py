@@ -58,7 +58,7 @@ Several devices: the kernels are called through ``custom_partitioning``
 
 On the ``"pallas"`` backend :func:`attend` writes the step's K/V inside the attention kernel
 instead of two scatters where that pays (small batches; ``SPECJAX_FUSED_KV_WRITE=auto|0|1``,
-see :data:`FUSED_KV_WRITE`). The KV-cache write itself is ``kv_cache.py``
+see :data:`FUSED_KV_WRITE`), elsewhere with one cache-write kernel (:data:`KV_WRITE_KERNEL`). The KV-cache write itself is ``kv_cache.py``
 (:func:`scatter_slots`).
 """
 
@@ -93,6 +93,13 @@ FUSED_KV_WRITE = os.environ.get("SPECJAX_FUSED_KV_WRITE", "auto")
 if FUSED_KV_WRITE not in FUSED_KV_WRITE_MODES:
     raise ValueError(f"SPECJAX_FUSED_KV_WRITE must be one of {FUSED_KV_WRITE_MODES}, "
                      f"got {FUSED_KV_WRITE!r}")
+#: Whether :func:`attend` on the ``"pallas"`` backend, where it does not fuse the write,
+#: stores the step's K/V with one kernel (:func:`specjax.kernels.paged_attention.pallas.write_kv`,
+#: ``"1"``, the default) or two XLA scatters (``"0"``); environment variable
+#: ``SPECJAX_KV_WRITE_KERNEL``, read at import (benchmarks/RESULTS.md, sixteenth session).
+KV_WRITE_KERNEL = os.environ.get("SPECJAX_KV_WRITE_KERNEL", "1")
+if KV_WRITE_KERNEL not in ("0", "1"):
+    raise ValueError(f"SPECJAX_KV_WRITE_KERNEL must be one of ('0', '1'), got {KV_WRITE_KERNEL!r}")
 #: ``"auto"`` picks the Pallas kernel only up to this ``max_query_len`` (decode-shaped steps).
 AUTO_MAX_QUERY_LEN = 16
 _OPTION = "specjax_attention_backend"
@@ -261,8 +268,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     :func:`~specjax.kernels.paged_attention.limits.fused_write_pays`), both happen in one
     kernel (:func:`specjax.kernels.paged_attention.pallas.paged_attention_write`: the two
     scatter kernels go away), which assumes vLLM's metadata: no request reads a slot that
-    another request's token writes in the same call. Every other backend (``"triton"``,
-    ``"xla"``) writes with two scatters, then attends.
+    another request's token writes in the same call. Otherwise the pallas backend writes
+    with one kernel (:func:`specjax.kernels.paged_attention.pallas.write_kv`, on one device
+    and rows of a power-of-two ``num_kv_heads * head_dim``; :data:`KV_WRITE_KERNEL`), then
+    attends; every other backend (``"triton"``, ``"xla"``) writes with two scatters.
 
     One token (``T == 1``): XLA rewrites the K / V projections (``[1, H] @ [H, kv * hd]``)
     as a multiply + reduce and fuses that into the consumer, the ``q|k|v`` concatenation
@@ -273,13 +282,18 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     """
     if q.shape[0] == 1:
         k, v = jax.lax.optimization_barrier((k, v))
-    if (FUSED_KV_WRITE != "0" and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype
-            and resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype,
-                                          backend) == "pallas"):
+    pallas = resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype, backend) == "pallas"
+    if (FUSED_KV_WRITE != "0" and pallas
+            and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype):
         _, bs, nkv, _ = cache.k.shape
         if FUSED_KV_WRITE == "1" or fused_write_pays(
                 md.query_start_loc.shape[0] - 1, nkv, md.block_table.shape[1] * bs):
             return _attend_fused(q, k, v, cache, md, scale)
+    if pallas and KV_WRITE_KERNEL == "1" and jax.device_count() == 1:
+        from specjax.kernels.paged_attention import pallas as _pallas
+        if _pallas.write_kv_supported(cache.k.shape, cache.k.dtype, k.dtype, v.dtype):
+            cache = KVCache(*_pallas.write_kv(cache.k, cache.v, k, v, md.slot_mapping))
+            return paged_attention(q, cache, md, scale=scale, backend=backend), cache
     cache = write_kv(cache, k, v, md.slot_mapping)
     return paged_attention(q, cache, md, scale=scale, backend=backend), cache
 

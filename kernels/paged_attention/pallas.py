@@ -24,8 +24,10 @@ Split-K (flash-decoding): with few programs (small batches), the tiles of each r
 divided among ``num_splits`` programs (by the request's actual length); each writes its
 unnormalized float32 accumulator with its running max and sum, and a second small kernel
 (grid ``(T, num_kv_heads)``, one program per token and kv head) merges the splits,
-normalizes and writes the rows back in token order (with ``num_splits == 1`` it only
-normalizes and reorders). Tokens past ``query_start_loc[-1]`` get zeros.
+normalizes and writes the rows back in token order. With ``num_splits == 1`` there is no
+merge kernel: each program normalizes its rows and stores them in token order itself (rows
+past the request's queries repeat its last query, so no store needs a mask), and the
+programs of request 0 store zeros for the tokens past ``query_start_loc[-1]``.
 
 Numerics: scores, softmax and accumulation in float32 (dots take ``q.dtype`` inputs with
 float32 accumulation, ``Precision.HIGHEST`` so float32 dots are IEEE, not TF32); the
@@ -40,6 +42,11 @@ probabilities are rounded before, not after, normalization. A query row with no 
 new K/V of head ``h``, and the tiles that can hold one of those slots take the new values
 from ``qkv`` through an exact one-hot product, since programs run in no fixed order. Opt-in
 from :func:`specjax.kernels.paged_attention.attend` (``SPECJAX_FUSED_KV_WRITE=1``).
+
+:func:`write_kv` is the unfused cache write as one kernel (both caches aliased in and out,
+each token's ``num_kv_heads * head_dim`` row stored whole) instead of two XLA scatters;
+:func:`specjax.kernels.paged_attention.attend` takes it on the ``"pallas"`` backend where the
+fused write does not pay (``SPECJAX_KV_WRITE_KERNEL=0``: the scatters).
 
 On the GPU this is a Triton-lowered ``pl.pallas_call`` (the Pallas Triton backend, which
 JAX deprecates: a warning once per compilation from JAX 0.11.2, none in 0.10.2 / 0.11.0);
@@ -99,15 +106,20 @@ def _write_new(qkv_ref, ko_ref, vo_ref, tok, slot, ok, nh: int, h, col, block_si
 def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int,
             block_k: int, block_size: int, max_blocks: int, num_blocks: int, num_splits: int,
             num_tokens: int, causal: bool, tree_bits: tuple[int, ...] | None, precision,
-            write_rows: int = 0):
+            write_rows: int = 0, direct: bool = False):
     """``refs``: ``q, k_cache, v_cache`` (inputs, whole arrays), then ``o, m, l`` (this
     program's tile). With ``write_rows`` (the fused cache write, see
     :func:`paged_attention_write`): ``slot_mapping, qkv, k_cache, v_cache`` in, then ``o, m,
-    l, k_cache_out, v_cache_out`` (aliased to the caches in), and ``q_ref`` is ``qkv``."""
+    l, k_cache_out, v_cache_out`` (aliased to the caches in), and ``q_ref`` is ``qkv``.
+    ``direct`` (one split): the single output ``out [T, num_heads, head_dim]`` (the whole
+    array) replaces ``o, m, l``: rows normalized and stored in token order, no merge kernel."""
+    n_out = 1 if direct else 3
     if write_rows:
-        sm_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, ko_ref, vo_ref = refs
+        sm_ref, q_ref, k_ref, v_ref = refs[:4]
+        outs, (ko_ref, vo_ref) = refs[4:4 + n_out], refs[4 + n_out:]
     else:
-        q_ref, k_ref, v_ref, o_ref, m_ref, l_ref = refs
+        q_ref, k_ref, v_ref = refs[:3]
+        outs = refs[3:]
     r = pl.program_id(0)
     h = pl.program_id(1)
     s = pl.program_id(2)
@@ -116,7 +128,9 @@ def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int
     seq = seq_ref[r]
 
     m_idx = jnp.arange(rows, dtype=jnp.int32)
-    qi = lax.div(m_idx, jnp.int32(group))                     # query index in the request
+    # query index in the request; the rows past the request's queries repeat its last query
+    # (same values, same stores: no store needs a mask, so none races in interpret mode)
+    qi = jnp.minimum(lax.div(m_idx, jnp.int32(group)), jnp.maximum(qlen - 1, 0))
     row_ok = qi < qlen
     tok = jnp.minimum(start + qi, num_tokens - 1)
     head = h * group + lax.rem(m_idx, jnp.int32(group))
@@ -232,9 +246,34 @@ def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int
         acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, overlay_new=True), init)
     else:
         acc, m, l = lax.fori_loop(lo, hi, body, init)
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    if not direct:
+        o_ref, m_ref, l_ref = outs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+        return
+    (out_ref,) = outs
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
+
+    def store():
+        pltr.store(out_ref.at[tok[:, None], head[:, None], col], out)
+
+    lax.cond(qlen > 0, store, lambda: None)
+    # zeros for the tokens past every request (query_start_loc[-1] .. num_tokens), from the
+    # programs of request 0: ``rows // group`` tokens a chunk, the rows past them repeating
+    # its last token (the same zeros)
+    per_chunk = max(rows // group, 1)
+    tail = qsl_ref[qsl_ref.shape[0] - 1]
+    n_tail = jnp.where(r == 0, cdiv(num_tokens - tail, per_chunk), 0)
+    zeros = jnp.zeros((rows, hd), out_ref.dtype)
+    zi = jnp.minimum(lax.div(m_idx, jnp.int32(group)), per_chunk - 1)
+
+    def zero_tail(c, carry):
+        ztok = jnp.minimum(tail + c * per_chunk + zi, num_tokens - 1)
+        pltr.store(out_ref.at[ztok[:, None], head[:, None], col], zeros)
+        return carry
+
+    lax.fori_loop(0, n_tail, zero_tail, 0)
 
 
 _STATIC = ("scale", "max_query_len", "causal", "tree_mask", "block_k", "num_splits", "num_warps",
@@ -352,16 +391,24 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
         precision=lax.Precision.HIGHEST,
         write_rows=pow2_at_least(max(int(max_query_len), 1), 16) if write else 0)
     grid = (b_pad, nkv, num_splits)
-    out_specs = [
-        pl.BlockSpec((None, None, None, rows, hd), lambda r, h, s: (r, h, s, 0, 0)),
-        pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
-        pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows, hd), jnp.float32),
-        jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
-        jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
-    ]
+    # one split: the kernel normalizes and stores rows in token order itself (no merge)
+    direct = num_splits == 1
+    kernel = functools.partial(kernel, direct=direct)
+    if direct:
+        out_specs = [pl.no_block_spec]
+        out_shape = [jax.ShapeDtypeStruct((t_pad, nh, hd), q.dtype)]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, hd), lambda r, h, s: (r, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda r, h, s: (r, h, s, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows, hd), jnp.float32),
+            jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b_pad, nkv, num_splits, rows), jnp.float32),
+        ]
+    n_out = len(out_shape)
     ints = [query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
             block_table.astype(jnp.int32)]
     if write:
@@ -369,7 +416,7 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
         out_specs += [pl.no_block_spec, pl.no_block_spec]
         out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
-        aliases = {5: 3, 6: 4}
+        aliases = {5: n_out, 6: n_out + 1}
     else:
         args, aliases = ints + [q_in, k_cache, v_cache], {}
     outs = pl.pallas_call(
@@ -382,9 +429,10 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
         interpret=interpret,
         name=f"paged_attention{'_write' if write else ''}_r{rows}_k{block_k}_s{num_splits}",
     )(*args)
+    caches = (outs[n_out], outs[n_out + 1]) if write else (k_cache, v_cache)
+    if direct:
+        return outs[0], caches
     o, m, l = outs[:3]
-    caches = (outs[3], outs[4]) if write else (k_cache, v_cache)
-
     # merge the splits (flash-decoding), normalize, rows -> token order: one small kernel
     out = _merge(query_start_loc.astype(jnp.int32), o, m, l, t_pad=t_pad, num_heads=nh,
                  max_query_len=max(int(max_query_len), 1), out_dtype=q.dtype,
@@ -453,3 +501,84 @@ def _merge(qsl: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, *, t_pad: i
     )(qsl, o, m, l)
     # a power-of-two group (every usual model): the slice is a no-op and the reshape free
     return out[:, :, :group].reshape(t_pad, num_heads, hd)
+
+
+def _write_kv_kernel(slot_ref, k_ref, v_ref, kc_in, vc_in, kc_ref, vc_ref, *, tokens: int,
+                     num_tokens: int, num_slots: int):
+    """Program ``i``: tokens ``i * tokens ..`` of ``k``, ``v [T, W]`` stored whole (every kv
+    head, ``W = num_kv_heads * head_dim`` contiguous elements) at their slots of the caches
+    ``[num_slots, W]``; slots ``< 0`` or ``>= num_slots`` dropped. Rows not stored are aimed
+    at the first stored row (same slot, same value), as in :func:`_write_new`."""
+    del kc_in, vc_in                                           # aliased to kc_ref, vc_ref
+    i = pl.program_id(0)
+    ti = i * tokens + jnp.arange(tokens, dtype=jnp.int32)
+    t_ok = ti < num_tokens
+    tok = jnp.minimum(ti, num_tokens - 1)
+    slot = pltr.load(slot_ref.at[tok], mask=t_ok, other=-1)
+    ok = t_ok & (slot >= 0) & (slot < num_slots)
+    first = jnp.min(jnp.where(ok, jnp.arange(tokens, dtype=jnp.int32), tokens))
+
+    def write():
+        idx = jnp.arange(tokens, dtype=jnp.int32) == first
+        t = jnp.where(ok, tok, jnp.sum(jnp.where(idx, tok, 0)))
+        sl = jnp.where(ok, slot, jnp.sum(jnp.where(idx, slot, 0)))
+        col = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)[None, :]
+        pltr.store(kc_ref.at[sl[:, None], col], pltr.load(k_ref.at[t[:, None], col]))
+        pltr.store(vc_ref.at[sl[:, None], col], pltr.load(v_ref.at[t[:, None], col]))
+
+    lax.cond(first < tokens, write, lambda: None)
+
+
+#: Tokens per program of :func:`write_kv` (B = 32 EAGLE-3 loop on the H200: 7.558 ms per
+#: iteration with 8, 7.593 with 2, 7.607 with the two scatters; benchmarks/RESULTS.md).
+WRITE_TOKENS_PER_PROGRAM = 8
+
+
+def write_kv_supported(cache_shape, dtype, k_dtype=None, v_dtype=None) -> bool:
+    """Whether :func:`write_kv` takes a cache of this shape and dtype: a power-of-two row
+    (``num_kv_heads * head_dim``) and the new values already in the cache's dtype."""
+    w = int(np.prod(cache_shape[2:]))
+    return (pltr is not None and w >= 16 and not (w & (w - 1))
+            and all(d is None or jnp.dtype(d) == jnp.dtype(dtype) for d in (k_dtype, v_dtype)))
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_program", "interpret"))
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array, *, tokens_per_program: int | None = None,
+             interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """The step's ``k``, ``v [T, num_kv_heads, head_dim]`` stored into ``k_cache``, ``v_cache
+    [num_blocks, block_size, num_kv_heads, head_dim]`` at ``slot_mapping [T]`` in one kernel
+    (the caches aliased in and out): the same caches as two
+    :func:`~specjax.kernels.paged_attention.kv_cache.scatter_slots` calls (slots ``< 0`` or
+    past the cache dropped) when no two tokens share a slot."""
+    if pltr is None:
+        raise ValueError(f"the Pallas cache-write kernel is unavailable: {PLTR_MISSING}")
+    nb, bs = k_cache.shape[:2]
+    if v_cache.shape != k_cache.shape or k.shape[1:] != k_cache.shape[2:] or v.shape != k.shape:
+        raise ValueError(f"k {k.shape}, v {v.shape} do not fit caches {k_cache.shape}, "
+                         f"{v_cache.shape}")
+    if not write_kv_supported(k_cache.shape, k_cache.dtype, k.dtype, v.dtype):
+        raise ValueError(f"write_kv takes caches whose rows (num_kv_heads * head_dim = "
+                         f"{int(np.prod(k_cache.shape[2:]))}) are a power of two >= 16 and "
+                         f"k, v in their dtype ({k_cache.dtype}); got {k.dtype}, {v.dtype}")
+    t = k.shape[0]
+    if slot_mapping.shape != (t,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] = [{t}]")
+    if t == 0:
+        return k_cache, v_cache
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    w = int(np.prod(k_cache.shape[2:]))
+    tb = pow2_at_least(min(tokens_per_program or WRITE_TOKENS_PER_PROGRAM, t))
+    kc, vc = pl.pallas_call(
+        functools.partial(_write_kv_kernel, tokens=tb, num_tokens=t, num_slots=nb * bs),
+        grid=(cdiv(t, tb),),
+        out_specs=[pl.no_block_spec, pl.no_block_spec],
+        out_shape=[jax.ShapeDtypeStruct((nb * bs, w), k_cache.dtype)] * 2,
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"paged_kv_write_t{tb}",
+    )(slot_mapping.astype(jnp.int32), k.reshape(t, w), v.reshape(t, w),
+      k_cache.reshape(nb * bs, w), v_cache.reshape(nb * bs, w))
+    return kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)

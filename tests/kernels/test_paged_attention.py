@@ -193,6 +193,8 @@ CPU_CFGS = {
     # GQA 3 (not a power of two: the merge kernel masks its padded head lanes), 2 splits
     "f32-g3-causal-split2": Cfg(nh=6, nkv=2, hd=16, bs=8, width=4, qmax=2, b_pad=3, t_pad=7,
                                 num_splits=2),
+    # GQA 3, one split: the kernel stores rows in token order itself (no merge kernel)
+    "f32-g3-causal-direct": Cfg(nh=6, nkv=2, hd=16, bs=8, width=4, qmax=3, b_pad=3, t_pad=11),
     "bf16-g2-tree-split4": Cfg(nh=4, nkv=2, hd=16, bs=4, width=8, qmax=3, b_pad=3, t_pad=9,
                                tree=True, dtype="bfloat16", num_splits=4),
 }
@@ -280,6 +282,33 @@ def test_fused_write_equals_scatter_then_attention(name):
         assert_close(got, ref(q, want_cache, md), tolerance(cfg.dtype), f"{name} vs reference")
 
 
+@pytest.mark.parametrize("name", ["f32-g1-causal", "bf16-g4-causal", "f32-g3-causal-direct"])
+def test_write_kv_kernel_equals_scatter(name):
+    """``pallas.write_kv`` (both caches in one kernel) == two ``scatter_slots``, bit for bit:
+    unwritten (-1) and out-of-range slots dropped, padding tokens written, any tokens per
+    program (a partial last program too)."""
+    cfg = CPU_CFGS[name]
+    dt = jnp.dtype(cfg.dtype)
+    for seed in range(2):
+        _, cache, md = make_case(cfg, 300 * seed + len(name))
+        md = with_write_slots(cfg, md, seed)
+        rng = np.random.default_rng(seed)
+        kn, vn = (jnp.asarray(rng.standard_normal((cfg.t_pad, cfg.nkv, cfg.hd)),
+                              jnp.float32).astype(dt) for _ in range(2))
+        want = attn.write_kv(cache, kn, vn, md.slot_mapping)
+        for tb in (1, 4, 64):
+            gk, gv = pk.write_kv(cache.k, cache.v, kn, vn, md.slot_mapping, tokens_per_program=tb)
+            np.testing.assert_array_equal(np.asarray(gk), np.asarray(want.k), f"tb={tb}")
+            np.testing.assert_array_equal(np.asarray(gv), np.asarray(want.v), f"tb={tb}")
+    with pytest.raises(ValueError, match="dtype"):
+        pk.write_kv(cache.k, cache.v, kn.astype(jnp.float16), vn, md.slot_mapping)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pk.write_kv(cache.k, cache.v, kn, vn, md.slot_mapping[:2])
+    with pytest.raises(ValueError, match="do not fit"):
+        pk.write_kv(cache.k, cache.v, kn[:, :1], vn[:, :1], md.slot_mapping)
+    assert not pk.write_kv_supported((4, 8, 3, 16), jnp.float32)    # 48-wide rows
+
+
 def test_fused_write_with_no_request_still_writes():
     """No request (``query_start_loc == [0]``): zeros out, every token with a slot written."""
     cfg = CPU_CFGS["f32-g1-causal"]
@@ -323,17 +352,31 @@ def test_fused_write_through_attend_and_errors(monkeypatch):
             q, kn, cache, md))
     assert "paged_attention_write" in text and "scatter" not in text
 
-    def fused(mode, pays=None):
+    def fused(mode, pays=None, write_kernel="1"):
         monkeypatch.setattr(attn, "FUSED_KV_WRITE", mode)
+        monkeypatch.setattr(attn, "KV_WRITE_KERNEL", write_kernel)
         if pays is not None:
             monkeypatch.setattr(attn, "fused_write_pays", lambda *a, **kw: pays)
         with attn.attention_backend("pallas"):
             text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(q, k, k, c, m, scale=0.3))(
                 q, kn, cache, md))
-        assert ("paged_attention_write" in text) != ("scatter" in text)
+        # unfused: one write kernel, or (KV_WRITE_KERNEL="0") two scatters
+        unfused = "scatter" if write_kernel == "0" else "paged_kv_write"
+        assert ("paged_attention_write" in text) != (unfused in text)
+        assert write_kernel == "0" or "scatter" not in text
         return "paged_attention_write" in text
 
     assert not fused("0") and fused("auto", pays=True) and not fused("auto", pays=False)
+    assert not fused("0", write_kernel="0")
+    # the unfused pallas path (the write kernel, then attention) == the xla backend
+    monkeypatch.setattr(attn, "FUSED_KV_WRITE", "0")
+    monkeypatch.setattr(attn, "KV_WRITE_KERNEL", "1")
+    with attn.attention_backend("pallas"):
+        out, wc = jax.jit(lambda q, k, c, m: attn.attend(q, k, -k, c, m, scale=0.3))(
+            q, kn, cache, md)
+    np.testing.assert_array_equal(np.asarray(wc.k), np.asarray(outs["xla"][1].k))
+    np.testing.assert_array_equal(np.asarray(wc.v), np.asarray(outs["xla"][1].v))
+    assert_close(out, outs["xla"][0], 1e-5, "attend (write kernel) vs xla")
     qkv = jnp.concatenate([q, kn, kn], axis=1)
     args = (cache.k, cache.v, md.slot_mapping, md.query_start_loc, md.seq_lens, md.block_table)
     kw = dict(scale=0.3, max_query_len=cfg.qmax)
@@ -441,6 +484,11 @@ def test_triton_lowering_on_cpu(monkeypatch):
             sds((b * 128, 16, 8, 128), dt), i32(b * qmax), i32(b + 1), i32(b), i32(b, 128),
             scale=0.1, max_query_len=qmax, tree_mask=tree, interpret=False)
         assert "xla.gpu.triton" in fw.lower(lowering_platforms=("cuda",)).as_text()
+        kw = pk.write_kv.trace(
+            sds((b * 128, 16, 8, 128), dt), sds((b * 128, 16, 8, 128), dt),
+            sds((b * qmax, 8, 128), dt), sds((b * qmax, 8, 128), dt), i32(b * qmax),
+            interpret=False)
+        assert "xla.gpu.triton" in kw.lower(lowering_platforms=("cuda",)).as_text()
 
 
 # ----------------------------------------------------------------------------------------
@@ -660,6 +708,28 @@ def test_gpu_kernel_matches_reference(b, qlen, mask, dtype, backend):
     assert np.all(np.asarray(got[end:], np.float32) == 0)
     if backend == "triton":
         assert_close(got, pallas(q, cache, md), tol, f"triton vs pallas B={b} q={qlen} {mask} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("b", [1, 32])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_write_kv_equals_scatter(b, dtype):
+    """The compiled cache-write kernel == two scatters, bit for bit, with unwritten (-1) and
+    out-of-range slots, under a jit that donates the caches (in place)."""
+    q, cache, md = _gpu_case(b, 4, 1024, seed=5 * b, dtype=jnp.dtype(dtype))
+    sm = np.asarray(md.slot_mapping).copy()
+    rng = np.random.default_rng(b)
+    sm[rng.random(sm.shape[0]) < 0.1] = -1
+    sm[rng.random(sm.shape[0]) < 0.05] = cache.k.shape[0] * cache.k.shape[1] + 7
+    nkv = cache.k.shape[2]
+    kv = jax.random.normal(jax.random.key(b), (q.shape[0], 2 * nkv, q.shape[2])).astype(q.dtype)
+    want = jax.jit(attn.write_kv)(cache, kv[:, :nkv], kv[:, nkv:], jnp.asarray(sm))
+    got = jax.jit(lambda c, k, v, s: pk.write_kv(c.k, c.v, k, v, s), donate_argnums=0)(
+        KVCache(jnp.array(cache.k, copy=True), jnp.array(cache.v, copy=True)),
+        kv[:, :nkv], kv[:, nkv:], jnp.asarray(sm))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want.k))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want.v))
 
 
 @pytest.mark.gpu
