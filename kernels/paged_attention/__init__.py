@@ -58,8 +58,8 @@ Several devices: the kernels are called through ``custom_partitioning``
 
 On the ``"pallas"`` backend :func:`attend` writes the step's K/V inside the attention kernel
 instead of two scatters where that pays (small batches; ``SPECJAX_FUSED_KV_WRITE=auto|0|1``,
-see :data:`FUSED_KV_WRITE`), elsewhere with one cache-write kernel (:data:`KV_WRITE_KERNEL`). The KV-cache write itself is ``kv_cache.py``
-(:func:`scatter_slots`).
+see :data:`FUSED_KV_WRITE`), elsewhere with one cache-write kernel (:data:`KV_WRITE_KERNEL`).
+The KV-cache write itself is ``kv_cache.py`` (:func:`scatter_slots`).
 """
 
 from __future__ import annotations
@@ -289,12 +289,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
         if FUSED_KV_WRITE == "1" or fused_write_pays(
                 md.query_start_loc.shape[0] - 1, nkv, md.block_table.shape[1] * bs):
             return _attend_fused(q, k, v, cache, md, scale)
-    if pallas and KV_WRITE_KERNEL == "1" and jax.device_count() == 1:
+    one_kernel = pallas and KV_WRITE_KERNEL == "1" and jax.device_count() == 1
+    if one_kernel:
         from specjax.kernels.paged_attention import pallas as _pallas
-        if _pallas.write_kv_supported(cache.k.shape, cache.k.dtype, k.dtype, v.dtype):
-            cache = KVCache(*_pallas.write_kv(cache.k, cache.v, k, v, md.slot_mapping))
-            return paged_attention(q, cache, md, scale=scale, backend=backend), cache
-    cache = write_kv(cache, k, v, md.slot_mapping)
+        one_kernel = _pallas.write_kv_supported(cache.k.shape, cache.k.dtype, k.dtype, v.dtype)
+    cache = (KVCache(*_pallas.write_kv(cache.k, cache.v, k, v, md.slot_mapping)) if one_kernel
+             else write_kv(cache, k, v, md.slot_mapping))
     return paged_attention(q, cache, md, scale=scale, backend=backend), cache
 
 

@@ -80,27 +80,35 @@ def _load_new(qkv_ref, tok, nh: int, nkv: int, h, col):
             pltr.load(qkv_ref.at[tok[:, None], nh + nkv + h, col]))
 
 
-def _write_new(qkv_ref, ko_ref, vo_ref, tok, slot, ok, nh: int, h, col, block_size: int):
-    """Store kv head ``h`` of tokens ``tok [W]`` (from ``qkv``) at ``slot`` of the output
-    caches where ``ok``; nothing is loaded or stored when no row is ``ok``.
+def _store_rows(ok, idx, store):
+    """``store(*idx)`` for the rows where ``ok`` (``idx``: ``[W]`` int arrays, e.g. token
+    and slot); nothing is loaded or stored when no row is ``ok``.
 
-    Rows not ``ok`` are pointed at the first ``ok`` row (same slot, same value): the store is
-    masked, but interpret mode implements a masked store as a read-select-scatter, where a
-    masked row aimed at a slot that another row writes would race with it."""
-    w = tok.shape[0]
+    Rows not ``ok`` are pointed at the first ``ok`` row (same slot, same value), so the
+    stores need no mask: interpret mode implements a masked store as a read-select-scatter,
+    where a masked row aimed at a slot that another row writes would race with it."""
+    w = ok.shape[0]
     i = jnp.arange(w, dtype=jnp.int32)
     first = jnp.min(jnp.where(ok, i, w))
 
-    def write():
-        t = jnp.where(ok, tok, jnp.sum(jnp.where(i == first, tok, 0)))
-        sl = jnp.where(ok, slot, jnp.sum(jnp.where(i == first, slot, 0)))
+    def go():
+        store(*(jnp.where(ok, x, jnp.sum(jnp.where(i == first, x, 0))) for x in idx))
+
+    lax.cond(first < w, go, lambda: None)
+
+
+def _write_new(qkv_ref, ko_ref, vo_ref, tok, slot, ok, nh: int, h, col, block_size: int):
+    """Store kv head ``h`` of tokens ``tok [W]`` (from ``qkv``) at ``slot`` of the output
+    caches where ``ok`` (:func:`_store_rows`)."""
+
+    def write(t, sl):
         kn, vn = _load_new(qkv_ref, t, nh, ko_ref.shape[2], h, col)
         page = lax.div(sl, jnp.int32(block_size))[:, None]
         off = lax.rem(sl, jnp.int32(block_size))[:, None]
         pltr.store(ko_ref.at[page, off, h, col], kn.astype(ko_ref.dtype))
         pltr.store(vo_ref.at[page, off, h, col], vn.astype(vo_ref.dtype))
 
-    lax.cond(first < w, write, lambda: None)
+    _store_rows(ok, (tok, slot), write)
 
 
 def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int,
@@ -384,16 +392,16 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
     # cache dtype (the reference casts the probabilities to it)
     q_in = q if write else q.astype(jnp.promote_types(q.dtype, k_cache.dtype))
 
+    # one split: the kernel normalizes and stores rows in token order itself (no merge)
+    direct = num_splits == 1
     kernel = functools.partial(
         _kernel, scale=float(scale), group=group, rows=rows, block_k=block_k, block_size=bs,
         max_blocks=max_blocks, num_blocks=nb, num_splits=num_splits, num_tokens=t_pad,
         causal=bool(causal), tree_bits=None if tree_mask is None else tree_bits(tree_mask),
         precision=lax.Precision.HIGHEST,
-        write_rows=pow2_at_least(max(int(max_query_len), 1), 16) if write else 0)
+        write_rows=pow2_at_least(max(int(max_query_len), 1), 16) if write else 0,
+        direct=direct)
     grid = (b_pad, nkv, num_splits)
-    # one split: the kernel normalizes and stores rows in token order itself (no merge)
-    direct = num_splits == 1
-    kernel = functools.partial(kernel, direct=direct)
     if direct:
         out_specs = [pl.no_block_spec]
         out_shape = [jax.ShapeDtypeStruct((t_pad, nh, hd), q.dtype)]
@@ -507,26 +515,19 @@ def _write_kv_kernel(slot_ref, k_ref, v_ref, kc_in, vc_in, kc_ref, vc_ref, *, to
                      num_tokens: int, num_slots: int):
     """Program ``i``: tokens ``i * tokens ..`` of ``k``, ``v [T, W]`` stored whole (every kv
     head, ``W = num_kv_heads * head_dim`` contiguous elements) at their slots of the caches
-    ``[num_slots, W]``; slots ``< 0`` or ``>= num_slots`` dropped. Rows not stored are aimed
-    at the first stored row (same slot, same value), as in :func:`_write_new`."""
+    ``[num_slots, W]``; slots ``< 0`` or ``>= num_slots`` dropped (:func:`_store_rows`)."""
     del kc_in, vc_in                                           # aliased to kc_ref, vc_ref
-    i = pl.program_id(0)
-    ti = i * tokens + jnp.arange(tokens, dtype=jnp.int32)
+    ti = pl.program_id(0) * tokens + jnp.arange(tokens, dtype=jnp.int32)
     t_ok = ti < num_tokens
     tok = jnp.minimum(ti, num_tokens - 1)
     slot = pltr.load(slot_ref.at[tok], mask=t_ok, other=-1)
-    ok = t_ok & (slot >= 0) & (slot < num_slots)
-    first = jnp.min(jnp.where(ok, jnp.arange(tokens, dtype=jnp.int32), tokens))
+    col = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)[None, :]
 
-    def write():
-        idx = jnp.arange(tokens, dtype=jnp.int32) == first
-        t = jnp.where(ok, tok, jnp.sum(jnp.where(idx, tok, 0)))
-        sl = jnp.where(ok, slot, jnp.sum(jnp.where(idx, slot, 0)))
-        col = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)[None, :]
+    def write(t, sl):
         pltr.store(kc_ref.at[sl[:, None], col], pltr.load(k_ref.at[t[:, None], col]))
         pltr.store(vc_ref.at[sl[:, None], col], pltr.load(v_ref.at[t[:, None], col]))
 
-    lax.cond(first < tokens, write, lambda: None)
+    _store_rows(t_ok & (slot >= 0) & (slot < num_slots), (tok, slot), write)
 
 
 #: Tokens per program of :func:`write_kv` (B = 32 EAGLE-3 loop on the H200: 7.558 ms per
