@@ -191,23 +191,31 @@ def embed(params: dict, input_ids: jax.Array) -> jax.Array:
 
 
 def two_row_matmul(fn, x: jax.Array) -> jax.Array:
-    """``fn(x)`` for a row-wise ``fn`` (a matmul over the last axis), run on two rows when
-    ``x`` holds one (``x [..., K]`` with one row in all).
+    """``fn(x)`` for a row-wise ``fn`` (a matmul over the last axis), run on two rows on a
+    GPU when ``x`` holds one (``x [..., K]`` with one row in all).
 
-    XLA rewrites a dot whose other side has one row (``[1, K] @ [K, N]``) as a multiply and
-    a reduce (dot strength reduction), and on the H200 those reduce fusions run far slower
-    than the GEMM kernel two rows get: in the 8B-shaped one-token step they cost 1.1 ms of
-    5.6 ms of kernels (benchmarks/RESULTS.md). Here the row is duplicated behind an
+    XLA:GPU rewrites a dot whose other side has one row (``[1, K] @ [K, N]``) as a multiply
+    and a reduce (dot strength reduction), and on the H200 those reduce fusions run far
+    slower than the GEMM kernel two rows get: in the 8B-shaped one-token step they cost 1.1
+    ms of 5.6 ms of kernels (benchmarks/RESULTS.md). There the row is duplicated behind an
     optimization barrier (so the simplifier cannot see that the rows are equal) and the
     first row of the result returned: the same values, one GEMM. Every model matmul goes
     through this (:class:`specjax.models.layers.Linear`, :func:`lm_head_logits`), so the
-    one-token program is fast for every caller, the models used directly included.
+    one-token program is fast for every caller, the models used directly included. On a
+    CPU the one-row product is the faster one (XLA:CPU runs it as a matrix-vector product;
+    the shipped demo's one-request plain decoding 26% faster than with two rows,
+    benchmarks/RESULTS.md), so the choice is made per platform when the program is lowered
+    (``jax.lax.platform_dependent``), not by the default backend.
     """
     if math.prod(x.shape[:-1]) != 1:
         return fn(x)
-    x2 = jax.lax.optimization_barrier(jnp.concatenate([x.reshape(1, x.shape[-1])] * 2))
-    y = fn(x2)[:1]
-    return y.reshape(x.shape[:-1] + y.shape[-1:])
+
+    def two_rows(x):
+        x2 = jax.lax.optimization_barrier(jnp.concatenate([x.reshape(1, x.shape[-1])] * 2))
+        y = fn(x2)[:1]
+        return y.reshape(x.shape[:-1] + y.shape[-1:])
+
+    return jax.lax.platform_dependent(x, cpu=fn, default=two_rows)
 
 
 def lm_head_logits(head: dict, hidden: jax.Array) -> jax.Array:

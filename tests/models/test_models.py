@@ -596,3 +596,24 @@ def test_missing_shared_weights_error():
     params = registry.params_from_tensors("eagle", cfg, registry.random_tensors("eagle", cfg))
     with pytest.raises(ValueError, match="share_target_weights"):
         model.compute_logits(params, jnp.zeros((2, 32)))
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (1, 1, 8), (8,)])
+def test_one_row_matmul_is_two_rows_on_a_gpu_only(shape):
+    """``models.params.two_row_matmul``: a one-row product is lowered on two rows (behind an
+    optimization barrier) for a GPU, where XLA's one-row dot strength reduction runs slow,
+    and as it is for a CPU, where the one-row product is the faster; the values are the
+    product's. Lowered for CUDA here without a GPU (``lowering_platforms``)."""
+    from specjax.models.params import two_row_matmul
+
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((8, 5)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(shape), jnp.float32)
+    f = jax.jit(lambda x: two_row_matmul(lambda r: r @ w, x))
+    np.testing.assert_allclose(np.asarray(f(x)), np.asarray(x) @ np.asarray(w), rtol=1e-6)
+    cpu = f.trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    cuda = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "optimization_barrier" not in cpu and "tensor<2x8xf32>" not in cpu
+    assert "optimization_barrier" in cuda and "tensor<2x8xf32>" in cuda
+    # two rows or more: the product as it is everywhere
+    x2 = jnp.ones((2, 8))
+    assert "optimization_barrier" not in f.trace(x2).lower(lowering_platforms=("cuda",)).as_text()
