@@ -1,23 +1,25 @@
 """Where a decoding iteration of ``specjax demo`` goes on the CPU: the demo's model passes
 timed alone, in one process, interleaved (so load from other jobs hits every row alike).
 
-Rows: the target's forward (+ logits + argmax) over 4 rows (plain decoding of the 4 demo
-requests) and over 16 (the EAGLE-3 verify at k = 3), at 128- and 256-token contexts (8 and
-16 blocks of 16); the EAGLE-3 head's first drafting pass (16 rows, through ``fc``) and a
-later one (4 rows); and, with ``--products``, one matrix product of the demo's widest shape
-(``[R, 256] @ [256, 768]``, R = 4 and 16) chained in a loop, and a 1024-cube product (the
-machine's matmul rate). Each figure is the min and the median over ``--repeat`` rounds of
+Rows, for ``--batch`` B requests (default 1, the demo's default; 4: the demo's prompts in
+one batch): the target's forward (+ logits + argmax, q/k/v and gate/up fused as the engine
+runs them) over B rows (plain decoding) and over 4 B (the EAGLE-3 verify at k = 3), at 128-
+and 256-token contexts (8 and 16 blocks of 16); the EAGLE-3 head's first drafting pass (4 B
+rows, through ``fc``) and a later one (B rows); and, with ``--products``, one matrix product
+of the demo's widest shape (``[R, 256] @ [256, 768]``, R = 1, 4 and 16) chained in a loop,
+and a 1024-cube product (the machine's matmul rate). Each figure is the min and the median over ``--repeat`` rounds of
 one call of ``--iters`` passes inside a ``lax.fori_loop`` (no host round trip between
 passes), in ms per pass.
 
 Usage::
 
-    python benchmarks/demo_pieces.py               # the model passes
+    python benchmarks/demo_pieces.py               # the model passes, one request
+    python benchmarks/demo_pieces.py --batch 4     # the 4 demo prompts in one batch
     python benchmarks/demo_pieces.py --products    # and the matmul rates
 
-The figures (README, "Demo") say why EAGLE-3 cannot reach 1.5x plain decoding on 2 CPU
-cores: the matrix products are compute-bound, so the 16-row verify alone costs more than
-twice the 4-row step.
+The figures (README, "Demo") say why EAGLE-3 does not reach 1.5x plain decoding on 2 CPU
+cores: the matrix products are compute-bound from a few rows on, so the verify's 4 rows a
+request cost far more than one.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from specjax import demo  # noqa: E402
 from specjax.attention_metadata import CommonAttentionMetadata  # noqa: E402
+from specjax.models import fuse_projections  # noqa: E402
 
-B, BS, NB = 4, demo.BLOCK_SIZE, 200
+B, BS, NB = 1, demo.BLOCK_SIZE, 200     # B: --batch
 
 
 def _metadata(q: int, blocks: int) -> CommonAttentionMetadata:
@@ -45,7 +48,7 @@ def _metadata(q: int, blocks: int) -> CommonAttentionMetadata:
     previous bucket, so the whole bucket is plausible)."""
     table = jnp.asarray(np.arange(B * blocks).reshape(B, blocks) + 1, jnp.int32)
     lo = (blocks // 2) * BS + 2
-    seq = jnp.asarray([lo, lo + 11, lo + 20, lo + 3], jnp.int32)
+    seq = jnp.asarray([lo, lo + 11, lo + 20, lo + 3][:B], jnp.int32)
     qsl = jnp.arange(B + 1, dtype=jnp.int32) * q
     return CommonAttentionMetadata(qsl, seq, table, jnp.full((B * q,), 5, jnp.int32), jnp.int32(B),
                                    jnp.int32(B * q), jnp.max(seq), q)
@@ -55,7 +58,8 @@ def model_cases(iters: int) -> dict:
     target = demo.demo_target()
     head = demo.demo_proposer("eagle3", 3, target, max_model_len=demo.MAX_MODEL_LEN)
     tm, tp = target
-    hm, hp = head.impl.model, head.params
+    tp = fuse_projections(tp)                  # as the engine runs the target (its default)
+    hm, hp = head.impl.model, fuse_projections(head.params)
     tcache, hcache = tm.init_kv_caches(NB, BS), hm.init_kv_caches(NB, BS)
 
     def target_pass(q, blocks):
@@ -89,20 +93,21 @@ def model_cases(iters: int) -> dict:
         hid = jnp.full((B * q, width), 0.01, jnp.float32)
         return lambda: run(hp, hcache, ids, hid)
 
+    r1, r4 = B, 4 * B
     return {
-        "target, 4 rows, ctx 128 (plain)": target_pass(1, 8),
-        "target, 4 rows, ctx 256": target_pass(1, 16),
-        "target, 16 rows, ctx 128": target_pass(4, 8),
-        "target, 16 rows, ctx 256 (EAGLE-3 verify)": target_pass(4, 16),
-        "EAGLE-3 head, 16 rows + fc, ctx 256 (pass 1)": head_pass(4, 16, True),
-        "EAGLE-3 head, 4 rows, ctx 256 (pass 2, 3)": head_pass(1, 16, False),
+        f"target, {r1} rows, ctx 128 (plain)": target_pass(1, 8),
+        f"target, {r1} rows, ctx 256": target_pass(1, 16),
+        f"target, {r4} rows, ctx 128": target_pass(4, 8),
+        f"target, {r4} rows, ctx 256 (EAGLE-3 verify)": target_pass(4, 16),
+        f"EAGLE-3 head, {r4} rows + fc, ctx 256 (pass 1)": head_pass(4, 16, True),
+        f"EAGLE-3 head, {r1} rows, ctx 256 (pass 2, 3)": head_pass(1, 16, False),
     }
 
 
 def product_cases(iters: int) -> dict:
     rng = np.random.default_rng(0)
     out = {}
-    for rows, k, n in ((4, 256, 768), (16, 256, 768), (1024, 1024, 1024)):
+    for rows, k, n in ((1, 256, 768), (4, 256, 768), (16, 256, 768), (1024, 1024, 1024)):
         w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32) * 0.05)
         back = jnp.asarray(rng.standard_normal((n, k), dtype=np.float32) * 0.05)
         x = jnp.ones((rows, k), jnp.float32)
@@ -121,7 +126,11 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=8, help="passes per timed call")
     ap.add_argument("--repeat", type=int, default=25, help="timed rounds (every row once each)")
     ap.add_argument("--products", action="store_true", help="also the matmul rates")
+    ap.add_argument("--batch", type=int, choices=(1, 2, 3, 4), default=1,
+                    help="requests per step (default 1, the demo's default)")
     args = ap.parse_args(argv)
+    global B
+    B = args.batch
     cases = {k: (f, None) for k, f in model_cases(args.iters).items()}
     if args.products:
         cases.update(product_cases(args.iters))

@@ -24,18 +24,24 @@ import argparse
 import sys
 from typing import Sequence
 
-from specjax.demo import ALL_METHODS
+from specjax.demo import ALL_METHODS, DEFAULT_BATCH, DEFAULT_MAX_TOKENS
 from specjax.constants import DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES, MAX_LOGPROBS
 
 
-def _positive(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
+def _int_at_least(lo: int, what: str):
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v!r}") from None
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {n}")
+        return n
+    return parse
+
+
+_positive = _int_at_least(1, "a positive integer")
+_non_negative = _int_at_least(0, "an integer >= 0")
 
 
 def _temperature(v: str) -> float:
@@ -115,8 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                       help="cpu: force the CPU; gpu: require JAX's default backend to be a GPU; "
                            "auto (default): JAX's default device")
-    demo.add_argument("--max-tokens", type=_positive, default=48,
-                      help="new tokens per prompt (default 48)")
+    demo.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_TOKENS,
+                      help=f"new tokens per prompt (default {DEFAULT_MAX_TOKENS})")
+    demo.add_argument("--batch", type=_non_negative, default=DEFAULT_BATCH,
+                      help=f"requests decoded at once (default {DEFAULT_BATCH}: one after "
+                           "another, the latency-bound case speculative decoding is for; 0: "
+                           "every prompt in one batch; at most the number of prompts)")
     demo.add_argument("--k", type=_positive, default=3,
                       help="speculative tokens per step (default 3; extract_hidden_states uses 1)")
     demo.add_argument("--repeat", type=_positive, default=5,

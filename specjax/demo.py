@@ -27,6 +27,14 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
 #: The demo's decoding iterations per host sync (the device loop; see run_demo).
 DEFAULT_STEPS_PER_SYNC = 8
+#: Requests decoded at once (``--batch``): one, the latency-bound setting speculative
+#: decoding is for. On 2 CPU cores the 4 prompts batched make the products compute-bound
+#: (the 16-row verify costs 1.7x the 4-row step alone) and no method gained (EAGLE-3 0.84x;
+#: README, "Demo").
+DEFAULT_BATCH = 1
+#: New tokens per prompt (``--max-tokens``): long enough that the prefill steps, which no
+#: method speeds up, are a small part of the run.
+DEFAULT_MAX_TOKENS = 128
 
 #: The demo's prompts: starts of Python files (BOS first, as in training).
 PROMPTS = (
@@ -147,11 +155,13 @@ class _Progress:
 
 def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress | None,
            repeats: int = 5, steps_per_sync: int = 1, max_model_len: int = MAX_MODEL_LEN,
-           temperature: float = 0.0):
+           temperature: float = 0.0, batch: int | None = None):
     """A warm-up run of the same workload (compiles every bucket the timed runs use), then
     the timed run, ``repeats`` times. Returns ``(result, tokens/s: the median run's, spread: (max - min) /
     median, steps_per_sync used, the median run's (tokens per request, ms) per decoding
-    iteration after its prefill step)``. The device loop (``steps_per_sync``) is used when the
+    iteration after the first prefill step)``. ``batch``: requests decoded at once (None:
+    every prompt; fewer: the rest wait and join as requests finish, so the later requests'
+    prefill steps count as iterations). The device loop (``steps_per_sync``) is used when the
     method runs in it, else one step per sync. Every run gets a fresh proposer (same
     configuration, so no new compilation): suffix decoding must not draft from its cache of
     the previous runs' responses."""
@@ -160,9 +170,11 @@ def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress 
     from specjax.decode_loop import loop_support
     from specjax.engine import Engine, SamplingParams
 
+    batch = len(prompts) if batch is None else batch
+
     def engine():
         eng = Engine(target, make_proposer(), max_model_len=max_model_len, block_size=BLOCK_SIZE,
-                     max_num_seqs=len(prompts), batch_buckets=(len(prompts),),
+                     max_num_seqs=batch, batch_buckets=(batch,),
                      query_buckets=query_buckets(prompts, max_model_len),
                      context_buckets=context_buckets(max_model_len))
         if steps_per_sync > 1 and loop_support(eng.step) is None:
@@ -187,7 +199,7 @@ def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress 
         runs.append(res)
         # after the prefill step: (tokens per request per iteration, ms per iteration)
         its = max(len(marks) - 1, 1)
-        decode.append(((marks[-1][1] - marks[0][1]) / its / len(prompts),
+        decode.append(((marks[-1][1] - marks[0][1]) / its / batch,
                        (marks[-1][0] - marks[0][0]) / its * 1e3))
     tps = [r.num_generated_tokens / r.elapsed_s for r in runs]
     med = statistics.median(tps)
@@ -195,11 +207,12 @@ def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress 
     return runs[0], med, (max(tps) - min(tps)) / med, warm.steps_per_sync, decode[i]
 
 
-def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: int = 48,
-             device=None, out: TextIO | None = None, err: TextIO | None = None,
-             repeat: int = 5, steps_per_sync: int = DEFAULT_STEPS_PER_SYNC,
-             target_dir: str | None = None, draft_dirs: Sequence[str] = (),
-             prompts_file: str | None = None, temperature: float = 0.0) -> list[Row]:
+def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
+             max_tokens: int = DEFAULT_MAX_TOKENS, device=None, out: TextIO | None = None,
+             err: TextIO | None = None, repeat: int = 5,
+             steps_per_sync: int = DEFAULT_STEPS_PER_SYNC, target_dir: str | None = None,
+             draft_dirs: Sequence[str] = (), prompts_file: str | None = None,
+             temperature: float = 0.0, batch: int | None = DEFAULT_BATCH) -> list[Row]:
     """Run the demo; print the note and the table on ``out``, progress on ``err``.
 
     ``repeat``: timed runs per method (the median counts; the spread is printed);
@@ -213,8 +226,10 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
     prompt per line (encoded by the target's tokenizer; the shipped byte-level model reads
     the bytes). Bad paths are refused before anything loads. ``temperature`` > 0: seeded
     sampling (the table's acceptance and speed; no check column: sampled speculative output
-    has the target's distribution, not plain decoding's tokens). Returns one ``Row`` per
-    method that ran (plain decoding first, as ``"plain"``).
+    has the target's distribution, not plain decoding's tokens). ``batch`` (``--batch``):
+    requests decoded at once (default 1: one after another; None: every prompt in one
+    batch; more than the prompts is refused). Returns one ``Row`` per method that ran
+    (plain decoding first, as ``"plain"``).
     """
     import jax
 
@@ -227,6 +242,11 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {ALL_METHODS}")
     lines = _check_demo_paths(target_dir, draft_dirs, prompts_file)
+    n_prompts = len(PROMPTS) if lines is None else len(lines)
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
+                              or not 1 <= batch <= n_prompts):
+        raise ValueError(f"--batch must be an int from 1 to the number of prompts ({n_prompts}) "
+                         f"or None (every prompt at once), got {batch!r}")
     have = available_methods()
     if target_dir is None:
         wanted = wanted or list(ALL_METHODS)
@@ -250,14 +270,15 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
                                         target, max_model_len=mml)) for m in run]
         print(NOTE, file=out)
         print(f"target: byte-level Llama, 4 layers, hidden 256, vocab {VOCAB}; {len(prompts)} "
-              f"prompts, {max_tokens} new tokens each, k={k}, {mode}; "
-              f"device: {dev.platform} ({dev.device_kind})", file=out)
+              f"prompts, {max_tokens} new tokens each, {_batching(batch, len(prompts))}, k={k}, "
+              f"{mode}; device: {dev.platform} ({dev.device_kind})", file=out)
     else:
         target, prompts, mml, rows_spec, about = _user_setup(
             target_dir, draft_dirs, lines, run, k, max_tokens)
         print(USER_NOTE, file=out)
-        print(f"target: {about}; {len(prompts)} prompts, {max_tokens} new tokens each, k={k}, "
-              f"{mode}; device: {dev.platform} ({dev.device_kind})", file=out)
+        print(f"target: {about}; {len(prompts)} prompts, {max_tokens} new tokens each, "
+              f"{_batching(batch, len(prompts))}, k={k}, {mode}; device: {dev.platform} "
+              f"({dev.device_kind})", file=out)
     for m in skipped:
         hint = ' (pip install "specjax[suffix]")' if m == "suffix" else ""
         print(f"skipped {m}: not available in this install{hint}", file=out)
@@ -266,14 +287,14 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
     progress = _Progress(err, len(rows_spec) + 1)
     progress.start("plain decoding")
     base, base_tps, spread, n, mid = _timed(target, lambda: None, prompts, max_tokens, progress,
-                                            repeat, steps_per_sync, mml, temperature)
+                                            repeat, steps_per_sync, mml, temperature, batch)
     progress.finish(f"{base_tps:.0f} tokens/s")
     rows = [Row("plain", 0, 1.0, [], base_tps, 1.0, True if temperature == 0 else None,
                 spread=spread, steps_per_sync=n, tokens_per_iter=mid[0], ms_per_iter=mid[1])]
     for label, mk, make in rows_spec:
         progress.start(label)
         res, tps, spread, n, mid = _timed(target, make, prompts, max_tokens, progress, repeat,
-                                          steps_per_sync, mml, temperature)
+                                          steps_per_sync, mml, temperature, batch)
         ok = res.token_ids == base.token_ids if temperature == 0 else None
         progress.finish({True: "OK", False: "MISMATCH", None: "done"}[ok])
         rows.append(Row(label, mk, res.mean_acceptance_length, res.acceptance_rate_per_position,
@@ -282,14 +303,15 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
     print(format_table(rows), file=out)
     for line in slow_reasons(rows):
         print(line, file=out)
-    print(f"tokens/s: generated tokens / wall time of the whole batch, median of {repeat} runs "
+    print(f"tokens/s: generated tokens / wall time of all the prompts, median of {repeat} runs "
           f"(spread: (max - min) / median), compilation excluded; sync: decoding iterations per "
           f"host sync (the device loop, steps_per_sync={steps_per_sync}; 1: a method that drafts "
-          "on the host runs one step per sync). On a CPU the matrix products are "
-          "compute-bound: verifying k+1 tokens per request costs about twice a one-token "
-          "step, and a drafter pass of this tiny target's width costs a fifth to a half of "
-          "one (benchmarks/demo_pieces.py); other jobs on the machine widen the spread. So "
-          "the speed-ups say little about a real model on a GPU; see benchmarks/e2e.py and "
+          "on the host runs one step per sync). On a CPU this tiny target's step is mostly "
+          "XLA:CPU's cost per op: a drafter pass of one layer costs a third to a half of the "
+          "4-layer target's step, and with the prompts batched (--batch 0) the products turn "
+          "compute-bound (benchmarks/demo_pieces.py); other jobs on the machine widen the "
+          "spread. So the "
+          "speed-ups say little about a real model on a GPU; see benchmarks/e2e.py and "
           "benchmarks/loop.py for GPU costs.", file=out)
     bad = [r.method for r in rows if r.ok is False]
     if temperature == 0:
@@ -301,6 +323,12 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3, max_tokens: in
               "distribution tests are in tests/test_sampler.py)", file=out)
     out.flush()
     return rows
+
+
+def _batching(batch: int | None, n: int) -> str:
+    if batch is None or batch >= n:
+        return f"all {n} in one batch"
+    return "one request at a time" if batch == 1 else f"{batch} requests at a time"
 
 
 def query_buckets(prompts, max_model_len: int = MAX_MODEL_LEN) -> tuple[int, ...]:
@@ -468,7 +496,9 @@ def main_demo(args, out: TextIO | None = None, err: TextIO | None = None) -> int
         ctx = contextlib.nullcontext()
     with ctx:
         try:
+            batch = getattr(args, "batch", DEFAULT_BATCH)
             rows = run_demo(args.method, k=args.k, max_tokens=args.max_tokens, device=dev,
+                            batch=None if batch == 0 else batch,
                             out=out, err=err, repeat=getattr(args, "repeat", 5),
                             steps_per_sync=getattr(args, "steps_per_sync", None)
                             or DEFAULT_STEPS_PER_SYNC,

@@ -97,3 +97,39 @@ def test_slow_methods_get_a_measured_reason():
     assert "extract_hidden_states" in lines[1] and "token just sampled" in lines[1]
     qb = demo.query_buckets(demo._prompts())
     assert 96 in qb and max(len(p) for p in demo._prompts()) <= 96 and 4 in qb and 512 in qb
+
+
+def test_demo_batch(monkeypatch, capsys):
+    """``--batch``: requests decoded at once (default 1, one after another; 0: every prompt
+    in one batch), the engines built with that many sequences; bad values refused by name
+    before any model loads."""
+    import specjax.engine
+
+    seen = []
+    init = specjax.engine.Engine.__init__
+
+    def spy(self, *a, **kw):
+        seen.append((kw["max_num_seqs"], kw["batch_buckets"]))
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(specjax.engine.Engine, "__init__", spy)
+    for argv, want, text in ((["--batch", "0"], 4, "all 4 in one batch"), ([], 1, "one request at a time"),
+                             (["--batch", "2"], 2, "2 requests at a time")):
+        seen.clear()
+        rc = cli.main(["demo", "--method", "ngram", "--max-tokens", "5", "--repeat", "1",
+                       "--device", "cpu", *argv])
+        out, err = capsys.readouterr()
+        assert rc == 0, out + err
+        assert text in out and "all methods reproduce plain greedy decoding: OK" in out
+        assert seen and set(seen) == {(want, (want,))}
+
+    def no_work(*a, **k):
+        raise AssertionError("loaded a model before checking --batch")
+
+    monkeypatch.setattr(demo, "demo_target", no_work)
+    for bad in (5, 0, -1, True, 1.5):
+        with pytest.raises(ValueError, match=r"--batch must be an int from 1 to the number of prompts \(4\)"):
+            demo.run_demo(["ngram"], batch=bad, out=io.StringIO(), err=io.StringIO())
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--batch", "-1"])
+    capsys.readouterr()
