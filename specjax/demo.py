@@ -153,58 +153,74 @@ class _Progress:
         self.err.flush()
 
 
-def _timed(target, make_proposer, prompts, max_tokens: int, progress: _Progress | None,
-           repeats: int = 5, steps_per_sync: int = 1, max_model_len: int = MAX_MODEL_LEN,
-           temperature: float = 0.0, batch: int | None = None):
-    """A warm-up run of the same workload (compiles every bucket the timed runs use), then
-    the timed run, ``repeats`` times. Returns ``(result, tokens/s: the median run's, spread: (max - min) /
-    median, steps_per_sync used, the median run's (tokens per request, ms) per decoding
-    iteration after the first prefill step)``. ``batch``: requests decoded at once (None:
-    every prompt; fewer: the rest wait and join as requests finish, so the later requests'
-    prefill steps count as iterations). The device loop (``steps_per_sync``) is used when the
-    method runs in it, else one step per sync. Every run gets a fresh proposer (same
-    configuration, so no new compilation): suffix decoding must not draft from its cache of
-    the previous runs' responses."""
-    import statistics
+class _Timer:
+    """One method's timed runs of the whole workload. :func:`run_demo` compiles every
+    method first (:meth:`warm`: a run of the same workload, every bucket the timed runs
+    use), then times them in rounds, one run of each method a round (:meth:`run`), so load
+    from other jobs on the machine hits every row alike. ``batch``: requests decoded at
+    once (None: every prompt; fewer: the rest wait and join as requests finish, so the
+    later requests' prefill steps count as iterations). The device loop
+    (``steps_per_sync``) is used when the method runs in it, else one step per sync. Every
+    run gets a fresh proposer (same configuration, so no new compilation): suffix decoding
+    must not draft from its cache of the previous runs' responses."""
 
-    from specjax.decode_loop import loop_support
-    from specjax.engine import Engine, SamplingParams
+    def __init__(self, target, make_proposer, prompts, max_tokens: int, steps_per_sync: int,
+                 max_model_len: int, temperature: float, batch: int | None) -> None:
+        from specjax.engine import SamplingParams
 
-    batch = len(prompts) if batch is None else batch
+        self.target, self.make_proposer, self.prompts = target, make_proposer, prompts
+        self.steps_per_sync, self.max_model_len = steps_per_sync, max_model_len
+        self.batch = len(prompts) if batch is None else batch
+        self.sp = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        self.runs: list = []
+        self.decode: list[tuple[float, float]] = []
+        self.used_steps_per_sync = 1
 
-    def engine():
-        eng = Engine(target, make_proposer(), max_model_len=max_model_len, block_size=BLOCK_SIZE,
-                     max_num_seqs=batch, batch_buckets=(batch,),
-                     query_buckets=query_buckets(prompts, max_model_len),
-                     context_buckets=context_buckets(max_model_len))
-        if steps_per_sync > 1 and loop_support(eng.step) is None:
-            eng.steps_per_sync = steps_per_sync
+    def _engine(self):
+        from specjax.decode_loop import loop_support
+        from specjax.engine import Engine
+
+        eng = Engine(self.target, self.make_proposer(), max_model_len=self.max_model_len,
+                     block_size=BLOCK_SIZE, max_num_seqs=self.batch, batch_buckets=(self.batch,),
+                     query_buckets=query_buckets(self.prompts, self.max_model_len),
+                     context_buckets=context_buckets(self.max_model_len))
+        if self.steps_per_sync > 1 and loop_support(eng.step) is None:
+            eng.steps_per_sync = self.steps_per_sync
         return eng
 
-    warm = engine()
-    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    warm.generate(prompts, sp)        # compiles every bucket the timed runs use
-    runs, decode = [], []
-    for _ in range(repeats):
+    def warm(self) -> None:
+        eng = self._engine()
+        eng.generate(self.prompts, self.sp)        # compiles every bucket the timed runs use
+        self.used_steps_per_sync = eng.steps_per_sync
+
+    def run(self, progress: _Progress | None) -> None:
         marks: list[tuple[float, int]] = []     # (time, generated tokens) after each iteration
 
-        def on_step(done, total, tokens, marks=marks):
+        def on_step(done, total, tokens):
             marks.append((time.perf_counter(), tokens))
             if progress is not None:
                 progress.update(done, total, tokens)
 
-        res = engine().generate(prompts, sp, progress=on_step)
-        if runs and res.token_ids != runs[0].token_ids:
+        res = self._engine().generate(self.prompts, self.sp, progress=on_step)
+        if self.runs and res.token_ids != self.runs[0].token_ids:
             raise RuntimeError("a repeated run gave different tokens (greedy or seeded)")
-        runs.append(res)
-        # after the prefill step: (tokens per request per iteration, ms per iteration)
+        self.runs.append(res)
+        # after the first prefill step: (tokens per request per iteration, ms per iteration)
         its = max(len(marks) - 1, 1)
-        decode.append(((marks[-1][1] - marks[0][1]) / its / batch,
-                       (marks[-1][0] - marks[0][0]) / its * 1e3))
-    tps = [r.num_generated_tokens / r.elapsed_s for r in runs]
-    med = statistics.median(tps)
-    i = tps.index(sorted(tps)[len(tps) // 2])
-    return runs[0], med, (max(tps) - min(tps)) / med, warm.steps_per_sync, decode[i]
+        self.decode.append(((marks[-1][1] - marks[0][1]) / its / self.batch,
+                            (marks[-1][0] - marks[0][0]) / its * 1e3))
+
+    def result(self):
+        """``(result, tokens/s: the median run's, spread: (max - min) / median,
+        steps_per_sync used, the median run's (tokens per request, ms) per decoding
+        iteration after the first prefill step)``."""
+        import statistics
+
+        tps = [r.num_generated_tokens / r.elapsed_s for r in self.runs]
+        med = statistics.median(tps)
+        i = tps.index(sorted(tps)[len(tps) // 2])
+        return (self.runs[0], med, (max(tps) - min(tps)) / med, self.used_steps_per_sync,
+                self.decode[i])
 
 
 def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
@@ -284,19 +300,30 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
         print(f"skipped {m}: not available in this install{hint}", file=out)
     out.flush()
 
-    progress = _Progress(err, len(rows_spec) + 1)
-    progress.start("plain decoding")
-    base, base_tps, spread, n, mid = _timed(target, lambda: None, prompts, max_tokens, progress,
-                                            repeat, steps_per_sync, mml, temperature, batch)
-    progress.finish(f"{base_tps:.0f} tokens/s")
-    rows = [Row("plain", 0, 1.0, [], base_tps, 1.0, True if temperature == 0 else None,
-                spread=spread, steps_per_sync=n, tokens_per_iter=mid[0], ms_per_iter=mid[1])]
-    for label, mk, make in rows_spec:
-        progress.start(label)
-        res, tps, spread, n, mid = _timed(target, make, prompts, max_tokens, progress, repeat,
-                                          steps_per_sync, mml, temperature, batch)
+    specs = [("plain", 0, lambda: None)] + list(rows_spec)
+    timers = [_Timer(target, make, prompts, max_tokens, steps_per_sync, mml, temperature, batch)
+              for _, _, make in specs]
+    progress = _Progress(err, len(specs))
+    for (label, _, _), t in zip(specs, timers):       # compile every method first
+        progress.start("plain decoding" if label == "plain" else label)
+        t.warm()
+        progress.finish("compiled")
+    rounds = _Progress(err, repeat)
+    for _ in range(repeat):                           # then one timed run of each a round
+        rounds.start(f"timed round (of {repeat})")
+        for t in timers:
+            t.run(rounds)
+        rounds.finish("done")
+    rows = []
+    for (label, mk, _), t in zip(specs, timers):
+        res, tps, spread, n, mid = t.result()
+        if label == "plain":
+            base, base_tps = res, tps
+            rows.append(Row("plain", 0, 1.0, [], tps, 1.0, True if temperature == 0 else None,
+                            spread=spread, steps_per_sync=n, tokens_per_iter=mid[0],
+                            ms_per_iter=mid[1]))
+            continue
         ok = res.token_ids == base.token_ids if temperature == 0 else None
-        progress.finish({True: "OK", False: "MISMATCH", None: "done"}[ok])
         rows.append(Row(label, mk, res.mean_acceptance_length, res.acceptance_rate_per_position,
                         tps, tps / base_tps, ok, spread=spread, steps_per_sync=n,
                         tokens_per_iter=mid[0], ms_per_iter=mid[1]))
@@ -304,7 +331,8 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
     for line in slow_reasons(rows):
         print(line, file=out)
     print(f"tokens/s: generated tokens / wall time of all the prompts, median of {repeat} runs "
-          f"(spread: (max - min) / median), compilation excluded; sync: decoding iterations per "
+          f"(spread: (max - min) / median), compilation excluded, the runs interleaved (one of "
+          f"every method a round, so load from other jobs hits every row alike); sync: decoding iterations per "
           f"host sync (the device loop, steps_per_sync={steps_per_sync}; 1: a method that drafts "
           "on the host runs one step per sync). On a CPU this tiny target's step is mostly "
           "XLA:CPU's cost per op: a drafter pass of one layer costs a third to a half of the "
