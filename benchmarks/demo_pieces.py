@@ -3,13 +3,13 @@ timed alone, in one process, interleaved (so load from other jobs hits every row
 
 Rows, for ``--batch`` B requests (default 1, the demo's default; 4: the demo's prompts in
 one batch): the target's forward (+ logits + argmax, q/k/v and gate/up fused as the engine
-runs them) over B rows (plain decoding) and over 4 B (the EAGLE-3 verify at k = 3), at 128-
-and 256-token contexts (8 and 16 blocks of 16); the EAGLE-3 head's first drafting pass (4 B
-rows, through ``fc``) and a later one (B rows); and, with ``--products``, one matrix product
-of the demo's widest shape (``[R, 256] @ [256, 768]``, R = 1, 4 and 16) chained in a loop,
-and a 1024-cube product (the machine's matmul rate). Each figure is the min and the median over ``--repeat`` rounds of
-one call of ``--iters`` passes inside a ``lax.fori_loop`` (no host round trip between
-passes), in ms per pass.
+runs them) over B rows (plain decoding) and over 4 B (the EAGLE-3 verify at k = 3), at
+128- and 256-token contexts (8 and 16 blocks of 16); the EAGLE-3 head's first drafting pass
+(4 B rows, through ``fc``) and a later one (B rows); and, with ``--products``, one matrix
+product of the demo's widest shape (``[R, 256] @ [256, 768]``, R = 1, 4 and 16) chained in
+a loop, and a 1024-cube product (the machine's matmul rate). Each figure is the min and the
+median over ``--repeat`` rounds of one call of ``--iters`` passes inside a
+``lax.fori_loop`` (no host round trip between passes), in ms per pass.
 
 Usage::
 
@@ -18,8 +18,9 @@ Usage::
     python benchmarks/demo_pieces.py --products    # and the matmul rates
 
 The figures (README, "Demo") say why EAGLE-3 does not reach 1.5x plain decoding on 2 CPU
-cores: the matrix products are compute-bound from a few rows on, so the verify's 4 rows a
-request cost far more than one.
+cores: batched, the products are compute-bound (the 16-row verify costs 1.7x the 4-row
+step); one request at a time the verify's 4 rows cost little more than one, but each of the
+head's passes costs a third to a half of the whole target step.
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
                               or not 1 <= batch <= n_prompts):
         raise ValueError(f"--batch must be an int from 1 to the number of prompts ({n_prompts}) "
-                         f"or None (every prompt at once), got {batch!r}")
+                         f"or every prompt at once (--batch 0, batch=None), got {batch!r}")
     have = available_methods()
     if target_dir is None:
         wanted = wanted or list(ALL_METHODS)
@@ -332,15 +332,14 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
         print(line, file=out)
     print(f"tokens/s: generated tokens / wall time of all the prompts, median of {repeat} runs "
           f"(spread: (max - min) / median), compilation excluded, the runs interleaved (one of "
-          f"every method a round, so load from other jobs hits every row alike); sync: decoding iterations per "
-          f"host sync (the device loop, steps_per_sync={steps_per_sync}; 1: a method that drafts "
+          f"every method a round, so load from other jobs hits every row alike); sync: "
+          f"decoding iterations per host sync (the device loop, steps_per_sync={steps_per_sync}; 1: a method that drafts "
           "on the host runs one step per sync). On a CPU this tiny target's step is mostly "
           "XLA:CPU's cost per op: a drafter pass of one layer costs a third to a half of the "
           "4-layer target's step, and with the prompts batched (--batch 0) the products turn "
           "compute-bound (benchmarks/demo_pieces.py); other jobs on the machine widen the "
-          "spread. So the "
-          "speed-ups say little about a real model on a GPU; see benchmarks/e2e.py and "
-          "benchmarks/loop.py for GPU costs.", file=out)
+          "spread. So the speed-ups say little about a real model on a GPU; see "
+          "benchmarks/e2e.py and benchmarks/loop.py for GPU costs.", file=out)
     bad = [r.method for r in rows if r.ok is False]
     if temperature == 0:
         print("all methods reproduce plain greedy decoding: " + ("OK" if not bad else
