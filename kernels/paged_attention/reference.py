@@ -55,12 +55,11 @@ def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadat
         qpos = seq[:, None] - qlen[:, None] + qi[None, :]       # [B, Q]
         mask = mask & (kj[None, None, :] <= qpos[:, :, None])
 
-    s = jnp.einsum("bkxd,bkcd->bkxc", qh, kr, preferred_element_type=jnp.float32) * scale
+    s = _scores(qh, kr) * scale
     s = s.reshape(b_pad, nkv, group, qmax, ctx)                 # [B, nkv, G, Q, C]
     s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1).reshape(b_pad, nkv, group * qmax, ctx)
-    o = jnp.einsum("bkxc,bkcd->bkxd", p.astype(vr.dtype), vr,
-                   preferred_element_type=jnp.float32)          # [B, nkv, G*Q, hd]
+    o = _mix(p.astype(vr.dtype), vr)                            # [B, nkv, G*Q, hd]
     o = jnp.transpose(o.reshape(b_pad, nkv, group, qmax, hd), (0, 3, 1, 2, 4))
     o = o.reshape(b_pad, qmax, nh, hd)
 
@@ -72,3 +71,42 @@ def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadat
     out = o[r_t, i_t]
     valid = t < qsl[-1]
     return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+
+
+# The two batched products, ``[B, nkv, x, *]`` rows with x = G * Q (query heads per kv head
+# times queries per request). On a CPU, when every request has one query and its kv head
+# serves at most two query heads (x <= 2: a decoding step, a drafter's later passes),
+# they take their row operand transposed ([B, nkv, *, x]): XLA:CPU then runs them with its
+# own dot instead of YNNPACK, whose fixed cost per call dominates products this small (the
+# shipped demo's plain decoding 18% faster on 2 cores, EAGLE-3 5%; benchmarks/RESULTS.md,
+# eighteenth session). The choice is made per platform when the program is lowered; the
+# GPU program is unchanged. Both forms compute the same sums (summation order aside).
+_CPU_TRANSPOSED_MAX_ROWS = 2
+
+
+def _scores(qh: jax.Array, kr: jax.Array) -> jax.Array:
+    """``[B, nkv, x, hd] x [B, nkv, C, hd] -> [B, nkv, x, C]`` float32."""
+    def rows(qh, kr):
+        return jnp.einsum("bkxd,bkcd->bkxc", qh, kr, preferred_element_type=jnp.float32)
+
+    def transposed(qh, kr):
+        return jnp.einsum("bkdx,bkcd->bkxc", jnp.swapaxes(qh, 2, 3), kr,
+                          preferred_element_type=jnp.float32)
+
+    if qh.shape[2] > _CPU_TRANSPOSED_MAX_ROWS:
+        return rows(qh, kr)
+    return jax.lax.platform_dependent(qh, kr, cpu=transposed, default=rows)
+
+
+def _mix(p: jax.Array, vr: jax.Array) -> jax.Array:
+    """``[B, nkv, x, C] x [B, nkv, C, hd] -> [B, nkv, x, hd]`` float32."""
+    def rows(p, vr):
+        return jnp.einsum("bkxc,bkcd->bkxd", p, vr, preferred_element_type=jnp.float32)
+
+    def transposed(p, vr):
+        return jnp.einsum("bkcx,bkcd->bkxd", jnp.swapaxes(p, 2, 3), vr,
+                          preferred_element_type=jnp.float32)
+
+    if p.shape[2] > _CPU_TRANSPOSED_MAX_ROWS:
+        return rows(p, vr)
+    return jax.lax.platform_dependent(p, vr, cpu=transposed, default=rows)

@@ -221,6 +221,29 @@ def test_kernel_matches_reference(name):
             assert_close(got, oracle(q, cache, md, scale), 1e-5, f"{name} vs NumPy oracle")
 
 
+@pytest.mark.parametrize("nh,nkv", [(2, 2), (4, 2), (8, 2)])
+def test_reference_decode_form_per_platform(nh, nkv):
+    """The XLA reference on one query per request (a decoding step): equal to the NumPy
+    oracle, and lowered with its row operands transposed for a CPU when a kv head serves at
+    most two query heads (XLA:CPU's own dot instead of YNNPACK), as written for a GPU and
+    for wider row blocks. Lowered for CUDA here without a GPU (``lowering_platforms``)."""
+    cfg = Cfg(nh=nh, nkv=nkv, hd=16, bs=8, width=6, qmax=1, b_pad=3, t_pad=4)
+    scale = cfg.hd ** -0.5
+    ref = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=scale))
+    for seed in range(3):
+        q, cache, md = make_case(cfg, 40 + seed)
+        assert_close(ref(q, cache, md), oracle(q, cache, md, scale), 1e-5, f"seed {seed}")
+
+    def contractions(platform):
+        text = ref.trace(q, cache, md).lower(lowering_platforms=(platform,)).as_text()
+        return [line.split("contracting_dims = ")[1].split(",")[0]
+                for line in text.splitlines() if "stablehlo.dot_general" in line]
+
+    rows = ["[3] x [3]", "[3] x [2]"]              # scores, then probabilities x V
+    assert contractions("cuda") == rows
+    assert contractions("cpu") == (["[2] x [3]", "[2] x [2]"] if nh // nkv <= 2 else rows)
+
+
 def with_write_slots(cfg: Cfg, md, seed: int):
     """``md`` with the slot mapping a fused-write test wants: some of a request's tokens
     unwritten (slot -1, as past ``max_model_len``) or out of the cache (dropped), some
