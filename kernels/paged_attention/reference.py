@@ -55,11 +55,11 @@ def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadat
         qpos = seq[:, None] - qlen[:, None] + qi[None, :]       # [B, Q]
         mask = mask & (kj[None, None, :] <= qpos[:, :, None])
 
-    s = _scores(qh, kr) * scale
+    s = _product("bkxd,bkcd->bkxc", qh, kr) * scale             # [B, nkv, G*Q, C]
     s = s.reshape(b_pad, nkv, group, qmax, ctx)                 # [B, nkv, G, Q, C]
     s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1).reshape(b_pad, nkv, group * qmax, ctx)
-    o = _mix(p.astype(vr.dtype), vr)                            # [B, nkv, G*Q, hd]
+    o = _product("bkxc,bkcd->bkxd", p.astype(vr.dtype), vr)  # [B, nkv, G*Q, hd]
     o = jnp.transpose(o.reshape(b_pad, nkv, group, qmax, hd), (0, 3, 1, 2, 4))
     o = o.reshape(b_pad, qmax, nh, hd)
 
@@ -84,29 +84,19 @@ def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadat
 _CPU_TRANSPOSED_MAX_ROWS = 2
 
 
-def _scores(qh: jax.Array, kr: jax.Array) -> jax.Array:
-    """``[B, nkv, x, hd] x [B, nkv, C, hd] -> [B, nkv, x, C]`` float32."""
-    def rows(qh, kr):
-        return jnp.einsum("bkxd,bkcd->bkxc", qh, kr, preferred_element_type=jnp.float32)
+def _product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, a, b)`` in float32, ``spec`` a ``"bkx?,bk??->bkx?"`` batched
+    product with the rows ``x`` third in ``a``; on a CPU at ``x <= 2`` with ``a``'s last
+    two axes swapped (``"bk?x,..."``: the same sums, XLA:CPU's own dot)."""
+    lhs, rest = spec.split(",")
 
-    def transposed(qh, kr):
-        return jnp.einsum("bkdx,bkcd->bkxc", jnp.swapaxes(qh, 2, 3), kr,
+    def rows(a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+    def transposed(a, b):
+        return jnp.einsum(f"{lhs[:2]}{lhs[3]}{lhs[2]},{rest}", jnp.swapaxes(a, 2, 3), b,
                           preferred_element_type=jnp.float32)
 
-    if qh.shape[2] > _CPU_TRANSPOSED_MAX_ROWS:
-        return rows(qh, kr)
-    return jax.lax.platform_dependent(qh, kr, cpu=transposed, default=rows)
-
-
-def _mix(p: jax.Array, vr: jax.Array) -> jax.Array:
-    """``[B, nkv, x, C] x [B, nkv, C, hd] -> [B, nkv, x, hd]`` float32."""
-    def rows(p, vr):
-        return jnp.einsum("bkxc,bkcd->bkxd", p, vr, preferred_element_type=jnp.float32)
-
-    def transposed(p, vr):
-        return jnp.einsum("bkcx,bkcd->bkxd", jnp.swapaxes(p, 2, 3), vr,
-                          preferred_element_type=jnp.float32)
-
-    if p.shape[2] > _CPU_TRANSPOSED_MAX_ROWS:
-        return rows(p, vr)
-    return jax.lax.platform_dependent(p, vr, cpu=transposed, default=rows)
+    if a.shape[2] > _CPU_TRANSPOSED_MAX_ROWS:
+        return rows(a, b)
+    return jax.lax.platform_dependent(a, b, cpu=transposed, default=rows)
