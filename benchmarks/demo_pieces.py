@@ -9,23 +9,29 @@ runs them) over B rows (plain decoding) and over 4 B (the EAGLE-3 verify at k = 
 product of the demo's widest shape (``[R, 256] @ [256, 768]``, R = 1, 4 and 16) chained in
 a loop, and a 1024-cube product (the machine's matmul rate). Each figure is the min and the
 median over ``--repeat`` rounds of one call of ``--iters`` passes inside a
-``lax.fori_loop`` (no host round trip between passes), in ms per pass.
+``lax.fori_loop`` (no host round trip between passes), in ms per pass; the KV caches are
+donated and carried from call to call, as the engine runs them. ``--width`` / ``--layers``
+time the same passes with random weights at another hidden size / target depth (timing
+only: what a larger demo model would cost on this machine).
 
 Usage::
 
     python benchmarks/demo_pieces.py               # the model passes, one request
     python benchmarks/demo_pieces.py --batch 4     # the 4 demo prompts in one batch
     python benchmarks/demo_pieces.py --products    # and the matmul rates
+    python benchmarks/demo_pieces.py --width 512 --layers 8   # a larger target and head
 
 The figures (README, "Demo") say why EAGLE-3 does not reach 1.5x plain decoding on 2 CPU
 cores: batched, the products are compute-bound (the 16-row verify costs 1.7x the 4-row
-step); one request at a time the verify's 4 rows cost little more than one, but each of the
-head's passes costs a third to a half of the whole target step.
+step); one request at a time the verify's 4 rows cost ~1.3-1.6x one row, and each of the
+head's passes a third to a half of the whole target step, so the model passes of an
+EAGLE-3 iteration alone exceed what 1.5x allows.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -55,44 +61,79 @@ def _metadata(q: int, blocks: int) -> CommonAttentionMetadata:
                                    jnp.int32(B * q), jnp.max(seq), q)
 
 
-def model_cases(iters: int) -> dict:
+def _scaled(target, head, width: int | None, layers: int | None):
+    """The demo's target and EAGLE-3 head with random weights at ``width`` (hidden size;
+    heads, head dim 64, the intermediate 3x as the demo's) and ``layers`` (the target's),
+    None keeping the demo's: what a larger demo model's passes would cost (timing only)."""
+    from specjax.engine import TargetModel
+    from specjax.models import registry, share_target_weights
+
+    if width is None and layers is None:
+        return target, head.impl.model, head.params
+    tm, _ = target
+    hm = head.impl.model
+    w = width or tm.config.hidden_size
+    geo = dict(hidden_size=w, intermediate_size=3 * w, num_attention_heads=w // 64,
+               num_key_value_heads=max(w // 128, 1), head_dim=64)
+    tcfg = tm.config.replace(num_hidden_layers=layers or tm.config.num_hidden_layers, **geo)
+    hcfg = hm.config.replace(target_hidden_size=w, **geo)
+    target = TargetModel(registry.make_model(tcfg.kind, tcfg), registry.init_params(tcfg.kind, tcfg, 0))
+    hm = registry.make_model(hcfg.kind, hcfg)
+    return target, hm, share_target_weights(registry.init_params(hcfg.kind, hcfg, 1), target.params)
+
+
+def model_cases(iters: int, width: int | None = None, layers: int | None = None) -> dict:
+    """Each pass in a ``lax.fori_loop`` of ``iters``, its KV caches donated and carried from
+    call to call, as the engine runs them (an undonated cache is copied once per call:
+    ~0.2-0.4 ms a call here, which the first version of this script counted per pass)."""
     target = demo.demo_target()
     head = demo.demo_proposer("eagle3", 3, target, max_model_len=demo.MAX_MODEL_LEN)
+    target, hm, hp = _scaled(target, head, width, layers)
     tm, tp = target
     tp = fuse_projections(tp)                  # as the engine runs the target (its default)
-    hm, hp = head.impl.model, fuse_projections(head.params)
-    tcache, hcache = tm.init_kv_caches(NB, BS), hm.init_kv_caches(NB, BS)
+    hp = fuse_projections(hp)
 
     def target_pass(q, blocks):
         md = _metadata(q, blocks)
         pos = jnp.full((B * q,), 100, jnp.int32)
 
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=(1,))
         def run(p, caches, ids):
             def body(_, c):
                 caches, ids = c
                 h, _aux, caches = tm.forward(p, ids, pos, caches, md)
                 return caches, jnp.argmax(tm.compute_logits(p, h), -1).astype(jnp.int32)
-            return jax.lax.fori_loop(0, iters, body, (caches, ids))[1]
+            return jax.lax.fori_loop(0, iters, body, (caches, ids))
         ids = jnp.zeros((B * q,), jnp.int32)
-        return lambda: run(tp, tcache, ids)
+        held = {"caches": tm.init_kv_caches(NB, BS)}
+
+        def call():
+            held["caches"], out = run(tp, held["caches"], ids)
+            return out
+        return call
 
     def head_pass(q, blocks, first):
         md = _metadata(q, blocks)
         pos = jnp.full((B * q,), 100, jnp.int32)
         width = hm.config.num_aux * tm.config.hidden_size if first else hm.config.hidden_size
 
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=(1,))
         def run(p, caches, ids, hid):
             def body(_, c):
                 caches, ids, hid = c
                 normed, pre, caches = hm.forward(p, ids, pos, hid, caches, md)
                 ids = jnp.argmax(hm.compute_draft_logits(p, normed), -1).astype(jnp.int32)
                 return caches, ids, (hid + 0 * pre.sum()) if first else pre
-            return jax.lax.fori_loop(0, iters, body, (caches, ids, hid))[1]
+            caches, ids, _ = jax.lax.fori_loop(0, iters, body, (caches, ids, hid))
+            return caches, ids
         ids = jnp.zeros((B * q,), jnp.int32)
         hid = jnp.full((B * q, width), 0.01, jnp.float32)
-        return lambda: run(hp, hcache, ids, hid)
+        held = {"caches": hm.init_kv_caches(NB, BS)}
+
+        def call():
+            held["caches"], out = run(hp, held["caches"], ids, hid)
+            return out
+        return call
 
     r1, r4 = B, 4 * B
     return {
@@ -129,10 +170,18 @@ def main(argv=None) -> int:
     ap.add_argument("--products", action="store_true", help="also the matmul rates")
     ap.add_argument("--batch", type=int, choices=(1, 2, 3, 4), default=1,
                     help="requests per step (default 1, the demo's default)")
+    ap.add_argument("--width", type=int, default=None,
+                    help="random weights at this hidden size (a multiple of 128; timing only)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="random weights with this many target layers (timing only)")
     args = ap.parse_args(argv)
+    if args.width is not None and (args.width <= 0 or args.width % 128):
+        ap.error(f"--width must be a positive multiple of 128, got {args.width}")
+    if args.layers is not None and args.layers <= 0:
+        ap.error(f"--layers must be positive, got {args.layers}")
     global B
     B = args.batch
-    cases = {k: (f, None) for k, f in model_cases(args.iters).items()}
+    cases = {k: (f, None) for k, f in model_cases(args.iters, args.width, args.layers).items()}
     if args.products:
         cases.update(product_cases(args.iters))
     for f, _ in cases.values():
