@@ -82,6 +82,17 @@ def _scaled(target, head, width: int | None, layers: int | None):
     return target, hm, share_target_weights(registry.init_params(hcfg.kind, hcfg, 1), target.params)
 
 
+def _carried(run, params, caches, *args):
+    """A call of ``run(params, caches, *args) -> (caches, out)`` (``caches`` donated) that
+    feeds each call the caches the previous one returned; returns ``out``."""
+    held = [caches]
+
+    def call():
+        held[0], out = run(params, held[0], *args)
+        return out
+    return call
+
+
 def model_cases(iters: int, width: int | None = None, layers: int | None = None) -> dict:
     """Each pass in a ``lax.fori_loop`` of ``iters``, its KV caches donated and carried from
     call to call, as the engine runs them (an undonated cache is copied once per call:
@@ -104,13 +115,7 @@ def model_cases(iters: int, width: int | None = None, layers: int | None = None)
                 h, _aux, caches = tm.forward(p, ids, pos, caches, md)
                 return caches, jnp.argmax(tm.compute_logits(p, h), -1).astype(jnp.int32)
             return jax.lax.fori_loop(0, iters, body, (caches, ids))
-        ids = jnp.zeros((B * q,), jnp.int32)
-        held = {"caches": tm.init_kv_caches(NB, BS)}
-
-        def call():
-            held["caches"], out = run(tp, held["caches"], ids)
-            return out
-        return call
+        return _carried(run, tp, tm.init_kv_caches(NB, BS), jnp.zeros((B * q,), jnp.int32))
 
     def head_pass(q, blocks, first):
         md = _metadata(q, blocks)
@@ -126,14 +131,8 @@ def model_cases(iters: int, width: int | None = None, layers: int | None = None)
                 return caches, ids, (hid + 0 * pre.sum()) if first else pre
             caches, ids, _ = jax.lax.fori_loop(0, iters, body, (caches, ids, hid))
             return caches, ids
-        ids = jnp.zeros((B * q,), jnp.int32)
-        hid = jnp.full((B * q, width), 0.01, jnp.float32)
-        held = {"caches": hm.init_kv_caches(NB, BS)}
-
-        def call():
-            held["caches"], out = run(hp, held["caches"], ids, hid)
-            return out
-        return call
+        return _carried(run, hp, hm.init_kv_caches(NB, BS), jnp.zeros((B * q,), jnp.int32),
+                        jnp.full((B * q, width), 0.01, jnp.float32))
 
     r1, r4 = B, 4 * B
     return {
