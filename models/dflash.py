@@ -18,9 +18,9 @@ from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import params as mp, rope
-from specjax.kernels.paged_attention import KVCache, init_kv_caches, write_kv
+from specjax.kernels.paged_attention import KVCache, write_kv
 from specjax.models.config import ModelConfig
-from specjax.models.layers import DecoderLayer, RMSNorm, linear, rms_norm
+from specjax.models.layers import DecoderLayer, PagedCache, RMSNorm, linear, rms_norm
 
 
 class DFlashBody(nnx.Module):
@@ -33,7 +33,7 @@ class DFlashBody(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashHead:
+class DFlashHead(PagedCache):
     config: ModelConfig
 
     def _freq(self):
@@ -106,7 +106,3 @@ class DFlashHead:
         ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
         return mp.scatter_vocab(logits, ids + params["d2t"][ids], self.config.vocab_size)
 
-    def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
-        c = self.config
-        return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
-                              c.num_key_value_heads, c.head_dim, dtype)

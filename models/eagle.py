@@ -22,9 +22,9 @@ from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import params as mp, rope
-from specjax.kernels.paged_attention import KVCache, init_kv_caches
+from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig
-from specjax.models.layers import DecoderLayer, linear
+from specjax.models.layers import DecoderLayer, PagedCache, linear
 from specjax.models.tensors import Entry, layer_entries
 
 
@@ -64,7 +64,7 @@ class EagleBody(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleHead:
+class EagleHead(PagedCache):
     config: ModelConfig
 
     def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
@@ -95,10 +95,6 @@ class EagleHead:
         """``[N, H]`` -> ``[N, V]`` float32 through the (target's) lm_head."""
         return mp.lm_head_logits(mp.need(params, "lm_head", "the target's lm_head"), hidden)
 
-    def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
-        c = self.config
-        return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
-                              c.num_key_value_heads, c.head_dim, dtype)
 
 
 # --- canonical tensors (models/CANONICAL.md) ----------------------------------------

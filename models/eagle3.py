@@ -24,10 +24,10 @@ from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import params as mp, rope
-from specjax.kernels.paged_attention import KVCache, init_kv_caches
+from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.eagle import mask_hidden_values, without_mask_hidden
-from specjax.models.layers import MLP, Attention, DecoderLayer, RMSNorm, linear
+from specjax.models.layers import MLP, Attention, DecoderLayer, PagedCache, RMSNorm, linear
 from specjax.models.tensors import Entry, layer_entries
 
 
@@ -61,7 +61,7 @@ class Eagle3Body(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Head:
+class Eagle3Head(PagedCache):
     config: ModelConfig
 
     def _body(self, params):
@@ -127,10 +127,6 @@ class Eagle3Head:
         ids = self.draft_to_target_ids(params, jnp.arange(logits.shape[-1], dtype=jnp.int32))
         return mp.scatter_vocab(logits, ids, self.config.vocab_size)
 
-    def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
-        c = self.config
-        return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
-                              c.num_key_value_heads, c.head_dim, dtype)
 
 
 # --- canonical tensors (models/CANONICAL.md) ----------------------------------------

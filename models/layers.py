@@ -1,4 +1,5 @@
-"""Building blocks shared by every model: RMSNorm, SwiGLU MLP, GQA attention, decoder layer.
+"""Building blocks shared by every model: RMSNorm, SwiGLU MLP, GQA attention, decoder layer,
+the paged-cache mixin.
 
 Flax NNX modules. Weights are ``nnx.Param``; linear kernels are ``[in, out]`` (the
 transpose of PyTorch's ``[out, in]``). The paged attention itself lives in
@@ -17,6 +18,18 @@ from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.params import is_fused_kernel, split_fused, two_row_matmul
 from specjax.models.rope import apply_rope
+
+
+class PagedCache:
+    """Mixin of every runner with one paged K/V cache per layer of its ``config``
+    (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``)."""
+
+    config: ModelConfig
+
+    def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
+        c = self.config
+        return attn_lib.init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
+                                       c.num_key_value_heads, c.head_dim, dtype)
 
 
 class Linear(nnx.Linear):

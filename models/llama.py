@@ -16,9 +16,9 @@ from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import params as mp, rope
-from specjax.kernels.paged_attention import KVCache, init_kv_caches
+from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig
-from specjax.models.layers import DecoderLayer, RMSNorm
+from specjax.models.layers import DecoderLayer, PagedCache, RMSNorm
 from specjax.models.tensors import Entry, layer_entries
 
 
@@ -41,7 +41,7 @@ def check_aux_ids(aux_layer_ids, num_layers: int) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderLM:
+class DecoderLM(PagedCache):
     """Static runner of a decoder LM (hashable; its methods jit with params as arguments).
 
     Attributes:
@@ -88,10 +88,6 @@ class DecoderLM:
         head = params.get("lm_head") or {"embedding": mp.embed_table(params)}
         return mp.lm_head_logits(head, hidden)
 
-    def init_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.float32) -> list[KVCache]:
-        c = self.config
-        return init_kv_caches(c.num_hidden_layers, num_blocks, block_size,
-                              c.num_key_value_heads, c.head_dim, dtype)
 
 
 # --- canonical tensors (models/CANONICAL.md) ----------------------------------------
