@@ -1,10 +1,11 @@
 """``specjax-convert SRC DST [--format F] [--dtype bf16|fp16|fp32] [--force]
 [--allow-nonfinite]``.
 
-Converts a checkpoint (HF Llama/Qwen2/Qwen3, EAGLE, EAGLE-3, DFlash, Medusa; safetensors
-or PyTorch files, read without torch) into a specjax checkpoint: orbax params plus
-``specjax.json``. Exit status 0 on success, 1 on a conversion error (the message names
-every unknown, missing or mis-shaped tensor; or DST exists), 2 on bad arguments (a DST
+Converts a checkpoint (HF Llama/Qwen2/Qwen3, MiMo, EAGLE, EAGLE-3, DFlash, Medusa;
+safetensors or PyTorch files, read without torch) into a specjax checkpoint: orbax params
+plus ``specjax.json``. A MiMo checkpoint converts as its Qwen2 target; ``--format mimo-mtp``
+takes its MTP head instead. Exit status 0 on success, 1 on a conversion error (the message
+names every unknown, missing or mis-shaped tensor; or DST exists), 2 on bad arguments (a DST
 refused by the destination rules included), 130 on SIGINT, 143 on SIGTERM. Nothing is left
 at DST, or beside it, after a failure or an interrupt.
 

@@ -13,6 +13,11 @@ format                   kind     layout written
 =======================  =======  ==========================================================
 ``llama`` / ``qwen2`` /  decoder  HF: ``config.json`` (``*ForCausalLM``) + ``model.safetensors``
 ``qwen3``                         with ``model.*`` names; no ``lm_head.weight`` when tied
+``mimo``                 qwen2    MiMo target: the Qwen2 layout with ``MiMoForCausalLM``,
+                                  ``model_type`` mimo, ``num_nextn_predict_layers`` 0
+``mimo-mtp``             mtp      MiMo MTP head, head only: MiMo config with
+                                  ``num_hidden_layers`` 0, ``num_nextn_predict_layers`` 1;
+                                  ``model.mtp_layers.0.*`` (``n_predict`` must be 1)
 ``eagle``                eagle    SafeAILab EAGLE-1: LlamaConfig + ``bias``; ``fc.*``,
                                   ``layers.{i}.*`` (layer 0 without ``input_layernorm``)
 ``eagle3``               eagle3   SafeAILab EAGLE-3: LlamaConfig + ``draft_vocab_size``;

@@ -1,9 +1,10 @@
 """The checkpoint formats: one :class:`Format` record per format (name, kind, detect,
 read, write), each defined beside its family's other formats in one module that holds its
-reader and its writer (``format_hf``, ``format_eagle``, ``format_eagle3``, ``format_dflash``,
-``format_medusa``; shared helpers in ``format_common``). Readers turn ``(config.json,
-tensors)`` into the canonical ``(kind, hf_config, tensors)`` of ``models/CANONICAL.md``;
-writers (``export_checkpoint``) do the inverse. Plus format auto-detection.
+reader and its writer (``format_hf``, ``format_mimo``, ``format_eagle``, ``format_eagle3``,
+``format_dflash``, ``format_medusa``; shared helpers in ``format_common``). Readers turn
+``(config.json, tensors)`` into the canonical ``(kind, hf_config, tensors)`` of
+``models/CANONICAL.md``; writers (``export_checkpoint``) do the inverse. Plus format
+auto-detection.
 
 Facts per format: ``research/checkpoint_formats.md`` (section numbers below refer to it).
 Normalizers rename, drop and derive tensors lazily (no weight bytes are read here) and
@@ -21,7 +22,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.converters import format_dflash, format_eagle, format_eagle3, format_hf, format_medusa
+from specjax.converters import (
+    format_dflash,
+    format_eagle,
+    format_eagle3,
+    format_hf,
+    format_medusa,
+    format_mimo,
+)
 from specjax.converters.errors import CheckpointError, FormatDetectionError
 from specjax.converters.format_common import (  # noqa: F401 (re-exported)
     _PARALLEL_TOKEN_FIELDS,
@@ -81,12 +89,14 @@ def _take_mask_hidden(kind: str, cfg: dict, tensors: Tensors, notes: list[str]) 
 # -- the table -----------------------------------------------------------------------------
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    format_hf.FORMATS + format_eagle.FORMATS + format_eagle3.FORMATS + format_dflash.FORMATS
-    + format_medusa.FORMATS)}
+    format_hf.FORMATS + format_mimo.FORMATS + format_eagle.FORMATS + format_eagle3.FORMATS
+    + format_dflash.FORMATS + format_medusa.FORMATS)}
 #: The order ``detect_format`` asks the formats in (the first that recognises a
-#: checkpoint wins): speculators configs, then key patterns from the most specific.
+#: checkpoint wins): speculators configs, then key patterns from the most specific. A MiMo
+#: checkpoint: ``mimo-mtp`` for a head-only export (MTP modules, no decoder layers), else
+#: ``mimo`` (the target; ``--format mimo-mtp`` takes its head), before the plain decoders.
 DETECTION_ORDER = ("eagle3-speculators", "dflash-speculators", "eagle3", "dflash", "medusa",
-                   "medusa-vllm", "eagle", "llama", "qwen2", "qwen3")
+                   "medusa-vllm", "eagle", "mimo-mtp", "mimo", "llama", "qwen2", "qwen3")
 assert sorted(DETECTION_ORDER) == sorted(FORMATS)
 
 
@@ -123,7 +133,7 @@ def detect_format(config: dict, tensors: Tensors, files: list[str] = ()) -> str:
         raise FormatDetectionError(
             f"an HF decoder checkpoint of unsupported model_type "
             f"{p.config.get('model_type')!r} / architectures {list(p.archs)!r} (allowed: "
-            "llama, qwen2, qwen3); pass --format to force one")
+            "llama, qwen2, qwen3, MiMoForCausalLM); pass --format to force one")
     raise FormatDetectionError(
         "cannot tell the checkpoint format from config.json and the tensor names; pass "
         f"--format (allowed: {', '.join(FORMATS)})")

@@ -32,6 +32,8 @@ runner                 methods
                        -> (hidden, kv_caches)``; ``compute_logits``
 ``MedusaHeads``        ``forward(params, hidden [T,H]) -> [K,T,H]``;
                        ``compute_logits(params, [K,N,H]) -> [K,N,V]``
+``MTPHead``            ``forward(params, input_ids, positions, hidden [T,H], kv_caches, md)
+                       -> (o, o, kv_caches)`` (MiMo MTP, post-norm ``o``); ``compute_logits``
 ``ExtractHiddenStates`` ``forward(params, aux [T,n_aux,H], kv_caches, md) -> kv_caches``
 =====================  ==================================================================
 
@@ -50,6 +52,7 @@ from specjax.models.eagle3 import Eagle3Head
 from specjax.models.extract_hidden_states import ExtractHiddenStates
 from specjax.models.llama import DecoderLM
 from specjax.models.medusa import MedusaHeads
+from specjax.models.mtp import MTPHead
 from specjax.models.params import fuse_projections, unfuse_projections
 from specjax.models.registry import (
     abstract_params,
@@ -104,7 +107,8 @@ def share_target_weights(head_params: dict, target_params: dict, *, kind: str | 
 
 __all__ = [
     "KINDS", "ModelConfig", "KVCache", "init_kv_caches", "paged_attention", "write_kv",
-    "DecoderLM", "EagleHead", "Eagle3Head", "DFlashHead", "MedusaHeads", "ExtractHiddenStates",
+    "DecoderLM", "EagleHead", "Eagle3Head", "DFlashHead", "MedusaHeads", "MTPHead",
+    "ExtractHiddenStates",
     "config_from_hf", "config_to_dict", "expected_tensors", "params_from_tensors",
     "tensors_from_params",
     "abstract_params", "init_params", "make_model", "share_target_weights",

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 #: Kinds with weights (the canonical checkpoint forms of models/CANONICAL.md).
-KINDS = ("llama", "qwen2", "qwen3", "eagle", "eagle3", "dflash", "medusa")
+KINDS = ("llama", "qwen2", "qwen3", "eagle", "eagle3", "dflash", "medusa", "mtp")
 
 #: Kinds that are a plain decoder LM (target or draft model).
 DECODER_KINDS = ("llama", "qwen2", "qwen3")
@@ -43,6 +43,8 @@ class ModelConfig:
       block_size, mask_token_id, causal: DFlash.
       num_heads, truncated_vocab_size, original_lm_head, logit_scale: Medusa
         (``num_hidden_layers`` = ResBlocks per head).
+      n_predict: MiMo MTP, the checkpoint's ``num_nextn_predict_layers`` (the head holds
+        module 0, which vLLM drafts every step with; ``num_hidden_layers`` = 1 block).
 
     Optional-tensor presence (only :func:`abstract_params` needs it; forward passes look
     at the params themselves): has_embed_tokens, has_lm_head, has_d2t, has_token_map.
@@ -79,6 +81,7 @@ class ModelConfig:
     truncated_vocab_size: int = 0
     original_lm_head: bool = False
     logit_scale: float = 1.0
+    n_predict: int = 0
     # optional tensors
     has_embed_tokens: bool | None = None
     has_lm_head: bool | None = None

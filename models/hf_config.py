@@ -232,8 +232,8 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
                     why=f"specjax's limit is {MAX_LAYERS} layers")
     theta, scaling = _rope(kind, hf)
     attention_bias = _bool(hf, "attention_bias", False)
-    qkv_bias = _bool(hf, "qkv_bias", kind == "qwen2" or attention_bias)
-    o_bias = _bool(hf, "o_bias", False if kind in ("qwen2", "eagle") else attention_bias)
+    qkv_bias = _bool(hf, "qkv_bias", kind in ("qwen2", "mtp") or attention_bias)
+    o_bias = _bool(hf, "o_bias", False if kind in ("qwen2", "eagle", "mtp") else attention_bias)
     qk_norm = _bool(hf, "qk_norm", kind in ("qwen3", "dflash")
                     or (kind == "eagle3" and hf.get("model_type") == "qwen3"))
     vocab = _int(hf, "vocab_size", 1, MAX_VOCAB)
@@ -262,6 +262,8 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
     )
     if kind == "eagle":
         fields["fc_bias"] = _bool(hf, "bias", True)
+    elif kind == "mtp":
+        fields["n_predict"] = _int(hf, "num_nextn_predict_layers", 1, MAX_LAYERS, default=1)
     elif kind == "eagle3":
         fields.update(
             draft_vocab_size=_int(hf, "draft_vocab_size", 1, MAX_VOCAB, default=vocab),
@@ -322,6 +324,8 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
         )
         if c.kind == "eagle":
             d["bias"] = c.fc_bias
+        elif c.kind == "mtp":
+            d["num_nextn_predict_layers"] = c.n_predict
         elif c.kind == "eagle3":
             d.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
                      norm_before_residual=c.norm_before_residual,

@@ -3,7 +3,7 @@
 The HF-config half (``config_from_hf`` / ``config_to_dict``) is :mod:`specjax.models.hf_config`
 (re-exported here). One table per kind (:func:`tensor_table`, written in each model file:
 ``llama.tensor_table``, ``eagle.tensor_table``, ``eagle3.tensor_table`` for EAGLE-3 and
-DFlash, ``medusa.tensor_table``) maps every canonical tensor name to its place in
+DFlash, ``medusa.tensor_table``, ``mtp.tensor_table``) maps every canonical tensor name to its place in
 the params dict, its PyTorch-layout shape and how it converts (linear weights are
 transposed ``[out, in] -> [in, out]``; vectors and embeddings are copied; integer maps stay
 int32). ``expected_tensors``, ``params_from_tensors``, ``abstract_params`` and the random
@@ -59,6 +59,8 @@ def tensor_table(kind: str, config: ModelConfig) -> list[Entry]:
         from specjax.models.eagle3 import tensor_table as table
     elif kind == "medusa":
         from specjax.models.medusa import tensor_table as table
+    elif kind == "mtp":
+        from specjax.models.mtp import tensor_table as table
     else:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return table(config)
@@ -309,12 +311,14 @@ def make_model(kind: str, config: ModelConfig, **static: Any):
     from specjax.models.eagle3 import Eagle3Head
     from specjax.models.llama import DecoderLM
     from specjax.models.medusa import MedusaHeads
+    from specjax.models.mtp import MTPHead
 
     if kind != config.kind:
         raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
     if kind in DECODER_KINDS:
         return DecoderLM(config, **static)
-    cls = {"eagle": EagleHead, "eagle3": Eagle3Head, "dflash": DFlashHead, "medusa": MedusaHeads}[kind]
+    cls = {"eagle": EagleHead, "eagle3": Eagle3Head, "dflash": DFlashHead, "medusa": MedusaHeads,
+           "mtp": MTPHead}[kind]
     return cls(config, **static)
 
 

@@ -21,10 +21,10 @@ from specjax.checks import (ArgumentTypeError, check_bool, check_int, check_numb
                             check_opt_int, is_int, show)
 
 MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix")
-HEAD_METHODS = ("eagle", "eagle3", "dflash", "medusa", "extract_hidden_states")
+HEAD_METHODS = ("eagle", "eagle3", "dflash", "medusa", "mtp", "extract_hidden_states")
 METHODS = MODEL_FREE_METHODS + HEAD_METHODS + ("draft_model",)
 #: Methods vLLM accepts that specjax does not implement.
-UNSUPPORTED_METHODS = ("mlp_speculator", "mtp")
+UNSUPPORTED_METHODS = ("mlp_speculator",)
 #: Methods built on vLLM's SpecDecodeBaseProposer, the only ones that can draft in parallel.
 PARALLEL_DRAFTING_METHODS = ("eagle", "eagle3", "draft_model", "dflash")
 TREE_METHODS = ("eagle", "eagle3")
@@ -176,6 +176,10 @@ class SpeculativeConfig:
                     f"{self.suffix_decoding_max_tree_depth} for suffix decoding, above specjax's "
                     f"limit {MAX_SPECULATIVE_TOKENS}: set num_speculative_tokens")
             k = self.suffix_decoding_max_tree_depth
+        if k is None and method == "mtp":
+            raise ValueError("num_speculative_tokens is required for method='mtp' (an int >= 1): "
+                             "vLLM defaults it to the checkpoint's num_nextn_predict_layers, which "
+                             "SpeculativeConfig.from_vllm reads from the model directory")
         if k is None:
             raise ValueError(f"num_speculative_tokens is required for method={method!r} (an int >= 1)")
         k = check_int("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS,
@@ -304,7 +308,7 @@ class SpeculativeConfig:
         return None if t is None else parse_token_tree(t)
 
     def use_eagle(self) -> bool:
-        return self.method in ("eagle", "eagle3", "dflash")
+        return self.method in ("eagle", "eagle3", "mtp", "dflash")
 
     def use_dflash(self) -> bool:
         return self.method == "dflash"

@@ -196,6 +196,9 @@ def _run(args, out: TextIO, err: TextIO) -> int:
             raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
         if not isinstance(spec, dict):
             raise ValueError("--speculative-config must be a JSON object")
+        if spec.get("model") is None and (spec.get("method") == "mtp"
+                                          or str(spec.get("method") or "").endswith("_mtp")):
+            spec = dict(spec, model=args.target)     # vLLM: MTP drafts from the target's checkpoint
     try:
         check_logprobs_mode(args.logprobs_mode)
     except ValueError as e:

@@ -19,12 +19,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["checkpoint_dir", "read_checkpoint_config", "load_model", "load_draft",
            "load_generation_config", "load_tokenizer", "encode_prompt", "encode_bad_words", "score",
-           "DRAFT_KIND_METHODS"]
+           "DRAFT_KIND_METHODS", "DRAFT_METHOD_FORMATS"]
 
 #: ``ModelConfig.kind`` -> the method a draft of that kind is used by.
 DRAFT_KIND_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash",
                       "medusa": "medusa", "llama": "draft_model", "qwen2": "draft_model",
-                      "qwen3": "draft_model"}
+                      "qwen3": "draft_model", "mtp": "mtp"}
+#: method -> the converters' format an *original* (not converted) draft directory is read
+#: in, instead of auto-detection: vLLM's ``method="mtp"`` drafts from the MiMo target's own
+#: directory, which auto-detects as the target (format ``mimo``).
+DRAFT_METHOD_FORMATS = {"mtp": "mimo-mtp"}
 
 
 def checkpoint_dir(path: Any, what: str = "checkpoint") -> Path:
@@ -60,21 +64,34 @@ def read_checkpoint_config(path: Any) -> dict:
     return d
 
 
-def load_model(path: Any, dtype: Any = None):
+def load_model(path: Any, dtype: Any = None, *, format: str | None = None):
     """``(runner, kind, config, params)`` of the checkpoint at ``path`` (converted or
-    original; ``specjax.load_pretrained`` underneath)."""
+    original; ``specjax.load_pretrained`` underneath). ``format``: the converters' format
+    an original checkpoint is read in (a key of ``specjax.converters.FORMATS``; None:
+    auto-detected); a converted directory records its own."""
     from specjax.converters import load_pretrained
     from specjax.models import registry
 
     p = checkpoint_dir(path)
-    kind, config, params = load_pretrained(p, dtype)
+    kind, config, params = load_pretrained(p, dtype, format=format)
     return registry.make_model(kind, config), kind, config, params
 
 
 def load_draft(path: Any, method: str, dtype: Any = None):
     """``(draft runner, draft params)`` of ``config.model``, checked to be a draft of
-    ``method``'s kind."""
-    runner, kind, _, params = load_model(path, dtype)
+    ``method``'s kind. An original directory is read in ``DRAFT_METHOD_FORMATS[method]``
+    when there is one (``"mtp"``: the MTP head of a MiMo checkpoint, format ``mimo-mtp``),
+    else in its auto-detected format."""
+    from specjax.converters.errors import CheckpointError
+
+    fmt = DRAFT_METHOD_FORMATS.get(method)
+    try:
+        runner, kind, _, params = load_model(path, dtype, format=fmt)
+    except CheckpointError as e:
+        if fmt is None or (Path(path).expanduser() / "specjax.json").is_file():
+            raise
+        raise CheckpointError(f"config.model={show(str(path))} (read in format {fmt!r} for "
+                              f"method={method!r}): {e}") from None
     want = DRAFT_KIND_METHODS.get(kind)
     if want != method:
         raise ValueError(f"config.model={show(str(path))} is a {kind!r} checkpoint (a draft for "

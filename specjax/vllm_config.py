@@ -64,7 +64,9 @@ def _from_config(cfg: Mapping[str, Any]) -> set[str]:
 
         found.add(DRAFT_KIND_METHODS.get(kind, kind))
     archs = cfg.get("architectures")
-    if isinstance(archs, list):
+    if isinstance(archs, list) and archs and archs[0] == "MiMoForCausalLM":
+        found.add("mtp")      # vLLM's MiMo rule: on architectures[0], its MTP modules draft
+    elif isinstance(archs, list):
         for a in archs:
             low = str(a).lower()
             for key, method in _HEAD_ARCH:
@@ -76,8 +78,10 @@ def _from_config(cfg: Mapping[str, Any]) -> set[str]:
         low = mt.lower()
         if low in ("eagle", "eagle3", "dflash", "medusa"):
             found.add(low)
-        elif low in ("mlp_speculator",) or low.endswith("_mtp"):
+        elif low == "mlp_speculator":
             found.add(low)
+        elif low == "mtp" or low.endswith("_mtp"):     # vLLM's MTPModelTypes -> "mtp"
+            found.add("mtp")
     if isinstance(cfg.get("dflash_config"), Mapping):
         found.add("dflash")
     return found
@@ -112,6 +116,8 @@ def detect_method(model: str, config: Mapping[str, Any] | None = None) -> str:
         config = read_checkpoint_config(model)
     found = _from_config(config or {})
     by_tensors = _from_tensors(model) if is_dir else None
+    if "mtp" in found and by_tensors == "draft_model":
+        by_tensors = None     # a whole MiMo checkpoint: its trunk reads as a decoder, its MTP drafts
     if by_tensors is not None and found and by_tensors not in found:
         found.add(by_tensors)
     if len(found) > 1:
@@ -174,9 +180,33 @@ def from_vllm(d: Mapping[str, Any], fields: tuple[str, ...], **overrides: Any) -
         if method is None:
             kw["method"] = detect_method(model, cfg)
             logger.info("speculative_config: method %r detected for model %r", kw["method"], model)
-        elif cfg is not None and method in ("eagle", "eagle3", "dflash", "medusa", "draft_model"):
-            found = _from_config(cfg) | ({_from_tensors(model)} - {None})
+        elif cfg is not None and method in ("eagle", "eagle3", "dflash", "medusa", "mtp",
+                                            "draft_model"):
+            found = _from_config(cfg)
+            if not (method == "mtp" and "mtp" in found):
+                found |= {_from_tensors(model)} - {None}
             if found and method not in found:
                 raise ArgumentError(f"speculative_config method={method!r} but model={show(model)} "
                                     f"is a {sorted(found)[0]!r} checkpoint by its config")
+    if kw.get("method") == "mtp" or str(kw.get("method") or "").endswith("_mtp"):
+        _mtp_default_k(kw)
     return kw
+
+
+def _mtp_default_k(kw: dict) -> None:
+    """vLLM's MTP default: ``num_speculative_tokens`` None -> the checkpoint's ``n_predict``
+    (``num_nextn_predict_layers``, 1 when absent), read from ``model``'s config when it is a
+    directory (the target's, for MTP)."""
+    model = kw.get("model")
+    if kw.get("num_speculative_tokens") is not None or model is None or not Path(model).is_dir():
+        return
+    from specjax.hf import read_checkpoint_config
+
+    cfg = read_checkpoint_config(model)
+    inner = cfg.get("config") if isinstance(cfg.get("config"), Mapping) else {}
+    n = cfg.get("num_nextn_predict_layers", inner.get("num_nextn_predict_layers", 1))
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ArgumentError(f"model={show(model)}: config num_nextn_predict_layers={show(n)} must "
+                            "be an int >= 1 (the number of MTP modules)")
+    kw["num_speculative_tokens"] = n
+    logger.info("speculative_config: num_speculative_tokens defaults to n_predict=%d (mtp)", n)

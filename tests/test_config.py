@@ -63,7 +63,11 @@ def test_bad_trees(tree, match):
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(method="nope", num_speculative_tokens=1), "method"),
-    (dict(method="mtp", num_speculative_tokens=1), "method"),
+    (dict(method="mlp_speculator", num_speculative_tokens=1), "method"),
+    (dict(method="mtp"), "num_nextn_predict_layers"),      # vLLM's default needs the checkpoint
+    (dict(method="mtp", num_speculative_tokens=2, speculative_token_tree="[(0,), (1,)]"),
+     "speculative_token_tree"),
+    (dict(method="mtp", num_speculative_tokens=2, parallel_drafting=True), "parallel_drafting"),
     (dict(method="eagle"), "num_speculative_tokens"),
     (dict(method="eagle", num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(method="eagle", num_speculative_tokens=2.0), "num_speculative_tokens"),
@@ -103,5 +107,6 @@ def test_synthetic_ok_and_mtp_alias_warns():
                           synthetic_acceptance_rates=[0.9, 0.5])
     assert c.synthetic_acceptance_rates == (0.9, 0.5)
     hash(c)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not implemented"):
-        SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=1)
+    with pytest.warns(DeprecationWarning):       # vLLM rewrites every *_mtp alias to "mtp"
+        c = SpeculativeConfig(method="mimo_mtp", num_speculative_tokens=1)
+    assert c.method == "mtp" and c.use_eagle()

@@ -528,3 +528,60 @@ def test_generate_stop_and_processing_flags_reach_the_engine(ckpt, capsys, tmp_p
     assert rec["token_ids"] == o.token_ids
     assert set(o.token_ids) <= set(allowed) - {18} and len(o.token_ids) >= 8
     assert o.token_ids != with_eos
+
+
+# -- MiMo: the target's own directory drafts with its MTP module (vLLM's method="mtp") ----
+
+def make_mimo_checkpoint(d, *, seed: int = 3):
+    """A tiny MiMo checkpoint (``MiMoForCausalLM``: a Qwen2 trunk plus two MTP modules
+    ``model.mtp_layers.{0,1}.*``), written with NumPy, and the tokenizer."""
+    from safetensors.numpy import save_file
+
+    from specjax.models import config_from_hf, registry
+
+    d.mkdir(parents=True, exist_ok=True)
+    hf = dict(architectures=["MiMoForCausalLM"], model_type="mimo", vocab_size=48,
+              hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+              rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
+              use_sliding_window=False, num_nextn_predict_layers=2)
+    (d / "config.json").write_text(json.dumps(hf))
+    tensors = registry.random_tensors("qwen2", config_from_hf("qwen2", hf), seed=seed)
+    tensors = {k: 3 * v if k == "lm_head.weight" else v for k, v in tensors.items()}
+    mcfg = config_from_hf("mtp", dict(hf, num_hidden_layers=1))
+    for i in range(2):
+        for k, v in registry.random_tensors("mtp", mcfg, seed=seed + 1 + i).items():
+            name = k[len("layers.0."):] if k.startswith("layers.0.") else k
+            tensors[f"model.mtp_layers.{i}.{name}"] = v
+    save_file(tensors, str(d / "model.safetensors"))
+    _tokenizer(d, False)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2], "bos_token_id": 1}))
+
+
+@pytest.mark.parametrize("spec", ['{"method": "mtp"}', '{"method": "mimo_mtp", "num_speculative_tokens": 4}',
+                                  "DIR"])
+def test_mimo_mtp_from_the_target_directory(tmp_path, capsys, spec):
+    """vLLM's MTP config in one call: ``method="mtp"`` with no ``model`` drafts from the
+    target's own directory, ``num_speculative_tokens`` defaults to the checkpoint's
+    ``num_nextn_predict_layers`` (2 here), a ``*_mtp`` alias is rewritten to mtp, and the
+    MiMo directory as ``model`` is detected as MTP; the text equals plain greedy decoding."""
+    from specjax.hf import encode_prompt, load_tokenizer
+
+    d = tmp_path / "tiny-mimo"
+    make_mimo_checkpoint(d)
+    prompts = ["the cat sat on", "one two three four"]
+    tok = load_tokenizer(d)
+    want = [tok.decode(naive_greedy(d, encode_prompt(tok, p), MAXTOK, {2}),
+                       skip_special_tokens=True) for p in prompts]
+    k = 4 if "mimo_mtp" in spec else 2        # else num_nextn_predict_layers
+    if spec == "DIR":
+        spec = json.dumps({"model": str(d)})
+    lines = _cli(capsys, "--target", str(d), "--speculative-config", spec,
+                 *[a for p in prompts for a in ("--prompt", p)])
+    assert lines[:2] == want and len(lines) == 3
+    assert lines[2].startswith("method: mtp"), lines[2]
+    from specjax.config import SpeculativeConfig
+
+    cfg = SpeculativeConfig.from_vllm(dict(json.loads(spec), model=str(d)))
+    assert cfg.method == "mtp"
+    assert cfg.num_speculative_tokens == k

@@ -100,6 +100,9 @@ def test_path_rule_order_and_config_first():
     assert detect_method("a/x", {"architectures": ["Eagle3LlamaForCausalLM"]}) == "eagle3"
     assert detect_method("a/x", {"speculators_config": {"algorithm": "eagle3"}}) == "eagle3"
     assert detect_method("a/x", {"model_type": "medusa"}) == "medusa"
+    # vLLM's MiMo rule fires on architectures[0]; every MTP model type means "mtp"
+    assert detect_method("a/x", {"architectures": ["MiMoForCausalLM"], "model_type": "mimo"}) == "mtp"
+    assert detect_method("a/x", {"model_type": "deepseek_mtp"}) == "mtp"
     with pytest.raises(ValueError, match="several methods"):
         detect_method("a/x", {"architectures": ["DFlashDraftModel"],
                               "speculators_config": {"algorithm": "eagle3"}})

@@ -66,6 +66,7 @@ from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.models.eagle import EagleHead
 from specjax.models.eagle3 import Eagle3Head
+from specjax.models.mtp import MTPHead
 from specjax.proposers.types import DraftOutput, ProposerInputs
 from specjax.proposers.common import (
     AheadOfTimeCompile,
@@ -100,8 +101,10 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     ``config.parallel_drafting``.
 
     Attributes:
-      config: a ``SpeculativeConfig`` with ``method`` ``"eagle"`` or ``"eagle3"``.
-      model: the head runner (``EagleHead`` / ``Eagle3Head``), params passed to ``propose``
+      config: a ``SpeculativeConfig`` with ``method`` ``"eagle"``, ``"eagle3"`` or ``"mtp"``
+        (MiMo MTP: EAGLE-1's data flow, the target's final hidden in, the head's post-norm
+        output recycled, every step with the checkpoint's module 0, as vLLM's V1 runner).
+      model: the head runner (``EagleHead`` / ``Eagle3Head`` / ``MTPHead``), params passed to ``propose``
         with the target's embedding / lm_head shared in where the head has none
         (``specjax.models.share_target_weights``).
       block_size, max_model_len: of the KV cache / the model.
@@ -121,7 +124,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """
 
     config: SpeculativeConfig
-    model: EagleHead | Eagle3Head
+    model: EagleHead | Eagle3Head | MTPHead
     block_size: int
     max_model_len: int
     parallel_drafting_token_id: int | None = None
@@ -134,8 +137,8 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
 
     def __post_init__(self) -> None:
         method = getattr(self.config, "method", None)
-        head = Eagle3Head if method == "eagle3" else EagleHead
-        cfg = check_proposer(self, method if method in ("eagle", "eagle3") else "eagle", head)
+        head = {"eagle3": Eagle3Head, "mtp": MTPHead}.get(method, EagleHead)
+        cfg = check_proposer(self, method if method in ("eagle", "eagle3", "mtp") else "eagle", head)
         if cfg.parallel_drafting:
             if cfg.disable_padded_drafter_batch:   # SpeculativeConfig refuses it too (vLLM)
                 raise ValueError("parallel_drafting=True needs the padded drafter batch: set "

@@ -93,6 +93,7 @@ _MODEL_METHODS: dict[str, ModelBuilder] = {
     "eagle3": ModelBuilder(_eagle_cls, True),
     "dflash": ModelBuilder(_dflash_cls, True),
     "medusa": ModelBuilder(_medusa_cls, False),
+    "mtp": ModelBuilder(_eagle_cls, True),
     "draft_model": ModelBuilder(_draft_model_cls, True),
     "extract_hidden_states": ModelBuilder(_extract_cls, False),
 }
@@ -228,6 +229,10 @@ def _draft_from_model(config: SpeculativeConfig, draft: Any, draft_params: Any) 
         if config.model is not None and ("/" in config.model or Path(config.model).suffix):
             raise FileNotFoundError(f"config.model={show(config.model)}: no such checkpoint "
                                     "directory (hub names are not downloaded: pass a local path)")
+        if config.method == "mtp":
+            raise ValueError("method='mtp' needs draft= (the MTPHead or its ModelConfig) or "
+                             "config.model naming the MiMo checkpoint directory (vLLM uses the "
+                             "target's own directory when model is None: set model to it)")
         raise ValueError(f"method={config.method!r} needs draft= (the draft runner or its "
                          "ModelConfig) or config.model naming a checkpoint directory")
     if draft_params is not None:
@@ -276,8 +281,10 @@ def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params
             registry.check_params(dcfg.kind, dcfg, draft_params, name="draft_params",
                                   shared_ok=target_params is not None)
             _check_head_fits_target(method, dcfg, target_cfg)
+            if method == "mtp":
+                _check_mtp_k(config.num_speculative_tokens, dcfg.n_predict)
         params = draft_params
-        if target_params is not None and method in ("eagle", "eagle3", "dflash"):
+        if target_params is not None and method in ("eagle", "eagle3", "dflash", "mtp"):
             params = share_target_weights(params, target_params, kind=method)
     vocab = getattr(dcfg, "vocab_size", None)
     if target_cfg is not None and vocab is not None and vocab != target_cfg.vocab_size:
@@ -329,7 +336,20 @@ def _check_aux_layer_ids(method: str, ids: tuple[int, ...], source: str, dcfg, t
 
 #: The ``ModelConfig.kind`` values each model-based method accepts as its draft.
 _DRAFT_KINDS = {"eagle": ("eagle",), "eagle3": ("eagle3",), "dflash": ("dflash",),
-                "medusa": ("medusa",), "draft_model": ("llama", "qwen2", "qwen3")}
+                "medusa": ("medusa",), "mtp": ("mtp",), "draft_model": ("llama", "qwen2", "qwen3")}
+
+
+def _check_mtp_k(k: int, n_predict: int) -> None:
+    """vLLM's MTP rules on k (``SpeculativeConfig.__post_init__``): k above the checkpoint's
+    ``n_predict`` (``num_nextn_predict_layers``) must be a multiple of it; k > 1 runs the
+    one module k times, which vLLM warns may lower the acceptance rate."""
+    n = max(int(n_predict), 1)
+    if k > n and k % n:
+        raise ValueError(f"num_speculative_tokens:{k} must be divisible by n_predict={n} (the MTP "
+                         "checkpoint's num_nextn_predict_layers), vLLM's rule for method='mtp'")
+    if k > 1:
+        logger.warning("Enabling num_speculative_tokens > 1 will run multiple times of forward on "
+                       "same MTP layer, which may result in lower acceptance rate")
 
 
 def _check_shared_entries(target_cfg, target_params) -> None:
@@ -357,7 +377,7 @@ def _check_head_fits_target(method: str, dcfg, target_cfg) -> None:
     if target_cfg is None:
         return
     th = target_cfg.hidden_size
-    if method in ("eagle", "medusa") and dcfg.hidden_size != th:
+    if method in ("eagle", "medusa", "mtp") and dcfg.hidden_size != th:
         raise ValueError(f"method={method!r}: the draft's hidden_size ({dcfg.hidden_size}) "
                          f"differs from the target's hidden_size ({th}); the head reads the "
                          "target's hidden states")

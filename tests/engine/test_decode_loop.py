@@ -27,7 +27,7 @@ except ImportError:  # tests/ made a package
     from tests.test_engine import (BS, FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A,  # noqa: F401
                                    PROMPTS_B, V, _fast_compiles, baseline, build, eos_b, target)
 
-DEVICE_METHODS = [m for m in ("eagle", "eagle3", "dflash", "medusa", "draft_model", "ngram_gpu",
+DEVICE_METHODS = [m for m in ("eagle", "eagle3", "dflash", "medusa", "mtp", "draft_model", "ngram_gpu",
                               "extract_hidden_states") if m in METHODS]
 
 

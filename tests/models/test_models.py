@@ -290,6 +290,46 @@ def test_eagle_matches_oracle(fused):
         assert_close(logits_fn(tied, jnp.asarray(out)), o @ tied_head.T, what="eagle tied logits")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["hf_layout", "fused"])
+def test_mtp_matches_oracle(fused):
+    """MiMo MTP against the oracle written from vLLM's forward: the hidden-first concat, the
+    zeroed embedding at position 0 (the first chunk starts there), q/k/v bias, the final
+    norm, the target's embedding and lm_head."""
+    cfg = cfg_of("mtp", **GEO, num_hidden_layers=1, vocab_size=80, num_nextn_predict_layers=1)
+    assert cfg.qkv_bias and not cfg.o_bias          # the Qwen2 block of MiMo
+    tensors = registry.random_tensors("mtp", cfg, seed=14)
+    assert "layers.0.self_attn.q_proj.bias" in tensors and "embed_tokens.weight" not in tensors
+    target, emb, head = target_weights(cfg, seed=15)
+    params = share_target_weights(registry.params_from_tensors("mtp", cfg, tensors), target)
+    if fused:
+        params = fuse_projections(params)
+        assert "qkv_proj" in params["layers"][0]["self_attn"]
+    model = registry.make_model("mtp", cfg)
+    fwd, logits_fn = jitted(model.forward), jitted(model.compute_logits)
+    rng = np.random.default_rng(16)
+    seqs = [rng.integers(0, 80, size=n) for n in (6, 8)]
+    hid = [rng.standard_normal((len(s), 32)).astype(np.float32) for s in seqs]
+    table = block_tables(2, 3)
+    state = {"caches": model.init_kv_caches(NUM_BLOCKS, BS)}
+
+    def step(ids, pos, md, rows):
+        h = jnp.asarray(pad(np.stack([hid[r][p] for r, p in rows])))
+        out, nxt, state["caches"] = fwd(params, ids, pos, h, state["caches"], md)
+        return out, nxt, logits_fn(params, out)
+
+    got = run_chunks(step, seqs, [[4, 3], [2, 5]], table)
+    for r in range(2):
+        o, lg = ora.mtp(tensors, geo(cfg), emb, head, seqs[r], np.arange(len(seqs[r])),
+                        hid[r].astype(np.float64))
+        assert_close(np.stack([x[0] for x in got[r]]), o, what="mtp out")
+        assert_close(np.stack([x[1] for x in got[r]]), o, what="mtp next hidden (post-norm)")
+        assert_close(np.stack([x[2] for x in got[r]]), lg, what="mtp logits")
+    # the position-0 rule matters: without it the first row differs
+    o_nomask, _ = ora.mtp(tensors, geo(cfg), emb, head, seqs[0], np.arange(1, len(seqs[0]) + 1),
+                          hid[0].astype(np.float64))
+    assert relerr(np.stack([x[0] for x in got[0]])[:1], o_nomask[:1]) > 1e-3
+
+
 EAGLE3_CASES = {
     # the fixtures cover SafeAILab / speculators layouts; this adds Ht != H, an extra layer,
     # Qwen3-style q/k norms and a reduced vocab with a shared target embedding
@@ -470,6 +510,8 @@ def all_configs():
                            mask_token_id=70, aux_hidden_state_layer_ids=[2, 5, 8],
                            has_lm_head=True, has_embed_tokens=True, has_d2t=True,
                            draft_vocab_size=50)
+    out["mtp"] = cfg_of("mtp", **GEO, num_hidden_layers=1, vocab_size=64,
+                        num_nextn_predict_layers=2)
     out["medusa"] = cfg_of("medusa", hidden_size=32, vocab_size=64, num_heads=2,
                            num_hidden_layers=2, medusa_fc_bias=True, logit_scale=2.0,
                            truncated_vocab_size=48, has_token_map=True)
@@ -496,10 +538,10 @@ def test_registry_round_trip_and_structure(name):
     for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract)):
         assert (p.shape, p.dtype) == (a.shape, a.dtype)
     # the body of the params is exactly the NNX module's state
-    from specjax.models import dflash, eagle, eagle3, llama, medusa
+    from specjax.models import dflash, eagle, eagle3, llama, medusa, mtp
     body = {"llama": llama.DecoderBody, "qwen2": llama.DecoderBody, "qwen3": llama.DecoderBody,
             "eagle": eagle.EagleBody, "eagle3": eagle3.Eagle3Body, "dflash": dflash.DFlashBody,
-            "medusa": medusa.MedusaBody}[cfg.kind]
+            "medusa": medusa.MedusaBody, "mtp": mtp.MTPBody}[cfg.kind]
     merge(body, (cfg,), params)
     # orbax-style string layer keys are accepted
     strkeys = {k: ({str(i): x for i, x in v.items()} if k in ("layers", "blocks") else v)

@@ -67,14 +67,15 @@ def test_decoder_bf16(kind, extra):
     assert relerr(l16, l32) < 1e-2
 
 
-def test_eagle3_and_eagle_bf16():
+def test_eagle3_eagle_and_mtp_bf16():
     rng = np.random.default_rng(2)
     md = _md([12, 5])
     ids = jnp.asarray(rng.integers(0, V, 64), jnp.int32)
     pos = jnp.asarray(np.concatenate([np.arange(12), np.arange(5), np.zeros(47)]), jnp.int32)
     for kind, extra, width in (("eagle", dict(bias=True), GEO["hidden_size"]),
                                ("eagle3", dict(draft_vocab_size=128, has_d2t=True,
-                                               eagle_aux_hidden_state_layer_ids=[1, 2, 3]), 3 * GEO["hidden_size"])):
+                                               eagle_aux_hidden_state_layer_ids=[1, 2, 3]), 3 * GEO["hidden_size"]),
+                               ("mtp", dict(num_nextn_predict_layers=1), GEO["hidden_size"])):
         cfg = registry.config_from_hf(kind, dict(GEO, num_hidden_layers=1, vocab_size=V, **extra))
         params = share_target_weights(registry.init_params(kind, cfg, 3), _target(), kind=kind)
         model = registry.make_model(kind, cfg)

@@ -42,6 +42,8 @@ def _target(h, seed=0):
 def head(method):
     if method == "eagle":
         cfg = registry.config_from_hf("eagle", dict(GEO, num_hidden_layers=2, vocab_size=V, bias=True))
+    elif method == "mtp":     # MiMo MTP: EAGLE-1's data flow, its own forward
+        cfg = registry.config_from_hf("mtp", dict(GEO, num_hidden_layers=1, vocab_size=V))
     else:
         cfg = registry.config_from_hf("eagle3", dict(
             GEO, num_hidden_layers=1, vocab_size=V, draft_vocab_size=40, target_hidden_size=24,
@@ -136,7 +138,7 @@ def _inputs(method, reqs, table, lo_hi, with_rejected, rng, *, b_pad=B_PAD, t_pa
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 @pytest.mark.parametrize("k, chunked, padded", [(3, False, True), (3, True, True), (1, False, False),
                                                 (4, True, False)])
 def test_propose_matches_naive_reference(method, k, chunked, padded):
@@ -233,7 +235,7 @@ def test_construction_errors(kwargs, match):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_single_row_batch(method):
     """B_pad = 1: the chain's single-token steps run on one row (each matmul through
     ``models.params.two_row_matmul``); the drafts are the reference's and no KV outside the

@@ -174,6 +174,24 @@ def decoder_layer(prefix: str, *, width: int = H, hd: int = HD, input_norm: bool
     return t
 
 
+def mtp_module(prefix: str) -> dict:
+    """One MiMo MTP module (research/vllm_delta_0.33.md section 1.2): its own norms and
+    ``input_proj`` [H, 2H] plus a Qwen2 decoder block (q/k/v bias)."""
+    t = {f"{prefix}token_layernorm.weight": (H,), f"{prefix}hidden_layernorm.weight": (H,),
+         f"{prefix}input_proj.weight": (H, 2 * H), f"{prefix}final_layernorm.weight": (H,)}
+    t.update(decoder_layer(prefix, qkv_bias=True))
+    return t
+
+
+def mtp_canonical(key: str, module: str = "model.mtp_layers.0.") -> str | None:
+    """The canonical ``mtp`` name of a module-0 key (None for any other key)."""
+    if not key.startswith(module):
+        return None
+    name = key[len(module):]
+    own = ("token_layernorm.", "hidden_layernorm.", "input_proj.", "final_layernorm.")
+    return name if name.startswith(own) else "layers.0." + name
+
+
 def llama_config(**kw) -> dict:
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=H,
                intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV,
@@ -295,6 +313,28 @@ def cases() -> list[Case]:
     out.append(Case("qwen3", "qwen3", "qwen3", cfg, shapes, _identity(shapes),
                     dtype=ml_dtypes.bfloat16,
                     hf_checks={"rope_theta": 1e6, "head_dim": 8, "rope_scaling": None}))
+    # MiMo (the target): a Qwen2 decoder plus 2 MTP modules, dropped; sharded safetensors.
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+              "lm_head.weight": (V, H)}
+    for i in range(2):
+        shapes.update(decoder_layer(f"model.layers.{i}.", qkv_bias=True))
+    mtp = {}
+    for i in range(2):
+        mtp.update(mtp_module(f"model.mtp_layers.{i}."))
+    shapes.update(mtp)
+    cfg = llama_config(architectures=["MiMoForCausalLM"], model_type="mimo", rope_theta=640000.0,
+                       num_nextn_predict_layers=2, use_sliding_window=False)
+    out.append(Case("mimo", "mimo", "qwen2", cfg, shapes, _identity(shapes, drop=list(mtp)),
+                    layout="safetensors-sharded",
+                    hf_checks={"attention_bias": True, "num_hidden_layers": 2}))
+    # MiMo MTP head, head only (what export writes): module 0, no trunk, bf16.
+    shapes = mtp_module("model.mtp_layers.0.")
+    cfg = llama_config(architectures=["MiMoForCausalLM"], model_type="mimo", num_hidden_layers=0,
+                       num_nextn_predict_layers=1, torch_dtype="bfloat16")
+    out.append(Case("mimo_mtp", "mimo-mtp", "mtp", cfg, shapes,
+                    {k: mtp_canonical(k) for k in shapes}, dtype=ml_dtypes.bfloat16,
+                    hf_checks={"num_hidden_layers": 1, "num_nextn_predict_layers": 1,
+                               "qkv_bias": True, "o_bias": False}))
     # EAGLE-1 (SafeAILab): pytorch_model.bin, fp16, fc.bias, no `bias` in config, layer 0
     # without input_layernorm, optional embed_tokens.
     shapes = {"fc.weight": (H, 2 * H), "fc.bias": (H,), "embed_tokens.weight": (V, H)}

@@ -135,6 +135,20 @@ def eagle(t, g, embed, lm_head, ids, hidden, n_layers):
     return h, h @ lm_head.T
 
 
+def mtp(t, g, embed, lm_head, ids, pos, hidden, n_layers=1):
+    """MiMo MTP (research/vllm_delta_0.33.md 1.3): e = embed(t), zero at position 0;
+    x = input_proj(cat(hidden_layernorm(h), token_layernorm(e))) (hidden first); a Qwen2
+    block (input norm, q/k/v bias); o = final_layernorm(s); logits = lm_head(o). ``pos``:
+    the rows' positions, 0..S-1 here (the sequence starts at 0)."""
+    e = embed[ids] * (np.asarray(pos) != 0)[:, None]
+    x = lin(t, "input_proj", np.concatenate([rms(hidden, f64(t, "hidden_layernorm.weight"), g.eps),
+                                             rms(e, f64(t, "token_layernorm.weight"), g.eps)], -1))
+    for i in range(n_layers):
+        x = layer(t, f"layers.{i}.", x, g, causal(len(ids)))
+    o = rms(x, f64(t, "final_layernorm.weight"), g.eps)
+    return o, o @ lm_head.T
+
+
 def eagle3(t, g, embed, ids, aux, n_layers, norm_before_residual, qk_norm=False):
     """EAGLE-3 over one sequence; aux [S, n_aux*Ht] -> (normed, prenorm, draft logits)."""
     gg = lin(t, "fc", aux)
