@@ -37,9 +37,9 @@ Usage::
 ``--torch`` times ``benchmarks/torch_anchors.py``'s PyTorch steps of the same shapes
 (torch.compile + CUDA graph) after specjax's rows, in the same process, and prints each
 specjax step over its anchor (plain -> decode, n-gram -> 4-token verify, EAGLE-3 -> verify +
-propose) beside the floor (``benchmarks/floors.py``). ``--device-methods`` times every
-device method's fused step (EAGLE-1, EAGLE-3, DFlash, Medusa, draft model, the EAGLE-3 tree
-step) beside the plain step and ends with a table of ms and ratio to plain per B.
+propose, MTP -> verify + MTP propose) beside the floor (``benchmarks/floors.py``).
+``--device-methods`` times every device method's fused step (EAGLE-1, EAGLE-3, DFlash,
+Medusa, MTP, draft model, the EAGLE-3 tree step) beside the plain step and ends with a table of ms and ratio to plain per B.
 
 Targets: ``8b`` (Llama-3.1-8B shape; draft model Llama-3.2-1B shape; EAGLE-3 draft vocab
 32000), ``1b`` (Llama-3.2-1B shape; draft model 2 layers of it), ``demo`` (the embedded
@@ -77,11 +77,11 @@ BS = 16
 TARGETS = floors.TARGETS
 #: Every device method's fused step (``--device-methods``); the tree step is EAGLE-3's with
 #: ``DEFAULT_TREE`` unless ``--tree`` names others.
-DEVICE_METHODS = ("eagle", "eagle3", "dflash", "medusa", "draft_model")
+DEVICE_METHODS = ("eagle", "eagle3", "dflash", "medusa", "mtp", "draft_model")
 DEFAULT_TREE = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]"
 #: specjax rows and the PyTorch anchor each is compared with (``--torch``): method -> anchor.
 TORCH_PAIRS = {"plain": "decode", "plain (T=2, padded)": "decode", "ngram": "verify",
-               "ngram_gpu": "verify", "suffix": "verify", "eagle3": "fused"}
+               "ngram_gpu": "verify", "suffix": "verify", "eagle3": "fused", "mtp": "mtp_fused"}
 
 
 def random_params(kind, cfg, dtype, key):
@@ -159,6 +159,8 @@ class Models:
                                aux_hidden_state_layer_ids=list(self.aux), mask_token_id=0),
                 "medusa": dict(num_heads=max(k, 4), num_hidden_layers=1, hidden_size=h,
                                vocab_size=g["vocab_size"]),
+                # MiMo MTP: one Qwen2 block (q/k/v bias), the target's embedding and lm_head
+                "mtp": dict(g, num_hidden_layers=1, num_nextn_predict_layers=1),
             }[method]
         cfg = registry.config_from_hf(kind, hf)
         params = random_params(kind, cfg, self.dtype, jax.random.key(1))

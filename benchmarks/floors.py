@@ -71,6 +71,24 @@ def eagle3_weight_bytes(geo: Mapping, draft_vocab: int, dtype_bytes: int = 2) ->
     return (layer + h + draft_vocab * h) * dtype_bytes, 3 * h * h * dtype_bytes
 
 
+def mtp_weight_bytes(geo: Mapping, dtype_bytes: int = 2) -> int:
+    """Bytes one forward of a MiMo MTP module of the target geometry ``geo`` reads: its
+    token / hidden norms, ``input_proj`` (2 * hidden -> hidden), one Qwen2 layer (q/k/v with
+    bias, two norms), the final norm and the target's lm_head (the embedding's gathered
+    rows are not counted)."""
+    h, hd = geo["hidden_size"], head_dim(geo)
+    qkv_bias = (geo["num_attention_heads"] + 2 * geo["num_key_value_heads"]) * hd
+    layer = _attn_mlp_params(geo, h) + qkv_bias + 2 * h
+    return (2 * h + 2 * h * h + layer + h + geo["vocab_size"] * h) * dtype_bytes
+
+
+def mtp_propose_bytes(geo: Mapping, batch: int, context: int, k: int, dtype_bytes: int = 2) -> int:
+    """MTP's ``propose`` of ``k`` drafts (every forward runs module 0, input_proj included),
+    forward ``i`` reading ``context + i`` tokens of the module's one-layer K/V."""
+    return chain_bytes(mtp_weight_bytes(geo, dtype_bytes), kv_bytes_per_token(geo, dtype_bytes, layers=1),
+                       batch, [context + i for i in range(k)])
+
+
 def kv_bytes_per_token(geo: Mapping, dtype_bytes: int = 2, layers: int | None = None) -> int:
     """K and V bytes of one token over ``layers`` layers (default: all of ``geo``'s)."""
     n = geo["num_hidden_layers"] if layers is None else layers

@@ -97,15 +97,21 @@ def build_target(size: str, dtype, unfused: bool = False) -> tuple[TargetModel, 
             raw if unfused else None)
 
 
-def eagle3(target: TargetModel, geo: dict, size: str, k: int, rates, mml: int, dtype):
+def drafter(method: str, target: TargetModel, geo: dict, size: str, k: int, rates, mml: int,
+            dtype):
+    """The ``method`` proposer (``eagle3``: the 8B-shaped EAGLE-3 head; ``mtp``: a MiMo MTP
+    module of the target's shape), synthetic acceptance at ``rates``."""
     g = {key: v for key, v in geo.items() if key != "tie_word_embeddings"}
-    aux = eagle3_default_aux_layer_ids(g["num_hidden_layers"])
-    hf = dict(g, num_hidden_layers=1, target_hidden_size=g["hidden_size"],
-              eagle_aux_hidden_state_layer_ids=list(aux),
-              **({"draft_vocab_size": 32000, "has_d2t": True} if size == "8b" else {}))
-    cfg = registry.config_from_hf("eagle3", hf)
-    params = random_params("eagle3", cfg, dtype, jax.random.key(1))
-    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=k,
+    if method == "mtp":
+        hf = dict(g, num_hidden_layers=1, num_nextn_predict_layers=1)
+    else:
+        aux = eagle3_default_aux_layer_ids(g["num_hidden_layers"])
+        hf = dict(g, num_hidden_layers=1, target_hidden_size=g["hidden_size"],
+                  eagle_aux_hidden_state_layer_ids=list(aux),
+                  **({"draft_vocab_size": 32000, "has_d2t": True} if size == "8b" else {}))
+    cfg = registry.config_from_hf(method, hf)
+    params = random_params(method, cfg, dtype, jax.random.key(1))
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k,
                              rejection_sample_method="synthetic",
                              synthetic_acceptance_rates=tuple(rates))
     return make_proposer(spec, target=target.model, target_params=target.params, draft=cfg,
@@ -274,8 +280,8 @@ def run(args) -> list[dict]:
     for b in batches:
         prompts = [rng.integers(0, geo["vocab_size"], args.context).tolist() for _ in range(b)]
         for method in args.methods:
-            prop = None if method == "plain" else eagle3(target, geo, args.target, k, args.rates,
-                                                         mml, dtype)
+            prop = None if method == "plain" else drafter(method, target, geo, args.target, k,
+                                                          args.rates, mml, dtype)
             for n, ee, ov, fu in [(n, ee, ov, fu) for n in ns for ee in (exits if n > 1 else [None])
                                   for ov in overlaps for fu in fuses]:
                 tgt = target if fu else TargetModel(target.model, raw)
@@ -319,9 +325,13 @@ def run(args) -> list[dict]:
     return rows
 
 
+#: The PyTorch anchor each loop row is compared with (``--torch``).
+ANCHOR = {"plain": "decode", "eagle3": "fused", "mtp": "mtp_fused"}
+
+
 def torch_pairs(args, rows: list[dict]) -> list[dict]:
     """The PyTorch anchors (decode, fused = 4-token verify + propose) at each B, in this
-    process, and each loop row against its anchor (plain -> decode, eagle3 -> fused)."""
+    process, and each loop row against its anchor (``ANCHOR``: plain -> decode, eagle3 -> fused, mtp -> mtp_fused)."""
     import torch_anchors
     import floors
     from e2e import TARGETS
@@ -329,7 +339,8 @@ def torch_pairs(args, rows: list[dict]) -> list[dict]:
     batches = sorted({r["batch"] for r in rows})
     print(f"\n# PyTorch anchors (torch.compile + CUDA graph), B = {batches}", flush=True)
     trows = torch_anchors.measure(
-        TARGETS[args.target], batches, args.context, k=args.k, anchors=("decode", "fused"),
+        TARGETS[args.target], batches, args.context, k=args.k,
+        anchors=("decode", "fused") + (("mtp_fused",) if "mtp" in args.methods else ()),
         draft_vocab=floors.EAGLE3_DRAFT_VOCAB_8B if args.target == "8b" else None,
         dtype=args.dtype)
     by = {(t["anchor"], t["batch"]): t for t in trows}
@@ -338,7 +349,7 @@ def torch_pairs(args, rows: list[dict]) -> list[dict]:
           "torch ms (graph) | floor ms | loop / torch (synced) | loop / torch (graph) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        a = by.get(("decode" if r["method"] == "plain" else "fused", r["batch"]))
+        a = by.get((ANCHOR[r["method"]], r["batch"]))
         if a is None:
             continue
         p = dict(method=r["method"], batch=r["batch"], n=r["n"], form=r["form"],
@@ -364,7 +375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", choices=("8b", "1b", "tiny"), default="8b" if gpu else "tiny")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--n", default="1,4,8,16,32", help="steps_per_sync values (1: per-step)")
-    ap.add_argument("--methods", nargs="+", choices=("plain", "eagle3"), default=["plain", "eagle3"],
+    ap.add_argument("--methods", nargs="+", choices=("plain", "eagle3", "mtp"), default=["plain", "eagle3"],
                     help="speed-up columns need plain in the same run")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--k", type=int, default=3)

@@ -14,7 +14,7 @@ Tree drafting (``--tree "[(0,), (1,), (0, 0), (1, 0)]"``, repeatable): the first
 one forward per further level over every node drafted so far (vLLM's ``propose_tree``); its
 floor counts the weights once per level and each level's context plus nodes.
 
-Every model-based method (``--methods eagle eagle3 dflash medusa draft_model
+Every model-based method (``--methods eagle eagle3 dflash medusa mtp draft_model
 extract_hidden_states``): built as ``benchmarks/e2e.py`` builds them against an 8B-shaped
 target (EAGLE-1 and Medusa read the target's full-vocabulary lm_head; the draft model is
 Llama-3.2-1B-shaped); floor per method in ``method_case``.
@@ -181,8 +181,8 @@ def method_case(models, method: str, b: int, k: int, ctx: int):
     fc = sum(x.size * x.dtype.itemsize for n, x in names if n.startswith("['fc']"))
     cache = jax.tree.leaves(state)
     kv_tok = sum(x.shape[2] * x.shape[3] * x.dtype.itemsize for x in cache if x.ndim == 4)
-    if method in ("eagle", "eagle3", "draft_model"):
-        first_fc = fc if method == "eagle3" else 0       # EAGLE-1's fc runs every step
+    if method in ("eagle", "eagle3", "mtp", "draft_model"):
+        first_fc = fc if method == "eagle3" else 0       # EAGLE-1's fc (MTP's input_proj) runs every step
         floor = floors.chain_bytes(weight - first_fc, kv_tok, b, [ctx + i for i in range(k)],
                                    once_bytes=first_fc)
     elif method == "extract_hidden_states":
@@ -227,7 +227,7 @@ def main(argv=None):
     ap.add_argument("--target", choices=("8b", "1b"), default="8b",
                     help="with --methods: the target shape the drafts are built for")
     ap.add_argument("--methods", nargs="+", default=None,
-                    help="time these methods instead (eagle eagle3 dflash medusa draft_model "
+                    help="time these methods instead (eagle eagle3 dflash medusa mtp draft_model "
                          "extract_hidden_states), built as benchmarks/e2e.py builds them")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -9,6 +9,13 @@ Steps (shapes of ``benchmarks/e2e.py --target 8b``: Llama-3.1-8B, bf16, random w
 - ``propose``: the 8B-shaped EAGLE-3 head's ``propose`` of k drafts (fc over the target's
   3 aux hidden states, the first pass over the 4 tokens, then k - 1 single-token steps;
   draft vocabulary 32000 mapped through d2t), as ``benchmarks/proposers.py`` times it;
+- ``mtp``: a MiMo MTP module's ``propose`` of k drafts (vLLM ``mimo_mtp.py``: the target's
+  final hidden states and the input ids shifted by one, ``input_proj`` over the normed
+  hidden and normed embedding, one Qwen2 layer with q/k/v bias, the final norm, the
+  target's lm_head; the post-norm output recycled as the next step's hidden), as
+  ``benchmarks/proposers.py --methods mtp`` times it;
+- ``mtp_fused``: verify + the MTP propose in one graph, the module fed the verify's final
+  (post-norm) hidden states (the PyTorch way of specjax's fused MTP step);
 - ``fused``: verify + propose in one graph, the aux states taken from the verify pass (the
   inputs of layers ``(2, L//2, L-3)``) and the proposer fed its last-position token (the
   PyTorch way of specjax's fused EAGLE-3 step; the greedy acceptance compare is omitted).
@@ -54,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import floors  # noqa: E402
 
-ANCHORS = ("decode", "verify", "propose", "fused")
+ANCHORS = ("decode", "verify", "propose", "fused", "mtp", "mtp_fused")
 
 
 def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -86,6 +93,7 @@ def plan(geo: Mapping, batch: int, context: int, tokens: int, *, dtype_bytes: in
         qkv_out=(nh + 2 * nkv) * hd,
         target_bytes=floors.target_step_bytes(geo, batch, cached, tokens, dtype_bytes),
         propose_bytes=floors.eagle3_propose_bytes(geo, batch, cached, k, dv, dtype_bytes),
+        mtp_bytes=floors.mtp_propose_bytes(geo, batch, cached, k, dtype_bytes),
         aux_layers=aux_layer_ids(geo["num_hidden_layers"]),
     )
 
@@ -130,9 +138,9 @@ def _layer_fn(nh: int, nkv: int, hd: int, eps: float, eagle: bool):
 
     group = nh // nkv
 
-    def attn_mlp(x, h, wqkv, wo, ln2, w13, w2, kc, vc, cos, sin, pos, mask):
+    def attn_mlp(x, h, wqkv, wo, ln2, w13, w2, kc, vc, cos, sin, pos, mask, bqkv=None):
         b, t, _ = x.shape
-        q, k, v = F.linear(x, wqkv).split([nh * hd, nkv * hd, nkv * hd], -1)
+        q, k, v = F.linear(x, wqkv, bqkv).split([nh * hd, nkv * hd, nkv * hd], -1)
         q = _rope(q.view(b, t, nh, hd), cos, sin).transpose(1, 2)
         k = _rope(k.view(b, t, nkv, hd), cos, sin).transpose(1, 2)
         kc[:, :, pos] = k
@@ -149,7 +157,28 @@ def _layer_fn(nh: int, nkv: int, hd: int, eps: float, eagle: bool):
     else:
         def layer(h, ln1, wqkv, wo, ln2, w13, w2, kc, vc, cos, sin, pos, mask):
             return attn_mlp(_rms(h, ln1, eps), h, wqkv, wo, ln2, w13, w2, kc, vc, cos, sin, pos, mask)
+    layer.attn_mlp = attn_mlp
     return layer
+
+
+def _mtp_fn(nh: int, nkv: int, hd: int, eps: float):
+    """One MiMo MTP module forward ``(h, emb, pos, weights..., k_cache, v_cache, cos, sin,
+    mask) -> (o, s)`` (post-norm ``o``, the next step's hidden; pre-norm ``s``, which
+    ``_head_fn`` turns into tokens: its norm is the final norm), writing the new K/V into
+    the caches."""
+    import torch
+    import torch.nn.functional as F
+
+    attn_mlp = _layer_fn(nh, nkv, hd, eps, eagle=False).attn_mlp
+
+    def mtp(h, emb, pos, ln_tok, ln_hid, w_in, ln1, wqkv, bqkv, wo, ln2, w13, w2, ln_f,
+            kc, vc, cos, sin, mask):
+        emb = torch.where((pos == 0)[None, :, None], torch.zeros_like(emb), emb)
+        x = F.linear(torch.cat((_rms(h, ln_hid, eps), _rms(emb, ln_tok, eps)), -1), w_in)
+        s = attn_mlp(_rms(x, ln1, eps), x, wqkv, wo, ln2, w13, w2, kc, vc, cos, sin, pos, mask,
+                     bqkv)
+        return _rms(s, ln_f, eps), s
+    return mtp
 
 
 def _head_fn(eps: float):
@@ -208,6 +237,12 @@ class Anchors:
         self.e_cache = (cache(), cache())
         self.e_norm, self.e_lm_head = ones(h), w(dv, h)
         self.d2t = torch.randint(0, v - dv + 1, (dv,), generator=g, device=dev)
+        # MiMo MTP module: token / hidden norms, input_proj, a Qwen2 layer (q/k/v bias), final
+        # norm; the target's embedding and lm_head
+        self.m_weights = (ones(h), ones(h), w(h, 2 * h), ones(h), w(p["qkv_out"], h),
+                          w(p["qkv_out"]), w(h, nh * hd), ones(h), w(2 * i, h), w(h, i), ones(h))
+        self.m_cache = (cache(), cache())
+        self.hidden_in = w(batch, k + 1, h)
         # RoPE tables over the cache slots
         inv = 1.0 / (geo.get("rope_theta", 10000.0) ** (torch.arange(0, hd, 2, device=dev).float() / hd))
         ang = torch.arange(p["cache_len"], device=dev).float()[:, None] * inv[None]
@@ -229,13 +264,15 @@ class Anchors:
         self._layer = wrap(_layer_fn(nh, nkv, hd, eps, eagle=False))
         self._e_layer = wrap(_layer_fn(nh, nkv, hd, eps, eagle=True))
         self._head = wrap(_head_fn(eps))
+        self._mtp = wrap(_mtp_fn(nh, nkv, hd, eps))
 
     def _rope_mask(self, pos):
         return self.cos[pos], self.sin[pos], self.slots[None, :] <= pos[:, None]
 
-    def target(self, tokens, pos, want_aux: bool = False):
+    def target(self, tokens, pos, want_aux: bool = False, want_hidden: bool = False):
         """Greedy next tokens [B, T] of a target forward over ``tokens`` at ``pos`` (and
-        the aux states [B, T, 3H] when ``want_aux``)."""
+        the aux states [B, T, 3H] when ``want_aux``, the final post-norm hidden states
+        [B, T, H] when ``want_hidden``)."""
         cos, sin, mask = self._rope_mask(pos)
         h = self.embed[tokens]
         inputs = {}
@@ -244,6 +281,8 @@ class Anchors:
                 inputs[li] = h
             h = self._layer(h, *wts, kc, vc, cos, sin, pos, mask)
         out = self._head(h, self.norm, self.lm_head)
+        if want_hidden:
+            return out, _rms(h, self.norm, self.geo.get("rms_norm_eps", 1e-5))
         return (out, self.torch.cat([inputs[li] for li in self.aux], -1)) if want_aux else out
 
     def propose(self, target_tokens, pos, aux, next_tokens):
@@ -264,6 +303,24 @@ class Anchors:
             ids, pos = tok[:, None], pos[-1:] + 1
         return torch.stack(drafts, 1)
 
+    def propose_mtp(self, target_tokens, pos, hidden, next_tokens):
+        """k draft tokens [B, k] of the MTP module (vLLM's V1 chain with module 0 every
+        step: the first pass over the target batch, then single-token steps)."""
+        torch = self.torch
+        ids = torch.cat((target_tokens[:, 1:], next_tokens[:, None]), 1)
+        kc, vc = self.m_cache
+        drafts = []
+        for step in range(self.k):
+            cos, sin, mask = self._rope_mask(pos)
+            hidden, s = self._mtp(hidden, self.embed[ids], pos, *self.m_weights, kc, vc, cos, sin, mask)
+            hidden = hidden[:, -1:]
+            # logits = lm_head(o), o = final_norm(s): the head's rms + lm_head + argmax (a
+            # separately compiled lm_head + argmax on o ran 7.9 ms at B = 32 under inductor)
+            tok = self._head(s[:, -1:], self.m_weights[-1], self.lm_head)[:, 0]
+            drafts.append(tok)
+            ids, pos = tok[:, None], pos[-1:] + 1
+        return torch.stack(drafts, 1)
+
     def step(self, name: str):
         k1 = self.k + 1
         if name == "decode":
@@ -272,6 +329,13 @@ class Anchors:
             return lambda: self.target(self.tokens[k1], self.pos[k1])
         if name == "propose":
             return lambda: self.propose(self.tokens[k1], self.pos[k1], self.aux_in, self.next_tok)
+        if name == "mtp":
+            return lambda: self.propose_mtp(self.tokens[k1], self.pos[k1], self.hidden_in, self.next_tok)
+        if name == "mtp_fused":
+            def mtp_fused():
+                out, hid = self.target(self.tokens[k1], self.pos[k1], want_hidden=True)
+                return out, self.propose_mtp(self.tokens[k1], self.pos[k1], hid, out[:, -1])
+            return mtp_fused
         if name == "fused":
             def fused():
                 out, aux = self.target(self.tokens[k1], self.pos[k1], want_aux=True)
@@ -282,8 +346,9 @@ class Anchors:
     def floor_ms(self, name: str) -> float:
         k1 = self.k + 1
         nbytes = {"decode": self.plan[1]["target_bytes"], "verify": self.plan[k1]["target_bytes"],
-                  "propose": self.plan[k1]["propose_bytes"],
-                  "fused": self.plan[k1]["target_bytes"] + self.plan[k1]["propose_bytes"]}[name]
+                  "propose": self.plan[k1]["propose_bytes"], "mtp": self.plan[k1]["mtp_bytes"],
+                  "fused": self.plan[k1]["target_bytes"] + self.plan[k1]["propose_bytes"],
+                  "mtp_fused": self.plan[k1]["target_bytes"] + self.plan[k1]["mtp_bytes"]}[name]
         return floors.floor_ms(nbytes)
 
 
@@ -435,6 +500,8 @@ def check(device=None, compile: bool = False) -> dict[str, float]:
     gap = ((aux - ref_aux[:, ctx - 1:]).abs().max() / ref_aux.abs().max()).item()
     assert gap < 1e-4, f"aux states differ by {gap} (relative to their largest)"
     drafts = m.propose(seq[:, ctx - 1:], pos, aux, got[:, -1])
+    assert drafts.shape == (b, k) and bool(((drafts >= 0) & (drafts < geo["vocab_size"])).all())
+    drafts = m.propose_mtp(seq[:, ctx - 1:], pos, m.hidden_in, got[:, -1])
     assert drafts.shape == (b, k) and bool(((drafts >= 0) & (drafts < geo["vocab_size"])).all())
     return dict(aux_gap=gap)
 

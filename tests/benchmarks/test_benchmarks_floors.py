@@ -55,6 +55,16 @@ def test_chain_and_eagle3_floor_by_hand():
         floors.floor_bytes(1, 1, -1, 1)
 
 
+@pytest.mark.smoke
+def test_mtp_floor_by_hand():
+    # MiMo MTP module of GEO: token / hidden norms 16, input_proj 2 * 8 * 8 = 128; the layer:
+    # q|k|v 128 + their bias (2 + 1 + 1) * 4 = 16, o 64, mlp 384, two norms 16 = 608; final
+    # norm 8; the target's lm_head 10 * 8 = 80 -> 840 params
+    assert floors.mtp_weight_bytes(GEO, 2) == 840 * 2
+    # k = 3 drafts at B = 2, context 5: every forward reads the module (input_proj included)
+    assert floors.mtp_propose_bytes(GEO, 2, 5, 3, 2) == 3 * 840 * 2 + 2 * (5 + 6 + 7) * 16
+
+
 def _abstract_bytes(kind, hf, skip=("embed_tokens",)):
     from specjax.models import registry
 
@@ -78,6 +88,10 @@ def test_floor_weights_equal_specjax_parameter_shapes():
         w, fc = floors.eagle3_weight_bytes(geo, geo["vocab_size"] // 4, 2)
         assert _abstract_bytes("eagle3", hf) == w + fc
         assert _abstract_bytes("eagle3", hf, skip=("embed_tokens", "['fc']")) == w
+        # MTP: the module's own params; the lm_head is the target's (not in its params)
+        hf = dict(geo, num_hidden_layers=1, num_nextn_predict_layers=1)
+        assert (_abstract_bytes("mtp", hf)
+                == floors.mtp_weight_bytes(geo, 2) - 2 * geo["vocab_size"] * geo["hidden_size"])
     # tied embeddings: the lm_head is the embedding, counted once
     geo = floors.TARGETS["1b"]
     assert _abstract_bytes("llama", geo, skip=()) == floors.llama_weight_bytes(geo, 2)
@@ -96,6 +110,7 @@ def test_torch_anchor_plan_shapes():
     assert p["aux_layers"] == (2, 16, 29)
     assert p["target_bytes"] == floors.target_step_bytes(geo, 8, 1023, 4)
     assert p["propose_bytes"] == floors.eagle3_propose_bytes(geo, 8, 1023, 3, 32000)
+    assert p["mtp_bytes"] == floors.mtp_propose_bytes(geo, 8, 1023, 3)
     # the 8B floors: 7.5e9 weights read (embedding rows aside), 128 KiB of K/V a token
     assert floors.llama_weight_bytes(geo) == 2 * (32 * 218_112_000 + 4096 + 128256 * 4096)
     assert floors.kv_bytes_per_token(geo) == 131072
