@@ -20,8 +20,9 @@ params entry (kernels are ``[in, out]``)  spec                            divisi
 ``embed_tokens.embedding [V, H]``         ``P()``; ``P(tp, None)`` with   V
                                           ``shard_embedding=True``
 ``fc``, norms, ``q_norm`` / ``k_norm``,   ``P()`` (replicated; ``fc`` as
-``d2t``, ``token_map``, ``mask_hidden``   vLLM's ``ReplicatedLinear``)
-(P-EAGLE), Medusa blocks
+``d2t``, ``token_map``, ``mask_hidden``   vLLM's ``ReplicatedLinear``,
+(P-EAGLE), Medusa blocks, MTP's           ``input_proj`` as MiMo's plain
+``input_proj``                            ``nn.Linear``)
 =======================================  ==============================  ==================
 
 KV heads: when ``num_key_value_heads`` is divisible by the axis size, the attention is
@@ -73,7 +74,8 @@ __all__ = [
 TP_AXIS = "tp"
 DP_AXIS = "dp"
 
-_NORMS = ("input_layernorm", "post_attention_layernorm", "hidden_norm", "norm", "q_norm", "k_norm")
+_NORMS = ("input_layernorm", "post_attention_layernorm", "hidden_norm", "norm", "q_norm", "k_norm",
+          "token_layernorm", "hidden_layernorm", "final_layernorm")
 
 
 def _axis_size(mesh: Any, axis: str) -> int:
@@ -152,7 +154,7 @@ class _Rules:
                 return P(a)
             raise ValueError(f"unknown params entry {name!r} (an lm_head holds 'kernel', "
                              "'bias' or 'embedding')")
-        if top in ("fc", "blocks") or (parent in _NORMS and last == "weight"):
+        if top in ("fc", "input_proj", "blocks") or (parent in _NORMS and last == "weight"):
             return P()
         if parent in ("qkv_proj", "gate_up_proj"):
             raise ValueError(f"params entry {name!r} is a fused projection "
@@ -188,8 +190,8 @@ class _Rules:
             self._dim(name, shape, 0, "intermediate size")
             return P(a, None)
         raise ValueError(f"no tensor-parallel rule for params entry {name!r} (shape {shape}); "
-                         "specjax.sharding knows the Llama / EAGLE / EAGLE-3 / DFlash / Medusa "
-                         "params trees")
+                         "specjax.sharding knows the Llama / EAGLE / EAGLE-3 / DFlash / Medusa / "
+                         "MTP params trees")
 
 
 def param_specs(params: Mapping, config: ModelConfig, axis_size: int, *, axis: str = TP_AXIS,

@@ -37,14 +37,15 @@ MML = 32
 C = MML // BS           # block-table width the loop passes (the default one)
 NUM_BLOCKS = 64
 K = 2
-METHODS = ["eagle", "eagle3", "dflash", "draft_model", "medusa", "extract_hidden_states"]
+METHODS = ["eagle", "eagle3", "dflash", "draft_model", "medusa", "mtp", "extract_hidden_states"]
 #: (B_pad, T_pad, block-table width, max_query_len) buckets the "loop" uses
 BUCKETS = [(2, 16, C, 8), ProposeBucket(num_reqs_pad=4, num_tokens_pad=32, max_blocks_per_req=C,
                                         max_query_len=8)]
 #: hidden-state input widths by method: (target_hidden_states H, aux (n_aux, Ht)), the
 #: layout Engine feeds (written out here, not taken from the code under test)
 WIDTHS = {"eagle": (32, None), "eagle3": (HT, (3, HT)), "dflash": (None, (3, HT)),   # DFlash reads the aux states only
-          "draft_model": (None, None), "medusa": (32, None), "extract_hidden_states": (None, (3, HT))}
+          "draft_model": (None, None), "medusa": (32, None), "mtp": (32, None),
+          "extract_hidden_states": (None, (3, HT))}
 
 
 def _target(h):
@@ -76,7 +77,8 @@ def build(method):
           "eagle3": dict(GEO, num_hidden_layers=1, vocab_size=V, draft_vocab_size=32,
                          target_hidden_size=HT, has_d2t=True, eagle_aux_hidden_state_layer_ids=[1, 3, 5]),
           "dflash": dict(GEO, num_hidden_layers=1, vocab_size=V, target_hidden_size=HT,
-                         aux_hidden_state_layer_ids=[1, 3, 5], mask_token_id=V - 1, block_size=4)}[method]
+                         aux_hidden_state_layer_ids=[1, 3, 5], mask_token_id=V - 1, block_size=4),
+          "mtp": dict(GEO, num_hidden_layers=1, vocab_size=V, num_nextn_predict_layers=1)}[method]
     mc = registry.config_from_hf(method, hf)
     params = share_target_weights(registry.init_params(method, mc, 1), _target(mc.hidden_size), kind=method)
     cls = DFlashProposer if method == "dflash" else EagleProposer

@@ -52,7 +52,7 @@ DEV = np.array(jax.devices())
 #: {2, 4} x {on, off} once between them; the draft model and DFlash once each. The tiny
 #: models have 2 kv heads: at tp=4 attention and caches stay replicated (MLP / vocab split).
 TP_CASES = [("eagle", 2, True), ("eagle", 4, False), ("eagle3", 2, False), ("eagle3", 4, True)]
-TP_CASES_MORE = [("dflash", 2, True), ("draft_model", 4, False)]
+TP_CASES_MORE = [("dflash", 2, True), ("draft_model", 4, False), ("mtp", 2, False)]
 
 #: Shared by the tensor-parallel subprocess bodies.
 TP_HELPERS = """
@@ -653,6 +653,27 @@ def test_eagle3_rules():
                               shard_embedding=True))
     assert specs["embed_tokens.embedding"] == P("model", None)
     assert specs["lm_head.kernel"] == P(None, "model")
+
+
+@pytest.mark.smoke
+def test_mtp_rules():
+    """MiMo MTP: its own norms and input_proj replicated (MiMo's input_proj is a plain
+    nn.Linear in vLLM), the Qwen2 block split as any layer, biases with their columns."""
+    cfg = _cfg("mtp", num_key_value_heads=2, num_nextn_predict_layers=1)
+    specs = _flat(param_specs(registry.abstract_params("mtp", cfg), cfg, 2))
+    L = "layers.0."
+    want = {
+        "token_layernorm.weight": P(), "hidden_layernorm.weight": P(), "input_proj.kernel": P(),
+        "final_layernorm.weight": P(),
+        L + "input_layernorm.weight": P(), L + "post_attention_layernorm.weight": P(),
+        L + "self_attn.q_proj.kernel": P(None, "tp"), L + "self_attn.q_proj.bias": P("tp"),
+        L + "self_attn.k_proj.kernel": P(None, "tp"), L + "self_attn.k_proj.bias": P("tp"),
+        L + "self_attn.v_proj.kernel": P(None, "tp"), L + "self_attn.v_proj.bias": P("tp"),
+        L + "self_attn.o_proj.kernel": P("tp", None),
+        L + "mlp.gate_proj.kernel": P(None, "tp"), L + "mlp.up_proj.kernel": P(None, "tp"),
+        L + "mlp.down_proj.kernel": P("tp", None),
+    }
+    assert specs == want
 
 
 def test_biases_qk_norm_tied_head_and_kv_replication():
