@@ -40,6 +40,10 @@ def _eagle3_fields(cfg: dict, flat: dict, notes: list[str], *, speculators: bool
     for f in _PARALLEL_TOKEN_FIELDS[1:]:    # speculators: the outer config holds them
         if cfg.get(f) is not None and flat.get(f) is None:
             flat[f] = cfg[f]
+    if speculators:     # vLLM v0.33's speculators updater copies these two norm options
+        for f in ("fc_norm", "norm_output"):
+            if cfg.get(f) is not None:
+                flat[f] = cfg[f]
     return flat
 
 
@@ -60,8 +64,9 @@ def read(cfg: dict, tensors: Tensors, notes: list[str]):
 
 
 def read_speculators(cfg: dict, tensors: Tensors, notes: list[str]):
-    _reject_true(cfg, ("norm_before_fc", "fc_norm"), "config",
-                 " (newer speculators EAGLE-3 option)")
+    _reject_true(cfg, ("norm_before_fc",), "config",
+                 " in a speculators config: vLLM's speculators loader drops the key and skips "
+                 "input_norm.weight, running the head without the norm its weights expect")
     flat = _decoder_fields(_flatten_speculators(cfg, "config"), notes,
                            where="config.transformer_layer_config")
     return _eagle3_fields(cfg, flat, notes, speculators=True), _eagle3_tensors(tensors, notes)
@@ -69,7 +74,8 @@ def read_speculators(cfg: dict, tensors: Tensors, notes: list[str]):
 
 def _eagle3_common(c) -> dict:
     return {"draft_vocab_size": c.draft_vocab_size,
-            "norm_before_residual": c.norm_before_residual}
+            "norm_before_residual": c.norm_before_residual,
+            "fc_norm": c.fc_norm, "norm_output": c.norm_output}
 
 
 def write(c, t, torch_dtype):
@@ -82,7 +88,8 @@ def write(c, t, torch_dtype):
                          "config has qk_norm=True (use format 'eagle3-speculators')")
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
            **_hf_fields(c, head_dim=False, rope_type_key=True), **_eagle3_common(c),
-           "tie_word_embeddings": False, "torch_dtype": torch_dtype}
+           "norm_before_fc": c.norm_before_fc, "tie_word_embeddings": False,
+           "torch_dtype": torch_dtype}
     if c.qkv_bias:
         cfg["qkv_bias"] = True
     if c.target_hidden_size and c.target_hidden_size != c.hidden_size:
@@ -96,6 +103,10 @@ def write(c, t, torch_dtype):
 
 
 def write_speculators(c, t, torch_dtype):
+    if c.norm_before_fc:
+        raise ValueError("format 'eagle3-speculators' cannot carry norm_before_fc=True (vLLM's "
+                         "speculators loader drops it and skips input_norm.weight); use format "
+                         "'eagle3'")
     mt = "qwen3" if c.qk_norm else "llama"
     tlc = {"model_type": mt, **_hf_fields(c), "attention_bias": c.qkv_bias,
            "tie_word_embeddings": False}
@@ -107,8 +118,8 @@ def write_speculators(c, t, torch_dtype):
            "target_hidden_size": ths if ths and ths != c.hidden_size else None,
            "eagle_aux_hidden_state_layer_ids": (list(c.aux_layer_ids)
                                                 if c.aux_layer_ids is not None else None),
-           "embed_requires_grad": False, "fc_norm": False, "norm_before_fc": False,
-           "norm_output": False, "tie_word_embeddings": False, "dtype": torch_dtype,
+           "embed_requires_grad": False, "norm_before_fc": False, "tie_word_embeddings": False,
+           "dtype": torch_dtype,
            "speculators_config": _speculators_config("eagle3", 3, _HF_ARCH[mt]),
            "transformer_layer_config": tlc}
     return cfg, {"model.safetensors": _with_t2d(dict(t), c)}

@@ -38,6 +38,10 @@ class ModelConfig:
       draft_vocab_size: EAGLE-3 / DFlash head vocabulary (``vocab_size`` = target vocab).
       target_hidden_size: width of each target hidden state fed to ``fc``.
       norm_before_residual: EAGLE-3 first layer residual is ``hidden_norm(g)``.
+      norm_before_fc, fc_norm, norm_output: EAGLE-3 options of vLLM v0.33 (the "EAGLE 3.1"
+        heads): one RMSNorm ``input_norm`` over the whole aux concatenation before ``fc``;
+        one RMSNorm ``fc_norm.{i}`` per aux state before ``fc``; the recycled hidden is
+        the normed output instead of the pre-norm one.
       aux_layer_ids: target layers whose *input* (vLLM meaning) feeds ``fc``; EAGLE-3
         default None = ``(2, L//2, L-3)`` of the target, three states.
       block_size, mask_token_id, causal: DFlash.
@@ -73,6 +77,9 @@ class ModelConfig:
     draft_vocab_size: int = 0
     target_hidden_size: int = 0
     norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     aux_layer_ids: tuple[int, ...] | None = None
     block_size: int = 0
     mask_token_id: int = -1

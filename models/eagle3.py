@@ -1,7 +1,10 @@
 """EAGLE-3 head (SafeAILab ``midlayer`` / speculators ``layers.0``; vLLM ``llama_eagle3.py``).
 
 ``g = fc(cat(aux states))`` once per target step (:meth:`combine_hidden_states`); later
-draft steps feed the head's own pre-norm output (H wide) instead. First layer:
+draft steps feed the head's own pre-norm output (H wide) instead. vLLM v0.33's options
+(``ModelConfig``): ``norm_before_fc`` (``input_norm`` over the whole concatenation, then)
+``fc_norm`` (``fc_norm.{i}`` on aux state ``i``) before ``fc``; ``norm_output`` recycles
+the normed output. First layer:
 ``e = input_layernorm(embed(x))``, ``hn = hidden_norm(g)``, residual ``g`` (or ``hn`` with
 ``norm_before_residual``), attention over ``cat(e, hn)`` (2H wide q/k/v input), + residual,
 then the usual post-norm MLP; further layers are ordinary decoder layers. ``pre`` = last
@@ -53,11 +56,25 @@ class Eagle3FirstLayer(nnx.Module):
 
 class Eagle3Body(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        fc_in = cfg.num_aux * (cfg.target_hidden_size or cfg.hidden_size)
+        ht = cfg.target_hidden_size or cfg.hidden_size
+        fc_in = cfg.num_aux * ht
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(fc_in, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nnx.List([RMSNorm(ht, cfg.rms_norm_eps) for _ in range(cfg.num_aux)])
         self.fc = linear(fc_in, cfg.hidden_size, False, rngs)
         self.layers = nnx.List([Eagle3FirstLayer(cfg, rngs)]
                                + [DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers - 1)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def combine(self, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+        """``[T, n_aux * Ht]`` -> ``g [T, H]``: the pre-fc norms of ``cfg``, then ``fc``."""
+        if cfg.norm_before_fc:
+            x = self.input_norm(x)
+        if cfg.fc_norm:
+            parts = jnp.split(x, cfg.num_aux, axis=-1)
+            x = jnp.concatenate([n(p) for n, p in zip(self.fc_norm, parts)], axis=-1)
+        return self.fc(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,19 +102,20 @@ class Eagle3Head(PagedCache):
         x = aux_hidden_states
         if x.ndim == 3:
             x = x.reshape(x.shape[0], -1)
-        return self._body(params).fc(x)
+        return self._body(params).combine(self.config, x)
 
     def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
                 hidden_states: jax.Array, kv_caches: list[KVCache],
                 attn_metadata: CommonAttentionMetadata):
-        """``hidden_states [T, H]`` (``g``, or the previous step's ``prenorm``; an
-        ``n_aux * Ht`` wide input goes through ``fc`` first) -> ``(normed [T, H],
-        prenorm [T, H], kv_caches)``."""
+        """``hidden_states [T, H]`` (``g``, or the previous step's recycled hidden; an
+        ``n_aux * Ht`` wide input goes through the pre-fc norms and ``fc`` first) ->
+        ``(normed [T, H], recycled [T, H], kv_caches)``: the recycled hidden is the
+        pre-norm output, or ``normed`` with ``config.norm_output`` (vLLM v0.33)."""
         cfg = self.config
         body = self._body(params)
         if hidden_states.shape[-1] != cfg.hidden_size or hidden_states.ndim == 3:
             x = hidden_states.reshape(hidden_states.shape[0], -1)
-            hidden_states = body.fc(x)
+            hidden_states = body.combine(cfg, x)
         cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         e = mp.embed(params, input_ids)
         caches = []
@@ -106,7 +124,8 @@ class Eagle3Head(PagedCache):
         for i in range(1, len(body.layers)):
             h, c = body.layers[i](h, cos, sin, kv_caches[i], attn_metadata)
             caches.append(c)
-        return body.norm(h), h, caches
+        normed = body.norm(h)
+        return normed, normed if cfg.norm_output else h, caches
 
     def compute_draft_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """``normed [N, H]`` -> ``[N, Vd]`` float32 over the draft vocabulary."""
@@ -136,8 +155,14 @@ def tensor_table(c: ModelConfig) -> list[Entry]:
     """The canonical tensors of an EAGLE-3 head, and of a DFlash head (the same layout
     plus ``hidden_norm``, no ``hidden_norm`` in its first layer and an optional lm_head)."""
     kind, h, v, vd = c.kind, c.hidden_size, c.vocab_size, c.draft_vocab_size
-    fc_in = c.num_aux * (c.target_hidden_size or h)
+    ht = c.target_hidden_size or h
+    fc_in = c.num_aux * ht
     e = [Entry("fc.weight", ("fc", "kernel"), (h, fc_in), "linear")]
+    if kind == "eagle3" and c.norm_before_fc:
+        e.append(Entry("input_norm.weight", ("input_norm", "weight"), (fc_in,), "copy"))
+    if kind == "eagle3" and c.fc_norm:
+        e += [Entry(f"fc_norm.{i}.weight", ("fc_norm", i, "weight"), (ht,), "copy")
+              for i in range(c.num_aux)]
     if kind == "dflash":
         e.append(Entry("hidden_norm.weight", ("hidden_norm", "weight"), (h,), "copy"))
     for i in range(c.num_hidden_layers):

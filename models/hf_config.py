@@ -23,6 +23,30 @@ MAX_DIM = 1 << 20
 MAX_VOCAB = 1 << 24
 
 _PRESENCE = ("has_embed_tokens", "has_lm_head", "has_d2t", "has_token_map")
+#: vLLM v0.33's EAGLE-3 norm options (``llama_eagle3.py``; ModelConfig's docstring).
+EAGLE3_NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+def _eagle3_norm_flags(hf: Mapping, speculators: bool) -> dict:
+    """vLLM v0.33's reading of the EAGLE-3 norm options: a plain config's top-level keys
+    (``eagle_config.norm_before_fc`` overriding ``norm_before_fc``); a speculators config's
+    ``fc_norm`` / ``norm_output`` (its updater copies those two). vLLM's speculators loader
+    drops ``norm_before_fc`` and then skips ``input_norm.weight``, running the head without
+    the norm its weights were trained with: refused here, by name."""
+    ec = hf.get("eagle_config")
+    if ec is not None and not isinstance(ec, Mapping):
+        raise ArgumentTypeError(f"config eagle_config must be an object, got {show(ec)}")
+    out = {f: _bool(hf, f, False) for f in EAGLE3_NORM_FLAGS}
+    if ec and "norm_before_fc" in ec:
+        out["norm_before_fc"] = _bool(ec, "norm_before_fc", False)
+    if ec and ec.get("use_aux_hidden_state") is False:
+        raise ValueError("config eagle_config.use_aux_hidden_state=false is not supported "
+                         "(specjax's EAGLE-3 head always reads the aux hidden states)")
+    if speculators and out["norm_before_fc"]:
+        raise ValueError("config norm_before_fc=true in a speculators config is refused: vLLM's "
+                         "speculators loader drops the key and skips input_norm.weight, so the "
+                         "head would run without the norm its weights expect")
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,9 +245,10 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
                          f"{show(sorted(set(map(str, layer_types))))}")
     if dcfg.get("use_swa") or dcfg.get("attention_sink_bias") or hf.get("attention_sink_bias"):
         raise ValueError("dflash_config.use_swa / attention_sink_bias must be false (not implemented)")
-    for f in ("norm_before_fc", "fc_norm"):
-        if hf.get(f):
-            raise ValueError(f"{f} must be false (EAGLE-3 pre-fc norms are not implemented)")
+    if kind != "eagle3":
+        for f in EAGLE3_NORM_FLAGS:
+            if hf.get(f):
+                raise ValueError(f"{f} must be false for a {kind!r} config (an EAGLE-3 option)")
 
     h = _int(hf, "hidden_size")
     nh = _int(hf, "num_attention_heads", 1, 4096)
@@ -271,6 +296,7 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
             # vLLM v0.20: the speculators eagle3 updater defaults it to True, the model to False
             norm_before_residual=_bool(hf, "norm_before_residual", speculators),
             aux_layer_ids=_aux_ids(hf.get("eagle_aux_hidden_state_layer_ids")),
+            **_eagle3_norm_flags(hf, speculators),
         )
     elif kind == "dflash":
         ids = _get(hf, "aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids")
@@ -329,6 +355,7 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
         elif c.kind == "eagle3":
             d.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
                      norm_before_residual=c.norm_before_residual,
+                     **{f: getattr(c, f) for f in EAGLE3_NORM_FLAGS},
                      eagle_aux_hidden_state_layer_ids=(list(c.aux_layer_ids)
                                                        if c.aux_layer_ids is not None else None))
         elif c.kind == "dflash":

@@ -154,7 +154,8 @@ class _Rules:
                 return P(a)
             raise ValueError(f"unknown params entry {name!r} (an lm_head holds 'kernel', "
                              "'bias' or 'embedding')")
-        if top in ("fc", "input_proj", "blocks") or (parent in _NORMS and last == "weight"):
+        if top in ("fc", "input_proj", "input_norm", "fc_norm", "blocks") or (
+                parent in _NORMS and last == "weight"):
             return P()
         if parent in ("qkv_proj", "gate_up_proj"):
             raise ValueError(f"params entry {name!r} is a fused projection "

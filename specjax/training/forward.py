@@ -207,7 +207,9 @@ def eagle_ttt(kind: str, params: dict, cfg: ModelConfig, ids: Array, features: A
     forward of a draft chain at every position; step ``d`` re-runs the head at every
     position with the hidden input of step ``d-1`` one position back, attending as a real
     chain does (``ttt_masks``). Returns per step ``(logits_hidden [B, T, H], prenorm [B, T, H])``:
-    EAGLE-1's output is both; EAGLE-3's first is ``norm(prenorm)``.
+    EAGLE-1's output is both; EAGLE-3's first is ``norm(prenorm)``. EAGLE-3's v0.33 options
+    as the inference head: the pre-fc norms (``norm_before_fc``, ``fc_norm``), and the next
+    step's hidden is the normed output with ``norm_output``.
     """
     if kind not in ("eagle", "eagle3"):
         raise ValueError(f"kind must be 'eagle' or 'eagle3', got {kind!r}")
@@ -221,7 +223,13 @@ def eagle_ttt(kind: str, params: dict, cfg: ModelConfig, ids: Array, features: A
     if kind == "eagle":
         hid = features.astype(e.dtype)
     else:
-        hid = linear(params["fc"], features.astype(e.dtype))
+        x = features.astype(e.dtype)
+        if cfg.norm_before_fc:
+            x = norm(params["input_norm"], x, eps)
+        if cfg.fc_norm:
+            x = jnp.concatenate([norm(params["fc_norm"][i], p, eps) for i, p in
+                                 enumerate(jnp.split(x, cfg.num_aux, axis=-1))], axis=-1)
+        hid = linear(params["fc"], x)
     # per layer: K/V of every earlier step (group list grows with depth)
     kv_groups: list[list[tuple[Array, Array]]] = [[] for _ in layers]
     outs = []
@@ -250,7 +258,7 @@ def eagle_ttt(kind: str, params: dict, cfg: ModelConfig, ids: Array, features: A
         pre = h
         out = pre if kind == "eagle" else norm(params["norm"], pre, eps)
         outs.append((out, pre))
-        hid = shift_right(pre)
+        hid = shift_right(out if kind == "eagle3" and cfg.norm_output else pre)
     return outs
 
 

@@ -337,6 +337,10 @@ EAGLE3_CASES = {
                          target_hidden_size=24, norm_before_residual=True, has_d2t=True,
                          model_type="qwen3", head_dim=16,
                          eagle_aux_hidden_state_layer_ids=[1, 3, 5]),
+    # vLLM v0.33's "EAGLE 3.1" options: both pre-fc norms, the normed output recycled
+    "v033_norms": dict(num_hidden_layers=1, vocab_size=80, target_hidden_size=24,
+                       norm_before_fc=True, fc_norm=True, norm_output=True,
+                       eagle_aux_hidden_state_layer_ids=[1, 3, 5]),
 }
 
 
@@ -371,9 +375,11 @@ def test_eagle3_matches_oracle(name, fused):
     for r in range(2):
         normed, pre, dl = ora.eagle3(tensors, geo(cfg), emb, seqs[r],
                                      aux[r].reshape(len(seqs[r]), -1).astype(np.float64),
-                                     cfg.num_hidden_layers, cfg.norm_before_residual, cfg.qk_norm)
+                                     cfg.num_hidden_layers, cfg.norm_before_residual, cfg.qk_norm,
+                                     norm_before_fc=cfg.norm_before_fc, fc_norm=cfg.fc_norm)
         assert_close(np.stack([x[0] for x in got[r]]), normed, what="eagle3 normed")
-        assert_close(np.stack([x[1] for x in got[r]]), pre, what="eagle3 prenorm")
+        assert_close(np.stack([x[1] for x in got[r]]), normed if cfg.norm_output else pre,
+                     what="eagle3 recycled hidden")
         assert_close(np.stack([x[2] for x in got[r]]), dl, what="eagle3 draft logits")
         full = np.stack([x[3] for x in got[r]])
         if "d2t" in tensors:
@@ -612,6 +618,26 @@ def test_config_from_hf_variants():
             cfg_of("llama", **{**base, **bad})
     with pytest.raises(ValueError, match="kind"):
         registry.config_from_hf("gpt2", base)
+    # vLLM v0.33's EAGLE-3 norm options: read from a plain config, eagle_config.norm_before_fc
+    # overriding the top-level key; a speculators config's norm_before_fc is refused (vLLM drops
+    # it and skips input_norm.weight); other kinds refuse them by name
+    c = cfg_of("eagle3", **base, fc_norm=True, norm_output=True, norm_before_fc=False,
+               eagle_config={"norm_before_fc": True})
+    assert (c.norm_before_fc, c.fc_norm, c.norm_output) == (True, True, True)
+    assert registry.config_from_hf("eagle3", registry.config_to_dict(c)) == c
+    plain = cfg_of("eagle3", **base)
+    assert not (plain.norm_before_fc or plain.fc_norm or plain.norm_output)
+    spec = dict(transformer_layer_config=base, speculators_model_type="eagle3")
+    assert cfg_of("eagle3", **spec, fc_norm=True, norm_output=True).fc_norm
+    with pytest.raises(ValueError, match="norm_before_fc=true in a speculators config"):
+        cfg_of("eagle3", **spec, norm_before_fc=True)
+    with pytest.raises(ValueError, match="use_aux_hidden_state"):
+        cfg_of("eagle3", **base, eagle_config={"use_aux_hidden_state": False})
+    with pytest.raises(ValueError, match="fc_norm must be false for a 'dflash' config"):
+        cfg_of("dflash", **base, fc_norm=True, block_size=4, aux_hidden_state_layer_ids=[1, 2],
+               mask_token_id=3)
+    with pytest.raises(TypeError, match="norm_output must be true or false"):
+        cfg_of("eagle3", **base, norm_output="yes")
 
 
 def test_params_from_tensors_errors_name_the_key():

@@ -75,6 +75,9 @@ def test_eagle3_eagle_and_mtp_bf16():
     for kind, extra, width in (("eagle", dict(bias=True), GEO["hidden_size"]),
                                ("eagle3", dict(draft_vocab_size=128, has_d2t=True,
                                                eagle_aux_hidden_state_layer_ids=[1, 2, 3]), 3 * GEO["hidden_size"]),
+                               ("eagle3", dict(draft_vocab_size=128, has_d2t=True, norm_before_fc=True,
+                                               fc_norm=True, norm_output=True,
+                                               eagle_aux_hidden_state_layer_ids=[1, 2, 3]), 3 * GEO["hidden_size"]),
                                ("mtp", dict(num_nextn_predict_layers=1), GEO["hidden_size"])):
         cfg = registry.config_from_hf(kind, dict(GEO, num_hidden_layers=1, vocab_size=V, **extra))
         params = share_target_weights(registry.init_params(kind, cfg, 3), _target(), kind=kind)

@@ -653,6 +653,13 @@ def test_eagle3_rules():
                               shard_embedding=True))
     assert specs["embed_tokens.embedding"] == P("model", None)
     assert specs["lm_head.kernel"] == P(None, "model")
+    # vLLM v0.33's pre-fc norms are replicated, as fc is
+    cfg = _cfg("eagle3", num_key_value_heads=2, target_hidden_size=24, norm_before_fc=True,
+               fc_norm=True, eagle_aux_hidden_state_layer_ids=[1, 3, 5])
+    specs = _flat(param_specs(registry.abstract_params("eagle3", cfg), cfg, 2))
+    assert {k: v for k, v in specs.items() if "norm" in k and "layers" not in k} == {
+        "input_norm.weight": P(), "fc_norm.0.weight": P(), "fc_norm.1.weight": P(),
+        "fc_norm.2.weight": P(), "norm.weight": P()}
 
 
 @pytest.mark.smoke

@@ -149,8 +149,16 @@ def mtp(t, g, embed, lm_head, ids, pos, hidden, n_layers=1):
     return o, o @ lm_head.T
 
 
-def eagle3(t, g, embed, ids, aux, n_layers, norm_before_residual, qk_norm=False):
-    """EAGLE-3 over one sequence; aux [S, n_aux*Ht] -> (normed, prenorm, draft logits)."""
+def eagle3(t, g, embed, ids, aux, n_layers, norm_before_residual, qk_norm=False, *,
+           norm_before_fc=False, fc_norm=False, n_aux=3):
+    """EAGLE-3 over one sequence; aux [S, n_aux*Ht] -> (normed, prenorm, draft logits).
+    vLLM v0.33's pre-fc norms (research/vllm_delta_0.33.md 2.3): ``input_norm`` over the
+    whole concatenation, then ``fc_norm.{i}`` on each Ht-wide chunk."""
+    if norm_before_fc:
+        aux = rms(aux, f64(t, "input_norm.weight"), g.eps)
+    if fc_norm:
+        aux = np.concatenate([rms(c, f64(t, f"fc_norm.{i}.weight"), g.eps)
+                              for i, c in enumerate(np.split(aux, n_aux, axis=-1))], -1)
     gg = lin(t, "fc", aux)
     e = rms(embed[ids], f64(t, "layers.0.input_layernorm.weight"), g.eps)
     hn = rms(gg, f64(t, "layers.0.hidden_norm.weight"), g.eps)

@@ -53,17 +53,22 @@ def test_decoder_forward_matches_paged(target):
         close(aux[b], a)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3_v033"])
 def test_eagle_ttt_matches_a_real_chain(kind, target):
     """Step d of the unroll at position n + d equals the d-th draft step of a chain whose
-    first pass covered positions 0..n, run with the paged inference model."""
+    first pass covered positions 0..n, run with the paged inference model (``eagle3_v033``:
+    vLLM v0.33's pre-fc norms and the normed output recycled)."""
     tcfg, tparams = target
+    flags = {}
+    if kind == "eagle3_v033":
+        kind, flags = "eagle3", dict(norm_before_fc=True, fc_norm=True, norm_output=True)
     if kind == "eagle":
         cfg = registry.config_from_hf("eagle", dict(G, num_hidden_layers=2, bias=True))
     else:
         cfg = registry.config_from_hf("eagle3", dict(G, num_hidden_layers=2, target_hidden_size=H,
                                                      draft_vocab_size=V,
-                                                     eagle_aux_hidden_state_layer_ids=list(AUX)))
+                                                     eagle_aux_hidden_state_layer_ids=list(AUX),
+                                                     **flags))
     head = registry.make_model(kind, cfg)
     hp = share_target_weights(registry.init_params(kind, cfg, 5), tparams, kind=kind)
     x = tokens(1, b=1, t=T + 1)
@@ -88,7 +93,9 @@ def test_eagle_ttt_matches_a_real_chain(kind, target):
             out, pre, caches = head.forward(hp, ids[0, p:p + 1], jnp.array([p], jnp.int32),
                                             prev[None], caches, md(1, p + 1))
             close(outs[d][0][0, p], out[0])
-            close(outs[d][1][0, p], pre[0])
+            # the model's second output is the recycled hidden: the pre-norm one, or the
+            # normed output with norm_output (the unroll returns (normed, pre-norm))
+            close(outs[d][0 if cfg.norm_output else 1][0, p], pre[0])
             prev = pre[0]
 
 
