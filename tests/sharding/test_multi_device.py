@@ -49,10 +49,10 @@ DEV = np.array(jax.devices())
 """
 
 #: (method, tp size, use_local_argmax_reduction) per subprocess. EAGLE and EAGLE-3 each at
-#: {2, 4} x {on, off} once between them; the draft model and DFlash once each. The tiny
+#: {2, 4} x {on, off} once between them; the draft model, DFlash and MTP once each. The tiny
 #: models have 2 kv heads: at tp=4 attention and caches stay replicated (MLP / vocab split).
 TP_CASES = [("eagle", 2, True), ("eagle", 4, False), ("eagle3", 2, False), ("eagle3", 4, True)]
-TP_CASES_MORE = [("dflash", 2, True), ("draft_model", 4, False), ("mtp", 2, False)]
+TP_CASES_MORE = [("dflash", 2, True), ("draft_model", 4, False), ("mtp", 2, True)]
 
 #: Shared by the tensor-parallel subprocess bodies.
 TP_HELPERS = """
