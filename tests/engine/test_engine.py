@@ -558,6 +558,29 @@ def test_bad_input_raises_before_generation():
             generate(tgt, p, [[1]], **FIXED)
 
 
+def test_mtp_k_against_the_checkpoints_modules(caplog):
+    """vLLM's MTP rules on k against ``num_nextn_predict_layers`` (n): k > n must be a
+    multiple of n (the error names both), k < n is allowed, k > 1 logs vLLM's warning."""
+    tgt = target()
+    dcfg = registry.config_from_hf("mtp", dict(GEO, num_hidden_layers=1, num_nextn_predict_layers=2))
+    dparams = registry.init_params("mtp", dcfg, 1)
+
+    def make(k):
+        return make_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=k),
+                             target=tgt.model, target_params=tgt.params, draft=dcfg,
+                             draft_params=dparams, max_model_len=MML, block_size=BS)
+
+    with pytest.raises(ValueError, match=r"num_speculative_tokens:3 must be divisible by n_predict=2"):
+        make(3)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        make(1)
+    assert "same MTP layer" not in caplog.text
+    with caplog.at_level("WARNING"):
+        assert make(4).feed.num_speculative_tokens == 4
+    assert "same MTP layer" in caplog.text
+
+
 def test_make_proposer_declarations_and_errors():
     for m in METHODS:
         p = build(m, 1)
