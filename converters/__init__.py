@@ -1,7 +1,7 @@
 """Checkpoint converters: every upstream format -> the canonical form of
 ``models/CANONICAL.md`` -> Flax params saved with orbax. No torch needed.
 
-``load_pretrained(path, dtype=None)`` returns ``(kind, config, params)`` from a
+``load_pretrained(path, dtype=None)`` returns ``Pretrained(kind, config, params)`` from a
 ``specjax-convert`` output directory or straight from an original checkpoint directory.
 
 Attributes load lazily (PEP 562), so ``import specjax`` stays light.
@@ -39,9 +39,3 @@ def __getattr__(name):
 def __dir__():
     return sorted(list(globals()) + __all__)
 
-
-def _specjax_getattr(name):
-    """``specjax.__getattr__``: ``specjax.load_pretrained`` without importing it eagerly."""
-    if name == "load_pretrained":
-        return __getattr__(name)
-    raise AttributeError(f"module 'specjax' has no attribute {name!r}")

@@ -509,9 +509,9 @@ def is_converted(path) -> bool:
 
 def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool = True,
                     allow_nonfinite: bool = False):
-    """``(kind, config, params)`` from a ``specjax-convert`` output directory, or straight
-    from an original checkpoint (HF layout, EAGLE, Medusa, DFlash...; ``format``
-    auto-detected when None). ``dtype`` (bf16 / fp16 / fp32) casts the float params;
+    """``Pretrained(kind, config, params)`` (what ``specjax.generate`` and ``make_proposer``
+    take) from a ``specjax-convert`` output directory, or straight from an original
+    checkpoint (HF layout, EAGLE, Medusa, DFlash...; ``format`` auto-detected when None). ``dtype`` (bf16 / fp16 / fp32) casts the float params;
     None keeps the stored (or checkpoint) dtype.
 
     A converted directory is checked: ``specjax.json`` against its schema, every stored
@@ -522,7 +522,7 @@ def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool
     path = Path(path).absolute()
     if not is_converted(path):
         prep = prepare(path, format=format, dtype=dt, allow_nonfinite=allow_nonfinite)
-        return prep.kind, prep.config, prep.params
+        return _registry().Pretrained(prep.kind, prep.config, prep.params)
     meta = store.read_metadata(path)
     where = path / METADATA_FILE
     kind = meta["kind"]
@@ -540,7 +540,7 @@ def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool
         import jax  # noqa: PLC0415
 
         params = jax.tree.map(lambda a: a.astype(dt) if is_float(a.dtype) else a, params)
-    return kind, config, params
+    return _registry().Pretrained(kind, config, params)
 
 
 def _restore_target(path: Path, kind: str, config, dtype, extra: dict) -> dict:

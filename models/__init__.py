@@ -55,6 +55,7 @@ from specjax.models.medusa import MedusaHeads
 from specjax.models.mtp import MTPHead
 from specjax.models.params import fuse_projections, unfuse_projections
 from specjax.models.registry import (
+    Pretrained,
     abstract_params,
     config_from_hf,
     config_to_dict,
@@ -111,6 +112,6 @@ __all__ = [
     "ExtractHiddenStates",
     "config_from_hf", "config_to_dict", "expected_tensors", "params_from_tensors",
     "tensors_from_params",
-    "abstract_params", "init_params", "make_model", "share_target_weights",
+    "abstract_params", "init_params", "make_model", "share_target_weights", "Pretrained",
     "fuse_projections", "unfuse_projections",
 ]

@@ -24,7 +24,7 @@ out unless asked (``mask_hidden=True``).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ __all__ = [
     "expected_tensors", "params_from_tensors", "tensors_from_params", "abstract_params",
     "random_tensors", "init_params", "make_model", "tensor_table",
     "MASK_HIDDEN", "MASK_HIDDEN_KINDS", "mask_hidden_size", "mask_hidden_abstract", "check_params",
+    "Pretrained",
 ]
 
 # ---------------------------------------------------------------------------------------
@@ -320,6 +321,23 @@ def make_model(kind: str, config: ModelConfig, **static: Any):
     cls = {"eagle": EagleHead, "eagle3": Eagle3Head, "dflash": DFlashHead, "medusa": MedusaHeads,
            "mtp": MTPHead}[kind]
     return cls(config, **static)
+
+
+class Pretrained(NamedTuple):
+    """A loaded checkpoint: ``kind`` (a key of ``KINDS``), its ``ModelConfig`` and its params
+    pytree. ``specjax.load_pretrained`` returns one; ``specjax.generate`` / ``Engine`` take
+    one as the target and ``specjax.make_proposer`` as ``target=`` or ``draft=``, so a
+    checkpoint goes from disk to decoding without naming its runner class. It unpacks as
+    ``kind, config, params``."""
+
+    kind: str
+    config: ModelConfig
+    params: Any
+
+    @property
+    def model(self):
+        """The runner of this checkpoint (:func:`make_model`)."""
+        return make_model(self.kind, self.config)
 
 
 def check_params(kind: str, config: ModelConfig, params: Any, *, name: str = "params",

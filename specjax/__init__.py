@@ -1,53 +1,56 @@
 """specjax: speculative decoding for JAX (a port of vLLM v1's spec_decode module).
 
-The public API loads lazily (``import specjax`` pulls in neither the models nor numba);
-``dir(specjax)`` lists it. The library logs through :mod:`logging` (logger ``"specjax"``,
-silent unless the application configures logging); only the CLI prints.
+``__all__`` is what a user starts from: a checkpoint (``load_pretrained``, the shipped
+``load_demo_model``), a proposer (``SpeculativeConfig``, ``make_proposer``), decoding
+(``generate``, ``Engine``, ``SamplingParams``) and the serving step (``make_step``,
+``build_batch``). Everything loads lazily (``import specjax`` pulls in neither the models
+nor numba). The library logs through :mod:`logging` (logger ``"specjax"``, silent unless
+the application configures logging); only the CLI prints.
 """
 
 import logging as _logging
-
-from specjax.constants import PADDING_SLOT_ID, next_power_of_2
-from specjax.converters import _specjax_getattr as _converters_getattr  # lazy load_pretrained
 
 __version__ = "0.1.0.dev0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
-__all__ = ["PADDING_SLOT_ID", "next_power_of_2", "__version__", "generate", "make_proposer",
-           "SamplingParams", "SpeculativeConfig", "TargetModel", "TokenTree", "Engine",
-           "make_step", "Step", "StepBatch", "StepOutput", "build_batch", "Feed",
-           "load_pretrained", "load_generation_config", "load_tokenizer", "score"]
-
-# Lazy: ``import specjax`` stays light (no models, no numba) until these are used.
+#: public name -> (module, attribute), imported on first use
 _LAZY = {
-    "generate": "specjax.engine",
-    "SamplingParams": "specjax.engine",
-    "TargetModel": "specjax.engine",
-    "Engine": "specjax.engine",
-    "make_proposer": "specjax.proposers",
-    "SpeculativeConfig": "specjax.config",
-    "TokenTree": "specjax.token_tree",
-    # the public step (docs/integration.md)
-    "make_step": "specjax.step",
-    "Step": "specjax.step",
-    "StepBatch": "specjax.step",
-    "StepOutput": "specjax.step",
-    "build_batch": "specjax.batch",
-    "Feed": "specjax.proposers",
-    # real checkpoints (specjax.hf; tokenizers need the hf extra)
-    "load_generation_config": "specjax.hf",
-    "load_tokenizer": "specjax.hf",
-    "score": "specjax.hf",
+    # checkpoints
+    "load_pretrained": ("specjax.converters", "load_pretrained"),
+    "load_demo_model": ("specjax.demo_models", "load"),
+    "Pretrained": ("specjax.models", "Pretrained"),
+    "ByteTokenizer": ("specjax.tokenizer", "ByteTokenizer"),
+    "load_tokenizer": ("specjax.hf", "load_tokenizer"),
+    "load_generation_config": ("specjax.hf", "load_generation_config"),
+    # proposers
+    "SpeculativeConfig": ("specjax.config", "SpeculativeConfig"),
+    "TokenTree": ("specjax.token_tree", "TokenTree"),
+    "make_proposer": ("specjax.proposers", "make_proposer"),
+    "Feed": ("specjax.proposers", "Feed"),
+    # decoding
+    "generate": ("specjax.engine", "generate"),
+    "Engine": ("specjax.engine", "Engine"),
+    "SamplingParams": ("specjax.engine", "SamplingParams"),
+    "TargetModel": ("specjax.engine", "TargetModel"),
+    # the serving step (docs/integration.md)
+    "make_step": ("specjax.step", "make_step"),
+    "Step": ("specjax.step", "Step"),
+    "StepBatch": ("specjax.step", "StepBatch"),
+    "StepOutput": ("specjax.step", "StepOutput"),
+    "build_batch": ("specjax.batch", "build_batch"),
 }
+
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    return _converters_getattr(name)
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'specjax' has no attribute {name!r}")
 
 
 def __dir__():

@@ -42,8 +42,10 @@ def available() -> tuple[str, ...]:
 
 
 def load(name: str, dtype="fp32"):
-    """``(kind, config, params)`` of the shipped model ``name`` via ``load_pretrained``
-    (``dtype`` cast; the files are fp16)."""
+    """``Pretrained(kind, config, params)`` of the shipped model ``name`` (one of
+    :data:`NAMES`) via ``load_pretrained``, params cast to ``dtype`` (the files are fp16;
+    fp32 by default, the precision the demo's lossless checks run at). Public as
+    ``specjax.load_demo_model``."""
     from specjax.converters import load_pretrained
 
     p = path(name)

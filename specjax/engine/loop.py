@@ -45,7 +45,8 @@ class Engine(DeviceLoop, Diagnostics):
     """A target, a proposer (or None), a paged KV cache, and the decoding loop.
 
     Args:
-      target: ``TargetModel(model, params)`` or a ``(model, params)`` tuple; ``model`` is a
+      target: ``TargetModel(model, params)``, a ``(model, params)`` tuple, or a decoder's
+        ``Pretrained`` (``specjax.load_pretrained``); ``model`` is a
         ``specjax.models.DecoderLM``. When the proposer needs aux hidden states, the runner
         is rebuilt with the proposer's ``aux_layer_ids``.
       proposer: from ``specjax.make_proposer``, or None for plain decoding.
@@ -141,9 +142,15 @@ class Engine(DeviceLoop, Diagnostics):
                  processor_limits: ProcessorLimits | None = None,
                  logprobs_mode: str = "raw_logprobs", overlap: bool | None = None,
                  fuse_projections: bool = True) -> None:
-        from specjax.models import DecoderLM
+        from specjax.models import DecoderLM, Pretrained
+        from specjax.models.config import DECODER_KINDS
 
         check_logprobs_mode(logprobs_mode)
+        if isinstance(target, Pretrained):
+            if target.kind not in DECODER_KINDS:
+                raise ValueError(f"target is a {target.kind!r} checkpoint, not a decoder LM (one "
+                                 f"of {sorted(DECODER_KINDS)})")
+            target = TargetModel(target.model, target.params)
         if isinstance(target, tuple) and not isinstance(target, TargetModel):
             if len(target) != 2:
                 raise ValueError("target must be TargetModel(model, params) or a (model, params) pair")
@@ -599,8 +606,8 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
-      target: ``TargetModel(model, params)`` or ``(model, params)``; ``model`` a
-        ``specjax.models.DecoderLM``.
+      target: ``TargetModel(model, params)``, ``(model, params)`` or a decoder's
+        ``Pretrained``; ``model`` a ``specjax.models.DecoderLM``.
       proposer: ``specjax.make_proposer(...)`` or None.
       prompts: token-id lists (non-empty, ids in the target's vocabulary).
       sampling_params: one ``SamplingParams`` for all or one per prompt.

@@ -133,13 +133,14 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
         directory is loaded when ``draft=`` is not given: one call from a dict to a ready
         proposer and its params). A ``model`` that is an existing directory and ``draft=``
         together are refused (which one is meant?).
-      target: the target runner (``specjax.models.DecoderLM``); used to check the draft's
-        vocabulary and for the EAGLE-3 default aux layers.
+      target: the target runner (``specjax.models.DecoderLM``), or a ``Pretrained`` from
+        ``specjax.load_pretrained`` (its params then are ``target_params``); used to check
+        the draft's vocabulary and for the EAGLE-3 default aux layers.
       target_params: the target's params; heads without their own embedding / lm_head
         get the target's (``share_target_weights``, as vLLM shares them).
       draft: the draft runner (``EagleHead``, ``Eagle3Head``, ``DFlashHead``,
-        ``MedusaHeads``, a ``DecoderLM`` for ``draft_model``) or its ``ModelConfig``;
-        model-free methods take none.
+        ``MedusaHeads``, a ``DecoderLM`` for ``draft_model``), its ``ModelConfig``, or a
+        ``Pretrained`` (its params then are ``draft_params``); model-free methods take none.
       draft_params: the draft's params dict.
       block_size: KV-cache block size the loop uses (draft caches share the target's
         block table).
@@ -189,6 +190,8 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
     if options and method in _HISTORY_METHODS:
         raise ValueError(f"method={method!r} takes no extra options, got {sorted(options)} (its "
                          "settings live in the SpeculativeConfig)")
+    target, target_params = _from_pretrained("target", target, target_params)
+    draft, draft_params = _from_pretrained("draft", draft, draft_params)
     for name, v in (("target_params", target_params), ("draft_params", draft_params)):
         if v is not None and not isinstance(v, Mapping):
             raise ArgumentTypeError(f"{name} must be a params dict, got {type(v).__name__}")
@@ -204,6 +207,27 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
                                 draft=draft, draft_params=draft_params, block_size=block_size,
                                 max_model_len=max_model_len, aux_layer_ids=aux_layer_ids,
                                 kernel_backend=kernel_backend, options=options)
+
+
+def _from_pretrained(name: str, model: Any, params: Any) -> tuple[Any, Any]:
+    """``(runner or config, params)`` of a ``target=`` / ``draft=`` that may be a
+    ``specjax.models.Pretrained`` (``load_pretrained``'s result): the target as its
+    ``DecoderLM`` runner, a draft as its ``ModelConfig``. A Pretrained with ``*_params=``
+    too is refused (which params are meant?)."""
+    from specjax.models import Pretrained
+    from specjax.models.config import DECODER_KINDS
+
+    if not isinstance(model, Pretrained):
+        return model, params
+    if params is not None:
+        raise ValueError(f"{name}= is a Pretrained checkpoint (it carries its params) and "
+                         f"{name}_params= is given too: pass one of them")
+    if name == "target":
+        if model.kind not in DECODER_KINDS:
+            raise ValueError(f"target= is a {model.kind!r} checkpoint, not a decoder LM (one of "
+                             f"{sorted(DECODER_KINDS)})")
+        return model.model, model.params
+    return model.config, model.params
 
 
 def _proposer_class(builder: ModelBuilder, method: str) -> type:
