@@ -21,7 +21,7 @@ Usage::
     python benchmarks/demo_pieces.py --products    # and the matmul rates
     python benchmarks/demo_pieces.py --width 512 --layers 8   # a larger target and head
 
-The figures (README, "Demo") say why EAGLE-3 does not reach 1.5x plain decoding on 2 CPU
+The figures (benchmarks/RESULTS.md; docs/demo.md) say why EAGLE-3 does not reach 1.5x plain decoding on 2 CPU
 cores: batched, the products are compute-bound (the 16-row verify costs 1.7x the 4-row
 step); one request at a time the verify's 4 rows cost ~1.3-1.6x one row, and each of the
 head's passes a third to a half of the whole target step, so the model passes of an

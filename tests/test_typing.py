@@ -1,5 +1,5 @@
 """Type checkers see the package: ``py.typed`` is installed, and the pinned mypy checks a
-snippet using every name in ``specjax.__all__`` and the README's examples
+snippet using every name in ``specjax.__all__`` and the docs' examples
 (``make_proposer``, ``generate``, ``load_pretrained``, a kernel call, the public step) with
 0 errors. mypy cannot follow setuptools' default editable finder (the top-level
 ``kernels/``, ``models/``, ``converters/`` are mapped into ``specjax``), so the test gives it

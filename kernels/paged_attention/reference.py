@@ -35,7 +35,7 @@ def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadat
     # K/V of each request, kv-head major: [B, nkv, C, hd]. Both dots below are then plain
     # batched GEMMs over (request, kv head) with the head dim minor in q and K: gathered as
     # [B, C, nkv, hd], XLA:CPU copied K transposed element by element ([B, nkv, hd, C]) in
-    # every layer, 100-140 us per layer on 2 cores at a 256-token context (README, Demo).
+    # every layer.
     table = jnp.clip(md.block_table, 0, nb - 1)
     kr = jnp.swapaxes(cache.k[table].reshape(b_pad, ctx, nkv, hd), 1, 2)
     vr = jnp.swapaxes(cache.v[table].reshape(b_pad, ctx, nkv, hd), 1, 2)
