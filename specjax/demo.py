@@ -1,5 +1,10 @@
-"""``specjax demo``: every available method on the embedded demo models, checked against
-plain decoding, with a table of acceptance and speed.
+"""``specjax demo``: every available method on the shipped demo models. The table leads with
+what does not depend on the machine's speed: the check (each method's output equals plain
+greedy decoding) and tokens per target forward pass (the mean acceptance length); then
+per-position acceptance and the wall-clock columns (tokens/s, spread, speed-up). The machine's load is read
+before and after the timed runs (:func:`machine_load`) and printed; at
+:data:`LOAD_THRESHOLD` per core or more with a note that the timings are not meaningful.
+On a CPU one line says why speed-ups there are smaller than on a GPU.
 
 The embedded models ship with the package (:mod:`specjax.demo_models`): a byte-level Llama
 target (4 layers, width 256) trained on CPython's standard-library sources, and one draft
@@ -7,7 +12,8 @@ of every kind trained against it (EAGLE-1, EAGLE-3, Medusa, a small draft model,
 each stored in its real upstream checkpoint layout and loaded through
 ``specjax.load_pretrained``, the path a user's checkpoint takes. The prompts are Python
 code, the text the models know. n-gram and suffix decoding need no weights; extract-hidden-
-states is not a drafter (its draft is the token just sampled).
+states is not a drafter (its draft is the token just sampled). ``--target`` / ``--draft`` /
+``--prompts``: the same table on your own checkpoints and prompts.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import sys
 import time
 from typing import Sequence, TextIO
@@ -52,6 +59,73 @@ NOTE = ("Models: the shipped demo weights (specjax/demo_models: a byte-level Lla
         "on CPython's stdlib sources and one trained draft of each kind, loaded from their upstream "
         "checkpoint layouts). extract_hidden_states is not a drafter: its draft is the token just "
         "sampled, accepted only when a byte repeats. Every method must reproduce plain greedy decoding exactly (the check column).")
+
+#: Load per core (other work's 1-minute load average over ``os.cpu_count()``) at or above
+#: which the wall-clock columns are flagged: from there other jobs take a large share of
+#: the cores the timed runs use.
+LOAD_THRESHOLD = 0.5
+
+#: Printed once on a CPU device: why its speed-ups are smaller than a GPU's.
+CPU_NOTE = ("cpu: speed-ups here are smaller than on a GPU. On a few CPU cores this small "
+            "model's matrix products are compute-bound and much of its step is XLA:CPU's fixed "
+            "cost per op, so the verify's k extra rows add to the step's time and a drafter "
+            "pass, which pays the same cost per op, is not cheap next to a target step; on a "
+            "GPU a decode step is memory-bound (it reads every weight once, whatever the rows), "
+            "so verifying k+1 tokens costs about what one token costs. "
+            "benchmarks/demo_pieces.py times each pass here; benchmarks/e2e.py and "
+            "benchmarks/loop.py measure GPU costs.")
+
+
+def _cpu_s() -> float:
+    """CPU seconds this process has used (user + system, all its threads)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def load_line(load: float | None) -> str | None:
+    """The line printed for other work's ``load`` per core: the load, and at
+    :data:`LOAD_THRESHOLD` or more that the wall-clock columns are not meaningful; None when
+    the load is unknown."""
+    if load is None:
+        return None
+    what = (f"load {load:.2f} per core (other work's 1-minute load average, the larger of "
+            f"before and after the timed runs")
+    if load < LOAD_THRESHOLD:
+        return f"{what}; below {LOAD_THRESHOLD}, not loaded)"
+    return (f"{what}; {LOAD_THRESHOLD} or more is loaded): the wall-clock columns (tokens/s, "
+            "spread, speed-up) are not meaningful on a loaded machine; read the check and "
+            "tokens/fwd columns.")
+
+
+class _OwnLoad:
+    """This process's share of the 1-minute load average: its busy cores (CPU seconds per
+    second) between calls, decayed as the kernel decays the load average (time constant 60
+    s). The CPU it used before the first call counts as one core busy just before it."""
+
+    def __init__(self) -> None:
+        t, c = time.monotonic(), _cpu_s()
+        self.marks = [(t - c, 0.0), (t, c)]
+
+    def __call__(self) -> float:
+        now, c = time.monotonic(), _cpu_s()
+        self.marks.append((now, c))
+        own = 0.0
+        for (t0, c0), (t1, c1) in zip(self.marks, self.marks[1:]):
+            if t1 > t0:
+                weight = math.exp((t1 - now) / 60) - math.exp((t0 - now) / 60)
+                own += (c1 - c0) / (t1 - t0) * weight
+        return own
+
+
+def machine_load(own_cores: float = 0.0) -> float | None:
+    """Other work's load per core: ``os.getloadavg()[0]`` less ``own_cores`` (the cores
+    this process kept busy meanwhile, which the load average counts too), over
+    ``os.cpu_count()``; never below 0. None where the OS gives no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    return max(load - own_cores, 0.0) / (os.cpu_count() or 1)
 
 
 @dataclasses.dataclass
@@ -231,6 +305,12 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
              temperature: float = 0.0, batch: int | None = DEFAULT_BATCH) -> list[Row]:
     """Run the demo; print the note and the table on ``out``, progress on ``err``.
 
+    The table's lead columns are the check (greedy: the tokens equal plain decoding's) and
+    tokens per target forward pass (the mean acceptance length); the wall-clock columns
+    follow. Other work's load per core (:func:`machine_load`, before and after the timed
+    runs, the larger) is printed (:func:`load_line`), at :data:`LOAD_THRESHOLD` or more with
+    the note that the timings are not meaningful; on a CPU device :data:`CPU_NOTE` is printed.
+
     ``repeat``: timed runs per method (the median counts; the spread is printed);
     ``steps_per_sync``: the device loop's iterations per host sync for every method that
     runs in it (1: the per-step loop everywhere). ``target_dir`` (``--target``): your target
@@ -251,6 +331,7 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
 
     from specjax.proposers import available_methods
 
+    own_load = _OwnLoad()
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     wanted = list(methods or ())
@@ -308,12 +389,16 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
         progress.start("plain decoding" if label == "plain" else label)
         t.warm()
         progress.finish("compiled")
+    loads = [machine_load(own_load())]      # other work's, before the timed runs and after
     rounds = _Progress(err, repeat)
     for _ in range(repeat):                           # then one timed run of each a round
         rounds.start(f"timed round (of {repeat})")
         for t in timers:
             t.run(rounds)
         rounds.finish("done")
+    loads.append(machine_load(own_load()))
+    known = [x for x in loads if x is not None]
+    load = max(known) if known else None
     rows = []
     for (label, mk, _), t in zip(specs, timers):
         res, tps, spread, n, mid = t.result()
@@ -328,18 +413,6 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
                         tps, tps / base_tps, ok, spread=spread, steps_per_sync=n,
                         tokens_per_iter=mid[0], ms_per_iter=mid[1]))
     print(format_table(rows), file=out)
-    for line in slow_reasons(rows):
-        print(line, file=out)
-    print(f"tokens/s: generated tokens / wall time of all the prompts, median of {repeat} runs "
-          f"(spread: (max - min) / median), compilation excluded, the runs interleaved (one of "
-          f"every method a round, so load from other jobs hits every row alike); sync: "
-          f"decoding iterations per host sync (the device loop, steps_per_sync={steps_per_sync}; 1: a method that drafts "
-          "on the host runs one step per sync). On a CPU this tiny target's step is mostly "
-          "XLA:CPU's cost per op: a drafter pass of one layer costs a third to a half of the "
-          "4-layer target's step, and with the prompts batched (--batch 0) the products turn "
-          "compute-bound (benchmarks/demo_pieces.py); other jobs on the machine widen the "
-          "spread. So the speed-ups say little about a real model on a GPU; see "
-          "benchmarks/e2e.py and benchmarks/loop.py for GPU costs.", file=out)
     bad = [r.method for r in rows if r.ok is False]
     if temperature == 0:
         print("all methods reproduce plain greedy decoding: " + ("OK" if not bad else
@@ -348,6 +421,23 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
         print(f"temperature {temperature}: seeded sampling, no token check (sampled speculative "
               "decoding keeps the target's distribution, not plain decoding's tokens; the "
               "distribution tests are in tests/test_sampler.py)", file=out)
+    print("check: the method's tokens equal plain greedy decoding's (OK / MISMATCH; - when "
+          "sampled). tokens/fwd: tokens per target forward pass per request, the mean "
+          "acceptance length (plain decoding: 1.00), set by the models and the prompts, not by "
+          "the machine's speed.", file=out)
+    if (line := load_line(load)) is not None:
+        print(line, file=out)
+    for line in slow_reasons(rows):
+        print(line, file=out)
+    print(f"tokens/s: generated tokens / wall time of all the prompts, median of {repeat} runs "
+          f"(spread: (max - min) / median, widened by other jobs on the machine), compilation "
+          f"excluded, the runs interleaved (one of "
+          f"every method a round, so load from other jobs hits every row alike); sync: "
+          f"decoding iterations per host sync (the device loop, steps_per_sync={steps_per_sync}; "
+          "1: a method that drafts on the host runs one step per sync); speed-up: tokens/s over "
+          "plain decoding's.", file=out)
+    if dev.platform == "cpu":
+        print(CPU_NOTE, file=out)
     out.flush()
     return rows
 
@@ -491,16 +581,19 @@ def _user_setup(target_dir, draft_dirs, lines, methods, k: int, max_tokens: int)
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    head = ("method", "k", "mean acc. len", "per-position acceptance", "tokens/s", "spread",
-            "sync", "speed-up", "check")
+    """The demo's table: ``check`` and ``tokens/fwd`` (the mean acceptance length; 1.00 for
+    plain decoding) first, the machine-independent columns; then ``k``, per-position
+    acceptance and the wall-clock columns (tokens/s, spread, sync, speed-up)."""
+    head = ("method", "check", "tokens/fwd", "k", "per-position acceptance", "tokens/s",
+            "spread", "sync", "speed-up")
     body = []
     for r in rows:
-        mal = "-" if r.method == "plain" else ("nan" if math.isnan(r.mean_acceptance_length)
-                                                else f"{r.mean_acceptance_length:.2f}")
+        mal = ("nan" if math.isnan(r.mean_acceptance_length)
+               else f"{r.mean_acceptance_length:.2f}")
         pp = "-" if not r.per_position else " ".join(f"{p:.2f}" for p in r.per_position)
-        body.append((r.method, str(r.k) if r.k else "-", mal, pp, f"{r.tokens_per_s:.0f}",
-                     f"{100 * r.spread:.0f}%", str(r.steps_per_sync), f"{r.speedup:.2f}x",
-                     {True: "OK", False: "MISMATCH", None: "-"}[r.ok]))
+        body.append((r.method, {True: "OK", False: "MISMATCH", None: "-"}[r.ok], mal,
+                     str(r.k) if r.k else "-", pp, f"{r.tokens_per_s:.0f}",
+                     f"{100 * r.spread:.0f}%", str(r.steps_per_sync), f"{r.speedup:.2f}x"))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])

@@ -505,13 +505,19 @@ class Step:
         return jax.device_put(params, sh.param_shardings(params, self.mesh, self.target.config,
                                                          axis=self.tp_axis))
 
-    def init_caches(self, num_blocks: int, block_size: int, kv_dtype=jnp.float32):
+    def init_caches(self, num_blocks: int, block_size: int, kv_dtype=None, params=None):
         """``(target_kv, draft_state)``: the target's paged KV caches and the proposer's
         state for a pool of ``num_blocks`` blocks of ``block_size`` (sharded by kv head on a
-        mesh; ``draft_state`` None without a proposer)."""
+        mesh; ``draft_state`` None without a proposer), both in ``kv_dtype``.
+
+        ``kv_dtype`` None (default): the dtype of the target's ``params`` when given
+        (:func:`params_kv_dtype`), else float32 (the step holds no params). Raises
+        ValueError when the proposer was built for another ``block_size``."""
         if self.feed is not None and self.feed.block_size not in (None, block_size):
             raise ValueError(f"the proposer was built with block_size={self.feed.block_size}, "
                              f"got {block_size}")
+        if kv_dtype is None:
+            kv_dtype = params_kv_dtype(params)
         kv = self.target.init_kv_caches(num_blocks, block_size, kv_dtype)
         state = None if self.proposer is None else self.proposer.init_state(num_blocks, kv_dtype)
         if self.mesh is not None:
@@ -591,6 +597,24 @@ class Step:
             return _packed_step_jit.lower(spec, target_params, dparams, target_kv, draft_state,
                                           words, layout)
         return _step_jit.lower(spec, target_params, dparams, target_kv, draft_state, batch)
+
+
+def params_kv_dtype(params) -> Any:
+    """The KV-cache dtype that goes with a target's ``params``: the dtype of its embedding
+    (``params["embed_tokens"]["embedding"]``) when floating, else of its first floating
+    leaf; float32 when ``params`` is None or holds no floating leaf. Why: a cache wider than
+    the weights costs memory and bandwidth every step for precision the weights lack."""
+    if params is None:
+        return jnp.dtype(jnp.float32)
+    try:
+        emb = params["embed_tokens"]["embedding"]
+    except (KeyError, TypeError, IndexError):
+        emb = None
+    for leaf in ([emb] if emb is not None else []) + jax.tree.leaves(params):
+        dt = getattr(leaf, "dtype", None)
+        if dt is not None and jnp.issubdtype(dt, jnp.floating):
+            return jnp.dtype(dt)
+    return jnp.dtype(jnp.float32)
 
 
 def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: str = "tp",

@@ -10,6 +10,7 @@ import jax
 import pytest
 
 from specjax import cli, demo
+from test_demo import demo_table
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,14 +28,12 @@ def test_demo_quick(capsys):
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert "shipped demo weights" in out
-    lines = out.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("method"))
-    rows = {line.split()[0]: line.split() for line in lines[head + 2 : head + 5]}
+    rows = demo_table(out)
     assert set(rows) == {"plain", "ngram", "eagle"}
     for name in ("ngram", "eagle"):
-        assert rows[name][1] == "2" and rows[name][-1] == "OK"
-        assert rows[name][-2].endswith("x")                 # speed-up
-    assert float(rows["eagle"][2]) > 1.5                    # a trained head accepts
+        assert rows[name]["k"] == "2" and rows[name]["check"] == "OK"
+        assert rows[name]["speed-up"].endswith("x")
+    assert float(rows["eagle"]["tokens/fwd"]) > 1.5         # a trained head accepts
     assert "all methods reproduce plain greedy decoding: OK" in out
     assert "[3/3] eagle" in err                              # progress on stderr
 
@@ -44,6 +43,9 @@ def test_run_demo_rows():
     rows = demo.run_demo(["extract_hidden_states"], k=4, max_tokens=4, out=out, err=err)
     assert [r.method for r in rows] == ["plain", "extract_hidden_states"]
     assert rows[1].k == 1 and rows[1].ok and len(rows[1].per_position) == 1
+    cells = demo_table(out.getvalue())["extract_hidden_states"]
+    assert cells["check"] == "OK" and cells["k"] == "1"
+    assert cells["tokens/fwd"] == f"{rows[1].mean_acceptance_length:.2f}"
     with pytest.raises(ValueError, match="unknown"):
         demo.run_demo(["nope"], out=out, err=err)
 

@@ -28,17 +28,14 @@ from specjax.logprobs import (check_logprobs_mode, check_num_logprobs, logprobs_
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
 from specjax.sampler import PLACEHOLDER_TOKEN_ID
-from specjax.step import StepBatch, StepOutput, make_step, step_cache_size
+from specjax.step import StepBatch, StepOutput, make_step, params_kv_dtype, step_cache_size
 
 _NULL_BLOCK = NULL_BLOCK
-#: Iterations per host sync of the device loop when ``steps_per_sync`` is not given: on the
-#: H200 (8B-shaped target, benchmarks/RESULTS.md) N = 8 took the plain loop from 6.75 to
-#: 5.02 ms per iteration and EAGLE-3 from 8.25 to 5.79 ms at B = 1; N = 16 gains 5-8% more
-#: and doubles the delivery gap between host syncs (40 -> 74 ms).
+#: Iterations per host sync of the device loop when ``steps_per_sync`` is not given (the
+#: measured choice: docs/performance.md).
 DEFAULT_STEPS_PER_SYNC = 8
 _I32 = np.int32
 _req_counter = itertools.count()
-
 
 
 class Engine(DeviceLoop, Diagnostics):
@@ -59,7 +56,7 @@ class Engine(DeviceLoop, Diagnostics):
         compiled for: rows, tokens per request (``T = rows * query``), block-table width in
         blocks. None: powers of two (context capped at ``max_model_len``). Fewer buckets,
         fewer compilations.
-      kv_dtype: dtype of the KV caches (default float32).
+      kv_dtype: KV caches' dtype; None (default): the target params' (``step.params_kv_dtype``).
       min_tokens_per_step: pad every step to at least this many tokens (``B_pad *
         query_len >= min_tokens_per_step``, the query bucket rising as needed; default 1:
         no padding). The padding token writes nothing (slot -1) and is not sampled. It was
@@ -135,7 +132,7 @@ class Engine(DeviceLoop, Diagnostics):
                  block_size: int = 16, max_num_seqs: int = 8, num_blocks: int | None = None,
                  batch_buckets: Sequence[int] | None = None,
                  query_buckets: Sequence[int] | None = None,
-                 context_buckets: Sequence[int] | None = None, kv_dtype=jnp.float32,
+                 context_buckets: Sequence[int] | None = None, kv_dtype=None,
                  min_tokens_per_step: int = 1, tree_verification: bool | None = None,
                  mesh: Any = None, tp_axis: str = "tp", steps_per_sync: int | None = None,
                  loop_early_exit: bool | None = None, logits_processors: tuple = (),
@@ -205,7 +202,7 @@ class Engine(DeviceLoop, Diagnostics):
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), "
                              f"got {num_blocks!r}")
         self.num_blocks = int(num_blocks)
-        self.kv_dtype = kv_dtype
+        self.kv_dtype = params_kv_dtype(target.params) if kv_dtype is None else kv_dtype
         self.drafts_in = "none" if feed is None else feed.drafts_in
         #: the drafter's context limit when shorter than max_model_len (else None)
         self.drafter_max_model_len = None if feed is None else feed.drafter_max_model_len
@@ -602,7 +599,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              loop_early_exit: bool | None = None, logits_processors: tuple = (),
              processor_limits: ProcessorLimits | None = None,
              logprobs_mode: str = "raw_logprobs", overlap: bool | None = None,
-             kv_dtype=jnp.float32, fuse_projections: bool = True) -> GenerateResult:
+             kv_dtype=None, fuse_projections: bool = True) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
     Args:
