@@ -3,7 +3,12 @@
 
 Converts a checkpoint (HF Llama/Qwen2/Qwen3, MiMo, EAGLE, EAGLE-3, DFlash, Medusa;
 safetensors or PyTorch files, read without torch) into a specjax checkpoint: orbax params
-plus ``specjax.json``. A MiMo checkpoint converts as its Qwen2 target; ``--format mimo-mtp``
+plus ``specjax.json``, and SRC's tokenizer and generation files copied byte for byte
+(``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``, chat templates...:
+``store.CARRIED_FILES``), so that ``specjax generate --target DST`` needs nothing else. A
+carried file over ``store.MAX_CARRIED_BYTES``, a symbolic link out of SRC, or a tokenizer
+naming its own code (``auto_map``; nothing is executed) is refused before any weight is
+read. A MiMo checkpoint converts as its Qwen2 target; ``--format mimo-mtp``
 takes its MTP head instead. Exit status 0 on success, 1 on a conversion error (the message
 names every unknown, missing or mis-shaped tensor; or DST exists), 2 on bad arguments (a DST
 refused by the destination rules included), 130 on SIGINT, 143 on SIGTERM. Nothing is left
@@ -12,7 +17,8 @@ at DST, or beside it, after a failure or an interrupt.
 DST rules (checked before anything is read): not empty, not SRC nor inside or containing
 it, not the current or home directory nor one containing them, not a symbolic link, in a
 writable directory; an existing DST must be an empty directory, or with ``--force`` a
-previous specjax output (``specjax.json`` + ``params/`` and nothing else).
+previous specjax output (``specjax.json`` + ``params/`` + the carried files it records, and
+nothing else).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Destination rules (:func:`check_destination`, run before anything is read):
 - DST must not be a symbolic link, and the directory it is created in must be writable;
 - an existing DST is used only when it is an empty directory, or (with ``force``) what the
   caller recognises as its own earlier output (``replaceable``): for ``convert`` a
-  directory holding just ``specjax.json`` (written by specjax) and ``params/``.
+  directory holding just ``specjax.json`` (written by specjax), ``params/`` and the
+  tokenizer / generation files its ``carried_files`` records.
 
 Writing (:func:`write_dir_atomically`): everything goes into a staging directory
 ``.<DST name>.specjax-tmp-XXXX/`` beside DST holding a marker (``writer.json``: pid,

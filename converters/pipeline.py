@@ -6,6 +6,10 @@ Output directory layout (``specjax-convert SRC DST``)::
                        ``extra_params``: name -> shape of params entries outside the
                        tensor table, e.g. a P-EAGLE ``mask_hidden``)
     DST/params/        the params pytree, written by orbax's StandardCheckpointer
+    DST/tokenizer.json, generation_config.json, ...
+                       SRC's tokenizer and generation files, byte for byte (those present
+                       of ``store.CARRIED_FILES``), so that ``specjax generate --target DST``
+                       runs without SRC; recorded (size, sha256) in ``carried_files``
 
 The directory appears only when complete: everything is written to a staging directory
 beside ``DST`` and renamed at the end; a failed or interrupted run removes it
@@ -123,6 +127,9 @@ class Prepared:
     allow_nonfinite: bool = False
     progress: Progress | None = dataclasses.field(default=None, repr=False)
     piece_bytes: int = store.PIECE_BYTES
+    #: ``specjax.json``'s ``carried_files``: the tokenizer / generation files copied
+    #: into the output (name -> size, sha256)
+    carried: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 # -- steps --------------------------------------------------------------------------------
@@ -351,9 +358,10 @@ def check_d2t(d2t: np.ndarray, vocab: int, where: str) -> None:
 
 
 def save_prepared(prep: Prepared, out_dir: Path, log: Log | None = None) -> None:
-    """Write ``prep`` into the (new, empty) directory ``out_dir``: the params in parts of
-    about ``prep.piece_bytes`` (each tensor read, converted and written in turn when
-    ``prep.params`` is None), then ``specjax.json``."""
+    """Write ``prep`` into the new directory ``out_dir``: the params in parts of about
+    ``prep.piece_bytes`` (each tensor read, converted and written in turn when
+    ``prep.params`` is None), then ``specjax.json`` (with ``prep.carried``: the records of
+    the files :func:`store.copy_carried` put in ``out_dir``)."""
     log = log or _log_warning
     out_dir = Path(out_dir).absolute()
     if prep.params is not None:
@@ -403,6 +411,8 @@ def save_prepared(prep: Prepared, out_dir: Path, log: Log | None = None) -> None
     extra = {k: v["shape"] for k, v in arrays.items() if k in EXTRA_PARAM_KEYS}
     if extra:
         meta["extra_params"] = extra
+    if prep.carried:
+        meta["carried_files"] = prep.carried
     try:
         (out_dir / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     except OSError as e:
@@ -422,26 +432,35 @@ class Summary:
     notes: list[str]
     dst: str
     seconds: float
+    carried: list[str] = dataclasses.field(default_factory=list)
 
     def text(self) -> str:
         lines = [f"converted {self.n_tensors} tensors ({self.n_values:,} values) from format "
                  f"{self.format!r} to a {self.kind} model in {self.dtype} "
                  f"({self.seconds:.1f}s)", f"  -> {self.dst}"]
+        if self.carried:
+            lines.append(f"  with {', '.join(self.carried)}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 def previous_output_reason(path: Path) -> str | None:
     """None when the directory ``path`` is a previous ``specjax-convert`` output (just
-    ``specjax.json``, written by specjax, and ``params/``), which ``force`` may replace;
-    else what makes it something else."""
+    ``specjax.json``, written by specjax, ``params/`` and the carried files its
+    ``carried_files`` names), which ``force`` may replace; else what makes it something
+    else."""
     entries = sorted(e.name for e in path.iterdir())
-    others = [e for e in entries if e not in (METADATA_FILE, PARAMS_DIR)]
-    if others:
-        return f"it holds {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}"
     try:
         meta = json.loads((path / METADATA_FILE).read_text())
     except (OSError, ValueError):
+        meta = None
+    carried = meta.get("carried_files") if isinstance(meta, dict) else None
+    carried = [n for n in carried if n in store.CARRIED_FILES] if isinstance(carried, dict) \
+        else []
+    others = [e for e in entries if e not in (METADATA_FILE, PARAMS_DIR, *carried)]
+    if others:
+        return f"it holds {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}"
+    if meta is None:
         return f"it has no readable {METADATA_FILE}"
     if not isinstance(meta, dict) or "specjax_checkpoint_version" not in meta:
         return f"its {METADATA_FILE} was not written by specjax"
@@ -462,7 +481,12 @@ def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = Fa
     previous specjax output; never SRC, inside it or containing it, the current or home
     directory, or a symbolic link. The output is staged beside ``dst`` and renamed into
     place at the end, so a failed or interrupted run (Ctrl-C, SIGTERM) leaves nothing at
-    ``dst`` or beside it, and with ``force`` the old ``dst`` untouched. ``log`` gets notes
+    ``dst`` or beside it, and with ``force`` the old ``dst`` untouched. SRC's tokenizer and
+    generation files (``store.CARRIED_FILES``, those present) are copied into the staging
+    directory with the params, byte for byte, after the checks of
+    :func:`store.carried_sources` (size cap, symbolic links, ``auto_map``: a refusal is a
+    :class:`CheckpointError` naming the file, raised before any weight is read), so that
+    ``specjax generate --target DST`` runs without SRC. ``log`` gets notes
     (stale staging directories of killed runs removed, a signal held); default: the
     ``specjax.converters`` logger.
 
@@ -480,6 +504,7 @@ def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = Fa
     if piece_bytes is not None and (not isinstance(piece_bytes, int) or piece_bytes <= 0):
         raise ValueError(f"piece_bytes must be a positive int, got {piece_bytes!r}")
     dst = check_destination(dst, src=src, force=force, replaceable=previous_output_reason)
+    sources = store.carried_sources(src)
     result: list[Prepared] = []
 
     def fill(out_dir: Path) -> None:
@@ -487,6 +512,7 @@ def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = Fa
                     progress=progress)
         if piece_bytes is not None:
             prep.piece_bytes = piece_bytes
+        prep.carried = store.copy_carried(sources, out_dir, src)
         save_prepared(prep, out_dir, log)
         result.append(prep)
 
@@ -498,7 +524,8 @@ def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = Fa
         write_dir_atomically(dst, fill, replace=replace, what="the conversion", log=log)
     prep = result[0]
     return Summary(prep.kind, prep.format, dtype_name(prep.dtype), prep.n_tensors,
-                   prep.n_values, prep.notes, str(dst), time.perf_counter() - t0)
+                   prep.n_values, prep.notes, str(dst), time.perf_counter() - t0,
+                   list(sources))
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -514,9 +541,10 @@ def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool
     checkpoint (HF layout, EAGLE, Medusa, DFlash...; ``format`` auto-detected when None). ``dtype`` (bf16 / fp16 / fp32) casts the float params;
     None keeps the stored (or checkpoint) dtype.
 
-    A converted directory is checked: ``specjax.json`` against its schema, every stored
-    array's shape and dtype against the recorded ones, and (``verify=True``) every
-    array's crc32 against the one recorded at conversion; any damage raises
+    A converted directory is checked: ``specjax.json`` against its schema, every carried
+    tokenizer / generation file's presence and size and every stored array's shape and
+    dtype against the recorded ones, and (``verify=True``) each carried file's sha256 and
+    each array's crc32 against the ones recorded at conversion; any damage raises
     :class:`CorruptOutputError` naming the file and key."""
     dt = parse_dtype(dtype)
     path = Path(path).absolute()
@@ -524,6 +552,7 @@ def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool
         prep = prepare(path, format=format, dtype=dt, allow_nonfinite=allow_nonfinite)
         return _registry().Pretrained(prep.kind, prep.config, prep.params)
     meta = store.read_metadata(path)
+    store.verify_carried(path, meta, verify=verify)
     where = path / METADATA_FILE
     kind = meta["kind"]
     try:

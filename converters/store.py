@@ -8,13 +8,26 @@ Layout (version 2)::
                            bytes (C order, little-endian) and the part holding it
     DST/params/00000/ ...  the params pytree in parts, each an orbax StandardCheckpointer
                            checkpoint of a subtree of at most ~``piece_bytes``
+    DST/tokenizer.json ... the tokenizer and generation files of SRC (:data:`CARRIED_FILES`,
+                           those present), copied byte for byte; ``specjax.json``'s
+                           ``carried_files`` records each one's size and sha256
 
-Version 1 (one orbax checkpoint in ``DST/params/``, no checksums) still loads.
+Version 1 (one orbax checkpoint in ``DST/params/``, no checksums) still loads, and so does
+a version 2 directory without ``carried_files`` (the key is optional).
 
-On load, ``specjax.json`` is validated key by key, each part's orbax metadata is compared
-with the recorded shapes and dtypes (no silent cast), and each restored array's crc32 with
-the recorded one (``verify=False`` skips the checksums). Every failure is a
-:class:`~specjax.converters.errors.CorruptOutputError` naming the file and key.
+On load, ``specjax.json`` is validated key by key, each carried file's size and sha256 and
+each part's orbax metadata are compared with the recorded ones (no silent cast), and each
+restored array's crc32 with the recorded one (``verify=False`` skips the checksums and
+hashes). Every failure is a :class:`~specjax.converters.errors.CorruptOutputError` naming
+the file and key.
+
+Each ``params/NNNNN/`` part holds orbax's whole layout, some of which a restore reads
+only when present (``_sharding``, ``array_metadatas/``) or never: ``commit_success.txt``,
+``_CHECKPOINT_METADATA``, and in ``ocdbt.process_0/`` the per-process ``manifest.ocdbt``
+with its b-tree node files under ``d/`` (orbax writes each process's own OCDBT database, then merges its index into the
+part's root ``manifest.ocdbt`` + ``d/``, which references the value files in
+``ocdbt.process_0/d/`` in place and leaves the per-process index unreferenced). They are
+orbax's to write and are kept, so that orbax's own tools see a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -22,8 +35,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
+import hashlib
 import json
 import logging
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -59,7 +74,16 @@ SCHEMA: dict[str, tuple[tuple[type, ...], bool]] = {
     "extra_params": (_DICT, False),
     "parts": (_LIST, False),
     "arrays": (_DICT, False),
+    "carried_files": (_DICT, False),
 }
+#: Tokenizer and generation files copied from SRC into DST byte for byte (those present):
+#: ``specjax generate --target DST`` needs them besides the params.
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt",
+                 "chat_template.jinja", "chat_template.json", "generation_config.json")
+#: A carried file larger than this is refused (the tokenizer.json of a 256k-token
+#: vocabulary is tens of MiB).
+MAX_CARRIED_BYTES = 64 * 2**20
 
 
 def leaf_name(path: tuple) -> str:
@@ -274,10 +298,153 @@ def check_metadata(meta, f) -> None:
             if not ok:
                 raise CorruptOutputError(f"{f}: arrays[{clip(repr(name))}] is not "
                                          "{shape: [ints], dtype: str, crc32: int, part: int}")
+    for name, rec in (meta.get("carried_files") or {}).items():
+        if name not in CARRIED_FILES:
+            raise CorruptOutputError(f"{f}: carried_files names {clip(repr(name))}, not one of "
+                                     f"the files specjax carries ({', '.join(CARRIED_FILES)})")
+        if not (isinstance(rec, dict) and _nonneg(rec.get("size"))
+                and isinstance(rec.get("sha256"), str) and len(rec["sha256"]) == 64):
+            raise CorruptOutputError(f"{f}: carried_files[{name!r}] is not "
+                                     "{size: int, sha256: str}")
 
 
 def _nonneg(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+# -- carried tokenizer and generation files -----------------------------------------------------
+
+def carried_sources(src, cap: int | None = None) -> dict[str, Path]:
+    """The :data:`CARRIED_FILES` present in the checkpoint directory ``src`` -> the file
+    whose bytes DST gets (``{}`` when ``src`` is a single weight file), each checked before
+    anything is converted. :class:`CheckpointError` naming the file when:
+
+    - it is larger than ``cap`` (default :data:`MAX_CARRIED_BYTES`);
+    - it is a symbolic link whose target lies outside ``src`` (a link into the HF cache's
+      ``blobs/`` beside ``snapshots/``, where ``src`` is ``<repo>/snapshots/<revision>``,
+      counts as inside: that is how the cache stores every file); a link inside is
+      followed and its target's bytes are copied, never the link itself;
+    - it is not a regular file;
+    - ``tokenizer_config.json`` has an ``auto_map`` key, or ``config.json``'s ``auto_map``
+      names an ``AutoTokenizer``: the tokenizer would need its own Python code, which is
+      never run (``trust_remote_code`` stays off). A ``config.json`` ``auto_map`` naming
+      only model classes stays accepted: the weights convert into specjax's own model.
+    """
+    src = Path(src).absolute()
+    if not src.is_dir():
+        return {}
+    cap = MAX_CARRIED_BYTES if cap is None else cap
+    root = src.resolve()
+    inside = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    out: dict[str, Path] = {}
+    for name in CARRIED_FILES:
+        p = src / name
+        if not os.path.lexists(p):
+            continue
+        try:
+            real = p.resolve()
+        except (OSError, RuntimeError):       # a loop of symbolic links
+            raise CheckpointError(f"{p}: a symbolic link that resolves to no file") from None
+        if p.is_symlink() and not any(real.is_relative_to(d) for d in inside):
+            raise CheckpointError(f"{p}: a symbolic link to {real}, outside {src}; refusing "
+                                  f"to copy it (put the file itself in {src})")
+        if not real.is_file():
+            raise CheckpointError(f"{p}: not a regular file (a tokenizer / generation file "
+                                  "is copied into DST)")
+        size = real.stat().st_size
+        if size > cap:
+            raise CheckpointError(f"{p}: {size} bytes, over the {_size(cap)} limit on a "
+                                  "tokenizer / generation file carried into DST")
+        out[name] = real
+    if "tokenizer_config.json" in out:
+        check_no_auto_map(src / "tokenizer_config.json",
+                          _read_capped(out["tokenizer_config.json"], cap,
+                                       src / "tokenizer_config.json"))
+    if any(n != "generation_config.json" for n in out) and (src / "config.json").is_file():
+        cfg = src / "config.json"
+        if cfg.stat().st_size <= cap:
+            check_no_auto_map(cfg, cfg.read_bytes())
+    return out
+
+
+def check_no_auto_map(f: Path, data: bytes) -> None:
+    """Refuse tokenizer code: an ``auto_map`` in ``tokenizer_config.json``, or an
+    ``auto_map.AutoTokenizer`` in ``config.json`` (CheckpointError naming the file and
+    key). Invalid JSON in ``tokenizer_config.json`` is refused too."""
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        if f.name == "config.json":
+            return            # read and refused with its own message by the converter
+        raise CheckpointError(f"{f}: not valid JSON ({clip(e)})") from None
+    if not isinstance(d, dict) or "auto_map" not in d:
+        return
+    if f.name == "config.json":
+        am = d["auto_map"]
+        if not (isinstance(am, dict) and "AutoTokenizer" in am):
+            return
+        key = "auto_map.AutoTokenizer"
+    else:
+        key = "auto_map"
+    raise CheckpointError(f"{f}: key {key!r} names tokenizer code ({clip(repr(d['auto_map']))})"
+                          "; specjax never runs a checkpoint's code (trust_remote_code stays "
+                          "off) and does not carry a tokenizer that needs it")
+
+
+def _size(n: int) -> str:
+    return f"{n // 2**20} MiB" if n >= 2**20 and n % 2**20 == 0 else f"{n} bytes"
+
+
+def _read_capped(p: Path, cap: int, shown: Path) -> bytes:
+    with open(p, "rb") as fh:
+        data = fh.read(cap + 1)
+    if len(data) > cap:
+        raise CheckpointError(f"{shown}: over the {_size(cap)} limit on a tokenizer / "
+                              "generation file carried into DST (it grew while converting)")
+    return data
+
+
+def copy_carried(sources: dict[str, Path], out_dir: Path, src, cap: int | None = None
+                 ) -> dict[str, dict]:
+    """Copy :func:`carried_sources`' files into ``out_dir`` (the staging directory) byte for
+    byte; returns ``specjax.json``'s ``carried_files`` (name -> size, sha256 of the bytes
+    written). The bytes are read once, size-capped and auto_map-checked again, so a file
+    changed since the check is still refused."""
+    cap = MAX_CARRIED_BYTES if cap is None else cap
+    records = {}
+    for name, real in sources.items():
+        data = _read_capped(real, cap, Path(src).absolute() / name)
+        if name == "tokenizer_config.json":
+            check_no_auto_map(Path(src).absolute() / name, data)
+        try:
+            (Path(out_dir) / name).write_bytes(data)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise CheckpointError(f"{Path(out_dir) / name}: no space left on the device") \
+                    from None
+            raise
+        records[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return records
+
+
+def verify_carried(path: Path, meta: dict, names=None, *, verify: bool = True) -> None:
+    """Check the carried files ``specjax.json`` records (those in ``names``, default all):
+    present, of the recorded size and (``verify``) sha256. :class:`CorruptOutputError`
+    naming the file otherwise."""
+    for name, rec in (meta.get("carried_files") or {}).items():
+        if names is not None and name not in names:
+            continue
+        f = Path(path) / name
+        if not f.is_file():
+            raise CorruptOutputError(f"{f}: missing (specjax.json records it as carried from "
+                                     "the source checkpoint); convert again")
+        size = f.stat().st_size
+        if size != rec["size"]:
+            raise CorruptOutputError(f"{f}: {size} bytes, specjax.json records {rec['size']} "
+                                     "(the file was changed or damaged; convert again)")
+        if verify and hashlib.sha256(f.read_bytes()).hexdigest() != rec["sha256"]:
+            raise CorruptOutputError(f"{f}: does not match its recorded sha256 (the file was "
+                                     "changed or damaged; convert again)")
 
 
 def restore(path: Path, meta: dict, target: dict, *, verify: bool = True) -> dict:

@@ -112,10 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specjax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="run every method on the embedded demo model and compare with plain decoding",
-        description="Speculative decoding with each available method on the embedded default "
-                    "model (random weights from a fixed seed until trained demo weights ship), "
-                    "checked against plain greedy decoding; prints acceptance and speed.")
+        "demo", help="run every method on the shipped demo models and check each against plain "
+                     "decoding",
+        description="Speculative decoding with each available method on the shipped demo models "
+                    "(specjax/demo_models: a byte-level Llama target trained on CPython's "
+                    "standard library and one trained draft of each kind, loaded from their "
+                    "upstream checkpoint layouts), or on your own with --target / --draft. The "
+                    "table leads with the check (each method's tokens equal plain greedy "
+                    "decoding's) and tokens per target forward pass (the mean acceptance "
+                    "length, which does not depend on the machine's speed), then per-position "
+                    "acceptance and "
+                    "wall-clock tokens/s and speed-up; on a loaded machine (1-minute load "
+                    "average of other work at 0.5 per core or more) the timings are flagged as "
+                    "not meaningful.")
     demo.add_argument("--method", nargs="+", choices=ALL_METHODS, metavar="METHOD",
                       help=f"methods to run (default: all available): {', '.join(ALL_METHODS)}")
     demo.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
@@ -155,7 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "\"specjax[hf]\"), encode each prompt (through the chat template when the "
                     "tokenizer has one), generate, and print the text, the mean acceptance "
                     "length and tokens/s.")
-    gen.add_argument("--target", required=True, metavar="DIR", help="the target checkpoint")
+    gen.add_argument("--target", required=True, metavar="DIR",
+                     help="the target checkpoint: a specjax-convert output (which carries its "
+                          "source's tokenizer) or an original HF checkpoint directory")
+    gen.add_argument("--tokenizer", metavar="DIR", default=None,
+                     help="take the tokenizer (and generation_config.json, when DIR has one) "
+                          "from DIR instead of --target, e.g. the original checkpoint of a "
+                          "conversion that has no tokenizer")
     gen.add_argument("--speculative-config", metavar="JSON", default=None,
                      help="a vLLM speculative_config as JSON, e.g. '{\"method\": \"eagle3\", "
                           "\"model\": \"DIR2\", \"num_speculative_tokens\": 3}' (default: "

@@ -1,6 +1,13 @@
 """``specjax generate``: a real checkpoint, its tokenizer and a vLLM ``speculative_config``
 from the command line (see :mod:`specjax.cli`).
 
+``--target DIR`` is a ``specjax-convert`` output (it carries its source's tokenizer and
+``generation_config.json``) or an original HF directory; ``--tokenizer DIR`` takes the
+tokenizer, and ``generation_config.json`` when DIR has one, from DIR instead. Both paths
+are checked before anything is loaded: a missing directory, a ``--target`` that is not a
+checkpoint, or no tokenizer where one is read is one error line naming the flag, the
+directory and the files looked for (:func:`check_paths`).
+
 The sampling flags are vLLM's ``SamplingParams`` fields (:data:`FLAGS`); each value is
 checked by ``SamplingParams`` itself and by the engine's request check
 (``specjax.logits_processors.check_request``, the vocabulary read from the checkpoint's
@@ -101,6 +108,33 @@ def check_vocabulary(sp, vocab_size: int) -> None:
         raise ArgumentError(f"{flag}: {str(e).replace('sampling.', '', 1)}") from None
 
 
+def check_paths(args) -> tuple[str, str]:
+    """``(tokenizer directory, generation_config directory)`` of parsed ``generate``
+    arguments, after checking ``--target`` (an existing checkpoint directory) and
+    ``--tokenizer`` (an existing directory); the tokenizer directory must hold a tokenizer
+    (``specjax.hf.TOKENIZER_FILES``). Each error names its flag and directory; a
+    ``--target`` without a tokenizer suggests ``--tokenizer DIR``."""
+    from specjax.hf import tokenizer_dir
+
+    target = Path(args.target).expanduser()
+    if not target.exists():
+        raise FileNotFoundError(f"--target {args.target!r}: directory does not exist (only "
+                                "local directories are read; nothing is downloaded)")
+    if not target.is_dir():
+        raise NotADirectoryError(f"--target {args.target!r}: a file, not a checkpoint directory")
+    if not (target / "config.json").is_file() and not (target / "specjax.json").is_file():
+        raise FileNotFoundError(f"--target {args.target!r}: not a checkpoint directory (no "
+                                "config.json, nor the specjax.json of a specjax-convert output)")
+    if args.tokenizer is not None:
+        tok = tokenizer_dir(args.tokenizer, "--tokenizer")
+        gen = tok if (tok / "generation_config.json").is_file() else target
+        return args.tokenizer, str(gen)
+    tokenizer_dir(args.target, "--target",
+                  hint="; pass --tokenizer DIR naming a directory that holds the checkpoint's "
+                       "tokenizer (e.g. the original checkpoint this one was converted from)")
+    return args.target, args.target
+
+
 def _config_vocab_size(target: str) -> int | None:
     """``vocab_size`` of the checkpoint's config (top level or ``text_config``), if any."""
     from specjax.hf import read_checkpoint_config
@@ -180,6 +214,7 @@ def _run(args, out: TextIO, err: TextIO) -> int:
     from specjax.logprobs import check_logprobs_mode
     from specjax.models import DecoderLM
 
+    tok_dir, gen_dir = check_paths(args)
     prompts = list(args.prompt)
     if args.prompts:
         p = Path(args.prompts)
@@ -209,12 +244,12 @@ def _run(args, out: TextIO, err: TextIO) -> int:
     ctx = jax.default_device(jax.devices("cpu")[0]) if args.device == "cpu" \
         else contextlib.nullcontext()
     with ctx:
-        tok = load_tokenizer(args.target)
+        tok = load_tokenizer(tok_dir, "--tokenizer" if args.tokenizer else "--target")
         try:
             bad = encode_bad_words(tok, list(args.bad_words))
         except ValueError as e:
             raise ArgumentError(f"--bad-words: {e}") from None
-        gen_cfg = load_generation_config(args.target)
+        gen_cfg = load_generation_config(gen_dir)
         eos = tuple(gen_cfg.get("eos_token_ids", ()))
         if tok.eos_token_id is not None and tok.eos_token_id not in eos:
             eos += (int(tok.eos_token_id),)

@@ -3,7 +3,10 @@ model by path, its tokenizer (``transformers.AutoTokenizer``, the ``hf`` extra),
 ``generation_config.json`` stop ids, and score token ids.
 
 Nothing here downloads: every path is a local directory (``FileNotFoundError`` naming it
-otherwise). Nothing in a checkpoint is executed (``trust_remote_code`` stays False).
+otherwise). Nothing in a checkpoint is executed (``trust_remote_code`` stays False). A
+``specjax-convert`` output holds its source's tokenizer and generation files, checked
+against the sizes and sha256 its ``specjax.json`` records before they are read. Importing
+transformers here drops its "PyTorch was not found" notice (only tokenizers are used).
 """
 
 from __future__ import annotations
@@ -18,8 +21,14 @@ from specjax.checks import ArgumentError, ArgumentTypeError, check_int_sequence,
 logger = logging.getLogger(__name__)
 
 __all__ = ["checkpoint_dir", "read_checkpoint_config", "load_model", "load_draft",
-           "load_generation_config", "load_tokenizer", "encode_prompt", "encode_bad_words", "score",
-           "DRAFT_KIND_METHODS", "DRAFT_METHOD_FORMATS"]
+           "load_generation_config", "load_tokenizer", "tokenizer_dir", "encode_prompt",
+           "encode_bad_words", "score", "DRAFT_KIND_METHODS", "DRAFT_METHOD_FORMATS",
+           "TOKENIZER_FILES"]
+
+#: A directory holds a tokenizer when it has one of these (``tokenizer.json``: a fast
+#: tokenizer; ``tokenizer.model``: SentencePiece; ``vocab.json``: BPE, with merges.txt;
+#: ``tokenizer_config.json``: whatever else it names, left to transformers to load).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 #: ``ModelConfig.kind`` -> the method a draft of that kind is used by.
 DRAFT_KIND_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash",
@@ -103,22 +112,30 @@ def load_draft(path: Any, method: str, dtype: Any = None):
 def load_generation_config(path: Any) -> dict:
     """``generation_config.json`` of a checkpoint directory as ``{"eos_token_ids": [...],
     "bos_token_id", "pad_token_id", "temperature", "top_k", "top_p"}`` (absent keys
-    omitted; ``eos_token_id`` may be an int or a list in the file). No file: ``{}``; the
-    config.json ``eos_token_id`` is used then."""
+    omitted; ``eos_token_id`` may be an int or a list in the file). Without the file, the
+    same keys of ``config.json`` (of a converted directory: ``specjax.json``'s
+    ``hf_config``); ``{}`` when there is none. A converted directory's carried
+    ``generation_config.json`` is checked against its recorded size and sha256 first."""
     p = Path(path).expanduser()
     if not p.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(p)!r} does not exist")
+    meta = _converted_metadata(p, ["generation_config.json"])
     src = p / "generation_config.json"
     if not src.is_file():
         src = p / "config.json"
         if not src.is_file():
-            return {}
+            hf = meta.get("hf_config") if meta else None
+            return _generation_fields(hf, p / "specjax.json") if isinstance(hf, dict) else {}
     try:
         d = json.loads(src.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{src}: not valid JSON ({e})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{src}: expected a JSON object")
+    return _generation_fields(d, src)
+
+
+def _generation_fields(d: dict, src: Path) -> dict:
     out: dict[str, Any] = {}
     eos = d.get("eos_token_id")
     if eos is not None:
@@ -133,17 +150,76 @@ def load_generation_config(path: Any) -> dict:
     return out
 
 
-def load_tokenizer(path: Any):
-    """``transformers.AutoTokenizer`` of a local checkpoint directory (the ``hf`` extra:
-    ``pip install "specjax[hf]"``); ``trust_remote_code=False``, no network."""
+def _converted_metadata(p: Path, names=None) -> dict | None:
+    """``specjax.json`` of a converted directory, its carried files among ``names`` (None:
+    all) checked (``CorruptOutputError`` naming a missing or changed one); None for an
+    original checkpoint."""
+    if not (p / "specjax.json").is_file():
+        return None
+    from specjax.converters import store
+
+    meta = store.read_metadata(p)
+    store.verify_carried(p, meta, names)
+    return meta
+
+
+def tokenizer_dir(path: Any, what: str = "tokenizer", hint: str = "") -> Path:
+    """``path`` as an existing directory holding a tokenizer (one of
+    :data:`TOKENIZER_FILES`); ``FileNotFoundError`` / ``NotADirectoryError`` naming
+    ``what``, the directory and the files looked for (then ``hint``) otherwise."""
+    if not isinstance(path, (str, Path)):
+        raise ArgumentTypeError(f"{what} path must be a str or Path, got {show(path)}")
     p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{what} {str(p)!r}: directory does not exist (only local "
+                                "directories are read; nothing is downloaded)")
     if not p.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {str(p)!r} does not exist")
+        raise NotADirectoryError(f"{what} {str(p)!r}: a file, not a directory")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{what} {str(p)!r}: no tokenizer in this directory (looked "
+                                f"for {', '.join(TOKENIZER_FILES)}){hint}")
+    return p
+
+
+def _import_auto_tokenizer():
+    """``transformers.AutoTokenizer``, imported with its "PyTorch was not found" notice
+    dropped: specjax uses transformers for tokenizers only, which need no PyTorch. The
+    notice is logged while transformers is first imported, so the filter goes on its
+    logger before the import."""
+    lg = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchNotice) for f in lg.filters):
+        lg.addFilter(_NoTorchNotice())
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise ImportError("tokenization needs transformers: pip install \"specjax[hf]\"") from None
-    return AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
+    return AutoTokenizer
+
+
+class _NoTorchNotice(logging.Filter):
+    NOTICES = ("PyTorch was not found", "None of PyTorch, TensorFlow")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.NOTICES)
+
+
+def load_tokenizer(path: Any, what: str = "tokenizer"):
+    """``transformers.AutoTokenizer`` of a local directory holding a tokenizer (an original
+    checkpoint, a ``specjax-convert`` output carrying its source's tokenizer, or a
+    tokenizer-only directory; the ``hf`` extra: ``pip install "specjax[hf]"``);
+    ``trust_remote_code=False``, no network. ``FileNotFoundError`` naming ``what`` and the
+    files looked for when there is no tokenizer (:func:`tokenizer_dir`);
+    ``CorruptOutputError`` when a converted directory's carried file was changed; a
+    ValueError naming ``what`` and the directory when transformers cannot load it."""
+    p = tokenizer_dir(path, what)
+    _converted_metadata(p)
+    auto = _import_auto_tokenizer()
+    try:
+        return auto.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        msg = " ".join(str(e).split())
+        raise ValueError(f"{what} {str(p)!r}: transformers cannot load its tokenizer "
+                         f"({type(e).__name__}: {msg[:300]})") from None
 
 
 def encode_prompt(tokenizer, prompt: str, *, chat: bool | None = None) -> list[int]:

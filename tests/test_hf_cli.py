@@ -174,11 +174,12 @@ def test_demo_on_own_checkpoints(ckpt, tmp_path, capsys):
                "--method", "ngram", "--max-tokens", "7", "--k", "2")
     cap = capsys.readouterr()
     assert rc == 0, cap.err
-    rows = {line.split()[0]: line.split() for line in cap.out.splitlines()
-            if line.split() and line.split()[0] in ("plain", "ngram", "draft_model")}
-    assert set(rows) == {"plain", "ngram", "draft_model"}
-    assert all(r[-1] == "OK" for r in rows.values())
-    assert rows["draft_model"][1] == "(tiny-llama)" and rows["draft_model"][3] == "3.00"
+    from test_demo import demo_table
+
+    rows = demo_table(cap.out)
+    assert set(rows) == {"plain", "ngram", "draft_model (tiny-llama)"}
+    assert all(r["check"] == "OK" for r in rows.values())
+    assert rows["draft_model (tiny-llama)"]["tokens/fwd"] == "3.00"
     assert "target: tiny-llama (llama, 2 layers, hidden 32, vocab 48)" in cap.out
     assert "2 prompts" in cap.out
     assert "all methods reproduce plain greedy decoding: OK" in cap.out
@@ -219,9 +220,10 @@ def test_demo_sampled_on_own_checkpoint(ckpt, tmp_path, capsys):
                "ngram", "--max-tokens", "5", "--k", "2", "--temperature", "0.8")
     cap = capsys.readouterr()
     assert rc == 0, cap.err
-    rows = [line.split() for line in cap.out.splitlines()
-            if line.split() and line.split()[0] in ("plain", "ngram", "draft_model")]
-    assert len(rows) == 3 and all(r[-1] == "-" for r in rows)
+    from test_demo import demo_table
+
+    rows = demo_table(cap.out)
+    assert len(rows) == 3 and all(r["check"] == "-" for r in rows.values())
     assert "temperature 0.8 (seeded)" in cap.out and "no token check" in cap.out
 
 
@@ -585,3 +587,147 @@ def test_mimo_mtp_from_the_target_directory(tmp_path, capsys, spec):
     cfg = SpeculativeConfig.from_vllm(dict(json.loads(spec), model=str(d)))
     assert cfg.method == "mtp"
     assert cfg.num_speculative_tokens == k
+
+
+# -- convert, then generate: a specjax-convert output carries its tokenizer ---------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}[BOS] {{ m['content'] }} one{% endfor %}"
+                 "{% if add_generation_prompt %} two{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def conversions(tmp_path_factory):
+    """``(src, dst, bare)``: a checkpoint whose chat template is a ``chat_template.jinja``
+    file, its ``specjax-convert`` output, and the output of the same weights without any
+    tokenizer file."""
+    from specjax.converters import cli
+
+    root = tmp_path_factory.mktemp("convert")
+    src = root / "tiny-chat"
+    make_checkpoint(src, seed=2)
+    (src / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    weights = root / "weights-only"
+    weights.mkdir()
+    for n in ("config.json", "model.safetensors"):
+        (weights / n).write_bytes((src / n).read_bytes())
+    for s, d in ((src, root / "converted"), (weights, root / "converted-bare")):
+        assert cli.main([str(s), str(d), "-q"]) == 0
+    return src, root / "converted", root / "converted-bare"
+
+
+def _no_loading(monkeypatch):
+    import specjax.hf
+
+    def no_work(*a, **k):
+        raise AssertionError("loaded a model or tokenizer before checking the paths")
+
+    monkeypatch.setattr(specjax.hf, "load_model", no_work)
+    monkeypatch.setattr(specjax.hf, "load_tokenizer", no_work)
+
+
+def _refused(capsys, *argv):
+    from specjax.cli import main
+
+    assert main(["generate", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("specjax generate: error: "), err
+    return err
+
+
+PROMPTS = ["the cat sat on", "one two three"]
+
+
+@pytest.mark.smoke
+def test_convert_then_generate(conversions, capsys):
+    """The converted directory holds the tokenizer, chat template and generation files
+    byte for byte, and ``specjax generate --target DST`` prints what ``--target SRC``
+    prints (greedy), the chat template applied."""
+    from specjax.hf import encode_prompt, load_tokenizer
+
+    src, dst, _ = conversions
+    carried = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+               "chat_template.jinja")
+    assert sorted(p.name for p in dst.iterdir()) == sorted(["specjax.json", "params", *carried])
+    for n in carried:
+        assert (dst / n).read_bytes() == (src / n).read_bytes(), n
+    tok = load_tokenizer(dst)
+    assert encode_prompt(tok, "red dog") == encode_prompt(load_tokenizer(src), "red dog") \
+        == [1, 17, 5, 19, 20]                 # [BOS] red dog one two: the template's
+    argv = [a for p in PROMPTS for a in ("--prompt", p)]
+    want = _cli(capsys, "--target", str(src), *argv)
+    got = _cli(capsys, "--target", str(dst), *argv)
+    assert got[:2] == want[:2] and len(got) == 3 and got[2].startswith("method: plain")
+    assert got[:2] == [tok.decode(naive_greedy(dst, encode_prompt(tok, p), MAXTOK, {2}),
+                                  skip_special_tokens=True) for p in PROMPTS]
+
+
+def test_checkpoint_without_tokenizer_named(conversions, capsys, monkeypatch):
+    _, _, bare = conversions
+    _no_loading(monkeypatch)
+    err = _refused(capsys, "--target", str(bare), "--prompt", "the cat")
+    for needle in (f"--target {str(bare)!r}", "no tokenizer", "tokenizer.json",
+                   "tokenizer.model", "vocab.json", "--tokenizer DIR"):
+        assert needle in err, (needle, err)
+
+
+def test_wrong_paths_named_before_loading(conversions, tmp_path, capsys, monkeypatch):
+    src, dst, bare = conversions
+    _no_loading(monkeypatch)
+    none = str(tmp_path / "none")
+    f = tmp_path / "afile"
+    f.write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv, needle in (
+            (["--target", none], f"--target {none!r}: directory does not exist"),
+            (["--target", str(f)], f"--target {str(f)!r}: a file, not a checkpoint directory"),
+            (["--target", str(empty)], f"--target {str(empty)!r}: not a checkpoint directory"),
+            (["--target", str(bare), "--tokenizer", none],
+             f"--tokenizer {none!r}: directory does not exist"),
+            (["--target", str(bare), "--tokenizer", str(empty)],
+             f"--tokenizer {str(empty)!r}: no tokenizer in this directory")):
+        err = _refused(capsys, *argv, "--prompt", "the cat")
+        assert needle in err, (argv, err)
+
+
+def test_tokenizer_from_another_directory(conversions, capsys):
+    """``--tokenizer SRC``: the tokenizer and generation_config.json of SRC for a
+    conversion that has none; the text is ``--target SRC``'s."""
+    src, _, bare = conversions
+    argv = [a for p in PROMPTS for a in ("--prompt", p)]
+    want = _cli(capsys, "--target", str(src), *argv)
+    got = _cli(capsys, "--target", str(bare), "--tokenizer", str(src), *argv)
+    assert got[:2] == want[:2] and len(got) == 3
+
+
+def test_changed_carried_file_named(conversions, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import specjax.hf
+
+    d = tmp_path / "dst"
+    shutil.copytree(conversions[1], d)
+    data = bytearray((d / "tokenizer.json").read_bytes())
+    data[len(data) // 2] ^= 1
+    (d / "tokenizer.json").write_bytes(bytes(data))
+    monkeypatch.setattr(specjax.hf, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    err = _refused(capsys, "--target", str(d), "--prompt", "the cat")
+    assert f"{d / 'tokenizer.json'}: does not match its recorded sha256" in err, err
+    (d / "generation_config.json").unlink()
+    with pytest.raises(ValueError, match="generation_config.json: missing"):
+        specjax.hf.load_generation_config(d)
+
+
+def test_no_pytorch_notice(conversions):
+    """transformers logs "PyTorch was not found" when first imported without torch;
+    specjax imports it for tokenizers only and drops that line."""
+    code = "import transformers"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if "PyTorch was not found" not in r.stderr:
+        pytest.skip("this transformers prints no PyTorch notice here (torch installed?)")
+    code = ("import sys; from specjax.hf import load_tokenizer; "
+            "print(load_tokenizer(sys.argv[1])('the cat')['input_ids'])")
+    r = subprocess.run([sys.executable, "-c", code, str(conversions[1])], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[3, 4]" and "PyTorch" not in r.stderr, r.stderr

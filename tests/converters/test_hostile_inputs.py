@@ -498,8 +498,11 @@ def _data_files(d: Path) -> list[Path]:
 
 
 # Every data file is damaged, not only the largest: which file holds which array depends on
-# orbax's layout, and a file the load never reads (seen after other tests of this module had
-# run) would make the case pass for the wrong reason.
+# orbax's layout, and some files under a d/ are never read by a load: orbax writes each part
+# as a per-process OCDBT database (ocdbt.process_0/), then merges its index into the part's
+# root manifest.ocdbt + d/, which points at the value files in ocdbt.process_0/d/ in place and
+# leaves the per-process b-tree node files beside them unreferenced (converters/store.py's
+# docstring; test_carried_files.py's listing test names every file and which ones are read).
 def _flip(d: Path):
     for f in _data_files(d):
         b = bytearray(f.read_bytes())
