@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from specjax import demo
+from specjax.cli import demo
 from specjax.engine import Engine, SamplingParams
 
 METHODS = ("ngram", "suffix", "eagle", "eagle3", "medusa", "draft_model", "dflash")

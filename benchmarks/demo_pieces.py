@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from specjax import demo  # noqa: E402
+from specjax.cli import demo  # noqa: E402
 from specjax.attention_metadata import CommonAttentionMetadata  # noqa: E402
 from specjax.models import fuse_projections  # noqa: E402
 

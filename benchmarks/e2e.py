@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import floors  # noqa: E402
 
-from specjax import demo  # noqa: E402
+from specjax.cli import demo  # noqa: E402
 from specjax.config import SpeculativeConfig  # noqa: E402
 from specjax.engine import Engine, SamplingParams, TargetModel, generate  # noqa: E402
 from specjax.models import fuse_projections, registry  # noqa: E402

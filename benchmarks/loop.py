@@ -69,7 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import TARGETS, make_engine, random_params  # noqa: E402
 
 from specjax.config import SpeculativeConfig  # noqa: E402
-from specjax.decode_loop import loop_cache_size  # noqa: E402
+from specjax.runtime.decode_loop import loop_cache_size  # noqa: E402
 from specjax.engine import Engine, SamplingParams, TargetModel, step_cache_size  # noqa: E402
 from specjax.models import fuse_projections, registry  # noqa: E402
 from specjax.models.config import eagle3_default_aux_layer_ids  # noqa: E402

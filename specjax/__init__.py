@@ -34,11 +34,11 @@ _LAZY = {
     "SamplingParams": ("specjax.engine", "SamplingParams"),
     "TargetModel": ("specjax.engine", "TargetModel"),
     # the serving step (docs/integration.md)
-    "make_step": ("specjax.step", "make_step"),
-    "Step": ("specjax.step", "Step"),
-    "StepBatch": ("specjax.step", "StepBatch"),
-    "StepOutput": ("specjax.step", "StepOutput"),
-    "build_batch": ("specjax.batch", "build_batch"),
+    "make_step": ("specjax.runtime.step", "make_step"),
+    "Step": ("specjax.runtime.step", "Step"),
+    "StepBatch": ("specjax.runtime.step", "StepBatch"),
+    "StepOutput": ("specjax.runtime.step", "StepOutput"),
+    "build_batch": ("specjax.runtime.batch", "build_batch"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -2,7 +2,7 @@
 
 import sys
 
-from specjax.cli import main
+from specjax.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,7 @@ INDEX_DTYPE = np.int32
 #: Exclusive upper bound of an int32 index.
 INT32_LIMIT: int = 2**31
 
-#: vLLM v0.20's ``LogprobsMode`` values (``specjax.logprobs``).
+#: vLLM v0.20's ``LogprobsMode`` values (``specjax.sampling.logprobs``).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 DEFAULT_LOGPROBS_MODE = "raw_logprobs"
 #: Most top logprobs a request may ask for (vLLM's default ``max_logprobs``).

@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from specjax import cli, demo
+from specjax.cli import demo, main as cli
 from test_demo import demo_table
 
 

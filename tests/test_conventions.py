@@ -15,7 +15,7 @@ import specjax
 
 ROOT = suite_paths.ROOT
 #: modules that are command lines (their output is the point)
-CLI_MODULES = {"specjax/cli.py", "specjax/demo.py", "specjax/generate_cli.py",
+CLI_MODULES = {"specjax/cli/main.py", "specjax/cli/demo.py", "specjax/cli/generate.py",
                "specjax/training/recipe.py", "converters/cli.py", "specjax/__main__.py"}
 
 pytestmark = pytest.mark.smoke
@@ -84,7 +84,7 @@ def values():
             pass
     return out
 before = values()
-import specjax, specjax.kernels, specjax.models, specjax.engine, specjax.step, specjax.decode_loop
+import specjax, specjax.kernels, specjax.models, specjax.engine, specjax.runtime.step, specjax.runtime.decode_loop
 from specjax.kernels import paged_attention
 changed_env = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
 after = values()

@@ -11,7 +11,7 @@ import types
 import jax
 import pytest
 
-from specjax import cli, demo
+from specjax.cli import demo, main as cli
 
 HEAD = ("method", "check", "tokens/fwd", "k", "per-position acceptance", "tokens/s", "spread",
         "sync", "speed-up")

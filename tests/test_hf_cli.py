@@ -80,7 +80,7 @@ def ckpt(tmp_path_factory):
 
 
 def _cli(capsys, *argv):
-    from specjax.cli import main
+    from specjax.cli.main import main
 
     rc = main(["generate", "--max-tokens", str(MAXTOK), "--device", "cpu", *argv])
     cap = capsys.readouterr()
@@ -137,7 +137,7 @@ def test_cli_chat_template(tmp_path, capsys):
 
 
 def test_cli_errors(ckpt, tmp_path, capsys):
-    from specjax.cli import main
+    from specjax.cli.main import main
 
     for argv, msg in ((["--target", str(tmp_path / "none"), "--prompt", "x"], "does not exist"),
                       (["--target", str(ckpt)], "--prompt"),
@@ -159,7 +159,7 @@ def test_version_and_python_m():
 
 
 def _demo(*argv):
-    from specjax.cli import main
+    from specjax.cli.main import main
 
     return main(["demo", "--device", "cpu", "--repeat", "1", *argv])
 
@@ -186,14 +186,14 @@ def test_demo_on_own_checkpoints(ckpt, tmp_path, capsys):
 
 
 def test_demo_bad_paths_refused_before_work(ckpt, tmp_path, capsys, monkeypatch):
-    import specjax.demo
+    import specjax.cli.demo
     import specjax.hf
 
     def no_work(*a, **k):
         raise AssertionError("loaded a model before checking the arguments")
 
     monkeypatch.setattr(specjax.hf, "load_model", no_work)
-    monkeypatch.setattr(specjax.demo, "demo_target", no_work)
+    monkeypatch.setattr(specjax.cli.demo, "demo_target", no_work)
     f = tmp_path / "p.txt"
     f.write_text("the cat\n")
     empty = tmp_path / "empty.txt"
@@ -245,7 +245,7 @@ NOT_FLAGS = {"seed": "--seed seeds generate(), which draws each request's seed",
 
 
 def _parse(*argv):
-    from specjax.cli import build_parser
+    from specjax.cli.main import build_parser
 
     return build_parser().parse_args(["generate", "--target", "DIR", *argv])
 
@@ -254,7 +254,7 @@ def _parse(*argv):
 def test_generate_flags_reach_sampling_params():
     import dataclasses
 
-    from specjax import generate_cli
+    from specjax.cli import generate as generate_cli
     from specjax.engine import SamplingParams
 
     assert set(generate_cli.FLAGS) | set(NOT_FLAGS) == {
@@ -304,7 +304,7 @@ def test_bad_sampling_flags_refused_before_loading(ckpt, capsys, monkeypatch):
     (argparse refuses what does not parse, SamplingParams / the engine's request check the
     rest, the vocabulary read from config.json)."""
     import specjax.hf
-    from specjax.cli import main
+    from specjax.cli.main import main
 
     def no_work(*a, **k):
         raise AssertionError("loaded the model before checking the flags")
@@ -411,7 +411,7 @@ def test_generate_logprobs_with_penalties(ckpt, capsys, tmp_path, mode):
     the same SamplingParams; tokens are penalized greedy decoding's."""
     import re
 
-    from specjax import generate_cli
+    from specjax.cli import generate as generate_cli
     from specjax.engine import Engine, SamplingParams, TargetModel
     from specjax.hf import encode_prompt, load_model, load_tokenizer
 
@@ -626,7 +626,7 @@ def _no_loading(monkeypatch):
 
 
 def _refused(capsys, *argv):
-    from specjax.cli import main
+    from specjax.cli.main import main
 
     assert main(["generate", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err

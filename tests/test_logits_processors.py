@@ -1,4 +1,4 @@
-"""Logits processors (``specjax.logits_processors``, ``specjax.sampler.process_logits``)
+"""Logits processors (``specjax.sampling.logits_processors``, ``specjax.sampling.process_logits``)
 against a NumPy oracle written from vLLM v0.20's sampler semantics, vLLM's own
 rejection-sampler cases for penalties / bad words / allowed ids restated, and chi-square
 tests of random verification with processors on (agreeing and disagreeing drafts)."""
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specjax.logits_processors import (ProcessorLimits, RequestProcessing, make_processor_state)
+from specjax.sampling.logits_processors import (ProcessorLimits, RequestProcessing, make_processor_state)
 from specjax.metadata import SpecDecodeMetadata
-from specjax.sampler import SamplingMetadata, process_logits, rejection_sample, _pre
+from specjax.sampling import SamplingMetadata, process_logits, rejection_sample
+from specjax.sampling.metadata import _pre
 
 NEG = -np.inf
 

@@ -1,4 +1,4 @@
-"""Logprobs (``specjax.logprobs``): vLLM v0.20's ``RejectionSampler`` logprobs, four modes.
+"""Logprobs (``specjax.sampling.logprobs``): vLLM v0.20's ``RejectionSampler`` logprobs, four modes.
 
 References, independent of the code under test:
 
@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 
 from specjax.attention_metadata import CommonAttentionMetadata
-from specjax.batch import spec_metadata_np
+from specjax.runtime.batch import spec_metadata_np
 from specjax.engine import Engine, SamplingParams, generate, step_cache_size
-from specjax.logprobs import LOGPROBS_MODES, Logprob, chain_logprobs, logprobs_bucket
-from specjax.sampler import SamplingMetadata, rejection_sample
-from specjax.step import make_step
+from specjax.sampling.logprobs import LOGPROBS_MODES, Logprob, chain_logprobs, logprobs_bucket
+from specjax.sampling import SamplingMetadata, rejection_sample
+from specjax.runtime.step import make_step
 
 try:
     from test_engine import (FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B, V,
@@ -360,7 +360,7 @@ def test_non_padded_drafter_batch_keeps_logprobs():
 def test_warmup_compiles_the_logprobs_buckets():
     """``Engine.warmup(num_logprobs=...)`` compiles the logprobs variants (per step and in
     the device loop): a mixed run afterwards compiles nothing."""
-    from specjax.decode_loop import loop_cache_size
+    from specjax.runtime.decode_loop import loop_cache_size
 
     eng = Engine(target(), build("eagle3", 3), max_num_seqs=4, **FIXED)
     with pytest.raises(ValueError, match="num_logprobs"):
@@ -388,7 +388,7 @@ def test_off_compiles_the_same_step():
     """Without logprobs the step lowers to the same program as a step built before any
     logprobs argument existed (no logprobs op in it), and a logprobs batch adds one
     variant; the default Engine result has ``logprobs`` None."""
-    from specjax.batch import build_batch
+    from specjax.runtime.batch import build_batch
 
     step = make_step(target().model, None)
     kv, st = step.init_caches(8, 8)
@@ -407,7 +407,7 @@ def test_off_compiles_the_same_step():
 
 @pytest.mark.parametrize("method", [m for m in ("ngram", "draft_model") if m in METHODS])
 def test_processed_logprobs_with_logits_processors_equal_plain(method):
-    """With penalties, logit_bias and min_tokens on (``specjax.logits_processors``), the
+    """With penalties, logit_bias and min_tokens on (``specjax.sampling.logits_processors``), the
     processed modes read the distribution verification used: the step's emitted tokens
     before each slot count as output, so greedy speculative logprobs equal plain
     decoding's with the same parameters (the draft model accepts every draft: every slot

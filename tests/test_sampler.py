@@ -6,7 +6,7 @@ import pytest
 from scipy import stats
 
 from specjax.metadata import SpecDecodeMetadata
-from specjax.sampler import (
+from specjax.sampling import (
     SamplingMetadata,
     apply_top_k_top_p,
     parse_output,

@@ -18,7 +18,7 @@ from scipy import stats
 
 from specjax.config import SpeculativeConfig
 from specjax.engine import Engine, SamplingParams, generate
-from specjax.logits_processors import ProcessorLimits
+from specjax.sampling.logits_processors import ProcessorLimits
 from specjax.proposers import DraftOutput, Feed, Proposer, TokenHistory
 
 try:
@@ -242,7 +242,7 @@ def test_random_sampling_with_processors_matches_processed_target():
         assert out.spec_stats.num_accepted_tokens > 0
     t0 = np.array([o.token_ids[0] for o in out.outputs])
     t1 = np.array([o.token_ids[1] for o in out.outputs])
-    from specjax.logits_processors import RequestProcessing
+    from specjax.sampling.logits_processors import RequestProcessing
     rp = RequestProcessing(**{k: v for k, v in f.items()})
     uniq = np.unique(t0)
     lg = _target_logits(tgt, [SAMPLE_PROMPT + [int(t)] for t in uniq])
@@ -334,7 +334,7 @@ def test_engine_refuses_requests_beyond_its_limits_before_work():
 def test_plain_program_unchanged_without_features():
     """No feature used: the batch carries no processor state and the step's lowered program
     is the one of a step built without processors (the plain variant)."""
-    from specjax.step import make_step
+    from specjax.runtime.step import make_step
 
     eng = Engine(target(), None, logits_processors=PROCESSORS, max_num_seqs=4, **FIXED)
     eng2 = None
@@ -389,8 +389,8 @@ def test_tree_verification_with_processors_equals_plain(feature, children):
 
 
 def test_warmup_compiles_the_processing_variant_then_no_compile():
-    from specjax.decode_loop import loop_cache_size
-    from specjax.step import step_cache_size
+    from specjax.runtime.decode_loop import loop_cache_size
+    from specjax.runtime.step import step_cache_size
 
     eng = Engine(target(), None, logits_processors=PROCESSORS, max_num_seqs=4, steps_per_sync=4,
                  **FIXED)

@@ -27,11 +27,11 @@ import numpy as np
 
 import specjax
 import specjax.kernels as K
-from specjax.batch import build_batch
+from specjax.runtime.batch import build_batch
 from specjax.config import SpeculativeConfig
 from specjax.engine import Engine, GenerateResult, SamplingParams, TargetModel, generate
 from specjax.proposers import Feed, Proposer, make_proposer
-from specjax.step import Step, StepBatch, StepOutput, make_step
+from specjax.runtime.step import Step, StepBatch, StepOutput, make_step
 
 EVERY_NAME = [{names}]
 

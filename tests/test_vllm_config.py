@@ -15,7 +15,7 @@ from specjax import demo_models
 from specjax.config import (SpeculativeConfig, acceptance_length_to_rates,
                             resolve_synthetic_acceptance_rates)
 from specjax.models import share_target_weights
-from specjax.sampler import unconditional_to_conditional_rates
+from specjax.sampling import unconditional_to_conditional_rates
 from specjax.vllm_config import detect_method
 
 # --- test_synthetic_rejection_sampler_utils.py ----------------------------------------

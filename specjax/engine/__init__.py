@@ -8,9 +8,9 @@ runs (vLLM v1's scheduler + GPU model runner, reduced to what speculative decodi
    prompt at prefill, else the last sampled token) followed by its drafts. Blocks of the
    paged KV cache are allocated as the request grows (block 0 is a never-allocated null
    block that padding entries of the block table point at) and freed when it finishes.
-2. **Step (device): the public step**, ``specjax.step.make_step(target, proposer)``, on a
-   batch from ``specjax.batch.build_batch``: target forward over the ragged batch (paged
-   KV cache written through the slot mapping), ``specjax.sampler.rejection_sample``, and,
+2. **Step (device): the public step**, ``specjax.runtime.step.make_step(target, proposer)``, on a
+   batch from ``specjax.runtime.batch.build_batch``: target forward over the ragged batch (paged
+   KV cache written through the slot mapping), ``specjax.sampling.rejection_sample``, and,
    as the proposer's ``feed.drafts_in`` says, its ``propose`` in the same compiled step
    (``"step"``) or in a second call after vLLM's host ``prepare_inputs`` (``"split"``),
    with the KV caches and the proposer state donated. Shapes are padded to buckets
@@ -31,7 +31,7 @@ step in which every request has one uncomputed token verifies trees: each reques
 query block is ``[root, node 0, ..., node n-1]`` (root = the last committed token at
 position ``p``; node ``j`` at position ``p + depth(j)``, its KV at logical position
 ``p + 1 + j``) under the tree's ancestor mask (``CommonAttentionMetadata.tree_mask``);
-``specjax.sampler.tree_rejection_sample`` walks the tree from the root (greedy rows on the
+``specjax.sampling.tree_rejection_sample`` walks the tree from the root (greedy rows on the
 target's argmax, random rows by multi-draft rejection sampling over each node's drafted
 children, lossless; per-request keys as in a chain step); the accepted nodes' KV is
 moved to ``p + 1 .. p + m`` (``compact_tree_kv``); and
@@ -54,30 +54,15 @@ depth); a chain tree gives exactly chain verification's numbers.
 
 Not supported (yet): chunked prefill, preemption (admission reserves each request's
 worst-case block count instead), synthetic acceptance with tree verification, penalties and
-other logits processors (see ``specjax.sampler``). Logprobs: ``SamplingParams.logprobs`` and
-``Engine(logprobs_mode=...)`` (``specjax.logprobs``).
+other logits processors (see ``specjax.sampling``). Logprobs: ``SamplingParams.logprobs`` and
+``Engine(logprobs_mode=...)`` (``specjax.sampling.logprobs``).
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
-
 from specjax.engine.loop import Engine, generate
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
-from specjax.step import step_cache_size
+from specjax.runtime.step import step_cache_size
 
 __all__ = ["SamplingParams", "RequestOutput", "GenerateResult", "TargetModel", "Engine",
            "generate", "step_cache_size"]
-
-#: Names that moved out of this module: old import paths keep working, with a warning.
-_MOVED = {"attn_metadata_np": "specjax.batch", "spec_metadata_np": "specjax.batch",
-          "compact_tree_kv": "specjax.step", "tree_chain_inputs": "specjax.step"}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        warnings.warn(f"specjax.engine.{name} moved to {_MOVED[name]}.{name}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'specjax.engine' has no attribute {name!r}")

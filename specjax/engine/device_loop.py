@@ -1,5 +1,5 @@
 """The engine's decoding phase on the device loop (``Engine`` mixes this in): the loop state
-from the host's requests, one dispatch of ``specjax.decode_loop``, the commit of its
+from the host's requests, one dispatch of ``specjax.runtime.decode_loop``, the commit of its
 iterations, and the overlapped form (``Engine(overlap=True)``), which dispatches the next
 call from the device-resident state before committing the previous one.
 
@@ -31,11 +31,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from specjax.batch import trim_drafts
+from specjax.runtime.batch import trim_drafts
 from specjax.constants import next_power_of_2
-from specjax.decode_loop import decode_loop, loop_blocks_needed, make_loop_state
+from specjax.runtime.decode_loop import decode_loop, loop_blocks_needed, make_loop_state
 from specjax.engine.scheduler import _Request
-from specjax.logprobs import logprobs_bucket, request_logprobs
+from specjax.sampling.logprobs import logprobs_bucket, request_logprobs
 from specjax.metrics import SpecDecodingStats
 
 _I32 = np.int32
@@ -61,7 +61,7 @@ class _InFlight(NamedTuple):
 
 
 class DeviceLoop:
-    """``Engine``'s decoding phase through ``specjax.decode_loop`` (see the module docstring)."""
+    """``Engine``'s decoding phase through ``specjax.runtime.decode_loop`` (see the module docstring)."""
 
     def _loop_state(self, running: list[_Request], ahead: int = 1):
         """Blocks for ``ahead`` calls of ``steps_per_sync`` iterations, then the device

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.engine.scheduler import _Request
-from specjax.logits_processors import check_request
+from specjax.sampling.logits_processors import check_request
 from specjax.engine.types import SamplingParams
 from specjax.proposers import TokenHistory
 

@@ -13,22 +13,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.batch import NULL_BLOCK, build_batch, trim_drafts
+from specjax.runtime.batch import NULL_BLOCK, build_batch, trim_drafts
 from specjax.checks import check_int, check_opt_int
-from specjax.runtime_checks import check_engine_args as _check_engine_args
-from specjax.logits_processors import (ProcessorLimits, check_limits, check_request,
+from specjax.engine.checks import check_engine_args as _check_engine_args
+from specjax.sampling.logits_processors import (ProcessorLimits, check_limits, check_request,
                                        make_processor_state)
-from specjax.decode_loop import decode_loop, loop_cache_size, loop_support, make_loop_state
+from specjax.runtime.decode_loop import decode_loop, loop_cache_size, loop_support, make_loop_state
 from specjax.engine.device_loop import DeviceLoop, _InFlight
 from specjax.engine.diagnostics import Diagnostics
 from specjax.engine.scheduler import _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
-from specjax.logprobs import (check_logprobs_mode, check_num_logprobs, logprobs_bucket,
+from specjax.sampling.logprobs import (check_logprobs_mode, check_num_logprobs, logprobs_bucket,
                               request_logprobs)
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
-from specjax.sampler import PLACEHOLDER_TOKEN_ID
-from specjax.step import StepBatch, StepOutput, make_step, params_kv_dtype, step_cache_size
+from specjax.sampling import PLACEHOLDER_TOKEN_ID
+from specjax.runtime.step import StepBatch, StepOutput, make_step, params_kv_dtype, step_cache_size
 
 _NULL_BLOCK = NULL_BLOCK
 #: Iterations per host sync of the device loop when ``steps_per_sync`` is not given (the
@@ -74,7 +74,7 @@ class Engine(DeviceLoop, Diagnostics):
         partitioner follows those placements through the jitted step. A proposer with
         ``mesh`` / ``vocab_axis`` fields (EAGLE, EAGLE-3, DFlash, draft model) gets them, so
         its ``config.use_local_argmax_reduction`` reduces over the vocabulary shards
-        (``Proposer.on_mesh``, through ``specjax.step.make_step``).
+        (``Proposer.on_mesh``, through ``specjax.runtime.step.make_step``).
         Indivisible head / intermediate / vocabulary sizes raise ValueError naming the
         parameter, before anything is placed.
       tp_axis: the mesh axis to shard over (default ``"tp"``).
@@ -82,18 +82,18 @@ class Engine(DeviceLoop, Diagnostics):
         :data:`DEFAULT_STEPS_PER_SYNC` where the device loop runs this proposer (plain
         decoding and every device proposer), else 1 (host n-gram, suffix, the non-padded
         drafter batch). ``1`` is the per-step loop; ``N > 1`` runs up to ``N`` iterations of a batch in which every request decodes in
-        ONE jitted program (``specjax.decode_loop``), syncing early when a request finishes
+        ONE jitted program (``specjax.runtime.decode_loop``), syncing early when a request finishes
         and another is waiting; steps that prefill a prompt stay per-step. The same tokens
         as ``steps_per_sync=1`` (greedy and seeded sampling; tree verification too).
         Proposers the device loop does not run (host n-gram, suffix, the non-padded drafter
         batch) are refused by name.
       logits_processors: a static tuple of user logits processors (pure JAX functions,
-        ``specjax.logits_processors``; a request picks one with
+        ``specjax.sampling.logits_processors``; a request picks one with
         ``SamplingParams.logits_processor``). See docs/sampling.md.
-      processor_limits: ``specjax.logits_processors.ProcessorLimits``, the fixed padded
+      processor_limits: ``specjax.sampling.logits_processors.ProcessorLimits``, the fixed padded
         sizes of logit_bias, bad_words, allowed_token_ids, min_tokens' stop ids and
         processor parameters (a request beyond one is refused naming it); None: defaults.
-      loop_early_exit: the device loop's form (``specjax.decode_loop.decode_loop``'s
+      loop_early_exit: the device loop's form (``specjax.runtime.decode_loop.decode_loop``'s
         ``early_exit``): True, a ``lax.while_loop`` that stops at once when every request
         has finished or one finished while another waits; False, always ``steps_per_sync``
         iterations (a known trip count, the rest masked). None (default): False while no
@@ -105,7 +105,7 @@ class Engine(DeviceLoop, Diagnostics):
         host each one, so its dispatch returns while the device computes, which is what
         overlap needs (``benchmarks/RESULTS.md``, eleventh session).
       logprobs_mode: vLLM's ``LogprobsMode`` of the logprobs requests ask for with
-        ``SamplingParams.logprobs`` (``specjax.logprobs.LOGPROBS_MODES``; default
+        ``SamplingParams.logprobs`` (``specjax.sampling.logprobs.LOGPROBS_MODES``; default
         ``"raw_logprobs"``).
       overlap: host/device overlap of the decoding phase (``specjax.engine.device_loop``):
         the next device-loop call (``steps_per_sync`` iterations, 1 included) is dispatched
@@ -368,7 +368,7 @@ class Engine(DeviceLoop, Diagnostics):
         which some request uses penalties, bad words, ... ; one fixed shape,
         ``processor_limits``). ``num_logprobs``: the
         largest ``SamplingParams.logprobs`` among a batch's running requests (None: none
-        asks), each compiled as its bucket (``specjax.logprobs.logprobs_bucket``); list
+        asks), each compiled as its bucket (``specjax.sampling.logprobs.logprobs_bucket``); list
         every value the running requests' largest ``n`` can take as requests finish."""
         lps = sorted({logprobs_bucket([check_num_logprobs("num_logprobs", n)]) for n in num_logprobs},
                      key=lambda n: -1 if n is None else n)
@@ -435,7 +435,7 @@ class Engine(DeviceLoop, Diagnostics):
 
     def _build_batch(self, running: list[_Request], tree_verify: bool = False
                      ) -> tuple[StepBatch, list[int], int]:
-        """The step's padded inputs (``specjax.batch.build_batch``): each request's
+        """The step's padded inputs (``specjax.runtime.batch.build_batch``): each request's
         uncomputed tokens, then its drafts; a tree-verification step (``tree_verify``: every
         request has one uncomputed token, the root) verifies each request's tree prefix."""
         sched, computed, nd = [], [], []

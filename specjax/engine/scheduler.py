@@ -26,7 +26,7 @@ class _Request:
     finish_reason: str | None = None
     num_drafted: int = 0
     num_accepted: int = 0
-    proc: Any = None            # specjax.logits_processors.RequestProcessing
+    proc: Any = None            # specjax.sampling.logits_processors.RequestProcessing
     logprobs: list = dataclasses.field(default_factory=list)
 
     @property

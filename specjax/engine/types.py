@@ -39,7 +39,7 @@ class SamplingParams:
       detokenization).
       logprobs: None (off) or ``n`` in 0..20: each generated token's logprob and rank and
         the top-``n`` (``RequestOutput.logprobs``; values per the engine's
-        ``logprobs_mode``; ``specjax.logprobs``).
+        ``logprobs_mode``; ``specjax.sampling.logprobs``).
     """
 
     max_tokens: int = 16
@@ -86,15 +86,15 @@ class SamplingParams:
 
         stops = check_int_sequence("stop_token_ids", self.stop_token_ids, 0)
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
-        from specjax.logprobs import check_num_logprobs
+        from specjax.sampling.logprobs import check_num_logprobs
 
         object.__setattr__(self, "logprobs", check_num_logprobs("logprobs", self.logprobs))
         _check_processing(self)
 
     def processing(self, stop_ids=()) -> Any:
-        """This request's ``specjax.logits_processors.RequestProcessing`` (``stop_ids``:
+        """This request's ``specjax.sampling.logits_processors.RequestProcessing`` (``stop_ids``:
         what ``min_tokens`` suppresses: stop_token_ids plus EOS)."""
-        from specjax.logits_processors import RequestProcessing
+        from specjax.sampling.logits_processors import RequestProcessing
 
         return RequestProcessing(
             self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_p,
@@ -160,7 +160,7 @@ class RequestOutput(NamedTuple):
     ``"stop"`` (stop / EOS token, kept in ``token_ids``) or ``"length"`` (``max_tokens`` or
     ``max_model_len``), its draft counts, and ``logprobs``: None unless
     ``SamplingParams.logprobs`` was set, else one ``{token_id: Logprob(logprob, rank)}``
-    per generated token (vLLM's ``SampleLogprobs``; ``specjax.logprobs``)."""
+    per generated token (vLLM's ``SampleLogprobs``; ``specjax.sampling.logprobs``)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]

@@ -6,7 +6,7 @@ model proposers) and its :class:`Feed` (``proposer.feed``): where it drafts (ins
 jitted step, in a second call after vLLM's host ``prepare_inputs``, or from the token
 history), which target activations it needs, how many KV slots it writes ahead, its token
 tree and vocabulary. A decoding loop reads the Feed only, never the method name
-(``specjax.step.make_step`` does).
+(``specjax.runtime.step.make_step`` does).
 
 Model-free proposers (``ngram``, ``ngram_gpu``, ``suffix``) each keep their own vLLM-shaped
 API in their module; :class:`NgramProposerAdapter`, :class:`NgramGPUProposerAdapter` and

@@ -47,7 +47,7 @@ equal its node count): the same first pass, then ``specjax.proposers.tree_drafti
 (vLLM's ``propose_tree``: top-k children per level, one forward per further level over
 every node so far under tree attention). ``propose`` then returns ``[B, num_nodes]``
 drafts in tree order (``proposer.token_tree`` gives the structure); a serving loop
-verifies them with ``specjax.sampler.tree_greedy_verify``.
+verifies them with ``specjax.sampling.tree_greedy_verify``.
 """
 
 from __future__ import annotations

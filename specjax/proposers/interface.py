@@ -53,17 +53,6 @@ class TokenHistory(NamedTuple):
     rows_pad: int | None = None
 
 
-def _deprecated(name: str, instead: str, read):
-    """A property that warns and reads ``proposer.feed`` (a declaration the Feed replaced)."""
-    def get(self):
-        import warnings
-
-        warnings.warn(f"Proposer.{name} is deprecated: use proposer.feed.{instead}",
-                      DeprecationWarning, stacklevel=2)
-        return read(self.feed)
-    return property(get)
-
-
 class Proposer:
     """A proposer as the decoding loop sees it: ``feed`` (a :class:`Feed`, the only thing a
     loop reads), and either ``init_state`` / ``impl.propose(params, state, ProposerInputs)``
@@ -105,18 +94,6 @@ class Proposer:
     @property
     def max_model_len(self) -> int | None:
         return self.feed.max_model_len
-
-    # The declarations the Feed replaced (kept for old callers).
-    needs_token_history = _deprecated("needs_token_history", "drafts_in == 'history'",
-                                      lambda f: f.drafts_in == "history")
-    needs_hidden_states = _deprecated("needs_hidden_states", "hidden_states",
-                                      lambda f: f.hidden_states)
-    needs_aux_hidden_states = _deprecated("needs_aux_hidden_states", "aux_layer_ids",
-                                          lambda f: f.aux_hidden_states)
-    padded_drafter_batch = _deprecated("padded_drafter_batch", "drafts_in != 'split'",
-                                       lambda f: f.drafts_in != "split")
-    runs_on = _deprecated("runs_on", "drafts_in", lambda f: "host" if f.drafts_in == "history"
-                          else "device")
 
     def init_state(self, num_blocks: int, dtype=None) -> Any:
         """Device state pytree (draft KV cache and buffers) for a pool of ``num_blocks``
@@ -198,7 +175,7 @@ class ModelProposer(Proposer):
         ``state``: the state ``propose`` will get (only its shapes are used), else one is
         derived abstractly from ``num_blocks`` / ``dtype`` (float32) as ``init_state``
         builds it. Returns the resolved buckets; bad ones raise ValueError before anything
-        compiles. This compiles the standalone ``impl.propose``; ``specjax.step.Step``
+        compiles. This compiles the standalone ``impl.propose``; ``specjax.runtime.step.Step``
         fuses propose into its own step and ``Engine.warmup`` compiles that.
         """
         import jax.numpy as jnp

@@ -28,7 +28,6 @@ state donated so XLA updates the buffer in place.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from functools import partial
 from typing import Any, Hashable, NamedTuple, Sequence
 
@@ -207,7 +206,7 @@ class NgramGPUProposer:
 
     def search(self, token_ids: jax.Array, num_tokens: jax.Array, valid: jax.Array) -> DraftOutput:
         """The n-gram search itself, traceable (``ngram_search`` with this configuration):
-        what ``specjax.decode_loop`` calls inside its jitted loop."""
+        what ``specjax.runtime.decode_loop`` calls inside its jitted loop."""
         return _search(self, token_ids, num_tokens, valid)
 
     def propose_arrays(
@@ -220,15 +219,7 @@ class NgramGPUProposer:
         Args:
           num_tokens: ``[B]`` int32 (``0 <= L <= T``); ``token_ids``: ``[B, T]`` int32;
           valid: ``[B]`` bool (default all True).
-
-        The old order ``(token_ids [B, T], num_tokens [B])`` is still accepted (told apart by
-        the ranks) with a DeprecationWarning.
         """
-        if getattr(num_tokens, "ndim", None) == 2 and getattr(token_ids, "ndim", None) == 1:
-            warnings.warn("NgramGPUProposer.propose_arrays(token_ids, num_tokens) is deprecated; "
-                          "pass (num_tokens, token_ids) as the CPU proposer does",
-                          DeprecationWarning, stacklevel=2)
-            num_tokens, token_ids = token_ids, num_tokens
         _check_int_dtype("token_ids", token_ids)
         _check_int_dtype("num_tokens", num_tokens)
         if token_ids.ndim != 2 or num_tokens.shape != (token_ids.shape[0],):
@@ -242,15 +233,6 @@ class NgramGPUProposer:
         elif valid.shape != num_tokens.shape or valid.dtype != jnp.bool_:
             raise ValueError(f"valid must be a [{num_tokens.shape[0]}] bool array, got {valid.shape} {valid.dtype}")
         return _propose_arrays(self, token_ids, num_tokens, valid)
-
-    def propose_rows(
-        self, state: NgramGPUState, rows: jax.Array, sampled_token_ids: jax.Array, num_sampled: jax.Array
-    ) -> tuple[DraftOutput, NgramGPUState]:
-        """Deprecated: ``propose(state, sampled_token_ids, num_sampled, rows=rows)``."""
-        warnings.warn("NgramGPUProposer.propose_rows(state, rows, sampled, num_sampled) is "
-                      "deprecated; use propose(state, sampled, num_sampled, rows=rows)",
-                      DeprecationWarning, stacklevel=2)
-        return self.propose(state, sampled_token_ids, num_sampled, rows=rows)
 
     def propose_packed(self, state: NgramGPUState, packed: jax.Array) -> tuple[jax.Array, NgramGPUState]:
         """``propose(..., rows=)`` with one input and one output array, so that a step costs one
@@ -339,13 +321,8 @@ class NgramGPUProposer:
         ``buckets``: batch sizes, or tuples whose first entry is the batch size (the
         ``(B, T, ...)`` buckets the other proposers take). Runs each with
         ``num_sampled = 0``, which leaves the buffer unchanged; returns the state.
-        ``max_sampled`` is the sampled-token width ``S`` (default ``k + 1``). The old order
-        ``warmup(state, batch_sizes)`` still works, with a DeprecationWarning.
+        ``max_sampled`` is the sampled-token width ``S`` (default ``k + 1``).
         """
-        if isinstance(buckets, NgramGPUState):
-            warnings.warn("NgramGPUProposer.warmup(state, batch_sizes) is deprecated; use "
-                          "warmup(batch_sizes, state)", DeprecationWarning, stacklevel=2)
-            buckets, state = state, buckets
         width = self.k + 1 if max_sampled is None else check_int("max_sampled", max_sampled, minimum=1)
         batch_sizes = [b[0] if isinstance(b, (tuple, list)) else b for b in buckets]
         for size in batch_sizes:
@@ -534,7 +511,7 @@ class NgramGPUProposerAdapter(HistoryProposer):
 
     @property
     def device_drafter(self) -> NgramGPUProposer:
-        """The hook of the device decode loop (``specjax.decode_loop``): a hashable object
+        """The hook of the device decode loop (``specjax.runtime.decode_loop``): a hashable object
         whose traceable ``search(token_ids, num_tokens, valid)`` drafts from a token history
         the loop keeps on the device."""
         return self.impl

@@ -1,4 +1,4 @@
-"""``specjax.converters.export`` (formerly ``specjax.training.export``): trained params ->
+"""``specjax.converters.export``: trained params ->
 upstream checkpoint layouts, read back by the converters (``load_pretrained`` with the format
 auto-detected, ``specjax-convert``)."""
 
@@ -512,17 +512,6 @@ def test_round_tripped_mask_hidden_drafts_the_same(tmp_path, method):
     c, _ = _run(prop, {k: v for k, v in back.items() if k != "mask_hidden"}, method, reqs,
                 table, chunked=False, padded=True, rng=np.random.default_rng(4))
     assert not np.array_equal(np.asarray(c.token_ids), np.asarray(b.token_ids))
-
-
-def test_old_import_path_warns_and_reexports():
-    import importlib
-    import sys
-
-    sys.modules.pop("specjax.training.export", None)
-    with pytest.warns(DeprecationWarning, match="specjax.converters.export"):
-        old = importlib.import_module("specjax.training.export")
-    assert old.export_checkpoint is export_checkpoint
-    assert old.EXPORT_FORMATS is EXPORT_FORMATS
 
 
 def test_every_format_record_reads_and_writes():

@@ -1,4 +1,4 @@
-"""The device-resident decode loop (``specjax.decode_loop``, ``Engine(steps_per_sync=N)``).
+"""The device-resident decode loop (``specjax.runtime.decode_loop``, ``Engine(steps_per_sync=N)``).
 
 The references are independent of the loop: the host batch builder (``build_batch``) for
 the batch the loop builds on the device; the per-step loop (``steps_per_sync=1``) and plain
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.batch import build_batch, trim_drafts
-from specjax.decode_loop import (LoopState, decode_loop, device_batch, loop_blocks_needed,
+from specjax.runtime.batch import build_batch, trim_drafts
+from specjax.runtime.decode_loop import (LoopState, decode_loop, device_batch, loop_blocks_needed,
                                  loop_cache_size, make_loop_state)
 from specjax.engine import Engine, SamplingParams, generate, step_cache_size
 
@@ -467,7 +467,7 @@ def test_loop_updates_the_caches_in_place():
 def _caches_in_place_body():
     import jax.numpy as jnp
 
-    from specjax.decode_loop import _loop_jit
+    from specjax.runtime.decode_loop import _loop_jit
 
     for method in ("eagle3", None):
         if method is not None and method not in METHODS:

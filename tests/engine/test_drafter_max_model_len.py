@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from specjax import demo_models
-from specjax.decode_loop import loop_cache_size
-from specjax.step import step_cache_size
+from specjax.runtime.decode_loop import loop_cache_size
+from specjax.runtime.step import step_cache_size
 
 K = 3
 LIMIT = 50            # the drafter's limit

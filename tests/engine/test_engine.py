@@ -267,7 +267,7 @@ def test_one_token_steps_do_not_copy_the_kv_cache():
 
 @pytest.mark.gpu
 def test_gpu_tree_step_updates_the_caches_in_place(monkeypatch):
-    """The tree step's KV compaction (``specjax.step.compact_tree_kv``: gather the accepted
+    """The tree step's KV compaction (``specjax.runtime.step.compact_tree_kv``: gather the accepted
     nodes' K / V, scatter them into place) compiles on XLA:GPU with no whole-cache copy
     (Llama-3.1-8B widths, 4 layers, bf16, B = 8, a 1k context: 529 blocks). A control shows
     the check can see them: without the optimization barrier between the gather and the
@@ -278,7 +278,7 @@ def test_gpu_tree_step_updates_the_caches_in_place(monkeypatch):
     import sys
 
     import suite_paths
-    from specjax import step as step_mod
+    from specjax.runtime import step as step_mod
     sys.path.insert(0, str(suite_paths.BENCHMARKS))
     from e2e import TARGETS, random_params
 
@@ -491,7 +491,7 @@ def test_seeded_requests_reproducible_whatever_the_batch():
 
 
 def test_numpy_metadata_builders_match_the_library_constructors():
-    from specjax.batch import attn_metadata_np, spec_metadata_np
+    from specjax.runtime.batch import attn_metadata_np, spec_metadata_np
     from specjax.metadata import SpecDecodeMetadata
 
     rng = np.random.default_rng(3)
@@ -594,8 +594,6 @@ def test_make_proposer_declarations_and_errors():
     if "eagle" in METHODS:
         p = build("eagle", 2)
         assert p.feed.hidden_states and not p.feed.aux_layer_ids and p.params is not None
-        with pytest.warns(DeprecationWarning, match="feed.hidden_states"):
-            assert p.needs_hidden_states
         with pytest.raises(ValueError, match="draft"):
             make_proposer(SpeculativeConfig(method="eagle", num_speculative_tokens=2),
                           max_model_len=MML)

@@ -1,4 +1,4 @@
-"""``specjax.host_transfer``: a step's host batch sent as one int32 buffer, exactly."""
+"""``specjax.runtime.host_transfer``: a step's host batch sent as one int32 buffer, exactly."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import host_transfer as ht
+from specjax.runtime import host_transfer as ht
 
 
 @pytest.mark.smoke
@@ -56,7 +56,7 @@ def test_the_step_sends_one_buffer_and_gives_the_same_tokens():
     unpacked path."""
     from test_engine import BS, MML, build, target
 
-    import specjax.step as S
+    import specjax.runtime.step as S
     from specjax.engine import Engine
 
     for prop in (None, build("ngram", 3), build("eagle3", 3)):

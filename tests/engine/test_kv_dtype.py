@@ -13,7 +13,7 @@ from specjax.config import SpeculativeConfig
 from specjax.engine import Engine, TargetModel
 from specjax.models import registry
 from specjax.proposers import make_proposer
-from specjax.step import make_step, params_kv_dtype
+from specjax.runtime.step import make_step, params_kv_dtype
 
 GEO = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
            rms_norm_eps=1e-5, vocab_size=64, num_hidden_layers=1)
@@ -73,7 +73,7 @@ def test_generate_cli_bf16_uses_a_bf16_cache(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     from test_hf_cli import make_checkpoint
 
-    from specjax.cli import main
+    from specjax.cli.main import main
     from specjax.engine import loop
 
     d = tmp_path / "tiny-llama"

@@ -13,7 +13,7 @@ import logging
 import jax
 import pytest
 
-from specjax.decode_loop import loop_cache_size
+from specjax.runtime.decode_loop import loop_cache_size
 from specjax.engine import Engine, SamplingParams, generate, step_cache_size
 
 try:

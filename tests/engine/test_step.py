@@ -1,19 +1,18 @@
 """The public step's contract: ``build_batch`` (layout against a hand-built reference,
 errors naming the argument), ``Step`` (its output fields, refusals before anything runs,
-one compile per bucket), the Feed-based declarations, and the moved names' old import
-paths (working, with a DeprecationWarning)."""
+one compile per bucket) and the Feed-based declarations."""
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import jax
 import numpy as np
 import pytest
 
-from specjax.batch import build_batch, trim_drafts
-from specjax.step import StepBatch, StepOutput, make_step, step_cache_size
+import specjax
+from specjax.runtime.batch import build_batch, trim_drafts
+from specjax.runtime.step import StepBatch, StepOutput, make_step, step_cache_size
 from specjax.token_tree import TokenTree
 
 from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
@@ -153,21 +152,8 @@ def _other_vocab_target():
         "llama", dict(GEO, num_hidden_layers=1, vocab_size=V + 1)))
 
 
-def test_moved_paths_warn_and_work():
-    with pytest.warns(DeprecationWarning, match="specjax.batch.attn_metadata_np"):
-        from specjax.engine import attn_metadata_np
-    import specjax.batch
-    assert attn_metadata_np is specjax.batch.attn_metadata_np
-    eng = importlib.import_module("specjax.engine")
-    for name, where in (("spec_metadata_np", "specjax.batch"), ("compact_tree_kv", "specjax.step"),
-                        ("tree_chain_inputs", "specjax.step")):
-        with pytest.warns(DeprecationWarning, match=f"{where}.{name}"):
-            assert getattr(eng, name) is getattr(importlib.import_module(where), name)
+def test_public_names_and_feed():
     prop = build("ngram", 2)
-    for attr, want in (("needs_token_history", True), ("runs_on", "host"),
-                       ("needs_hidden_states", False), ("padded_drafter_batch", True)):
-        with pytest.warns(DeprecationWarning, match="proposer.feed"):
-            assert getattr(prop, attr) == want
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert specjax.make_step is make_step and specjax.build_batch is build_batch

@@ -1,4 +1,4 @@
-"""Tree verification (``specjax.sampler``). Greedy (``tree_greedy_verify``) against a
+"""Tree verification (``specjax.sampling``). Greedy (``tree_greedy_verify``) against a
 brute-force NumPy oracle that enumerates every root-to-node path, and against the chain
 sampler (``rejection_sample``) on chain trees. Random (``tree_rejection_sample``,
 temperature > 0): the emitted sequences, over many keys, against their exact distribution
@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 from specjax.metadata import SpecDecodeMetadata
-from specjax.sampler import (SamplingMetadata, rejection_sample, tree_greedy_verify,
+from specjax.sampling import (SamplingMetadata, rejection_sample, tree_greedy_verify,
                              tree_rejection_sample)
 from specjax.token_tree import TokenTree
 

@@ -4,12 +4,9 @@ key, and the deprecated import paths that re-export the moved modules."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import subprocess
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -107,40 +104,6 @@ def test_environment_variable():
     assert r.returncode == 0 and r.stdout.split() == ["xla", "xla"], r.stderr[-2000:]
     r = _run(code, SPECJAX_KERNEL_BACKEND="cuda")
     assert r.returncode != 0 and "SPECJAX_KERNEL_BACKEND" in r.stderr, r.stderr[-2000:]
-
-
-@pytest.mark.parametrize("old, new, names", [
-    ("specjax.models.attention", "specjax.kernels.paged_attention",
-     ("attend", "paged_attention", "KVCache", "set_attention_backend", "scatter_slots")),
-    ("specjax.kernels.kv_cache", "specjax.kernels.paged_attention.kv_cache", ("scatter_slots",)),
-    ("specjax.kernels.pallas.paged_attention", "specjax.kernels.paged_attention.pallas",
-     ("paged_attention", "paged_attention_write", "unsupported_reason")),
-    ("specjax.kernels.xla", "specjax.kernels.copy_expand.xla", ("copy_and_expand_eagle_inputs",)),
-    ("specjax.kernels.pallas", "specjax.kernels.prepare.pallas", ("eagle_prepare_inputs_padded",)),
-])
-def test_moved_paths_reexport_with_a_warning(old, new, names):
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        mod = importlib.import_module(old)
-    assert any(issubclass(x.category, DeprecationWarning) and "moved" in str(x.message)
-               for x in w), [str(x.message) for x in w]
-    target = importlib.import_module(new)
-    for n in names:
-        assert getattr(mod, n) is getattr(target, n), n
-
-
-def test_triton_path_forwards_lazily():
-    sys.modules.pop("specjax.kernels.triton", None)
-    with pytest.warns(DeprecationWarning, match="moved"):
-        mod = importlib.import_module("specjax.kernels.triton")
-    assert set(mod.__all__) == {"paged_attention", "eagle_step_update_slot_mapping_and_metadata",
-                                "eagle_prepare_inputs_padded", "eagle_prepare_next_token_padded",
-                                "copy_and_expand_eagle_inputs", "copy_and_expand_dflash_inputs"}
-    for name in mod.__all__:
-        assert getattr(mod, name).__name__ == name
-        # each forwards to a module that exists in its op's folder
-        assert importlib.util.find_spec(f"specjax.kernels.{mod._OPS[name]}.triton") is not None, name
 
 
 def test_wide_integer_inputs_out_of_int32_are_refused():

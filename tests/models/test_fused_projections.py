@@ -16,7 +16,7 @@ from specjax.engine import SamplingParams, TargetModel, generate
 from specjax.models import fuse_projections, registry, unfuse_projections
 from specjax.models.params import is_fused
 from specjax.sharding import param_specs
-from specjax.step import make_step
+from specjax.runtime.step import make_step
 
 GEO = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
            rms_norm_eps=1e-5, vocab_size=64)

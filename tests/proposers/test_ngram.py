@@ -452,20 +452,16 @@ def test_propose_rows_and_packed_match_the_condensed_batch():
 
 
 @pytest.mark.smoke
-def test_gpu_old_signatures_still_work_with_a_deprecation_warning():
-    """One signature per kind: ``warmup(buckets, state)`` (the model proposers' order),
-    ``propose(..., rows=)`` (was ``propose_rows``) and ``propose_arrays(num_tokens,
-    token_ids)`` (the CPU proposer's and vLLM's order). The old forms give the same results
-    and warn."""
+def test_gpu_signatures_agree_with_the_cpu_proposer():
+    """One signature per kind: ``warmup(buckets, state)`` (the model proposers' order, batch
+    sizes or ``(B, T)`` buckets), ``propose(..., rows=)`` and ``propose_arrays(num_tokens,
+    token_ids)`` (the CPU proposer's and vLLM's order), against the oracle."""
     k, mml = 2, 16
     gpu = gpu_proposer(k, 1, 3, mml)
     rng = np.random.default_rng(9)
     contexts = [make_context(rng, n, 3, "periodic") for n in (7, 10)]
     buf, lengths = pad_batch(contexts, mml, rows=2)
     new = gpu.propose_arrays(jnp.asarray(lengths), jnp.asarray(buf))
-    with pytest.warns(DeprecationWarning, match="propose_arrays"):
-        old = gpu.propose_arrays(jnp.asarray(buf), jnp.asarray(lengths))
-    np.testing.assert_array_equal(np.asarray(new.token_ids), np.asarray(old.token_ids))
     got = DraftOutput(np.asarray(new.token_ids), np.asarray(new.num_drafts)).to_lists()
     assert got == [oracle_draft(c, 1, 3, k, mml) for c in contexts]
 
@@ -473,16 +469,7 @@ def test_gpu_old_signatures_still_work_with_a_deprecation_warning():
         st = gpu.init_state(4)
         return gpu.add_requests(st, jnp.array([2, 0], jnp.int32), jnp.asarray(buf), jnp.asarray(lengths))
 
-    sampled = jnp.array([[5, -1, -1], [6, -1, -1]], jnp.int32)
-    counts = jnp.array([1, 1], jnp.int32)
-    rows = jnp.array([2, 0], jnp.int32)
-    a, sa = gpu.propose(filled(), sampled, counts, rows=rows)
-    with pytest.warns(DeprecationWarning, match="propose_rows"):
-        b, sb = gpu.propose_rows(filled(), rows, sampled, counts)
-    np.testing.assert_array_equal(np.asarray(a.token_ids), np.asarray(b.token_ids))
-    np.testing.assert_array_equal(np.asarray(sa.num_tokens), np.asarray(sb.num_tokens))
-    with pytest.warns(DeprecationWarning, match="warmup"):
-        st = gpu.warmup(filled(), [1, 2])
+    st = gpu.warmup([1, 2], filled())
     assert np.asarray(st.num_tokens).tolist() == np.asarray(filled().num_tokens).tolist()
     st = gpu.warmup([(1, 8), (2, 8)], filled())        # (B, T) buckets as the others take
     assert np.asarray(st.num_tokens).tolist() == np.asarray(filled().num_tokens).tolist()

@@ -1,6 +1,6 @@
 """The device-resident decode loop: ``N`` decoding iterations in ONE jitted program.
 
-The public step (``specjax.step``) runs one iteration per call, and a serving loop pays a
+The public step (``specjax.runtime.step``) runs one iteration per call, and a serving loop pays a
 host dispatch, an upload of the next batch and a device-to-host sync each time.
 ``decode_loop(step, ...)`` keeps every request of a decoding batch on the device
 for up to ``steps_per_sync`` iterations of
@@ -31,12 +31,12 @@ per-step tree step does. Refused by name: host token-history proposers (n-gram C
 suffix) and the non-padded drafter batch (``disable_padded_drafter_batch``: vLLM's host
 ``prepare_inputs``). Plain decoding (no proposer) runs the same way.
 
-Sampling: the per-request sampling state (``specjax.sampler.SamplingState``) rides in the
+Sampling: the per-request sampling state (``specjax.sampling.SamplingState``) rides in the
 loop state; each iteration a request's key is ``fold_in(key(seed), tokens generated so
 far)``, as in the per-step path, so seeded sampling emits the same tokens in both. The
 logits processors' state (``SamplingState.procs``: penalties, bad words, ..., with the token
 history they read) rides there too and is extended with each iteration's emitted tokens.
-Logprobs (``LoopState.num_logprobs`` set, ``specjax.logprobs``): each iteration's, as the
+Logprobs (``LoopState.num_logprobs`` set, ``specjax.sampling.logprobs``): each iteration's, as the
 step computes them, in ``LoopOutput.logprobs`` (slots cut by a stop are padding).
 """
 
@@ -51,9 +51,9 @@ import numpy as np
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
-from specjax.logprobs import Logprobs, check_num_logprobs, mask_slots
-from specjax.sampler import PLACEHOLDER_TOKEN_ID, SamplingState
-from specjax.step import StepBatch, _step
+from specjax.sampling.logprobs import Logprobs, check_num_logprobs, mask_slots
+from specjax.sampling import PLACEHOLDER_TOKEN_ID, SamplingState
+from specjax.runtime.step import StepBatch, _step
 
 __all__ = ["LoopState", "LoopOutput", "make_loop_state", "decode_loop", "device_batch",
            "loop_blocks_needed", "loop_cache_size", "loop_support"]
@@ -75,7 +75,7 @@ class LoopState:
       stop_ids: ``[B, S] int32`` stop token ids (EOS included; -1 padded).
       finished: ``[B] bool`` (padding rows True).
       block_table: ``[B, C] int32`` (rows past ``num_reqs``: the null block 0).
-      sampling: ``specjax.sampler.SamplingState`` (its ``counters`` are the tokens each
+      sampling: ``specjax.sampling.SamplingState`` (its ``counters`` are the tokens each
         request has generated so far).
       history: ``[B, W] int32`` token histories (prompt + output) for a device
         token-history proposer (n-gram GPU), else None.
@@ -127,7 +127,7 @@ class LoopOutput(NamedTuple):
       that iteration). num_drafts: ``[N, B]``, drafts verified; num_accepted: ``[N, B]``,
       drafts accepted (before any stop cut the emitted tokens, as the per-step loop counts
       them). finished: ``[B] bool`` after the call. num_iters: 0-d, iterations run.
-      logprobs: ``specjax.logprobs.Logprobs`` of the emitted tokens with a leading ``[N]``
+      logprobs: ``specjax.sampling.logprobs.Logprobs`` of the emitted tokens with a leading ``[N]``
       axis (slots not emitted are padding), or None without ``num_logprobs``.
     """
 
@@ -167,7 +167,7 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
     ``blocks_per_req_pad`` dropped); ``stop_ids[i]``: its stop token ids (EOS included;
     ``stop_pad`` columns at least); ``history[i]``: its prompt + output tokens (only for a
     device token-history proposer). Sampling defaults: greedy, top-k / top-p off, seed 0.
-    ``procs``: the requests' ``specjax.logits_processors.ProcessorState`` (``num_reqs_pad``
+    ``procs``: the requests' ``specjax.sampling.logits_processors.ProcessorState`` (``num_reqs_pad``
     rows, token histories of ``max_model_len`` columns: ``make_processor_state``), or None;
     the loop appends each iteration's emitted tokens to its history.
     Raises ValueError naming the argument on mismatched lengths or out-of-range values.
@@ -261,7 +261,7 @@ def _row_of(cu, idx):
 
 def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[StepBatch, Any]:
     """The next iteration's :class:`StepBatch` from the loop state, on the device
-    (traceable): what ``specjax.batch.build_batch`` builds on the host for the same
+    (traceable): what ``specjax.runtime.batch.build_batch`` builds on the host for the same
     requests (each request's last token then its drafts, trimmed by ``trim_drafts``' rule:
     at most ``min(k, max_new_tokens - 1)``, cut before a token outside the vocabulary, none
     once they would pass ``st.drafter_max_model_len``).
@@ -321,7 +321,7 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[
         num_reqs=jnp.asarray(st.num_reqs, jnp.int32), num_actual_tokens=total,
         max_seq_len=jnp.max(seq).astype(jnp.int32), max_query_len=qp, causal=True,
         tree_mask=None if tree is None else tree.ancestor_mask(with_root=True))
-    # SpecDecodeMetadata (specjax.batch._spec_metadata's layout)
+    # SpecDecodeMetadata (specjax.runtime.batch._spec_metadata's layout)
     cu_d = jnp.cumsum(nd).astype(jnp.int32)
     cu_s = jnp.cumsum(jnp.where(real, nd + 1, 0)).astype(jnp.int32)
     if k:
@@ -458,7 +458,7 @@ def loop_cache_size() -> int:
 
 
 def loop_support(step) -> str | None:
-    """None when ``step`` (a ``specjax.step.Step``) can run in the device loop, else the
+    """None when ``step`` (a ``specjax.runtime.step.Step``) can run in the device loop, else the
     reason (naming the proposer's method / option)."""
     feed, prop = step.feed, step.proposer
     if feed is None:
@@ -498,7 +498,7 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
     if why is not None:
         raise ValueError(why)
     if not isinstance(state, LoopState):
-        raise ValueError(f"state must be a LoopState (specjax.decode_loop.make_loop_state), got "
+        raise ValueError(f"state must be a LoopState (specjax.runtime.decode_loop.make_loop_state), got "
                          f"{type(state).__name__}")
     if np.shape(state.drafts)[1] != step.k:
         raise ValueError(f"state was built for k={np.shape(state.drafts)[1]}; the step verifies "

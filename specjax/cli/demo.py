@@ -251,7 +251,7 @@ class _Timer:
         self.used_steps_per_sync = 1
 
     def _engine(self):
-        from specjax.decode_loop import loop_support
+        from specjax.runtime.decode_loop import loop_support
         from specjax.engine import Engine
 
         eng = Engine(self.target, self.make_proposer(), max_model_len=self.max_model_len,

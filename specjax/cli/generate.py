@@ -1,5 +1,5 @@
 """``specjax generate``: a real checkpoint, its tokenizer and a vLLM ``speculative_config``
-from the command line (see :mod:`specjax.cli`).
+from the command line (see :mod:`specjax.cli.main`).
 
 ``--target DIR`` is a ``specjax-convert`` output (it carries its source's tokenizer and
 ``generation_config.json``) or an original HF directory; ``--tokenizer DIR`` takes the
@@ -10,7 +10,7 @@ directory and the files looked for (:func:`check_paths`).
 
 The sampling flags are vLLM's ``SamplingParams`` fields (:data:`FLAGS`); each value is
 checked by ``SamplingParams`` itself and by the engine's request check
-(``specjax.logits_processors.check_request``, the vocabulary read from the checkpoint's
+(``specjax.sampling.logits_processors.check_request``, the vocabulary read from the checkpoint's
 config) before any model is loaded, the error naming the flag. ``--logprobs N`` prints
 each generated token's logprob, rank and top-N under its completion; ``--json FILE``
 writes every result (:func:`result_records`).
@@ -97,7 +97,7 @@ def sampling_params(args, *, bad_words: Any = (), stop_token_ids: Any = None):
 def check_vocabulary(sp, vocab_size: int) -> None:
     """The engine's request check of ``sp`` (its default ``ProcessorLimits``; stop ids as
     ``min_tokens`` suppresses them) against ``vocab_size``, naming the flag."""
-    from specjax.logits_processors import ProcessorLimits, check_request
+    from specjax.sampling.logits_processors import ProcessorLimits, check_request
 
     try:
         check_request("sampling", sp.processing(sp.stop_token_ids), ProcessorLimits(),
@@ -211,7 +211,7 @@ def _run(args, out: TextIO, err: TextIO) -> int:
     from specjax.engine import TargetModel
     from specjax.hf import (encode_bad_words, encode_prompt, load_generation_config, load_model,
                             load_tokenizer)
-    from specjax.logprobs import check_logprobs_mode
+    from specjax.sampling.logprobs import check_logprobs_mode
     from specjax.models import DecoderLM
 
     tok_dir, gen_dir = check_paths(args)

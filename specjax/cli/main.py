@@ -1,7 +1,7 @@
 """The ``specjax`` console script (also ``python -m specjax``).
 
 ``specjax demo``: speculative decoding with every available method on the embedded demo
-model, checked against plain decoding (see :mod:`specjax.demo`). Runs on a fresh install
+model, checked against plain decoding (see :mod:`specjax.cli.demo`). Runs on a fresh install
 with no network and no GPU. ``--target DIR [--draft DIR ...] [--prompts FILE]``: the same
 table on your own checkpoints and prompts.
 
@@ -13,7 +13,7 @@ sampling parameters as flags (``--min-p``, ``--presence-penalty``, ``--frequency
 ``--repetition-penalty``, ``--min-tokens``, ``--stop-token-ids``, ``--ignore-eos``,
 ``--bad-words``, ``--allowed-token-ids``, ``--logit-bias``, ``--logprobs N``,
 ``--logprobs-mode``), checked before any model is loaded; ``--json FILE`` writes the
-results (see :mod:`specjax.generate_cli`).
+results (see :mod:`specjax.cli.generate`).
 
 ``specjax --version``.
 """
@@ -24,7 +24,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from specjax.demo import ALL_METHODS, DEFAULT_BATCH, DEFAULT_MAX_TOKENS
+from specjax.cli.demo import ALL_METHODS, DEFAULT_BATCH, DEFAULT_MAX_TOKENS
 from specjax.constants import DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES, MAX_LOGPROBS
 
 
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default 5)")
     demo.add_argument("--steps-per-sync", type=_positive, default=None,
                       help="decoding iterations per host sync in the device loop (default: "
-                           "specjax.demo.DEFAULT_STEPS_PER_SYNC; 1: one step per sync)")
+                           "specjax.cli.demo.DEFAULT_STEPS_PER_SYNC; 1: one step per sync)")
     demo.add_argument("--target", metavar="DIR", default=None,
                       help="your target checkpoint (a specjax-convert output or an original HF "
                            "directory, with its tokenizer: the hf extra) instead of the shipped "
@@ -235,11 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from specjax.demo import main_demo
+        from specjax.cli.demo import main_demo
 
         return main_demo(args)
     if args.command == "generate":
-        from specjax.generate_cli import main_generate
+        from specjax.cli.generate import main_generate
 
         return main_generate(args)
     return 2   # unreachable: argparse requires a command

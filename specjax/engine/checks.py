@@ -94,7 +94,7 @@ def check_engine_args(model: Any, *, max_model_len: Any, block_size: Any, max_nu
 
         registry.check_params(cfg.kind, cfg, params, name="target params")
     if kv_dtype is None:            # the default: the params' dtype (float32 without params)
-        from specjax.step import params_kv_dtype
+        from specjax.runtime.step import params_kv_dtype
 
         kv_dtype = params_kv_dtype(params)
     try:

@@ -18,7 +18,7 @@ any mix of requests. :func:`apply_processors` applies, in vLLM v1's ``Sampler`` 
 
 The sampler then applies temperature, ``min_p`` (tokens with probability below
 ``min_p * max_prob`` -> ``-inf``; vLLM's ``MinPLogitsProcessor``, after temperature) and
-top-k / top-p (``specjax.sampler.process_logits``).
+top-k / top-p (``specjax.sampling.process_logits``).
 
 Speculation: a verified position is predicted from the committed tokens plus the draft
 tokens before it (its *prefix*: ``prefix_tokens [B, T, D]``, the first ``prefix_len [B, T]``

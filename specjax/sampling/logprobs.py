@@ -15,7 +15,7 @@ Values, per ``logprobs_mode`` (vLLM's ``LogprobsMode``; static per step / engine
 * ``raw_logprobs`` (vLLM's default): ``log_softmax`` of the target's raw fp32 logits;
 * ``raw_logits``: the raw logits;
 * ``processed_logprobs`` / ``processed_logits``: the same after the sampling processing the
-  verification used (``specjax.sampler.process_logits``): the logits processors (penalties,
+  verification used (``specjax.sampling.process_logits``): the logits processors (penalties,
   bad words, ..., with the step's emitted tokens before the slot counted as output), then
   temperature (greedy rows divided by 1), min_p, top-k / top-p (off for greedy rows, as
   vLLM's ``SamplingParams`` resets them at temperature 0); tokens removed are ``-inf``.
@@ -109,7 +109,7 @@ def _processed_for_logprobs(logits: jax.Array, sampling, emitted: jax.Array | No
     count before it: ``emitted [B, S]`` (-1 padded) is the prefix, ``i`` its length."""
     import dataclasses
 
-    from specjax.sampler import GREEDY_TEMPERATURE, process_logits
+    from specjax.sampling import GREEDY_TEMPERATURE, process_logits
 
     g = sampling.temperature == GREEDY_TEMPERATURE
     sampling = dataclasses.replace(sampling, top_k=jnp.where(g, 0, sampling.top_k),

@@ -2,12 +2,12 @@
 
 ``make_step(target, proposer)`` returns a :class:`Step`. Calling it,
 ``step(target_params, draft_params, target_kv, draft_state, batch)``, runs one decoding
-iteration on a padded :class:`StepBatch` (``specjax.batch.build_batch`` makes one on the
+iteration on a padded :class:`StepBatch` (``specjax.runtime.batch.build_batch`` makes one on the
 host) and returns ``(StepOutput, target_kv, draft_state)``:
 
 1. the target forward over the batch (its paged KV cache written through the slot
    mapping), logits at every draft and bonus position;
-2. verification: ``specjax.sampler.rejection_sample`` (greedy, random with per-request
+2. verification: ``specjax.sampling.rejection_sample`` (greedy, random with per-request
    keys ``fold_in(key(seed), num_output_tokens)``, or synthetic), or, for a batch built with
    a token tree (``batch.attn.tree_mask`` set), ``tree_rejection_sample``, moving the
    accepted path's KV into place (:func:`compact_tree_kv`);
@@ -37,13 +37,13 @@ from jax import lax
 # Defines the attention-backend jit option and imports the kernels before the step is first
 # traced (config states in the trace context; see the end of kernels/paged_attention/__init__.py).
 import specjax.kernels.paged_attention  # noqa: F401
-from specjax import host_transfer
+from specjax.runtime import host_transfer
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
 from specjax.proposers import Proposer, ProposerInputs
-from specjax.sampler import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_sample,
+from specjax.sampling import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_sample,
                              tree_rejection_sample, unconditional_to_conditional_rates)
-from specjax.logprobs import (chain_logprobs, check_logprobs_mode, check_num_logprobs,
+from specjax.sampling.logprobs import (chain_logprobs, check_logprobs_mode, check_num_logprobs,
                               tree_logprobs)
 from specjax.token_tree import TokenTree
 
@@ -54,7 +54,7 @@ __all__ = ["StepBatch", "StepOutput", "Step", "make_step", "compact_tree_kv",
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """The padded inputs of one step (a pytree; build it with
-    ``specjax.batch.build_batch``). ``B`` rows (requests, padding included), ``T = B * Q``
+    ``specjax.runtime.batch.build_batch``). ``B`` rows (requests, padding included), ``T = B * Q``
     token slots.
 
     Attributes:
@@ -69,12 +69,12 @@ class StepBatch:
         each request's key: a seeded request's tokens do not depend on the batch).
       backup_next: ``[B] int32``, each request's last committed token.
       discard: ``[B] bool``, requests whose sampled token is ignored (a partial prefill).
-      procs: ``specjax.logits_processors.ProcessorState`` (penalties, bad words, ...) or
+      procs: ``specjax.sampling.logits_processors.ProcessorState`` (penalties, bad words, ...) or
         None: no logits processing (the plain program; a separate compiled variant).
       all_greedy: static; every real request has temperature 0 (skips the random path).
       block_size: static; tokens per KV block of ``attn.block_table`` (tree batches move
         KV through it).
-      num_logprobs: static top-n bucket of ``StepOutput.logprobs`` (``specjax.logprobs``);
+      num_logprobs: static top-n bucket of ``StepOutput.logprobs`` (``specjax.sampling.logprobs``);
         None (default): no logprobs, the step compiles as without them.
     """
 
@@ -123,7 +123,7 @@ class StepOutput:
         decoding).
       num_drafts: ``[B] int32``, valid leading columns of ``drafts``.
       num_accepted: ``[B] int32``, accepted drafts per request (0 on padding rows).
-      logprobs: ``specjax.logprobs.Logprobs`` of the emitted tokens (``[B, k+1, n+1]`` ids
+      logprobs: ``specjax.sampling.logprobs.Logprobs`` of the emitted tokens (``[B, k+1, n+1]`` ids
         and values, ``[B, k+1]`` ranks) for a batch with ``num_logprobs`` set, else None.
       packed: ``[sampled | drafts | num_drafts | num_accepted]`` along axis 1.
     """
@@ -175,7 +175,7 @@ class _Spec(NamedTuple):
     aux: bool
     tree: Any                   # TokenTree verified on tree batches, else None
     processors: tuple = ()      # user logits processors (static)
-    logprobs_mode: str = "raw_logprobs"   # specjax.logprobs.LOGPROBS_MODES
+    logprobs_mode: str = "raw_logprobs"   # specjax.sampling.logprobs.LOGPROBS_MODES
 
 
 def _sampling(b: StepBatch, processors: tuple = ()) -> SamplingMetadata:
@@ -280,7 +280,7 @@ _step_jit = jax.jit(_step, static_argnums=0, donate_argnums=(3, 4))
 
 
 def _packed_step(spec: _Spec, tparams, dparams, target_kv, draft_state, words, layout):
-    """``_step`` on a batch sent as one int32 buffer (``specjax.host_transfer``)."""
+    """``_step`` on a batch sent as one int32 buffer (``specjax.runtime.host_transfer``)."""
     return _step(spec, tparams, dparams, target_kv, draft_state, host_transfer.unpack(words, layout))
 
 
@@ -429,7 +429,7 @@ class Step:
         trees and tree verification is on), else None.
       mesh, tp_axis: tensor parallelism (None: one device).
       logits_processors: the static tuple of user logits processors
-        (``specjax.logits_processors``; a batch's ``procs.selector`` picks one per request).
+        (``specjax.sampling.logits_processors``; a batch's ``procs.selector`` picks one per request).
     """
 
     def __init__(self, target, proposer: Proposer | None, *, mesh: Any = None,
@@ -536,7 +536,7 @@ class Step:
 
     def _check(self, batch: StepBatch) -> None:
         if not isinstance(batch, StepBatch):
-            raise ValueError(f"batch must be a StepBatch (specjax.batch.build_batch), got "
+            raise ValueError(f"batch must be a StepBatch (specjax.runtime.batch.build_batch), got "
                              f"{type(batch).__name__}")
         if batch.is_tree and self.tree is None:
             raise ValueError("batch is a tree-verification batch (attn.tree_mask set) but this "
@@ -630,9 +630,9 @@ def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: s
     chain tree (needs an in-step proposer with a tree); False verifies chains.
     ``logits_processors``: a tuple of pure JAX functions ``fn(logits [T, V], params [T, P],
     (token_ids [T, L], num_tokens [T], position [T])) -> [T, V]`` (see
-    ``specjax.logits_processors``; docs/sampling.md has an example).
+    ``specjax.sampling.logits_processors``; docs/sampling.md has an example).
     ``logprobs_mode``: vLLM's ``LogprobsMode`` of ``StepOutput.logprobs`` (batches with
-    ``num_logprobs`` set; ``specjax.logprobs``). ``fuse_projections``: whether
+    ``num_logprobs`` set; ``specjax.sampling.logprobs``). ``fuse_projections``: whether
     ``step.place_target_params`` fuses q/k/v and gate/up on one device, and the step the
     proposer's (default True: the fast path; the step runs either layout).
     Raises ValueError (vocabulary mismatch, a tree of the wrong size, synthetic acceptance

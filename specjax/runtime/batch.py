@@ -2,7 +2,7 @@
 
 A serving loop's scheduler decides, per running request, which tokens go into the step
 (its uncomputed tokens, then its drafts) and which KV blocks it owns; ``build_batch`` turns
-that into the padded, bucketed arrays ``specjax.step.Step`` takes. Every leaf is a NumPy
+that into the padded, bucketed arrays ``specjax.runtime.step.Step`` takes. Every leaf is a NumPy
 array, so the jitted step uploads the whole batch in one go.
 
 Padding: rows ``n .. B-1`` are padding (no tokens, ``seq_len`` 0, block-table rows of the
@@ -18,7 +18,7 @@ import numpy as np
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
-from specjax.step import StepBatch
+from specjax.runtime.step import StepBatch
 from specjax.token_tree import TokenTree
 
 __all__ = ["build_batch", "trim_drafts", "attn_metadata_np", "spec_metadata_np", "NULL_BLOCK"]
@@ -86,7 +86,7 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
       discard: per-request bool, sampled token ignored (a partial prefill chunk).
       tree: the ``TokenTree`` of a tree-verification batch (``Step.tree``); every request
         then schedules exactly one uncomputed token, the root.
-      procs: ``specjax.logits_processors.ProcessorState`` with ``num_reqs_pad`` rows
+      procs: ``specjax.sampling.logits_processors.ProcessorState`` with ``num_reqs_pad`` rows
         (``make_processor_state``), or None (no logits processing).
 
     Returns:

@@ -2,7 +2,7 @@
 
 The arrays are packed on the host and unpacked, bit for bit, inside the jitted program.
 
-A step's inputs (``specjax.step.StepBatch``: token ids, positions, the attention and
+A step's inputs (``specjax.runtime.step.StepBatch``: token ids, positions, the attention and
 speculative-decoding metadata, the sampling parameters) are some 25 small NumPy arrays.
 Passed as they are, JAX copies each to the device separately, and on the H200 the host
 side of those copies was a large part of the per-step host time (``benchmarks/RESULTS.md``,
