@@ -4,7 +4,7 @@ The older commit is imported as a second package, ``specjax_parent`` (its ``spec
 ``kernels/``, ``models/``, ``converters/`` laid out as one package and its imports renamed),
 so both versions time the same steps on the same target params, interleaved round by round
 (A B, B A, A B, ...): drift hits both alike. Each round times every ``(method, B)`` with
-``Engine.time_decode_step`` (median over ``--iters`` calls, each synced on what the loop
+``engine.diagnostics.time_decode_step`` (median over ``--iters`` calls, each synced on what the loop
 fetches); the table gives each version's median over rounds, their spread (max - min) and
 the ratio.
 
@@ -140,9 +140,12 @@ def main(argv=None) -> int:
         elif method != "plain":
             raise SystemExit(f"--methods: {method!r} is not one of plain, ngram, ngram_gpu, "
                              f"{', '.join(heads)}")
-        return sub("engine").Engine(target, prop, max_model_len=mml, block_size=bs,
-                                    max_num_seqs=b, batch_buckets=(b,),
-                                    context_buckets=(mml // bs,), kv_dtype=dtype)
+        eng = sub("engine")
+        buckets = dict(batch_buckets=(b,), context_buckets=(mml // bs,))
+        if hasattr(eng, "LoopOptions"):       # this tree's API (older commits: Engine kwargs)
+            buckets = dict(options=eng.LoopOptions(**buckets))
+        return eng.Engine(target, prop, max_model_len=mml, block_size=bs, max_num_seqs=b,
+                          kv_dtype=dtype, **buckets)
 
     if args.propose:
         return propose_ab(args, mods, engine, batches, rev)
@@ -153,7 +156,8 @@ def main(argv=None) -> int:
         order = ("parent", "head") if r % 2 else ("head", "parent")
         for m, b in cases:
             for v in order:
-                t = engines[(v, m, b)].time_decode_step(b, args.context, iters=args.iters)
+                e = engines[(v, m, b)]
+                t = getattr(e, "diagnostics", e).time_decode_step(b, args.context, iters=args.iters)
                 if r:
                     times[(v, m, b)].append((t["step_s"] + t["host_propose_s"]) * 1e3)
     return report(cases, times, args.json)

@@ -22,7 +22,7 @@ import time
 import jax
 
 from specjax.cli import demo
-from specjax.engine import Engine, SamplingParams
+from specjax.engine import Engine, LoopOptions, SamplingParams
 
 METHODS = ("ngram", "suffix", "eagle", "eagle3", "medusa", "draft_model", "dflash")
 
@@ -43,8 +43,9 @@ def run(methods, ks, prompts, max_tokens, log=print, trees=()) -> dict:
 
     def engine(prop):
         return Engine(target, prop, max_model_len=demo.MAX_MODEL_LEN, block_size=demo.BLOCK_SIZE,
-                      max_num_seqs=len(prompts), batch_buckets=(len(prompts),),
-                      context_buckets=(demo.MAX_MODEL_LEN // demo.BLOCK_SIZE,))
+                      max_num_seqs=len(prompts), options=LoopOptions(
+                          batch_buckets=(len(prompts),),
+                          context_buckets=(demo.MAX_MODEL_LEN // demo.BLOCK_SIZE,)))
 
     sp = SamplingParams(max_tokens=max_tokens)
     t0 = time.perf_counter()

@@ -13,7 +13,8 @@ one ``block_until_ready``, divided by ``--reps``.
 
 ``--sweep`` also times the Pallas kernel's knobs (key tile ``block_k``, ``num_stages``,
 ``num_splits``) and prints the best per shape. ``--propose`` runs benchmarks/proposers.py's
-``main`` once per backend (``specjax.kernels.paged_attention.attention_backend``).
+``main`` once per backend (the process default, ``specjax.kernels.default_backend``; the
+proposers' index ops stay on ``kernel_backend="xla"``).
 
 Usage: python benchmarks/attention.py [--batches 1,8,64] [--qlens 1,4] [--context 1024]
        [--reps 20] [--sweep] [--propose] [--out F.json]
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.attention_metadata import CommonAttentionMetadata
+import specjax.kernels as K
 from specjax.kernels.paged_attention import pallas as pk
 from specjax.kernels import paged_attention as attn
 
@@ -152,7 +154,7 @@ def bench_propose(args):
     res = {}
     for backend in ("xla", "pallas"):
         print(f"# EAGLE-3 propose, attention backend {backend}", flush=True)
-        with attn.attention_backend(backend):
+        with K.default_backend(backend):
             res[backend] = proposers.main(["--batches", args.batches, "--k", "3",
                                            "--context", str(args.context),
                                            "--reps", str(args.reps)])

@@ -3,7 +3,7 @@ one plain decoding step, per method and batch size, and the speed-up that implie
 
 For each batch size B, every request holds ``--context`` tokens in the paged KV cache and
 (speculative) ``k`` drafts to verify. Timed is the reference loop's jitted step
-(``specjax.engine.Engine.time_decode_step``): target forward over the ``B * (k + 1)`` tokens,
+(``specjax.engine.Engine.diagnostics.time_decode_step``): target forward over the ``B * (k + 1)`` tokens,
 rejection sampling, and for device proposers the padded-batch input preparation and the
 proposer's ``propose`` (the fused step); for token-history proposers (n-gram, suffix) the
 drafting time is measured separately (steady state: one new token per request a call) and
@@ -13,7 +13,7 @@ added. Each call is synced on the sampled tokens as the loop is. Weights are ran
 Every row also gives the step's padded token count ``T_pad`` and ``kv copies``: the
 instructions of its compiled HLO that copy a whole KV-cache buffer (0 when the donated
 caches are updated in place). The engine runs a one-token step unpadded (the default
-``min_tokens_per_step=1``); at B=1 the step padded to two tokens is timed too
+``LoopOptions(min_tokens_per_step=1)``); at B=1 the step padded to two tokens is timed too
 (``plain (T=2, padded)``, the old default, skip with ``--no-t1-check``): the one-token
 goal is the unpadded step within 5% of it. ``plain (again)``
 re-times the plain step after the methods (no compilation) as a drift check.
@@ -66,7 +66,7 @@ import floors  # noqa: E402
 
 from specjax.cli import demo  # noqa: E402
 from specjax.config import SpeculativeConfig  # noqa: E402
-from specjax.engine import Engine, SamplingParams, TargetModel, generate  # noqa: E402
+from specjax.engine import Engine, LoopOptions, SamplingParams, TargetModel, generate  # noqa: E402
 from specjax.models import fuse_projections, registry  # noqa: E402
 from specjax.models.config import eagle3_default_aux_layer_ids  # noqa: E402
 from specjax.proposers import available_methods, make_proposer  # noqa: E402
@@ -178,12 +178,14 @@ def max_model_len(context: int, k: int) -> int:
     return -(-(context + 2 * k + 8) // BS) * BS
 
 
-def make_engine(target, prop, b: int, mml: int, dtype, mesh=None, **extra) -> Engine:
+def make_engine(target, prop, b: int, mml: int, dtype, mesh=None, *, loop: dict | None = None,
+                **extra) -> Engine:
     """The benchmarks' engine: ``b`` requests in one batch bucket, one context bucket
-    (``mml`` tokens), the KV cache in ``dtype``; ``extra``: more ``Engine`` arguments."""
+    (``mml`` tokens), the KV cache in ``dtype``; ``loop``: more ``LoopOptions`` fields;
+    ``extra``: more ``Engine`` arguments."""
+    opts = LoopOptions(batch_buckets=(b,), context_buckets=(mml // BS,), **(loop or {}))
     return Engine(target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
-                  batch_buckets=(b,), context_buckets=(mml // BS,), kv_dtype=dtype, mesh=mesh,
-                  **extra)
+                  kv_dtype=dtype, mesh=mesh, options=opts, **extra)
 
 
 def demo_acceptance(methods, k: int) -> dict[str, float]:
@@ -357,11 +359,11 @@ def main(argv=None) -> int:
 
     def timed(prop, b, **extra):
         """(time_decode_step dict, padded tokens of the step, KV-cache copies in its HLO)."""
-        eng = make_engine(models.target, prop, b, mml, dtype, mesh=mesh, **extra)
-        t = eng.time_decode_step(b, args.context, iters=args.iters)
-        low = eng.lower_decode_step(b, args.context)     # compiled already: a cache hit
-        t_pad = eng.decode_step_tokens(b, args.context)
-        return t, t_pad, eng.kv_cache_copies(low.compile().as_text())
+        diag = make_engine(models.target, prop, b, mml, dtype, mesh=mesh, **extra).diagnostics
+        t = diag.time_decode_step(b, args.context, iters=args.iters)
+        low = diag.lower_decode_step(b, args.context)     # compiled already: a cache hit
+        t_pad = diag.decode_step_tokens(b, args.context)
+        return t, t_pad, diag.kv_cache_copies(low.compile().as_text())
 
     def plain_row(label, b, tp, t_pad, copies, **more):
         fl = step_floor_ms(models.geo, b, args.context, 1, dtype)
@@ -377,7 +379,7 @@ def main(argv=None) -> int:
         if b == 1 and args.t1_check:
             # The step padded to two tokens (the default until the one-token causes were
             # fixed in the models): 6.9 ms against 12.7 ms unpadded on 2026-11-29.
-            t2, t2_pad, c2 = timed(None, b, min_tokens_per_step=2)
+            t2, t2_pad, c2 = timed(None, b, loop=dict(min_tokens_per_step=2))
             gc.collect()
             plain_row("plain (T=2, padded)", b, t2, t2_pad, c2)
         variants = [(m, None) for m in methods] + [

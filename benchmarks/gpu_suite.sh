@@ -5,7 +5,8 @@
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
-# kernel forced off and on, SPECJAX_FUSED_KV_WRITE=0/1 (the default, auto, picks it at small batches);
+# kernel: attend's fused_kv_write / kv_write_kernel arguments swept (benchmarks/attention_layers.py
+# --kv-write; the default, fused_kv_write="auto", picks the fused write at small batches);
 # anchors: specjax's plain / n-gram verify / EAGLE-3 fused steps beside the PyTorch anchors
 # (benchmarks/torch_anchors.py: torch.compile + CUDA graph, same process) and the floor;
 # methods: every device method's fused step beside the plain step (e2e.py --device-methods);
@@ -53,12 +54,10 @@ if [ "$what" = profile ]; then
   timeout "${PROF_S:-250}" python benchmarks/profile_step.py --batch 1 --k 3 --propose --out /tmp/specjax_prof 2>&1 | tee "$OUT/profile.log" | grep "^###"
 fi
 if [ "$what" = fused ]; then
-  # the K/V write inside the attention kernel, off against on (RESULTS.md)
-  for f in 0 1; do
-    echo "== SPECJAX_FUSED_KV_WRITE=$f" | tee -a "$OUT/fused.log"
-    SPECJAX_FUSED_KV_WRITE=$f timeout "${PROP_S:-150}" python benchmarks/proposers.py --methods eagle3 draft_model eagle dflash \
-      --batches 1,8,64 --reps 50 2>&1 | grep -v Warning | tail -14 | tee -a "$OUT/fused.log"
-  done
+  # the K/V write inside the attention kernel against the write kernel and the scatters:
+  # 32 layers of attend per program, one row per (B, q, fused_kv_write, kv_write_kernel)
+  timeout "${PROP_S:-150}" python benchmarks/attention_layers.py --kv-write --batches 1,8,32,64 \
+    --json "$OUT/fused.json" 2>&1 | grep -v Warning | tee -a "$OUT/fused.log" | tail -32
   # (63 tests, ~300 s: the compiles dominate)
   timeout "${TESTS_S:-330}" python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_paged_attention.py 2>&1 | tail -5 | tee -a "$OUT/fused.log"
 fi

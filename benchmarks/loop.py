@@ -1,4 +1,4 @@
-"""The device-resident decode loop (``Engine(steps_per_sync=N)``) against the per-step loop.
+"""The device-resident decode loop (``LoopOptions(steps_per_sync=N)``) against the per-step loop.
 
 For each batch size B, each N in ``--n`` (1 = the per-step loop) and each method (plain
 decoding; EAGLE-3 at ``--k`` with ``rejection_sample_method="synthetic"`` and the demo
@@ -14,12 +14,12 @@ until ``--iters`` (rounded up to a multiple of N) more iterations have been deli
                   committing steps) and the time it sat blocked on the device's results
                   (``Engine.host_s`` / ``wait_s``); the rest of ``iter ms`` is the benchmark's
                   own callback and the loop around it
-    ov          = ``Engine(overlap=...)`` (``--overlap``; default: the engine's own
+    ov          = ``LoopOptions(overlap=...)`` (``--overlap``; default: the engine's own
                   choice, on for N > 1): y = the next device-loop call is dispatched
                   before the previous one is committed (N = 1 too)
     ex          = the device loop's form (``--early-exit``): w = while_loop (stops as
                   soon as it may), f = a fixed trip count of N (masked once done),
-                  a = the engine's default (``loop_early_exit=None``: f while no request
+                  a = the engine's default (``early_exit=None``: f while no request
                   waits, which is every iteration here; w on a CPU target), - = N = 1
     speed-up    = tokens/s / plain decoding's tokens/s at the same B, N, form and overlap
                   (and, the last column, plain's at N = 1 without overlap: the per-step loop)
@@ -285,8 +285,8 @@ def run(args) -> list[dict]:
             for n, ee, ov, fu in [(n, ee, ov, fu) for n in ns for ee in (exits if n > 1 else [None])
                                   for ov in overlaps for fu in fuses]:
                 tgt = target if fu else TargetModel(target.model, raw)
-                eng = make_engine(tgt, prop, b, mml, dtype, steps_per_sync=n,
-                                  loop_early_exit=ee, overlap=ov, fuse_projections=fu)
+                eng = make_engine(tgt, prop, b, mml, dtype, loop=dict(
+                    steps_per_sync=n, early_exit=ee, overlap=ov, fuse_projections=fu))
                 t = time.perf_counter()
                 measure(eng, prompts, min(window[n], 2 * n), max_tokens)   # compiles
                 compile_s = time.perf_counter() - t
@@ -294,7 +294,7 @@ def run(args) -> list[dict]:
                 reps = [measure(eng, prompts, window[n], max_tokens) for _ in range(args.repeat)]
                 recompiles = loop_cache_size() + step_cache_size() - before
                 r = min(reps, key=lambda x: x["per_iter_ms"])           # the least disturbed
-                ov = eng.overlap                                       # None: the engine's pick
+                ov = eng.options.overlap                               # None: the engine's pick
                 form = "-" if n == 1 else {None: "a", True: "w", False: "f"}[ee]
                 r.update(method=method, batch=b, n=n, early_exit=ee, form=form, overlap=ov,
                          fused=fu, k=0 if prop is None else k,
@@ -389,11 +389,11 @@ def main(argv=None) -> int:
                     "separated: 1 = while_loop (stops early), 0 = fixed trip count (masked), auto = "
                     "the Engine's default (the fixed trip count while no request waits: every "
                     "row here)")
-    ap.add_argument("--overlap", default="auto", help="Engine(overlap=...) value(s), comma "
+    ap.add_argument("--overlap", default="auto", help="LoopOptions(overlap=...) value(s), comma "
                     "separated: 1 = the next device-loop call dispatched before the host "
                     "commits the previous one (N = 1 included), 0 = none, auto = the Engine's "
                     "default (on for N > 1)")
-    ap.add_argument("--fuse", default="1", help="Engine(fuse_projections=...) value(s), comma "
+    ap.add_argument("--fuse", default="1", help="LoopOptions(fuse_projections=...) value(s), comma "
                     "separated: 1 = q/k/v and gate/up fused (the default), 0 = the checkpoint "
                     "layout (one process, the same random weights)")
     ap.add_argument("--torch", action="store_true",

@@ -183,9 +183,9 @@ def main(argv=None):
 
     model, params, own_keys = build_head(geo, dtype)
     own_bytes = sum(x.nbytes for key in own_keys for x in jax.tree.leaves(params[key]))
-    from specjax.kernels.paged_attention import get_attention_backend
+    from specjax.kernels import get_default_backend
 
-    print(f"# attention backend {get_attention_backend()} (SPECJAX_ATTENTION_BACKEND); "
+    print(f"# attention backend {get_default_backend()} (SPECJAX_KERNEL_BACKEND); "
           f"jax {jax.__version__}, {len(devs)} x {devs[0].device_kind}; head "
           f"{'small' if args.small else '8B-shaped'} {own_bytes / 1e9:.3f} GB own weights, k={k}, "
           f"context {ctx}, TP sizes {sizes}{', DP' if args.dp else ''}")
@@ -200,7 +200,7 @@ def main(argv=None):
     rows = []
 
     meta = dict(jax=jax.__version__, device_kind=devs[0].device_kind, num_devices=len(devs),
-                attention_backend=get_attention_backend(),
+                attention_backend=get_default_backend(),
                 geometry=geo, small=args.small, iters=args.iters, hbm_bps=single.HBM_BPS)
 
     def dump():

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import floors  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from e2e import BS, Models  # noqa: E402
-from specjax.engine import Engine  # noqa: E402
+from specjax.engine import Engine, LoopOptions  # noqa: E402
 
 
 def _load_trace(log_dir: str) -> dict:
@@ -111,10 +111,11 @@ def _trace(log_dir: str, calls: int, fn) -> dict:
 
 
 def profile(eng: Engine, b: int, context: int, steps: int, log_dir: str) -> dict:
-    eng.time_decode_step(b, context, iters=3)                 # compile + warm up
+    diag = eng.diagnostics
+    diag.time_decode_step(b, context, iters=3)                # compile + warm up
     out = {}
     # time_decode_step runs steps + 1 calls (one untimed first call).
-    r = _trace(log_dir, steps + 1, lambda: out.update(eng.time_decode_step(b, context, iters=steps)))
+    r = _trace(log_dir, steps + 1, lambda: out.update(diag.time_decode_step(b, context, iters=steps)))
     return dict(r, step_ms=out["step_s"] * 1e3)
 
 
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
                          "gaps between them")
     ap.add_argument("--out", default="/tmp/specjax_profile")
     ap.add_argument("--min-tokens", type=int, default=1,
-                    help="Engine(min_tokens_per_step=...): 2 profiles the plain step padded to "
+                    help="LoopOptions(min_tokens_per_step=...): 2 profiles the plain step padded to "
                          "two tokens (the engine's default before the one-token fix)")
     args = ap.parse_args(argv)
     dtype = jax.numpy.bfloat16 if gpu else jax.numpy.float32
@@ -207,8 +208,9 @@ def main(argv=None) -> int:
 
     def engine(prop):
         return Engine(models.target, prop, max_model_len=mml, block_size=BS, max_num_seqs=args.batch,
-                      batch_buckets=(args.batch,), context_buckets=(mml // BS,), kv_dtype=dtype,
-                      min_tokens_per_step=args.min_tokens)
+                      kv_dtype=dtype, options=LoopOptions(
+                          batch_buckets=(args.batch,), context_buckets=(mml // BS,),
+                          min_tokens_per_step=args.min_tokens))
 
     results = {}
     if not args.no_engine:

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from specjax.config import SpeculativeConfig  # noqa: E402
-from specjax.engine import Engine, SamplingParams, TargetModel  # noqa: E402
+from specjax.engine import Engine, LoopOptions, SamplingParams, TargetModel  # noqa: E402
 from specjax.models import registry  # noqa: E402
 from specjax.models.config import eagle3_default_aux_layer_ids  # noqa: E402
 from specjax.proposers import make_proposer  # noqa: E402
@@ -66,8 +66,9 @@ def build_engine(method: str, n: int, overlap: bool | None = None) -> Engine:
                                                         jax.random.key(1)),
                              max_model_len=MML, block_size=BS)
     return Engine(target, prop, max_model_len=MML, block_size=BS, max_num_seqs=ROWS,
-                  batch_buckets=(ROWS,), query_buckets=QUERY_BUCKETS,
-                  context_buckets=(MML // BS,), steps_per_sync=n, overlap=overlap)
+                  options=LoopOptions(batch_buckets=(ROWS,), query_buckets=QUERY_BUCKETS,
+                                      context_buckets=(MML // BS,), steps_per_sync=n,
+                                      overlap=overlap))
 
 
 def workload(num: int, seed: int, *, vocab: int = GEO["vocab_size"], max_prompt: int = 31,
@@ -107,11 +108,11 @@ def run(eng: Engine, *, iters: int = 1000, requests: int | None = None, seed: in
     say = (lambda s: None) if log is None else (lambda s: (log.write(s + "\n"), log.flush()))
     rows = eng.max_num_seqs
     t = time.perf_counter()
-    variants = eng.warmup(list(eng.batch_buckets), list(eng.query_buckets),
+    variants = eng.warmup(list(eng.options.batch_buckets), list(eng.options.query_buckets),
                           all_greedy=(True, False), stop_pads=(1, 2))
     method = "plain" if eng.proposer is None else eng.proposer.method
     say(f"# warm-up: {variants} compiled variants in {time.perf_counter() - t:.1f} s "
-        f"({method}, steps_per_sync={eng.steps_per_sync}, overlap={eng.overlap})")
+        f"({method}, steps_per_sync={eng.options.steps_per_sync}, overlap={eng.options.overlap})")
     events: list[tuple[str, float]] = []
     listening = [True]
 
@@ -153,7 +154,7 @@ def run(eng: Engine, *, iters: int = 1000, requests: int | None = None, seed: in
         jlog.removeHandler(handler)
         jlog.setLevel(old_level)
     total.update(compiles=len(events), compile_logs=handler.records, method=method,
-                 n=eng.steps_per_sync, overlap=eng.overlap, warmup_variants=variants,
+                 n=eng.options.steps_per_sync, overlap=eng.options.overlap, warmup_variants=variants,
                  wall_s=time.perf_counter() - t)
     for line in handler.records:
         say(f"RECOMPILE: {line}")
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--method", choices=("plain", "eagle3"), default="eagle3")
     ap.add_argument("--n", type=int, default=8, help="steps_per_sync (1: per-step)")
     ap.add_argument("--overlap", type=int, choices=(0, 1), default=None,
-                    help="Engine(overlap=...); default: the engine's own (on for --n > 1), "
+                    help="LoopOptions(overlap=...); default: the engine's own (on for --n > 1), "
                          "with its default loop form")
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=None, help="requests per generate call "

@@ -2,7 +2,7 @@
 on against the step with none, per method and batch size, at the target's vocabulary
 (128256 for ``--target 8b``).
 
-The measure is ``benchmarks/e2e.py``'s: ``Engine.time_decode_step`` (every request holds
+The measure is ``benchmarks/e2e.py``'s: ``engine.diagnostics.time_decode_step`` (every request holds
 ``--context`` tokens in the paged KV cache and ``k`` random drafts; the jitted step, synced
 on what the loop fetches; the n-gram proposer's host drafting added), median over
 ``--iters`` calls; here also the median over ``--rounds`` rounds, the variants interleaved
@@ -74,7 +74,7 @@ def engine(models: e2e.Models, method: str, b: int, mml: int, k: int, dtype, log
 
 def probe(eng, b: int, context: int, sps) -> dict:
     """What the step of ``sps`` runs with: one call's batch and output."""
-    batch, out = eng.decode_step_output(b, context, sampling_params=sps)
+    batch, out = eng.diagnostics.decode_step_output(b, context, sampling_params=sps)
     lp = out.logprobs
     return dict(procs=batch.procs is not None, all_greedy=bool(batch.all_greedy),
                 num_logprobs=batch.num_logprobs, logprobs_mode=eng.step.logprobs_mode,
@@ -92,8 +92,8 @@ def measure(models: e2e.Models, method: str, b: int, *, context: int, k: int, dt
     for r in range(rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):
             make, mode = VARIANTS[v]
-            got[v].append(engines[mode].time_decode_step(b, context, iters=iters,
-                                                         sampling_params=make(b)))
+            got[v].append(engines[mode].diagnostics.time_decode_step(
+                b, context, iters=iters, sampling_params=make(b)))
     rows = []
     for v in variants:
         make, mode = VARIANTS[v]

@@ -21,7 +21,7 @@ Steps (shapes of ``benchmarks/e2e.py --target 8b``: Llama-3.1-8B, bf16, random w
   PyTorch way of specjax's fused EAGLE-3 step; the greedy acceptance compare is omitted).
 
 Each request holds ``context`` tokens, all but the last in a static K/V cache (as
-``Engine.time_decode_step`` sets it up: ``context - 1`` cached, the new tokens at positions
+``engine.diagnostics.time_decode_step`` sets it up: ``context - 1`` cached, the new tokens at positions
 ``context - 1 ..``); the cache is one ``[B, kv_heads, S, head_dim]`` buffer per layer, ``S``
 the context rounded up to 64. Attention is ``F.scaled_dot_product_attention`` over the whole
 static cache with a boolean mask (``s <= position``); the GQA group is folded into the query

@@ -1,9 +1,6 @@
 """Checkpoint converters: every upstream format -> the canonical form of
 ``models/CANONICAL.md`` -> Flax params saved with orbax. No torch needed.
 
-``load_pretrained(path, dtype=None)`` returns ``Pretrained(kind, config, params)`` from a
-``specjax-convert`` output directory or straight from an original checkpoint directory.
-
 Attributes load lazily (PEP 562), so ``import specjax`` stays light.
 """
 

@@ -1,24 +1,10 @@
 """``specjax-convert SRC DST [--format F] [--dtype bf16|fp16|fp32] [--force]
 [--allow-nonfinite]``.
 
-Converts a checkpoint (HF Llama/Qwen2/Qwen3, MiMo, EAGLE, EAGLE-3, DFlash, Medusa;
-safetensors or PyTorch files, read without torch) into a specjax checkpoint: orbax params
-plus ``specjax.json``, and SRC's tokenizer and generation files copied byte for byte
-(``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``, chat templates...:
-``store.CARRIED_FILES``), so that ``specjax generate --target DST`` needs nothing else. A
-carried file over ``store.MAX_CARRIED_BYTES``, a symbolic link out of SRC, or a tokenizer
-naming its own code (``auto_map``; nothing is executed) is refused before any weight is
-read. A MiMo checkpoint converts as its Qwen2 target; ``--format mimo-mtp``
-takes its MTP head instead. Exit status 0 on success, 1 on a conversion error (the message
-names every unknown, missing or mis-shaped tensor; or DST exists), 2 on bad arguments (a DST
-refused by the destination rules included), 130 on SIGINT, 143 on SIGTERM. Nothing is left
-at DST, or beside it, after a failure or an interrupt.
-
-DST rules (checked before anything is read): not empty, not SRC nor inside or containing
-it, not the current or home directory nor one containing them, not a symbolic link, in a
-writable directory; an existing DST must be an empty directory, or with ``--force`` a
-previous specjax output (``specjax.json`` + ``params/`` + the carried files it records, and
-nothing else).
+Converts a checkpoint into orbax params plus ``specjax.json`` and SRC's tokenizer files
+(:func:`specjax.converters.pipeline.convert`; docs/converters.md). Exit status 0 on
+success, 1 on a conversion error or an existing DST, 2 on bad arguments or a refused DST,
+130 on SIGINT, 143 on SIGTERM; nothing is left at DST after a failure.
 """
 
 from __future__ import annotations
@@ -41,9 +27,8 @@ DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 
 class ProgressBar:
-    """A plain-text progress bar over the tensors written (each is read, converted and
-    written before it counts), with the elapsed time and an ETA, on ``stream`` (redrawn in
-    place on a terminal, one line per 10% otherwise)."""
+    """A plain-text progress bar over the tensors written, with an ETA, on ``stream``
+    (redrawn in place on a terminal, one line per 10% otherwise)."""
 
     def __init__(self, stream=None, width: int = 30, clock=time.monotonic):
         self.stream = stream or sys.stderr

@@ -1,26 +1,11 @@
 """Where ``specjax-convert`` and ``export_checkpoint`` may write, and how they write there.
 
-Destination rules (:func:`check_destination`, run before anything is read):
-
-- DST must be named: ``""`` (an unset shell variable) is refused;
-- DST must not be SRC, lie inside a source directory, or contain SRC;
-- DST must not be, or contain, the current working directory or the user's home;
-- DST must not be a symbolic link, and the directory it is created in must be writable;
-- an existing DST is used only when it is an empty directory, or (with ``force``) what the
-  caller recognises as its own earlier output (``replaceable``): for ``convert`` a
-  directory holding just ``specjax.json`` (written by specjax), ``params/`` and the
-  tokenizer / generation files its ``carried_files`` records.
-
-Writing (:func:`write_dir_atomically`): everything goes into a staging directory
-``.<DST name>.specjax-tmp-XXXX/`` beside DST holding a marker (``writer.json``: pid,
-process start time, boot id, host), the output (``new/``) and, while an old DST is being
-replaced, the old one (``old/``). The output is renamed onto DST at the end; a failure
-removes the staging directory and puts an old DST back. SIGINT and SIGTERM never cut
-short a step that cannot be undone halfway (the orbax commit, the renames, the cleanup):
-they are held until it ends, then delivered (``KeyboardInterrupt`` / :class:`Interrupted`)
-so that the cleanup runs. After a SIGKILL the staging directory stays behind; the next run
-to the same DST removes it when its marker proves the writer is gone (restoring an old DST
-that was moved aside), and says so.
+DST must be named, must not be, hold or lie inside SRC, the current directory or the home
+directory, must not be a symbolic link, and must be new, an empty directory or (with
+``force``) the caller's own previous output (:func:`check_destination`). The output is
+staged in ``.<DST name>.specjax-tmp-XXXX/`` beside DST and renamed into place
+(:func:`write_dir_atomically`); SIGINT / SIGTERM are held through steps that cannot be
+undone halfway. Details: docs/converters.md, "The destination".
 """
 
 from __future__ import annotations
@@ -59,9 +44,8 @@ def check_destination(dst, *, src=None, force: bool = False,
                       force_flag: str = "--force") -> Path:
     """Apply the destination rules (module docstring) to ``dst`` and return it absolute.
 
-    ``replaceable(dst)`` returns None when the existing non-empty ``dst`` is a previous
-    output that ``force`` may replace, else a reason naming what is there (None:
-    ``replaceable`` not given means nothing non-empty is replaceable). Raises
+    ``replaceable(dst)``: None when the existing non-empty ``dst`` may be replaced with
+    ``force``, else a reason (not given: nothing non-empty is replaceable). Raises
     :class:`DestinationError` (a ``ValueError``) or :class:`DestinationExistsError`.
     """
     if dst is None or not str(os.fspath(dst)).strip():
@@ -172,10 +156,9 @@ def _deliver(signum: int, handler) -> None:
 @contextlib.contextmanager
 def held_signals(log: Log = _quiet, *, deliver: bool = True,
                  doing: str = "the write in progress") -> Iterator[None]:
-    """Hold SIGINT and SIGTERM (those the process does not ignore) while inside; on leaving,
-    deliver the first one held (as the
-    handler in force before would), or drop it when ``deliver`` is False (used while
-    already unwinding). ``log`` is told once when a signal arrives. Main thread only."""
+    """Hold SIGINT and SIGTERM (unless ignored) while inside; on leaving, deliver the first
+    one held as the previous handler would, or drop it when not ``deliver``. Main thread
+    only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -237,8 +220,8 @@ def _marker(dst: Path) -> dict:
 
 
 def writer_gone(marker: dict) -> bool:
-    """True when the process that wrote ``marker`` provably no longer runs: same host, and
-    the machine rebooted since, or no process has its pid with its start time."""
+    """True when the process that wrote ``marker`` has provably exited: same host, and the
+    machine rebooted since, or no process has its pid with its start time."""
     if marker.get("writer") != "specjax" or marker.get("host") != socket.gethostname():
         return False
     pid = marker.get("pid")
@@ -261,10 +244,8 @@ def _stages(dst: Path) -> list[Path]:
 
 
 def remove_stale_stages(dst: Path, log: Log = _quiet) -> list[Path]:
-    """Remove staging directories for ``dst`` left by runs that were killed (their marker
-    proves the writer is gone), first moving an old DST they hold back to ``dst`` when
-    ``dst`` is missing. Staging directories without a readable marker, or of a writer still
-    running, are left alone. Returns the directories removed."""
+    """Remove staging directories for ``dst`` whose marker proves the writer is gone,
+    first moving an old DST they hold back to a missing ``dst``. Returns those removed."""
     removed = []
     for stage in _stages(dst):
         try:
@@ -303,14 +284,11 @@ def _make_stage(dst: Path) -> Path:
 def write_dir_atomically(dst, fill: Callable[[Path], None], *,
                          replace: Callable[[Path], bool], what: str,
                          log: Log = _quiet) -> None:
-    """Build directory ``dst`` atomically: ``fill(new)`` writes into a fresh directory (made
-    with the umask's permissions) inside a marked staging directory beside ``dst``, which is
-    then renamed onto ``dst``. An existing ``dst`` is replaced only when ``replace(dst)`` is
-    True at that moment (else :class:`DestinationExistsError`). On any failure, Ctrl-C or
-    SIGTERM, the staging directory is removed and a replaced ``dst`` put back: nothing
-    half-written is left at ``dst`` or beside it, and parent directories this call created
-    are removed again. Stale staging directories of killed runs are removed first
-    (:func:`remove_stale_stages`)."""
+    """Build directory ``dst`` atomically: ``fill(new)`` writes into a fresh directory in a
+    marked staging directory beside ``dst``, then renamed onto it. An existing ``dst`` is
+    replaced only when ``replace(dst)`` is True (else :class:`DestinationExistsError`). On
+    any failure, Ctrl-C or SIGTERM nothing half-written is left and a replaced ``dst`` is
+    put back."""
     dst = Path(os.path.abspath(os.fspath(dst)))
     made = [p for p in [dst.parent, *dst.parent.parents] if not p.exists()]   # deepest first
     dst.parent.mkdir(parents=True, exist_ok=True)

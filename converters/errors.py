@@ -18,8 +18,7 @@ def listing(items, limit: int = LIST_LIMIT) -> str:
 
 
 def clip(text: str, limit: int = VALUE_LIMIT) -> str:
-    """``text`` cut to ``limit`` characters in the middle (``...`` marks the cut), so that
-    both ends of a long path or key stay readable."""
+    """``text`` cut to ``limit`` characters in the middle (``...`` marks the cut)."""
     text = str(text)
     if len(text) <= limit:
         return text
@@ -54,9 +53,8 @@ class FormatDetectionError(CheckpointError):
 
 
 class TensorMismatchError(CheckpointError):
-    """The tensors do not match what the model expects. Every offending key is named:
-    ``unknown`` (not used by the model), ``missing`` (required but absent), ``mis_shaped``
-    (``key -> (found, expected)``)."""
+    """The tensors do not match what the model expects: ``unknown``, ``missing`` and
+    ``mis_shaped`` (``key -> (found, expected)``) keys, every one named."""
 
     def __init__(
         self,
@@ -110,14 +108,13 @@ class DestinationExistsError(FileExistsError):
 
 
 class DestinationError(ValueError):
-    """The output directory is not a place specjax will write to: empty, the source or inside
-    it, the current or home directory (or one containing them), a symbolic link, or a
-    directory whose parent is not writable. Raised before anything is read."""
+    """The output directory breaks the destination rules (:mod:`.destination`). Raised
+    before anything is read."""
 
 
 class Interrupted(SystemExit):
-    """A conversion or export was stopped by SIGTERM (``code`` 128 + signal number, 143).
-    Raised in the main thread once the write in progress has finished or been removed."""
+    """A conversion or export was stopped by SIGTERM (``code`` 143), raised once the write
+    in progress has finished or been removed."""
 
     def __init__(self, signum: int):
         self.signum = int(signum)

@@ -1,59 +1,9 @@
-"""Export trained params to the upstream checkpoint layouts: the inverse of the converters
-(each format's writer lives beside its reader, in ``converters/format_*.py``; this module
-checks the arguments, reads the layout back and writes it atomically).
+"""Export trained params to the upstream checkpoint layouts: the inverse of the converters.
 
-``export_checkpoint(kind, config, params, out_dir, format=...)`` writes a directory in the
-exact layout a user downloads from the Hub (``config.json`` + safetensors weights, upstream
-file and key names, ``research/checkpoint_formats.md`` is the authority), so that
-``specjax.load_pretrained(out_dir)`` (format auto-detected), ``specjax-convert`` and the
-upstream loaders read it back.
-
-=======================  =======  ==========================================================
-format                   kind     layout written
-=======================  =======  ==========================================================
-``llama`` / ``qwen2`` /  decoder  HF: ``config.json`` (``*ForCausalLM``) + ``model.safetensors``
-``qwen3``                         with ``model.*`` names; no ``lm_head.weight`` when tied
-``mimo``                 qwen2    MiMo target: the Qwen2 layout with ``MiMoForCausalLM``,
-                                  ``model_type`` mimo, ``num_nextn_predict_layers`` 0
-``mimo-mtp``             mtp      MiMo MTP head, head only: MiMo config with
-                                  ``num_hidden_layers`` 0, ``num_nextn_predict_layers`` 1;
-                                  ``model.mtp_layers.0.*`` (``n_predict`` must be 1)
-``eagle``                eagle    SafeAILab EAGLE-1: LlamaConfig + ``bias``; ``fc.*``,
-                                  ``layers.{i}.*`` (layer 0 without ``input_layernorm``)
-``eagle3``               eagle3   SafeAILab EAGLE-3: LlamaConfig + ``draft_vocab_size``;
-                                  ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` (int64),
-                                  ``t2d`` (bool)
-``eagle3-speculators``   eagle3   speculators: ``transformer_layer_config`` nested;
-                                  ``layers.0.*`` names
-``dflash``               dflash   z-lab: ``DFlashDraftModel`` Qwen3 config, top-level
-                                  ``block_size``, ``dflash_config.{mask_token_id,
-                                  target_layer_ids}`` (z-lab ids = vLLM aux ids - 1)
-``dflash-speculators``   dflash   speculators: ``aux_hidden_state_layer_ids`` as is
-``medusa``               medusa   FasterDecoding Medusa-1: ``medusa_num_heads`` /
-                                  ``medusa_num_layers`` config, ``medusa_lm_head.safetensors``
-                                  with ``{h}.{l}.linear.*`` and ``{h}.{L}.weight``
-``medusa-vllm``          medusa   vLLM ``MedusaModel``: ``blocks.*``, ``lm_heads.*``,
-                                  ``token_map`` (int64)
-=======================  =======  ==========================================================
-
-P-EAGLE (parallel drafting): params of an ``eagle`` / ``eagle3`` head may hold the optional
-top-level ``mask_hidden`` entry (``registry.mask_hidden_abstract``: ``[size]`` floats,
-EAGLE-1 ``hidden_size``, EAGLE-3 ``num_aux * target_hidden_size``). Every EAGLE-1 / EAGLE-3
-format writes it as the top-level tensor ``mask_hidden`` of ``model.safetensors``, the name
-vLLM's loaders look for (``"mask_hidden" in name``, read with ``.view(1, -1)``) and that
-``converters.formats._take_mask_hidden`` takes: shape ``[1, H]`` for ``eagle`` (the
-``[1, size]`` form of vLLM's EAGLE-3 buffer), ``[1, 1, num_aux * Ht]`` for ``eagle3`` / ``eagle3-speculators``
-(speculators' P-EAGLE parameter). Other formats cannot carry it: ValueError. A
-parallel-drafting token id (``config.mask_token_id >= 0`` of an EAGLE / EAGLE-3 head or a
-draft LM) is written as the top-level ``pard_token`` (vLLM reads ``dflash_config.mask_token_id``,
-``pard_token``, ``ptd_token_id``; its speculators P-EAGLE mapping writes ``pard_token``),
-unless ``extra_config`` names one of those fields itself.
-
-Before anything is written, the layout is read back in memory by the converters
-(``detect_format`` must name the same format, and the normalized config must equal
-``config``); a config the format cannot express (e.g. Qwen2 without q/k/v bias, a
-two-layer SafeAILab EAGLE-3, Medusa-1 without ResBlock bias) raises ValueError naming the
-fields. Then everything goes into a temporary sibling directory that is renamed into place.
+Each format's writer lives beside its reader in ``converters/format_*.py``; this module
+checks the arguments, reads the layout back in memory (it must be detected as the same format
+and normalize back to the same config) and writes it atomically. Formats, P-EAGLE
+``mask_hidden`` and ``pard_token``: docs/converters.md, "Exporting".
 """
 
 from __future__ import annotations
@@ -271,24 +221,14 @@ def export_checkpoint(kind: str, config, params, out_dir, *, format: str, dtype:
                       overwrite: bool = False, extra_config: dict | None = None) -> Path:
     """Write ``params`` of ``kind`` in the upstream layout ``format`` into ``out_dir``.
 
-    ``format``: a key of :data:`EXPORT_FORMATS` (the converters' format names) for ``kind``.
-    ``dtype``: ``"bf16"``, ``"fp16"`` or ``"fp32"``; every float tensor is cast to it and the
-    config's ``torch_dtype`` (``dtype`` for speculators) says so. Integer maps are int64 on
-    disk, ``t2d`` bool. Tensors follow ``registry.tensors_from_params`` (which optional
-    tensors are emitted, shared target arrays skipped).
-    ``extra_config``: merged into config.json (nested dicts merged), e.g. a ``"specjax"``
-    provenance block, ``base_model_name_or_path`` (Medusa-1), ``num_target_layers`` (z-lab
-    DFlash; its older loader reads it even when ``target_layer_ids`` is set), a
-    parallel-drafting token field (``ptd_token_id``...) instead of the default ``pard_token``.
-    ``params`` may hold a P-EAGLE ``mask_hidden`` (``registry.mask_hidden_abstract``) for the
-    EAGLE-1 / EAGLE-3 formats; it is written as the tensor ``mask_hidden`` (module docstring).
-    ``out_dir`` must not exist or be an empty directory unless ``overwrite``, in which case
-    it is replaced atomically; the destination rules of
-    :mod:`specjax.converters.destination` apply (never the current or home directory, nor a
-    symbolic link). Everything is validated, and the layout read back in memory
-    by the converters, before anything is written; the files go to a temporary sibling
-    directory renamed into place at the end, so a failure leaves nothing behind (and an
-    overwritten ``out_dir`` untouched). Returns the absolute ``out_dir``.
+    ``format``: a key of :data:`EXPORT_FORMATS` for ``kind``. ``dtype``: ``"bf16"``,
+    ``"fp16"`` or ``"fp32"`` for every float tensor (integer maps are int64, ``t2d`` bool).
+    ``extra_config``: merged into config.json (nested dicts merged). ``params`` may hold a
+    P-EAGLE ``mask_hidden`` for the EAGLE-1 / EAGLE-3 formats. ``out_dir`` must not exist or
+    be an empty directory unless ``overwrite``; the rules of
+    :mod:`specjax.converters.destination` apply. Raises ValueError / TypeError, before
+    anything is written, for a bad argument or a config the format cannot express; a failure
+    leaves ``out_dir`` untouched. Returns the absolute ``out_dir``.
     """
     _check_args(kind, config, format, dtype, overwrite, extra_config)
     out_dir = check_destination(out_dir, force=overwrite, replaceable=_any_directory,

@@ -1,9 +1,5 @@
-"""What the format modules share: the :class:`Format` record (one per checkpoint
-format: name, kind, detect, read, write), :class:`Normalized`, the detection
-:class:`Probe`, and the helpers of the readers (config fields, renames, drops) and the
-writers (HF config fields, speculators config, ``t2d``).
-
-Facts per format: ``research/checkpoint_formats.md``."""
+"""What the format modules share: the :class:`Format` record, :class:`Normalized`, the
+detection :class:`Probe`, and the readers' and writers' config and tensor helpers."""
 
 from __future__ import annotations
 
@@ -28,8 +24,7 @@ Writer = Callable[[Any, dict, str], tuple[dict, Files]]
 @dataclasses.dataclass
 class Normalized:
     """``tensors``: the canonical tensors (``models/CANONICAL.md``). ``extra_params``:
-    top-level params entries outside the canonical tensor table, already in their params
-    shape (``mask_hidden`` of a P-EAGLE checkpoint)."""
+    top-level params entries outside that table, in their params shape (``mask_hidden``)."""
 
     kind: str
     format: str
@@ -90,10 +85,8 @@ _PARALLEL_TOKEN_FIELDS = PARALLEL_TOKEN_FIELDS
 # -- reading -----------------------------------------------------------------------------------
 
 def _decoder_fields(cfg: dict, notes: list[str], *, where: str = "config") -> dict:
-    """The HF decoder fields every kind reads, with HF's defaults filled in: rope
-    (``rope_theta`` / ``rope_scaling``, also from transformers-v5 ``rope_parameters``),
-    ``head_dim`` (default H/nH), ``num_key_value_heads`` (default nH), ``rms_norm_eps``,
-    ``tie_word_embeddings``."""
+    """The HF decoder fields every kind reads, HF's defaults filled in (rope also from
+    transformers-v5 ``rope_parameters``)."""
     cfg = copy.deepcopy(cfg)
     for field in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                   "intermediate_size", "vocab_size"):

@@ -1,5 +1,4 @@
-"""DFlash, z-lab and speculators (``research/checkpoint_formats.md`` section 3): read and
-write."""
+"""DFlash, z-lab and speculators (vLLM ``qwen3_dflash.py``): read and write."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EAGLE-1/2, SafeAILab (``research/checkpoint_formats.md`` section 1): read and write."""
+"""EAGLE-1/2, SafeAILab (vLLM ``llama_eagle.py``): read and write."""
 
 from __future__ import annotations
 

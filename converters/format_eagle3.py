@@ -1,5 +1,4 @@
-"""EAGLE-3, SafeAILab and speculators (``research/checkpoint_formats.md`` section 2): read
-and write."""
+"""EAGLE-3, SafeAILab and speculators (vLLM ``llama_eagle3.py``): read and write."""
 
 from __future__ import annotations
 
@@ -126,9 +125,8 @@ def write_speculators(c, t, torch_dtype):
 
 
 def detect(p: Probe) -> bool:
-    """SafeAILab EAGLE-3: ``midlayer.*`` keys (no DFlash ``hidden_norm``); or an ``fc`` with
-    a sign of EAGLE-3 (draft vocabulary, ``d2t``, a layer ``hidden_norm``, an Eagle3
-    architecture) in a checkpoint that is neither DFlash nor Medusa."""
+    """SafeAILab EAGLE-3: ``midlayer.*`` keys (no DFlash ``hidden_norm``), or an ``fc`` with
+    a sign of EAGLE-3 (draft vocabulary, ``d2t``, ``hidden_norm``, an Eagle3 architecture)."""
     if any(k.startswith("midlayer.") for k in p.keys) and "hidden_norm.weight" not in p.keys:
         return True
     return ("fc.weight" in p.keys

@@ -1,4 +1,4 @@
-"""HF Llama / Qwen2 / Qwen3 (``research/checkpoint_formats.md`` section 5): read and write."""
+"""HF Llama / Qwen2 / Qwen3 (transformers ``*ForCausalLM`` layout): read and write."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Medusa, FasterDecoding Medusa-1 and vLLM (``research/checkpoint_formats.md`` section 4):
-read and write."""
+"""Medusa, FasterDecoding Medusa-1 and vLLM (vLLM ``medusa.py``): read and write."""
 
 from __future__ import annotations
 

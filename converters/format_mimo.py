@@ -1,25 +1,10 @@
-"""Xiaomi MiMo (``research/vllm_delta_0.33.md`` section 1): the Qwen2 target and its
+"""Xiaomi MiMo (vLLM ``mimo.py``, ``mimo_mtp.py``): the Qwen2 target and its
 multi-token-prediction (MTP) head, read and written.
 
-A MiMo checkpoint (``architectures[0] == "MiMoForCausalLM"``, ``model_type`` ``mimo``) is a
-Qwen2 decoder (q/k/v with bias, o without) whose weights also hold
-``num_nextn_predict_layers`` MTP modules ``model.mtp_layers.{i}.*`` (section 1.2). Two
-formats read it:
-
-* ``mimo`` (kind ``qwen2``): the target. The Qwen2 reader, with every
-  ``model.mtp_layers.*`` tensor dropped (vLLM's ``MiMoForCausalLM.hf_to_vllm_mapper`` drops
-  them too). Written as a MiMo checkpoint (``MiMoForCausalLM``, ``num_nextn_predict_layers``
-  0: no MTP module in the file), so that the layout reads back as ``mimo``.
-* ``mimo-mtp`` (kind ``mtp``): the head, module 0 only (vLLM's V1 runner drafts every step
-  with it; it never passes ``spec_step_idx``). ``model.mtp_layers.0.*`` is renamed to the
-  canonical names (``models/mtp.py``: the decoder block under ``layers.0.``); the trunk, the
-  embedding and lm_head (the target's, shared at run time) and the other modules are
-  dropped. Auto-detected only for a head-only export (``model.mtp_layers.*`` and no
-  ``model.layers.*``); a full MiMo checkpoint auto-detects as ``mimo``, and
-  ``--format mimo-mtp`` (``load_pretrained(..., format="mimo-mtp")``) takes its head.
-  Written as a head-only MiMo checkpoint: the MiMo config with ``num_hidden_layers`` 0 (no
-  trunk layer in the file, as vLLM's MiMo rule writes into a draft config) and
-  ``num_nextn_predict_layers`` 1, and ``model.mtp_layers.0.*``.
+``mimo`` (kind ``qwen2``): the target, every ``model.mtp_layers.*`` tensor dropped.
+``mimo-mtp`` (kind ``mtp``): MTP module 0 only, renamed to the canonical names; auto-detected
+only for a head-only export (a full checkpoint detects as ``mimo``). Details:
+docs/converters.md, "Formats".
 """
 
 from __future__ import annotations
@@ -89,8 +74,8 @@ def detect(p: Probe) -> bool:
 # -- mimo-mtp: the MTP head ----------------------------------------------------------------------
 
 def _module_count(cfg: dict, found: list[int], notes: list[str]) -> int:
-    """``num_nextn_predict_layers``, checked against the modules in the weights (which must
-    be ``0 .. n-1``); the modules' count when the config has no such field."""
+    """``num_nextn_predict_layers``, checked against the modules ``0 .. n-1`` in the weights
+    (their count when the config has no such field)."""
     n = cfg.get("num_nextn_predict_layers")
     have = (f"model.mtp_layers.{{{', '.join(map(str, found))}}}.* ({len(found)} modules)"
             if found else "no model.mtp_layers.* tensors")

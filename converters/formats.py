@@ -1,21 +1,10 @@
-"""The checkpoint formats: one :class:`Format` record per format (name, kind, detect,
-read, write), each defined beside its family's other formats in one module that holds its
-reader and its writer (``format_hf``, ``format_mimo``, ``format_eagle``, ``format_eagle3``,
-``format_dflash``, ``format_medusa``; shared helpers in ``format_common``). Readers turn
+"""The checkpoint formats: one :class:`Format` record per format, plus auto-detection.
+
+Each family's readers and writers live in one ``format_*`` module. Readers turn
 ``(config.json, tensors)`` into the canonical ``(kind, hf_config, tensors)`` of
-``models/CANONICAL.md``; writers (``export_checkpoint``) do the inverse. Plus format
-auto-detection.
-
-Facts per format: ``research/checkpoint_formats.md`` (section numbers below refer to it).
-Normalizers rename, drop and derive tensors lazily (no weight bytes are read here) and
-record each non-obvious step in ``notes`` for the conversion summary.
-
-Parallel drafting (P-EAGLE): an EAGLE / EAGLE-3 checkpoint may carry ``mask_hidden``, the
-hidden input of the parallel-drafting slots (``[1, 1, n_aux * Ht]`` / ``[1, fc_input_size]``
-for EAGLE-3, ``H`` values for EAGLE-1). It lies outside the canonical tensor table: it is
-moved to :attr:`Normalized.extra_params` (flattened, size checked), which the pipeline puts
-into the params as the top-level entry ``params["mask_hidden"]``. The parallel-drafting
-(mask) token id of a draft config is read by :func:`parallel_drafting_token_id`.
+``models/CANONICAL.md`` lazily (no weight bytes read), noting each non-obvious step in
+``notes``; writers (``export_checkpoint``) do the inverse. A P-EAGLE ``mask_hidden`` is
+moved to :attr:`Normalized.extra_params`, flattened (docs/converters.md, "Formats").
 """
 
 from __future__ import annotations
@@ -43,9 +32,9 @@ from specjax.converters.format_dflash import zlab_default_target_layer_ids  # no
 # -- parallel drafting (P-EAGLE) -------------------------------------------------------------
 
 def parallel_drafting_token_id(hf_config: dict | None) -> int | None:
-    """The draft's parallel-drafting (mask) token id as vLLM finds it in the draft config:
-    ``dflash_config.mask_token_id``, else ``pard_token``, else ``ptd_token_id``; None when
-    none is set. A value that is not an integer raises :class:`CheckpointError`."""
+    """The draft config's parallel-drafting token id, looked up as vLLM does:
+    ``dflash_config.mask_token_id``, ``pard_token``, ``ptd_token_id``; None when none is
+    set. A non-integer raises :class:`CheckpointError`."""
     cfg = hf_config or {}
     dcfg = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
     for field, v in zip(_PARALLEL_TOKEN_FIELDS, (dcfg.get("mask_token_id"), cfg.get("pard_token"),

@@ -1,19 +1,8 @@
 """Read -> normalize -> validate -> build params -> save (orbax), and load back.
 
-Output directory layout (``specjax-convert SRC DST``)::
-
-    DST/specjax.json   kind, format, normalized hf_config, config, dtype, notes (and
-                       ``extra_params``: name -> shape of params entries outside the
-                       tensor table, e.g. a P-EAGLE ``mask_hidden``)
-    DST/params/        the params pytree, written by orbax's StandardCheckpointer
-    DST/tokenizer.json, generation_config.json, ...
-                       SRC's tokenizer and generation files, byte for byte (those present
-                       of ``store.CARRIED_FILES``), so that ``specjax generate --target DST``
-                       runs without SRC; recorded (size, sha256) in ``carried_files``
-
-The directory appears only when complete: everything is written to a staging directory
-beside ``DST`` and renamed at the end; a failed or interrupted run removes it
-(:mod:`specjax.converters.destination`: the destination rules and the staging).
+The output directory (``specjax.json``, ``params/``, the carried tokenizer files) is
+described in :mod:`specjax.converters.store`; it is staged and renamed into place
+(:mod:`specjax.converters.destination`).
 """
 
 from __future__ import annotations
@@ -106,10 +95,9 @@ def _registry():
 
 @dataclasses.dataclass
 class Prepared:
-    """A checkpoint read, normalized and validated. ``params`` is the built params pytree
-    (:func:`prepare`), or None for a streamed conversion (:func:`plan`): then
-    ``tensors`` / ``extra`` hold the lazily loaded canonical tensors, converted and written
-    piece by piece by :func:`save_prepared`."""
+    """A checkpoint read, normalized and validated. ``params``: the built pytree
+    (:func:`prepare`), or None for a streamed conversion (:func:`plan`), whose lazily loaded
+    canonical tensors are in ``tensors`` / ``extra``."""
 
     kind: str
     format: str
@@ -157,8 +145,7 @@ def read_and_normalize(src, format: str | None = None) -> tuple[Checkpoint, Norm
 
 def validate(kind: str, config, tensors: dict, source: str = "") -> None:
     """Compare ``tensors`` (key -> anything with ``.shape`` and ``.dtype``) with
-    ``registry.expected_tensors``; raise :class:`TensorMismatchError` naming every unknown,
-    missing (required), mis-shaped and mis-typed key."""
+    ``registry.expected_tensors``: :class:`TensorMismatchError` naming every bad key."""
     expected = _registry().expected_tensors(kind, config)
     unknown = [k for k in tensors if k not in expected]
     missing = [k for k, (_, required) in expected.items() if required and k not in tensors]
@@ -213,8 +200,7 @@ PARALLEL_TOKEN_KINDS = frozenset({"eagle", "eagle3", "llama", "qwen2", "qwen3"})
 
 def with_parallel_drafting_token(kind: str, config, hf_config: dict):
     """``config`` with ``mask_token_id`` set to the draft config's parallel-drafting token
-    (vLLM: ``dflash_config.mask_token_id``, ``pard_token``, ``ptd_token_id``) for EAGLE /
-    EAGLE-3 heads and draft LMs; unchanged when the config names none."""
+    (``pard_token``...) for :data:`PARALLEL_TOKEN_KINDS`; unchanged when it names none."""
     if kind not in PARALLEL_TOKEN_KINDS:
         return config
     tok = parallel_drafting_token_id(hf_config)
@@ -222,9 +208,8 @@ def with_parallel_drafting_token(kind: str, config, hf_config: dict):
 
 
 def make_config(kind: str, hf_config: dict, tensors: dict):
-    """``registry.config_from_hf``, with the optional-tensor flags (``has_embed_tokens``,
-    ``has_d2t``...) set from the canonical tensor names present, and the parallel-drafting
-    token in ``mask_token_id`` (:func:`with_parallel_drafting_token`)."""
+    """``registry.config_from_hf`` with the optional-tensor flags set from the tensors
+    present and the parallel-drafting token in ``mask_token_id``."""
     registry = _registry()
     config = registry.config_with_tensors(kind, registry.config_from_hf(kind, hf_config), tensors)
     return with_parallel_drafting_token(kind, config, hf_config)
@@ -258,8 +243,7 @@ def plan(src, *, format: str | None = None, dtype=None, allow_nonfinite: bool = 
 
 def prepare(src, *, format: str | None = None, dtype=None, allow_nonfinite: bool = False,
             progress: Progress | None = None) -> Prepared:
-    """Read, normalize, validate and build params (``jax.Array`` leaves). Nothing is
-    written anywhere."""
+    """Read, normalize, validate and build params (``jax.Array`` leaves); writes nothing."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     prep = plan(src, format=format, dtype=dtype, allow_nonfinite=allow_nonfinite)
@@ -275,9 +259,8 @@ def prepare(src, *, format: str | None = None, dtype=None, allow_nonfinite: bool
 
 
 def leaf_items(prep: Prepared):
-    """``(params path, load, nbytes, key)`` for every canonical tensor; ``load()`` reads
-    and converts it (:func:`convert_tensor`). A tensor the model does not keep has path and
-    load None."""
+    """``(params path, load, nbytes, key)`` for every canonical tensor (path and load None
+    for a tensor the model does not keep)."""
     registry = _registry()
     config = prep.config
     for x in registry.tensor_table(prep.kind, config):
@@ -359,9 +342,7 @@ def check_d2t(d2t: np.ndarray, vocab: int, where: str) -> None:
 
 def save_prepared(prep: Prepared, out_dir: Path, log: Log | None = None) -> None:
     """Write ``prep`` into the new directory ``out_dir``: the params in parts of about
-    ``prep.piece_bytes`` (each tensor read, converted and written in turn when
-    ``prep.params`` is None), then ``specjax.json`` (with ``prep.carried``: the records of
-    the files :func:`store.copy_carried` put in ``out_dir``)."""
+    ``prep.piece_bytes``, then ``specjax.json``."""
     log = log or _log_warning
     out_dir = Path(out_dir).absolute()
     if prep.params is not None:
@@ -445,10 +426,8 @@ class Summary:
 
 
 def previous_output_reason(path: Path) -> str | None:
-    """None when the directory ``path`` is a previous ``specjax-convert`` output (just
-    ``specjax.json``, written by specjax, ``params/`` and the carried files its
-    ``carried_files`` names), which ``force`` may replace; else what makes it something
-    else."""
+    """None when the directory ``path`` is a previous ``specjax-convert`` output, which
+    ``force`` may replace; else what makes it something else."""
     entries = sorted(e.name for e in path.iterdir())
     try:
         meta = json.loads((path / METADATA_FILE).read_text())
@@ -476,25 +455,13 @@ def convert(src, dst, *, format: str | None = None, dtype=None, force: bool = Fa
             allow_nonfinite: bool = False, piece_bytes: int | None = None) -> Summary:
     """Convert the checkpoint at ``src`` into ``dst`` (orbax params + ``specjax.json``).
 
-    ``dst`` follows the destination rules of :mod:`specjax.converters.destination`, checked
-    before anything is read: it must be new or an empty directory, or with ``force`` a
-    previous specjax output; never SRC, inside it or containing it, the current or home
-    directory, or a symbolic link. The output is staged beside ``dst`` and renamed into
-    place at the end, so a failed or interrupted run (Ctrl-C, SIGTERM) leaves nothing at
-    ``dst`` or beside it, and with ``force`` the old ``dst`` untouched. SRC's tokenizer and
-    generation files (``store.CARRIED_FILES``, those present) are copied into the staging
-    directory with the params, byte for byte, after the checks of
-    :func:`store.carried_sources` (size cap, symbolic links, ``auto_map``: a refusal is a
-    :class:`CheckpointError` naming the file, raised before any weight is read), so that
-    ``specjax generate --target DST`` runs without SRC. ``log`` gets notes
-    (stale staging directories of killed runs removed, a signal held); default: the
-    ``specjax.converters`` logger.
-
-    The conversion streams: each tensor is read (memory-mapped), checked (NaN / Inf are
-    refused unless ``allow_nonfinite``), converted and written in parts of about
-    ``piece_bytes`` (default :data:`store.PIECE_BYTES`), so memory stays near one part
-    plus the largest tensor whatever the checkpoint's size. ``progress(done, total, key)``
-    is called as each tensor is written.
+    ``dst`` must be new or an empty directory, or with ``force`` a previous specjax output
+    (:mod:`specjax.converters.destination`, checked before anything is read); a failed or
+    interrupted run leaves it untouched. SRC's tokenizer files are checked
+    (:func:`store.carried_sources`) and copied. Tensors stream in parts of about
+    ``piece_bytes``; NaN / Inf raise :class:`NonFiniteError` unless ``allow_nonfinite``.
+    ``progress(done, total, key)`` is called per tensor written; ``log`` gets notes
+    (default: the ``specjax.converters`` logger). Raises :class:`CheckpointError`.
     """
     t0 = time.perf_counter()
     log = log or _log_warning
@@ -536,15 +503,10 @@ def is_converted(path) -> bool:
 
 def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool = True,
                     allow_nonfinite: bool = False):
-    """``Pretrained(kind, config, params)`` (what ``specjax.generate`` and ``make_proposer``
-    take) from a ``specjax-convert`` output directory, or straight from an original
-    checkpoint (HF layout, EAGLE, Medusa, DFlash...; ``format`` auto-detected when None). ``dtype`` (bf16 / fp16 / fp32) casts the float params;
-    None keeps the stored (or checkpoint) dtype.
-
-    A converted directory is checked: ``specjax.json`` against its schema, every carried
-    tokenizer / generation file's presence and size and every stored array's shape and
-    dtype against the recorded ones, and (``verify=True``) each carried file's sha256 and
-    each array's crc32 against the ones recorded at conversion; any damage raises
+    """``Pretrained(kind, config, params)`` from a ``specjax-convert`` output directory or
+    an original checkpoint (``format`` auto-detected when None). ``dtype`` (bf16 / fp16 /
+    fp32) casts the float params; None keeps the stored dtype. A converted directory is
+    checked (``verify``: checksums and hashes too); damage raises
     :class:`CorruptOutputError` naming the file and key."""
     dt = parse_dtype(dtype)
     path = Path(path).absolute()
@@ -573,9 +535,8 @@ def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool
 
 
 def _restore_target(path: Path, kind: str, config, dtype, extra: dict) -> dict:
-    """The abstract params orbax restores into: the registry's structure, plus the entries
-    ``extra`` (``specjax.json``'s ``extra_params``: name -> shape) names, whose shapes must
-    be what the registry says (CheckpointError, before anything is read, otherwise)."""
+    """The abstract params orbax restores into, with the ``extra_params`` entries
+    (name -> shape; CheckpointError when a shape differs from the registry's)."""
     registry = _registry()
     unknown = sorted(set(extra) - set(EXTRA_PARAM_KEYS))
     if unknown:
@@ -595,17 +556,13 @@ def _restore_target(path: Path, kind: str, config, dtype, extra: dict) -> dict:
 
 
 def config_from_metadata(meta: dict):
-    """The saved ``config_to_dict`` output (it round-trips through ``config_from_hf`` and
-    carries the optional-tensor flags that decide the params structure), with the
-    parallel-drafting token of the saved ``hf_config`` (``with_parallel_drafting_token``)."""
+    """The saved ``config``, with the parallel-drafting token of the saved ``hf_config``."""
     config = _registry().config_from_hf(meta["kind"], meta["config"])
     return with_parallel_drafting_token(meta["kind"], config, meta.get("hf_config") or {})
 
 
 def _extra_param_shapes(params) -> dict[str, list[int]]:
-    """Params entries outside the tensor table (:data:`EXTRA_PARAM_KEYS`) present in
-    ``params``: name -> shape, recorded in ``specjax.json`` so that a load can rebuild the
-    restore target."""
+    """Params entries outside the tensor table (:data:`EXTRA_PARAM_KEYS`): name -> shape."""
     if not isinstance(params, dict):
         return {}
     return {k: [int(d) for d in np.shape(params[k])] for k in EXTRA_PARAM_KEYS if k in params}

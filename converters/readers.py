@@ -74,11 +74,9 @@ def _nonneg_int(x) -> bool:
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorRef]:
-    """Parse a ``.safetensors`` header: 8-byte little-endian length N, N bytes of JSON
-    ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": ...}``, then the
-    data (offsets relative to its start). Every entry is type-checked; offsets must match
-    the entry's byte count, lie inside the file and not overlap. Tensors load through a
-    read-only memory map of just their bytes."""
+    """Parse a ``.safetensors`` header into memory-mapped :class:`TensorRef`; every entry
+    is type-checked and its offsets must match its byte count, lie inside the file and not
+    overlap (:class:`CheckpointError` otherwise)."""
     path = os.fspath(path)
     name = os.path.basename(path)
     try:
@@ -163,9 +161,7 @@ def _read_json(path: Path, what: str):
 
 
 def _shard_path(index_path: Path, fname: str) -> Path:
-    """``fname`` (a weight_map value) inside the checkpoint directory: a relative path with
-    no ``..`` component (symbolic links inside the directory, as in the HF cache, are
-    followed)."""
+    """``fname`` (a weight_map value) inside the checkpoint directory: relative, no ``..``."""
     parts = Path(fname).parts
     if not fname or os.path.isabs(fname) or ".." in parts or "\\" in fname \
             or fname.startswith("~"):
@@ -214,11 +210,9 @@ def _read_files(paths: list[Path]) -> dict[str, TensorRef]:
 
 
 def find_weight_files(src: Path) -> tuple[str, list[Path]]:
-    """Pick the weight files of a checkpoint directory, in the order vLLM / HF prefer:
-    the safetensors index, ``model.safetensors``, the ``.bin`` index,
-    ``pytorch_model.bin``, ``medusa_lm_head.pt``, then any ``*.safetensors``, then any
-    ``*.bin`` / ``*.pt`` / ``*.pth`` except trainer state (``training_args.bin``,
-    ``optimizer.pt``...). Returns ``(how, paths)`` with ``how`` ``"index"`` or ``"files"``."""
+    """Pick the weight files of a checkpoint directory in the order vLLM / HF prefer
+    (indexes, then single files; trainer state skipped). Returns ``(how, paths)``, ``how``
+    ``"index"`` or ``"files"``."""
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (src / index).is_file():
             return "index", [src / index]

@@ -1,33 +1,12 @@
 """The converted directory (``specjax-convert`` output): written in bounded pieces, checked
 on load.
 
-Layout (version 2)::
-
-    DST/specjax.json       metadata (schema: :data:`SCHEMA`), including ``arrays``: every
-                           params leaf ("/"-joined path) -> shape, dtype, crc32 of its
-                           bytes (C order, little-endian) and the part holding it
-    DST/params/00000/ ...  the params pytree in parts, each an orbax StandardCheckpointer
-                           checkpoint of a subtree of at most ~``piece_bytes``
-    DST/tokenizer.json ... the tokenizer and generation files of SRC (:data:`CARRIED_FILES`,
-                           those present), copied byte for byte; ``specjax.json``'s
-                           ``carried_files`` records each one's size and sha256
-
-Version 1 (one orbax checkpoint in ``DST/params/``, no checksums) still loads, and so does
-a version 2 directory without ``carried_files`` (the key is optional).
-
-On load, ``specjax.json`` is validated key by key, each carried file's size and sha256 and
-each part's orbax metadata are compared with the recorded ones (no silent cast), and each
-restored array's crc32 with the recorded one (``verify=False`` skips the checksums and
-hashes). Every failure is a :class:`~specjax.converters.errors.CorruptOutputError` naming
-the file and key.
-
-Each ``params/NNNNN/`` part holds orbax's whole layout, some of which a restore reads
-only when present (``_sharding``, ``array_metadatas/``) or never: ``commit_success.txt``,
-``_CHECKPOINT_METADATA``, and in ``ocdbt.process_0/`` the per-process ``manifest.ocdbt``
-with its b-tree node files under ``d/`` (orbax writes each process's own OCDBT database, then merges its index into the
-part's root ``manifest.ocdbt`` + ``d/``, which references the value files in
-``ocdbt.process_0/d/`` in place and leaves the per-process index unreferenced). They are
-orbax's to write and are kept, so that orbax's own tools see a complete checkpoint.
+``DST/specjax.json`` (schema: :data:`SCHEMA`) records every params leaf's shape, dtype,
+crc32 and part, and the carried files' sizes and sha256; ``DST/params/NNNNN/`` are orbax
+parts of at most about :data:`PIECE_BYTES`; :data:`CARRIED_FILES` are copied byte for byte.
+Layout versions 1 and 2 load. Every load failure is a
+:class:`~specjax.converters.errors.CorruptOutputError` naming the file and key. Layout in
+full: docs/converters.md, "The converted directory".
 """
 
 from __future__ import annotations
@@ -138,9 +117,8 @@ def pieces(items: Iterable[tuple[tuple, Callable[[], np.ndarray], int, str]],
 
 
 def release_memory() -> None:
-    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere):
-    tensors below glibc's mmap threshold are freed into the heap, which otherwise keeps
-    the resident size of every part written so far."""
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere), so
+    resident memory does not grow with every part written."""
     global _TRIM
     if _TRIM is None:
         try:
@@ -172,9 +150,8 @@ class _Quiet(logging.Filter):
 
 
 def leaf_record(path: tuple, arr: np.ndarray, key: str) -> tuple:
-    """``(path, leaf, key, record)``: ``arr`` moved into a ``jax.Array`` (orbax copies a
-    NumPy leaf twice while writing it, a ``jax.Array`` less than once) with its
-    ``specjax.json`` record (shape, dtype, crc32 of the bytes)."""
+    """``(path, leaf, key, record)``: ``arr`` as a ``jax.Array`` (orbax copies NumPy leaves
+    twice) with its ``specjax.json`` record (shape, dtype, crc32)."""
     import jax  # noqa: PLC0415
 
     rec = {"shape": [int(d) for d in arr.shape], "dtype": np.dtype(arr.dtype).name,
@@ -316,19 +293,12 @@ def _nonneg(x) -> bool:
 
 def carried_sources(src, cap: int | None = None) -> dict[str, Path]:
     """The :data:`CARRIED_FILES` present in the checkpoint directory ``src`` -> the file
-    whose bytes DST gets (``{}`` when ``src`` is a single weight file), each checked before
-    anything is converted. :class:`CheckpointError` naming the file when:
+    whose bytes DST gets (``{}`` when ``src`` is a single weight file).
 
-    - it is larger than ``cap`` (default :data:`MAX_CARRIED_BYTES`);
-    - it is a symbolic link whose target lies outside ``src`` (a link into the HF cache's
-      ``blobs/`` beside ``snapshots/``, where ``src`` is ``<repo>/snapshots/<revision>``,
-      counts as inside: that is how the cache stores every file); a link inside is
-      followed and its target's bytes are copied, never the link itself;
-    - it is not a regular file;
-    - ``tokenizer_config.json`` has an ``auto_map`` key, or ``config.json``'s ``auto_map``
-      names an ``AutoTokenizer``: the tokenizer would need its own Python code, which is
-      never run (``trust_remote_code`` stays off). A ``config.json`` ``auto_map`` naming
-      only model classes stays accepted: the weights convert into specjax's own model.
+    :class:`CheckpointError` naming the file when it is larger than ``cap`` (default
+    :data:`MAX_CARRIED_BYTES`), not a regular file, a symbolic link leading outside ``src``
+    (the HF cache's ``blobs/`` counts as inside), or names tokenizer code
+    (:func:`check_no_auto_map`): the checkpoint's Python code is never run.
     """
     src = Path(src).absolute()
     if not src.is_dir():
@@ -406,10 +376,8 @@ def _read_capped(p: Path, cap: int, shown: Path) -> bytes:
 
 def copy_carried(sources: dict[str, Path], out_dir: Path, src, cap: int | None = None
                  ) -> dict[str, dict]:
-    """Copy :func:`carried_sources`' files into ``out_dir`` (the staging directory) byte for
-    byte; returns ``specjax.json``'s ``carried_files`` (name -> size, sha256 of the bytes
-    written). The bytes are read once, size-capped and auto_map-checked again, so a file
-    changed since the check is still refused."""
+    """Copy :func:`carried_sources`' files into ``out_dir`` byte for byte (re-checked, in
+    case they changed); returns ``carried_files``: name -> size, sha256."""
     cap = MAX_CARRIED_BYTES if cap is None else cap
     records = {}
     for name, real in sources.items():
@@ -500,7 +468,7 @@ def restore(path: Path, meta: dict, target: dict, *, verify: bool = True) -> dic
 
 def _metadata_tree(m):
     """The tree of array metadata in what ``StandardCheckpointer.metadata`` returns (a
-    ``StepMetadata`` holding a ``TreeMetadata`` in orbax 0.12; the tree itself earlier)."""
+    ``StepMetadata`` holding a ``TreeMetadata``, or the tree, depending on orbax's version)."""
     m = getattr(m, "item_metadata", m)
     return getattr(m, "tree", m)
 
@@ -545,8 +513,8 @@ def _orbax(fn, where: Path):
 
 
 def _collect_quietly() -> None:
-    """Collect the coroutines a failed orbax restore left behind without the 'Exception
-    ignored' tracebacks Python would print for each."""
+    """Collect a failed orbax restore's leftover coroutines without 'Exception ignored'
+    tracebacks."""
     hook = sys.unraisablehook
     sys.unraisablehook = lambda _unraisable: None
     try:

@@ -1,8 +1,6 @@
 """``TensorRef``: a tensor's shape and dtype, read from a file header or pickle, with its
 data loaded only on demand, so every check runs before any weight bytes are read.
-
-A ``TensorRef`` is immutable (``__slots__``, no ``__setattr__``, no ``__setstate__``): a
-pickle's BUILD opcode cannot rewrite the shape or loader of one the unpickler made."""
+Immutable, so a pickle's BUILD opcode cannot rewrite one."""
 
 from __future__ import annotations
 

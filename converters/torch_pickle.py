@@ -1,19 +1,10 @@
 """Read PyTorch ``torch.save`` zip archives (``.bin``, ``.pt``) without importing torch.
 
-Layout of such an archive (torch >= 1.6; ``torch/serialization.py``): one top-level folder
-``<prefix>/`` holding ``data.pkl`` (the pickled object), ``data/<key>`` (one raw
-little-endian buffer per storage), ``version``, and in newer files ``byteorder`` and
-``.data/*``. In ``data.pkl`` every storage is a persistent id
-``('storage', <torch.XStorage>, key, location, numel)`` and every tensor is
-``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks)``
-(offset and strides in elements).
-
-Pickle is code execution, so the unpickler resolves only an allow-list of globals: the
-tensor-rebuild functions (replaced here by NumPy versions), the storage types and dtypes
-(inert markers), ``collections.OrderedDict`` and ``_codecs.encode`` for latin-1 only.
-Any other global raises :class:`UnsafePickleError` naming it, before anything is called.
-Tensors come back as :class:`TensorRef` (their bytes are read on demand) after a bounds
-check of the view against its storage.
+The archive layout is torch's ``torch/serialization.py`` (``<prefix>/data.pkl`` plus one
+raw little-endian ``data/<key>`` per storage). Pickle is code execution, so the unpickler
+resolves only an allow-list of globals (tensor rebuilding, storage types, dtypes,
+``OrderedDict``, latin-1 ``_codecs.encode``); any other raises :class:`UnsafePickleError`
+before anything is called. Tensors come back as bounds-checked :class:`TensorRef`.
 """
 
 from __future__ import annotations
@@ -97,7 +88,7 @@ class _Marker(_Inert):
 
 class _Storage(_Inert):
     """One ``data/<key>`` record: ``numel`` elements of ``dtype``, read on demand (not
-    cached, so that a conversion holds only the tensors it is writing)."""
+    cached)."""
 
     __slots__ = ("archive", "key", "dtype", "numel")
 
@@ -162,9 +153,8 @@ class _Archive:
 
     def read_record(self, name: str, *, exact: int | None = None,
                     limit: int | None = None) -> bytes:
-        """The bytes of record ``name``: exactly ``exact`` bytes (a storage: torch writes it
-        stored, uncompressed, of exactly its byte count) or at most ``limit`` bytes. Never
-        reads more than that bound, whatever the zip headers declare."""
+        """The bytes of record ``name``: exactly ``exact`` bytes (a storage) or at most
+        ``limit``, whatever the zip headers declare."""
         full = self.prefix + name
         where = f"{self.path}: record {full}"
         info = self.infos.get(full)

@@ -1,25 +1,11 @@
-"""Every kernel of specjax: one folder per op family, each with its public op (argument
-checks and the specification in its docstrings) and its ``xla`` / ``pallas`` / ``triton``
-versions side by side.
-
-- ``eagle_step/``: EAGLE's per-draft-step slot / position / seq_len update.
-- ``prepare/``: padded-drafter input preparation (the token to sample from, the next token).
-- ``copy_expand/``: the target batch copied into the drafter's input (EAGLE, DFlash).
-- ``batch_metadata/``: vLLM's metadata helpers (XLA only: they fuse into the step).
-- ``paged_attention/``: the KV-cache write and paged attention (reference, Pallas and
-  Triton kernels, the shared limits, the SPMD partitioning rule).
-- ``backend.py``: ``backend=`` on every op, the process default
-  (:func:`default_backend`, :func:`set_default_backend`, ``SPECJAX_KERNEL_BACKEND``) and
-  the precedence between them.
-
-The index ops give bit-identical results on every backend; ``xla`` is the reference and
-the CPU path. Outputs are returned (never written into arguments), in vLLM's ``out_*``
-order. All index arrays are int32.
-
-Padding contract (the JAX counterpart of vLLM's CUDA-graph padding): arrays may be padded
-to a bucket. ``num_reqs`` is an optional device scalar (0-d int32) giving the number of
-real requests; rows at or past it get fill values (slot ``-1``, position ``0``, token
-``0``, counts ``0``, masks ``False``). When ``num_reqs`` is None every row is real.
+"""Every kernel of specjax, one folder per op family (``eagle_step``, ``prepare``,
+``copy_expand``, ``batch_metadata``, ``paged_attention``): its public op, whose docstrings
+are the specification, and its ``xla`` / ``pallas`` / ``triton`` versions; ``backend.py``
+picks one. The index ops are bit-identical on every backend (``xla``: the reference and the
+CPU path), return their outputs in vLLM's ``out_*`` order and use int32 indices. Padding:
+arrays may be padded to a bucket; ``num_reqs`` (optional 0-d int32 device scalar) counts the
+real requests, and rows at or past it get fill values (slot ``-1``, position ``0``, token
+``0``, counts ``0``, masks ``False``); None: every row is real.
 """
 
 from __future__ import annotations

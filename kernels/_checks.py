@@ -1,11 +1,6 @@
-"""Argument checks shared by the index ops of :mod:`specjax.kernels`.
-
-Each op's public function (``kernels/<op>/__init__.py``) normalizes its arguments with
-these before dispatching to a backend: index arrays int32 ``jax.Array``, masks bool,
-``num_reqs`` always a 0-d int32 array (the full row count when the caller gave None).
-Checks look only at shapes, dtypes and static values, so they work on tracers and run
-before anything is launched.
-"""
+"""Argument checks of the index ops: index arrays become int32 ``jax.Array``, masks bool,
+``num_reqs`` a 0-d int32 array; shapes, dtypes and static values only, so they run on
+tracers before anything launches."""
 
 from __future__ import annotations
 

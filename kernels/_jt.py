@@ -1,13 +1,8 @@
-"""The one place specjax calls jax-triton.
+"""The one place specjax calls jax-triton (written against jax-triton 0.3.1).
 
-Written against jax-triton 0.3.1 (the last release that runs with triton 3.6). A move to
-0.4 touches only this file: there ``out_shape`` is called ``out_type``, aliased buffers are
-no longer repeated among the outputs, and ``zeroed_outputs`` / ``num_stages`` change.
-
-Convention for every call site: positional ``args`` are device arrays only (so nothing
-dynamic is ever baked into a compiled kernel by accident; jax-triton turns Python
-scalars into static kernel arguments), and every static value is a ``tl.constexpr``
-passed through ``metaparams``.
+Every call site passes device arrays only as positional ``args`` (jax-triton would bake a
+Python scalar into the kernel) and every static value as a ``tl.constexpr`` through
+``metaparams``.
 """
 
 from __future__ import annotations
@@ -39,19 +34,18 @@ def triton_call(
     name: str = "",
     **metaparams: Any,
 ) -> list[jax.Array]:
-    """Launch ``kernel`` once over ``grid``; returns one fresh array per ``out_shape``.
-
-    Output pointers follow the inputs in the kernel's signature, then the constexpr
-    ``metaparams`` by name. Every output element must be written by the kernel.
-    ``num_stages``: 1 (the default) for the latency-bound index kernels, more for kernels
-    with a loop whose loads Triton should pipeline (paged attention).
-    """
+    """Launch ``kernel`` once over ``grid``; one fresh array per ``out_shape``, every element
+    of which the kernel must write. Output pointers follow the inputs in the kernel's
+    signature, then the constexpr ``metaparams`` by name. ``num_stages`` > 1 pipelines the
+    loads of a loop (paged attention)."""
     for i, a in enumerate(args):
         if isinstance(a, (bool, int, float, np.generic)) or a is None:
             raise TypeError(
                 f"triton_call argument {i} is a Python/NumPy scalar or None ({a!r}); pass "
                 "dynamic values as device arrays and static ones as constexpr metaparams")
     import jax_triton as jt  # lazy: jax-triton 0.3.1 refuses to import without a GPU
+    # jax-triton 0.4 renames out_shape to out_type, stops repeating aliased buffers among
+    # the outputs and changes zeroed_outputs / num_stages: only this call would change.
 
     outs = jt.triton_call(
         *args,

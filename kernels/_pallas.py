@@ -1,20 +1,8 @@
-"""Shared pieces of the Pallas (Mosaic GPU) kernels.
-
-Every kernel is a ``plgpu.kernel`` over a 1-D grid of programs named ``"blk"``; a
-program owns one *chunk* of ``LANES = 128`` consecutive output elements (one per thread of
-the warpgroup) and writes all of them with full-width vector stores, so no output element
-is left unwritten (interpret mode poisons those) and no masked store is needed (Mosaic GPU
-has none). Outputs are therefore allocated rounded up to whole chunks and sliced by the
-wrapper; inputs read as vector windows are padded the same way.
-
-Mosaic GPU has no vector gather on Hopper, so a value that lives at a data-dependent
-address is fetched with a scalar load inside a loop and merged into the lane vector with
-a select (see ``extract`` and the per-op modules).
-
-On CPU the kernels run in GPU interpret mode (``plgpu.InterpretGPUParams``, through
-:mod:`specjax._compat`: public only from JAX 0.11.2), chosen automatically when
-``jax.default_backend() != "gpu"``. Every ref access is one host
-callback there, so the kernels keep the number of loads and stores per chunk small.
+"""Shared pieces of the Mosaic GPU (Pallas) index kernels: ``plgpu.kernel`` over a 1-D grid
+of programs named ``"blk"``, each writing one chunk of ``LANES = 128`` output elements with
+full-width vector stores (no masked store: outputs are allocated in whole chunks and sliced).
+Data-dependent addresses are scalar loads merged into the lane vector with a select. Off
+the GPU the kernels run in GPU interpret mode, one host callback per ref access.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Triton helpers shared by the kernels: JAX's integer semantics, inside a kernel.
-
-Triton's ``//`` and ``%`` truncate toward zero (C); ``jnp`` floors. A gather in the XLA
-reference (``block_table[row, blk]``) wraps a negative index once and then clamps it into
-range. These helpers reproduce both, so a Triton kernel agrees with the reference bit for
-bit even on inputs outside the documented contract (and never reads out of bounds).
-"""
+"""Triton helpers: JAX's integer semantics inside a kernel (floor division, a jnp gather's
+wrap-once-then-clamp indexing), so the Triton kernels agree with the XLA reference bit for
+bit and never read out of bounds."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def _owner(starts: jax.Array, idx: jax.Array, num_reqs: jax.Array):
     real = jnp.arange(r, dtype=_I32) < num_reqs
     keyed = jnp.where(real, starts, _BIG)
     # "scan_unrolled": a fixed unrolled bisection; the default "scan" is a while loop, which
-    # on GPU costs a device->host predicate sync per iteration (~800 us at 1024 requests).
+    # on GPU costs a device->host predicate sync per iteration.
     row = jnp.searchsorted(keyed, idx, side="right", method="scan_unrolled").astype(_I32) - 1
     return jnp.clip(row, 0, max(r - 1, 0)), row >= 0
 

@@ -1,30 +1,13 @@
-"""Which backend a kernel runs on: per call, a process-wide default, and ``auto``.
+"""Which backend a kernel runs on: ``backend=`` per call, a process default, ``auto``.
 
-Every op of :mod:`specjax.kernels` (the index ops and paged attention) takes
-``backend="auto" | "xla" | "pallas" | "triton"``. Precedence, highest first:
-
-1. the call's ``backend=`` when it names a backend (``"xla"``, ``"pallas"``, ``"triton"``);
-2. for paged attention only, the legacy attention setting when it is not ``"auto"``
-   (``SPECJAX_ATTENTION_BACKEND``, ``set_attention_backend``, ``attention_backend``;
-   kept as an alias, see :mod:`specjax.kernels.paged_attention`);
-3. the process default when it is not ``"auto"``: :func:`default_backend` (a context
-   manager), :func:`set_default_backend`, or the environment variable
-   ``SPECJAX_KERNEL_BACKEND`` (read at import);
-4. the op's own ``auto`` rule: XLA for the index ops everywhere (they are launch-bound and
-   XLA fuses them into the step: benchmarks/RESULTS.md), the Pallas (else Triton) paged
-   attention kernel on the GPU for decode-shaped steps, XLA on the CPU.
-
-A named backend that cannot run here (``"triton"`` without an NVIDIA GPU and jax-triton,
-``"pallas"`` on a JAX without the Pallas backend the op needs) is refused with a
-ValueError naming it, whether it came from the call or from the default.
-
-The default is **trace-time static**: it is read when a function calling an op is traced,
-and it is a JAX configuration option (``jax.config.specjax_kernel_backend``), part of
-``jax.jit``'s cache key, so changing it retraces jitted callers instead of silently
-reusing another backend's compilation.
-
-Index ops give bit-identical results on every backend; paged attention's kernels agree
-with the XLA reference to float rounding (its module states the tolerance).
+Every op of :mod:`specjax.kernels` takes ``backend="auto" | "xla" | "pallas" | "triton"``.
+Precedence, highest first: (1) the call's ``backend=`` when it names a backend; (2) the
+process default when not ``"auto"``: :func:`default_backend` (a context manager),
+:func:`set_default_backend`, else ``SPECJAX_KERNEL_BACKEND`` (read at import); (3) the op's
+``auto`` rule: XLA for the index ops, for paged attention a kernel on the GPU for
+decode-shaped steps and XLA elsewhere. A named backend that cannot run here is a ValueError
+naming it. The default is read at trace time and is a JAX config option
+(``jax.config.specjax_kernel_backend``), part of ``jax.jit``'s cache key.
 """
 
 from __future__ import annotations
@@ -41,8 +24,8 @@ BACKENDS = ("auto", "xla", "pallas", "triton")
 _OPTION = "specjax_kernel_backend"
 _ENV = "SPECJAX_KERNEL_BACKEND"
 
-# Fastest correct index-op backend per platform, as measured in benchmarks/RESULTS.md: XLA
-# everywhere, so "auto" picks a backend that exists on every JAX in range.
+# "auto" for the index ops, per platform: XLA everywhere (they are launch-bound and XLA fuses
+# them into the step: docs/performance.md), a backend every supported JAX has.
 _AUTO = {"cpu": "xla", "gpu": "xla", "cuda": "xla", "rocm": "xla", "tpu": "xla"}
 
 

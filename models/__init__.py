@@ -1,45 +1,11 @@
 """Flax NNX models of specjax: the Llama-family decoder and every draft head.
 
-**Params are plain nested dicts of ``jax.Array``** everywhere in specjax: the pure-dict form
-of the NNX body state (``nnx.to_pure_dict``), plus the functional entries
-``embed_tokens`` / ``lm_head`` / ``d2t`` / ``token_map``. Layer indices are int keys
-(``params["layers"][0]``); digit-string keys (an orbax restore without a target) are
-accepted too. Linear kernels are ``[in, out]``. Nothing else (no ``nnx.State``, no
-``nnx.Variable``) crosses a ``jax.jit`` boundary: each model merges its params back into
-its NNX module inside the traced function, at trace time only.
-
-Every model is a frozen, hashable runner built from a static ``ModelConfig``
-(``registry.make_model(kind, config)``) whose methods are pure functions of
-``(params, arrays..., kv_caches, attn_metadata)``: jit them with the runner closed over
-(or static) and donate the caches. KV caches are lists of per-layer ``KVCache(k, v)``,
-each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-
-=====================  ==================================================================
-runner                 methods
-=====================  ==================================================================
-``DecoderLM``          ``forward(params, input_ids, positions, kv_caches, md)
-                       -> (hidden [T,H] post-norm, aux [T,n_aux,H] | None, kv_caches)``;
-                       ``compute_logits(params, hidden [N,H]) -> [N,V]``
-``EagleHead``          ``forward(params, input_ids, positions, hidden [T,H], kv_caches, md)
-                       -> (out, out, kv_caches)``; ``compute_logits``
-``Eagle3Head``         ``combine_hidden_states(params, aux) -> g [T,H]``;
-                       ``forward(params, input_ids, positions, g, kv_caches, md)
-                       -> (normed, prenorm, kv_caches)``; ``compute_logits`` (target vocab),
-                       ``compute_draft_logits``, ``draft_to_target_ids``
-``DFlashHead``         ``combine_hidden_states``; ``precompute_and_store_context_kv(params,
-                       ctx [Tc,H], positions, slot_mapping, kv_caches) -> kv_caches``;
-                       ``forward(params, input_ids, positions, kv_caches, md)
-                       -> (hidden, kv_caches)``; ``compute_logits``
-``MedusaHeads``        ``forward(params, hidden [T,H]) -> [K,T,H]``;
-                       ``compute_logits(params, [K,N,H]) -> [K,N,V]``
-``MTPHead``            ``forward(params, input_ids, positions, hidden [T,H], kv_caches, md)
-                       -> (o, o, kv_caches)`` (MiMo MTP, post-norm ``o``); ``compute_logits``
-``ExtractHiddenStates`` ``forward(params, aux [T,n_aux,H], kv_caches, md) -> kv_caches``
-=====================  ==================================================================
-
-Heads whose checkpoint lacks the embedding or lm_head (or has a copy equal to the
-target's) use the target's, as vLLM v0.20 does: ``share_target_weights(head_params,
-target_params)``; a head whose own copy differs keeps it.
+Params are plain nested dicts of ``jax.Array`` (``nnx.to_pure_dict`` form, int layer keys,
+linear kernels ``[in, out]``); nothing else crosses a ``jax.jit`` boundary. Every model is a
+frozen, hashable runner (``registry.make_model(kind, config)``) whose methods are pure
+functions of ``(params, arrays..., kv_caches, attn_metadata)``; KV caches are per-layer
+``KVCache(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``. Every runner's
+methods and shapes: docs/models.md.
 """
 
 from __future__ import annotations
@@ -90,11 +56,9 @@ def _same(a, b) -> bool:
 
 def share_target_weights(head_params: dict, target_params: dict, *, kind: str | None = None) -> dict:
     """A new head params dict with the target's ``embed_tokens`` / ``lm_head`` (the same
-    arrays, never copied; a tied target's head is its embedding, passed as
-    ``{"embedding": [V, H]}``) where the head has none, or has one equal to the target's
-    (vLLM v0.20 ``_maybe_share_embeddings`` / ``_maybe_share_lm_head``: a head whose own
-    copy differs keeps it, EAGLE-1 included). ``kind`` is accepted for compatibility and
-    does not change the rule."""
+    arrays; a tied target's head as ``{"embedding": [V, H]}``) where the head has none or
+    one equal to the target's, as vLLM's ``_maybe_share_embeddings`` /
+    ``_maybe_share_lm_head``. ``kind`` is ignored."""
     del kind
     out = dict(head_params)
     emb = target_params["embed_tokens"]

@@ -1,9 +1,7 @@
 """``ModelConfig``: the static description of every model kind (frozen, hashable).
 
-One flat dataclass serves every kind; fields a kind does not use keep their defaults. It
-is hashable, so a model built from it can be a static ``jax.jit`` argument. Built from a
-normalized HF config dict by :func:`specjax.models.registry.config_from_hf`, and written
-back by :func:`specjax.models.registry.config_to_dict`.
+One flat dataclass for every kind, hashable so a model built from it can be a static
+``jax.jit`` argument; built by :func:`specjax.models.registry.config_from_hf`.
 """
 
 from __future__ import annotations
@@ -23,36 +21,14 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Static configuration of one model kind.
+    """Static configuration of one model kind (field meanings: docs/models.md).
 
-    Decoder geometry (``llama``/``qwen2``/``qwen3`` and the layers of every head):
-      vocab_size, hidden_size (H), intermediate_size, num_hidden_layers,
-      num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_theta,
-      rope_scaling (sorted ``(key, value)`` tuple or None), max_position_embeddings,
-      tie_word_embeddings, qkv_bias (q/k/v projections have a bias), o_bias, mlp_bias,
-      qk_norm (per-head RMSNorm on q and k before RoPE, Qwen3).
-
-    Heads:
-      fc_bias: EAGLE-1 ``fc.bias`` (config ``bias``); Medusa ResBlock bias
-        (``medusa_fc_bias``).
-      draft_vocab_size: EAGLE-3 / DFlash head vocabulary (``vocab_size`` = target vocab).
-      target_hidden_size: width of each target hidden state fed to ``fc``.
-      norm_before_residual: EAGLE-3 first layer residual is ``hidden_norm(g)``.
-      norm_before_fc, fc_norm, norm_output: EAGLE-3 options of vLLM v0.33 (the "EAGLE 3.1"
-        heads): one RMSNorm ``input_norm`` over the whole aux concatenation before ``fc``;
-        one RMSNorm ``fc_norm.{i}`` per aux state before ``fc``; the recycled hidden is
-        the normed output instead of the pre-norm one.
-      aux_layer_ids: target layers whose *input* (vLLM meaning) feeds ``fc``; EAGLE-3
-        default None = ``(2, L//2, L-3)`` of the target, three states.
-      block_size, mask_token_id, causal: DFlash.
-      num_heads, truncated_vocab_size, original_lm_head, logit_scale: Medusa
-        (``num_hidden_layers`` = ResBlocks per head).
-      n_predict: MiMo MTP, the checkpoint's ``num_nextn_predict_layers`` (the head holds
-        module 0, which vLLM drafts every step with; ``num_hidden_layers`` = 1 block).
-
-    Optional-tensor presence (only :func:`abstract_params` needs it; forward passes look
-    at the params themselves): has_embed_tokens, has_lm_head, has_d2t, has_token_map.
-    None means "not known" and is treated like False by ``abstract_params``.
+    Decoder fields carry HF names (``qkv_bias``, ``qk_norm``: Qwen2 / Qwen3); head fields
+    are unused (default) outside their kind. ``rope_scaling`` is a sorted ``(key, value)``
+    tuple or None; ``aux_layer_ids`` are vLLM's (the *input* of each target layer), None
+    for EAGLE-3's default ``(2, L//2, L-3)``. ``has_*`` say which optional tensors the
+    params hold (None: not known, treated as False). Raises ValueError for an unknown kind
+    or inconsistent geometry.
     """
 
     kind: str

@@ -61,7 +61,7 @@ class DFlashHead(PagedCache):
         caches = []
         # Layer by layer, K and V as separate products: no per-call copy of stacked or
         # concatenated weights, and each product keeps a tensor-parallel split of its kernel
-        # (a concatenation of k/v split along their sharded axis moved weight slices between
+        # (concatenating k/v split along their sharded axis would move weight slices between
         # devices every call).
         for i in range(nl):
             a = layers[i]["self_attn"]

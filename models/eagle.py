@@ -1,15 +1,10 @@
 """EAGLE-1/2 head (SafeAILab; vLLM ``llama_eagle.py``).
 
-``z = fc(cat(embed(x_{t+1}), h_t))`` (fc bias optional), then decoder layers where layer 0
-has no input norm (``z`` is both its attention input and its residual), **no final
-norm**: the output ``o`` feeds the target's lm_head and is the next step's hidden input.
-Embedding and lm_head: the head's own when its checkpoint has them and they differ from
-the target's, else the target's (vLLM v0.20, ``share_target_weights``).
-
-Parallel drafting (P-EAGLE): a checkpoint may carry ``mask_hidden`` (``params["mask_hidden"]``,
-``H`` values), the hidden input of the parallel-drafting slots
-(:meth:`EagleHead.parallel_drafting_hidden_state`; zeros without it). It is not part of the
-NNX body.
+``z = fc(cat(embed(x_{t+1}), h_t))``, then decoder layers (layer 0 without input norm),
+**no final norm**: the output feeds the target's lm_head and is the next step's hidden
+input. Embedding and lm_head: the head's own when they differ from the target's, else the
+target's (``share_target_weights``). A P-EAGLE ``params["mask_hidden"]`` (``H`` values,
+outside the NNX body) is the parallel-drafting slots' hidden input (zeros without it).
 """
 
 from __future__ import annotations
@@ -85,9 +80,8 @@ class EagleHead(PagedCache):
         return h, h, caches
 
     def parallel_drafting_hidden_state(self, params: dict, dtype=jnp.float32) -> jax.Array:
-        """``[H]``: the hidden input of the parallel-drafting (mask) slots, vLLM's
-        ``mask_hidden.view(H)``; zeros when ``params`` has no ``"mask_hidden"`` (vLLM keeps a
-        zero buffer). ValueError when it does not hold ``H`` values."""
+        """``[H]``: the parallel-drafting slots' hidden input, ``params["mask_hidden"]`` or
+        zeros; ValueError when it does not hold ``H`` values."""
         h = self.config.hidden_size
         return mask_hidden_values(params, h, "hidden_size", dtype)
 
@@ -101,9 +95,7 @@ class EagleHead(PagedCache):
 
 
 def tensor_table(c: ModelConfig) -> list[Entry]:
-    """The canonical tensors of an EAGLE-1 head. vLLM v0.20 keeps a head's own embedding /
-    lm_head when the checkpoint has them and they differ from the target's
-    (``share_target_weights``), so both are optional entries."""
+    """The canonical tensors of an EAGLE-1 head (embedding and lm_head optional)."""
     h, v = c.hidden_size, c.vocab_size
     e = [Entry("fc.weight", ("fc", "kernel"), (h, 2 * h), "linear")]
     if c.fc_bias:

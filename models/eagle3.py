@@ -1,20 +1,13 @@
 """EAGLE-3 head (SafeAILab ``midlayer`` / speculators ``layers.0``; vLLM ``llama_eagle3.py``).
 
-``g = fc(cat(aux states))`` once per target step (:meth:`combine_hidden_states`); later
-draft steps feed the head's own pre-norm output (H wide) instead. vLLM v0.33's options
-(``ModelConfig``): ``norm_before_fc`` (``input_norm`` over the whole concatenation, then)
-``fc_norm`` (``fc_norm.{i}`` on aux state ``i``) before ``fc``; ``norm_output`` recycles
-the normed output. First layer:
-``e = input_layernorm(embed(x))``, ``hn = hidden_norm(g)``, residual ``g`` (or ``hn`` with
-``norm_before_residual``), attention over ``cat(e, hn)`` (2H wide q/k/v input), + residual,
-then the usual post-norm MLP; further layers are ordinary decoder layers. ``pre`` = last
-residual sum, ``out = norm(pre)``; logits over the draft vocab, ``target id = draft id +
-d2t[draft id]``.
-
-Parallel drafting (P-EAGLE): a checkpoint may carry ``mask_hidden`` (``params["mask_hidden"]``,
-``n_aux * Ht`` values: the aux states of a mask slot), whose ``fc`` projection is the hidden
-input of the parallel-drafting slots (:meth:`Eagle3Head.parallel_drafting_hidden_state`;
-zeros without it). It is not part of the NNX body.
+``g = fc(cat(aux states))`` once per target step (optionally ``input_norm`` / ``fc_norm.{i}``
+first); later draft steps feed the head's own output (pre-norm, or normed with
+``norm_output``). First layer: attention over ``cat(input_layernorm(embed(x)),
+hidden_norm(g))`` (2H wide), residual ``g`` (``hidden_norm(g)`` with
+``norm_before_residual``), then the usual MLP; further layers are ordinary. ``out =
+norm(pre)``; logits over the draft vocab, ``target id = draft id + d2t[draft id]``. A
+P-EAGLE ``params["mask_hidden"]`` (``n_aux * Ht`` values, outside the NNX body) gives the
+parallel-drafting slots' hidden input through ``fc`` (zeros without it).
 """
 
 from __future__ import annotations
@@ -85,10 +78,9 @@ class Eagle3Head(PagedCache):
         return mp.merge(Eagle3Body, (self.config,), without_mask_hidden(params))
 
     def parallel_drafting_hidden_state(self, params: dict, dtype=jnp.float32) -> jax.Array:
-        """``[H]``: the hidden input of the parallel-drafting (mask) slots, vLLM's
-        ``combine_hidden_states(mask_hidden.view(n_aux * Ht))``; zeros when ``params`` has no
-        ``"mask_hidden"`` (vLLM keeps a zero buffer). ValueError when it does not hold
-        ``n_aux * Ht`` values."""
+        """``[H]``: the parallel-drafting slots' hidden input, ``combine_hidden_states`` of
+        ``params["mask_hidden"]``, or zeros; ValueError when it does not hold ``n_aux * Ht``
+        values."""
         c = self.config
         ht = c.target_hidden_size or c.hidden_size
         if "mask_hidden" not in params:

@@ -1,11 +1,9 @@
 """HF config dict -> ``ModelConfig`` (:func:`config_from_hf`) and back
 (:func:`config_to_dict`): the config half of models/CANONICAL.md.
 
-Every field is type-checked and bounded (``specjax.checks``), and every attention variant a
-config can declare is implemented or refused by name: Mistral's ``sliding_window`` and
-Qwen2's ``use_sliding_window`` + ``max_window_layers`` are refused when they would change
-the attention of a context the model can reach (a window at least
-``max_position_embeddings`` long is plain causal attention and is accepted).
+Every field is type-checked and bounded (``specjax.checks``); an attention variant that
+is not implemented (a sliding window shorter than ``max_position_embeddings``) is refused
+by name.
 """
 
 from __future__ import annotations
@@ -23,16 +21,14 @@ MAX_DIM = 1 << 20
 MAX_VOCAB = 1 << 24
 
 _PRESENCE = ("has_embed_tokens", "has_lm_head", "has_d2t", "has_token_map")
-#: vLLM v0.33's EAGLE-3 norm options (``llama_eagle3.py``; ModelConfig's docstring).
+#: vLLM's EAGLE-3 norm options (``llama_eagle3.py``; docs/models.md, ModelConfig fields).
 EAGLE3_NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def _eagle3_norm_flags(hf: Mapping, speculators: bool) -> dict:
-    """vLLM v0.33's reading of the EAGLE-3 norm options: a plain config's top-level keys
-    (``eagle_config.norm_before_fc`` overriding ``norm_before_fc``); a speculators config's
-    ``fc_norm`` / ``norm_output`` (its updater copies those two). vLLM's speculators loader
-    drops ``norm_before_fc`` and then skips ``input_norm.weight``, running the head without
-    the norm its weights were trained with: refused here, by name."""
+    """The EAGLE-3 norm options as vLLM reads them (``eagle_config.norm_before_fc``
+    overriding the top-level key). A speculators config's ``norm_before_fc`` is refused by
+    name: vLLM's speculators loader would silently skip ``input_norm.weight``."""
     ec = hf.get("eagle_config")
     if ec is not None and not isinstance(ec, Mapping):
         raise ArgumentTypeError(f"config eagle_config must be an object, got {show(ec)}")
@@ -146,12 +142,9 @@ def _check_rope_scaling(rtype: str, scaling: Mapping) -> None:
 
 
 def _check_window(hf: Mapping) -> None:
-    """Sliding-window attention is not implemented: refuse a window that can bind (one
-    shorter than ``max_position_embeddings``), naming the key (Mistral ``sliding_window``;
-    Qwen2 ``use_sliding_window`` + ``sliding_window`` + ``max_window_layers``: accepted only
-    when the config itself shows no layer is windowed, i.e. ``max_window_layers >=
-    num_hidden_layers`` or a window no shorter than ``max_position_embeddings``; a missing
-    value would take transformers' defaults, so it is refused)."""
+    """Refuse, naming the key, a sliding window that can bind (shorter than
+    ``max_position_embeddings``; Qwen2: unless ``max_window_layers >= num_hidden_layers``).
+    A missing Qwen2 window value is refused too (transformers' default would apply)."""
     n_pos = _get(hf, "max_position_embeddings", default=2048)
     win = hf.get("sliding_window")
     qwen_flag = hf.get("use_sliding_window")

@@ -42,13 +42,8 @@ def check_aux_ids(aux_layer_ids, num_layers: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderLM(PagedCache):
-    """Static runner of a decoder LM (hashable; its methods jit with params as arguments).
-
-    Attributes:
-      config: a ``llama`` / ``qwen2`` / ``qwen3`` ModelConfig.
-      aux_layer_ids: layers whose *input* ``forward`` also returns (EAGLE-3 / DFlash /
-        extract-hidden-states targets); empty -> ``aux`` is None.
-    """
+    """Static runner of a ``llama`` / ``qwen2`` / ``qwen3`` decoder LM (hashable).
+    ``aux_layer_ids``: layers whose *input* ``forward`` also returns (empty: ``aux`` None)."""
 
     config: ModelConfig
     aux_layer_ids: tuple[int, ...] = ()
@@ -59,17 +54,9 @@ class DecoderLM(PagedCache):
 
     def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
                 kv_caches: list[KVCache], attn_metadata: CommonAttentionMetadata):
-        """One step over a ragged batch.
-
-        Args:
-          params: the model's params dict.
-          input_ids, positions: ``[T_pad] int32``.
-          kv_caches: one ``KVCache`` per layer.
-          attn_metadata: the batch (slot mapping, block table, causal).
-
-        Returns:
-          ``(hidden [T_pad, H] post-norm, aux [T_pad, n_aux, H] or None, kv_caches)``.
-        """
+        """One step over a ragged batch: ``input_ids``, ``positions [T_pad] int32``, one
+        ``KVCache`` per layer -> ``(hidden [T_pad, H] post-norm, aux [T_pad, n_aux, H] or
+        None, kv_caches)``."""
         cfg = self.config
         body = mp.merge(DecoderBody, (cfg,), params)
         cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))

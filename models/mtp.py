@@ -1,21 +1,12 @@
 """MiMo MTP head (vLLM ``mimo_mtp.py``, ``MiMoMultiTokenPredictorLayer``).
 
-One multi-token-prediction module of a MiMo target checkpoint (``model.mtp_layers.{i}.*``,
-research/vllm_delta_0.33.md section 1). A draft row at position ``p`` carries the token
-``t`` and the incoming hidden ``h``:
-
-1. ``e = embed(t)``, zero where ``p == 0``;
-2. ``x = input_proj(cat(hidden_layernorm(h), token_layernorm(e)))``: **hidden first**
-   (DeepSeek's MTP puts the embedding first);
-3. a Qwen2 decoder block (input norm, q/k/v with bias, o without, SwiGLU);
-4. ``o = final_layernorm(s)``.
-
-``o`` feeds the target's lm_head (no further norm) and is also the next step's hidden
-input (MiMo returns one tensor, so the recycled hidden is post-norm). The embedding and the
-lm_head are always the target's (vLLM's port rule for MTP; ``share_target_weights``). vLLM's
-V1 runner drafts every step with module 0 (it never passes ``spec_step_idx``), so a head
-holds one module; ``config.n_predict`` records how many the checkpoint had (vLLM's
-``num_speculative_tokens % n_predict`` rule).
+One module of a MiMo checkpoint (``model.mtp_layers.0.*``). A draft row at position ``p``
+with token ``t`` and incoming hidden ``h``: ``e = embed(t)`` (zero where ``p == 0``),
+``x = input_proj(cat(hidden_layernorm(h), token_layernorm(e)))`` (**hidden first**, unlike
+DeepSeek's MTP), a Qwen2 decoder block, ``o = final_layernorm(s)``. ``o`` feeds the
+target's lm_head and is the next step's hidden input. Embedding and lm_head are always the
+target's. vLLM drafts every step with module 0; ``config.n_predict`` records the
+checkpoint's module count.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Machinery shared by every model: params <-> NNX module, embedding and LM-head math.
 
-Params are plain nested dicts of ``jax.Array`` (see the package docstring). Each model
-keeps its *body* (layers, norms, fc, ...) as an NNX module; inside a traced function the
-body's sub-dict is merged back into the module with :func:`merge` (trace-time only: under
-``jax.jit`` nothing of NNX is left in the compiled step). Embedding, LM head and vocabulary
-maps (``embed_tokens``, ``lm_head``, ``d2t``, ``token_map``) stay outside the module, as
-plain entries of the params dict, because they may be the target's arrays (shared, as
-vLLM shares them) rather than the head's own.
+Each model's *body* is an NNX module rebuilt from its params sub-dict at trace time
+(:func:`merge`). Embedding, LM head and vocabulary maps (:data:`SHARED_KEYS`) stay plain
+params entries, because they may be the target's arrays, shared as vLLM shares them.
 """
 
 from __future__ import annotations
@@ -46,11 +42,9 @@ def body_params(params: dict) -> dict:
 
 
 def merge(factory: Callable[..., nnx.Module], args: tuple, params: dict) -> nnx.Module:
-    """Rebuild the NNX module ``factory(*args)`` with the arrays of ``params`` (its body).
-
-    Fused projections (:func:`fuse_projections`) are accepted: the fused matrix goes to the
-    first projection of its group (``q_proj`` / ``gate_proj``) and the others get empty
-    ``[in, 0]`` kernels, which the layers read as "fused here"."""
+    """Rebuild the NNX module ``factory(*args)`` with the arrays of ``params`` (its body);
+    ValueError naming missing / unexpected entries. A fused group's matrix goes to its first
+    projection, the others get empty ``[in, 0]`` kernels ("fused here")."""
     graphdef, treedef, abstract = module_graph(factory, *args)
     body = _spread_fused(normalize_keys(body_params(params)))
     got = jax.tree.structure(body)
@@ -72,16 +66,11 @@ FUSED_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 
 def fuse_projections(params: Any) -> Any:
     """``params`` with every ``q_proj`` / ``k_proj`` / ``v_proj`` triple as one ``qkv_proj``
-    and every ``gate_proj`` / ``up_proj`` pair as one ``gate_up_proj`` (kernels and biases
-    concatenated along the output axis; every other entry the same object).
+    and every ``gate_proj`` / ``up_proj`` pair as one ``gate_up_proj`` (concatenated along the
+    output axis; other entries the same objects; NumPy stays NumPy; idempotent).
 
-    The same forward, one GEMM per group: on the H200 the 8B-shaped loop ran 0.07-0.56 ms
-    faster per iteration fused (the k and v GEMMs alone reached 29-38% of the bandwidth
-    floor; benchmarks/RESULTS.md, thirteenth session). Already fused params are returned as
-    they are. NumPy leaves stay NumPy (fuse on the host before placing to avoid holding both
-    layouts on the device). The fused layout
-    is for inference on one device: ``specjax.sharding`` refuses it (its Megatron rules split
-    q, k and v by head); :func:`unfuse_projections` restores the checkpoint layout."""
+    The same forward in one GEMM per group (docs/performance.md, "Fused projections"). For
+    one device only: ``specjax.sharding`` refuses it; :func:`unfuse_projections` inverts it."""
     if not isinstance(params, dict):
         return params
     out = {k: fuse_projections(v) for k, v in params.items()}
@@ -103,9 +92,8 @@ def fuse_projections(params: Any) -> Any:
 
 
 def unfuse_projections(params: Any, config) -> Any:
-    """The inverse of :func:`fuse_projections` for a model of ``config`` (a ModelConfig, or a
-    head's config with ``num_attention_heads`` / ``num_key_value_heads`` / ``head_dim`` /
-    ``intermediate_size``): the checkpoint's (HF) layout again."""
+    """The inverse of :func:`fuse_projections` for a model of ``config`` (anything with the
+    ModelConfig head and MLP sizes); ValueError for a width that does not match."""
     if not isinstance(params, dict):
         return params
     out = {k: unfuse_projections(v, config) for k, v in params.items()}
@@ -167,8 +155,7 @@ def _spread_fused(body: Any) -> Any:
 
 
 def is_fused_kernel(linear) -> bool:
-    """Whether this ``Linear`` holds an empty ``[in, 0]`` kernel: its group is fused into
-    the group's first projection (:func:`merge`)."""
+    """Whether this ``Linear`` holds an empty ``[in, 0]`` kernel (fused, :func:`merge`)."""
     return linear.kernel[...].shape[-1] == 0
 
 
@@ -191,21 +178,12 @@ def embed(params: dict, input_ids: jax.Array) -> jax.Array:
 
 
 def two_row_matmul(fn, x: jax.Array) -> jax.Array:
-    """``fn(x)`` for a row-wise ``fn`` (a matmul over the last axis), run on two rows on a
-    GPU when ``x`` holds one (``x [..., K]`` with one row in all).
+    """``fn(x)`` for a row-wise ``fn`` (a matmul over the last axis); when ``x [..., K]``
+    holds one row, run on that row duplicated behind an optimization barrier on a GPU.
 
-    XLA:GPU rewrites a dot whose other side has one row (``[1, K] @ [K, N]``) as a multiply
-    and a reduce (dot strength reduction), and on the H200 those reduce fusions run far
-    slower than the GEMM kernel two rows get: in the 8B-shaped one-token step they cost 1.1
-    ms of 5.6 ms of kernels (benchmarks/RESULTS.md). There the row is duplicated behind an
-    optimization barrier (so the simplifier cannot see that the rows are equal) and the
-    first row of the result returned: the same values, one GEMM. Every model matmul goes
-    through this (:class:`specjax.models.layers.Linear`, :func:`lm_head_logits`), so the
-    one-token program is fast for every caller, the models used directly included. On a
-    CPU the one-row product is the faster one (XLA:CPU runs it as a matrix-vector product;
-    the shipped demo's one-request plain decoding 26% faster than with two rows,
-    benchmarks/RESULTS.md), so the choice is made per platform when the program is lowered
-    (``jax.lax.platform_dependent``), not by the default backend.
+    XLA:GPU lowers a one-row dot to a slow multiply + reduce; two rows get a GEMM (same
+    values). On a CPU the one-row product is faster, so the choice is per platform at
+    lowering time (``jax.lax.platform_dependent``; docs/models.md, "One-row products").
     """
     if math.prod(x.shape[:-1]) != 1:
         return fn(x)

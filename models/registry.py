@@ -1,25 +1,11 @@
 """Canonical checkpoint form -> params, table-driven (the interface of models/CANONICAL.md).
 
-The HF-config half (``config_from_hf`` / ``config_to_dict``) is :mod:`specjax.models.hf_config`
-(re-exported here). One table per kind (:func:`tensor_table`, written in each model file:
-``llama.tensor_table``, ``eagle.tensor_table``, ``eagle3.tensor_table`` for EAGLE-3 and
-DFlash, ``medusa.tensor_table``, ``mtp.tensor_table``) maps every canonical tensor name to its place in
-the params dict, its PyTorch-layout shape and how it converts (linear weights are
-transposed ``[out, in] -> [in, out]``; vectors and embeddings are copied; integer maps stay
-int32). ``expected_tensors``, ``params_from_tensors``, ``abstract_params`` and the random
-init all read that one table, so they agree by construction.
-
-Optional tensors (``embed_tokens`` of EAGLE-1 / EAGLE-3 / DFlash, EAGLE-1 / DFlash
-``lm_head``, ``d2t``, Medusa ``token_map``): ``params_from_tensors`` takes them when present; ``abstract_params`` follows
-the config's ``has_*`` flags (None counts as absent). A converter that knows which optional
-tensors it found sets the flags with :func:`config_with_tensors` (or puts ``has_embed_tokens``
-etc. into the hf_config) so that the saved config restores the same structure.
-
-Optional params entry outside the tensor table: ``mask_hidden`` (:data:`MASK_HIDDEN`), the
-parallel-drafting hidden state of a P-EAGLE EAGLE-1 / EAGLE-3 checkpoint, a top-level
-``[size]`` float vector (:func:`mask_hidden_abstract` gives its shape; the converters put it
-into the params, ``specjax.converters.export`` writes it back). ``abstract_params`` leaves it
-out unless asked (``mask_hidden=True``).
+One tensor table per kind (:func:`tensor_table`, written in each model file) maps every
+canonical tensor to its params path, PyTorch-layout shape and conversion (linear weights
+transposed to ``[in, out]``, integer maps int32); ``expected_tensors``,
+``params_from_tensors``, ``abstract_params`` and the random init all read it, so they agree.
+Optional tensors follow the config's ``has_*`` flags (:func:`config_with_tensors`). The
+P-EAGLE ``mask_hidden`` (:data:`MASK_HIDDEN`, flat ``[size]`` floats) lies outside the table.
 """
 
 from __future__ import annotations
@@ -48,8 +34,7 @@ __all__ = [
 
 
 def tensor_table(kind: str, config: ModelConfig) -> list[Entry]:
-    """Every canonical tensor of ``kind`` under ``config`` (required and optional): the
-    table of the model file that owns the kind."""
+    """Every canonical tensor of ``kind`` under ``config``, required and optional."""
     if kind != config.kind:
         raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
     if kind in DECODER_KINDS:
@@ -122,9 +107,8 @@ MASK_HIDDEN_KINDS = ("eagle", "eagle3")
 
 
 def mask_hidden_size(kind: str, config: ModelConfig) -> int | None:
-    """Values ``params["mask_hidden"]`` holds for ``kind`` / ``config``, None for kinds
-    without one: EAGLE-1 ``hidden_size`` (the mask slots' hidden input), EAGLE-3 the fc
-    input size ``num_aux * (target_hidden_size or hidden_size)`` (``fc`` is applied to it)."""
+    """Values ``params["mask_hidden"]`` holds (None for kinds without one): EAGLE-1
+    ``hidden_size``, EAGLE-3 the fc input size ``num_aux * target_hidden_size``."""
     if kind != config.kind:
         raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
     if kind == "eagle":
@@ -135,8 +119,7 @@ def mask_hidden_size(kind: str, config: ModelConfig) -> int | None:
 
 
 def mask_hidden_abstract(kind: str, config: ModelConfig, dtype=jnp.float32):
-    """``jax.ShapeDtypeStruct((size,), dtype)`` of the optional ``mask_hidden`` entry (the
-    flat form the converters build), None for kinds without one."""
+    """``jax.ShapeDtypeStruct((size,), dtype)`` of ``mask_hidden``, None for kinds without."""
     size = mask_hidden_size(kind, config)
     return None if size is None else jax.ShapeDtypeStruct((size,), dtype)
 
@@ -209,22 +192,12 @@ def _dotted(path: tuple) -> str:
 
 
 def tensors_from_params(kind: str, config: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
-    """Params dict -> canonical tensors (PyTorch layout): the inverse of
-    :func:`params_from_tensors`.
+    """Params dict -> canonical tensors (PyTorch layout), the exact inverse of
+    :func:`params_from_tensors` with ``dtype=None`` (floats keep their dtype).
 
-    Linear kernels ``[in, out]`` are transposed back to ``[out, in]``; vectors and
-    embeddings are copied; integer maps (``d2t``, ``token_map``) become int32. Float tensors
-    keep the params' dtype (no cast), so ``params_from_tensors(kind, config,
-    tensors_from_params(kind, config, params), dtype=None)`` rebuilds ``params`` exactly.
-
-    Which tensors are emitted (the rule): exactly the entries :func:`abstract_params`
-    expects, i.e. every required tensor plus each optional one whose ``has_*`` flag is True
-    (None counts as absent). Tensors a checkpoint has but specjax never keeps (a tied
-    decoder's ``lm_head.weight``, an EAGLE-1 ``embed_tokens.weight``) are not emitted. Fused
-    projections (``specjax.models.fuse_projections``) are exported as their parts. A
-    top-level ``embed_tokens`` / ``lm_head`` entry that the head does not own by this rule
-    (the target's arrays added by ``share_target_weights``) is skipped, not exported. Any
-    other missing, unexpected, mis-shaped or mis-typed leaf raises ValueError naming it.
+    Emits exactly the entries :func:`abstract_params` expects; fused projections are split,
+    shared target ``embed_tokens`` / ``lm_head`` entries skipped. Any other missing,
+    unexpected, mis-shaped or mis-typed leaf raises ValueError naming it.
     """
     if mp.is_fused(params):            # fuse_projections' layout: the checkpoint's again
         params = mp.unfuse_projections(dict(params), config)
@@ -267,9 +240,8 @@ def tensors_from_params(kind: str, config: ModelConfig, params: Mapping) -> dict
 
 def random_tensors(kind: str, config: ModelConfig, seed: int = 0,
                    dtype=np.float32) -> dict[str, np.ndarray]:
-    """Random canonical tensors (PyTorch layout) for every required tensor and for the
-    optional ones whose ``has_*`` flag is True. Norm weights are ``1 + 0.1 N(0, 1)`` so a
-    missing norm shows up; ``d2t``/``token_map`` map onto distinct sorted target ids."""
+    """Random canonical tensors (PyTorch layout) for the tensors :func:`abstract_params`
+    expects; norm weights ``1 + 0.1 N(0, 1)`` so a missing norm shows up."""
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for x in tensor_table(kind, config):
@@ -324,11 +296,8 @@ def make_model(kind: str, config: ModelConfig, **static: Any):
 
 
 class Pretrained(NamedTuple):
-    """A loaded checkpoint: ``kind`` (a key of ``KINDS``), its ``ModelConfig`` and its params
-    pytree. ``specjax.load_pretrained`` returns one; ``specjax.generate`` / ``Engine`` take
-    one as the target and ``specjax.make_proposer`` as ``target=`` or ``draft=``, so a
-    checkpoint goes from disk to decoding without naming its runner class. It unpacks as
-    ``kind, config, params``."""
+    """A loaded checkpoint: ``kind`` (a key of ``KINDS``), its ``ModelConfig`` and params;
+    what ``specjax.load_pretrained`` returns and ``generate`` / ``make_proposer`` take."""
 
     kind: str
     config: ModelConfig
@@ -342,10 +311,9 @@ class Pretrained(NamedTuple):
 
 def check_params(kind: str, config: ModelConfig, params: Any, *, name: str = "params",
                  shared_ok: bool = False) -> None:
-    """ValueError naming ``name`` and the first entries that do not match ``config``:
-    missing, unexpected or mis-shaped leaves against :func:`abstract_params` (shapes only;
-    nothing is copied). ``shared_ok``: a head's ``embed_tokens`` / ``lm_head`` may be
-    absent (the target's are shared) or present though the config does not own them."""
+    """ValueError naming ``name`` and the first leaves that do not match
+    :func:`abstract_params` (shapes only). ``shared_ok``: a head's ``embed_tokens`` /
+    ``lm_head`` may be absent or present regardless of the config."""
     if not isinstance(params, Mapping):
         raise TypeError(f"{name} must be a params dict, got {type(params).__name__}")
     abstract = abstract_params(kind, config,

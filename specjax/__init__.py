@@ -1,11 +1,8 @@
 """specjax: speculative decoding for JAX (a port of vLLM v1's spec_decode module).
 
-``__all__`` is what a user starts from: a checkpoint (``load_pretrained``, the shipped
-``load_demo_model``), a proposer (``SpeculativeConfig``, ``make_proposer``), decoding
-(``generate``, ``Engine``, ``SamplingParams``) and the serving step (``make_step``,
-``build_batch``). Everything loads lazily (``import specjax`` pulls in neither the models
-nor numba). The library logs through :mod:`logging` (logger ``"specjax"``, silent unless
-the application configures logging); only the CLI prints.
+``__all__`` is what a user starts from: checkpoints, proposers, decoding and the serving
+step. Everything loads lazily; the library logs through logger ``"specjax"`` and only the
+CLI prints.
 """
 
 import logging as _logging
@@ -31,6 +28,7 @@ _LAZY = {
     # decoding
     "generate": ("specjax.engine", "generate"),
     "Engine": ("specjax.engine", "Engine"),
+    "LoopOptions": ("specjax.engine", "LoopOptions"),
     "SamplingParams": ("specjax.engine", "SamplingParams"),
     "TargetModel": ("specjax.engine", "TargetModel"),
     # the serving step (docs/integration.md)

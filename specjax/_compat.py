@@ -1,40 +1,9 @@
 """Every JAX API specjax uses that differs across the supported JAX range, in one place.
 
-Supported: jax / jaxlib 0.10.2 through 0.12.x (pyproject pins ``>=0.10.2,<0.13``). Every
-other module imports the version-sensitive pieces from here; nothing else in specjax tests
-``jax.__version__``. Each shim detects the feature (attribute, signature) rather than the
-version number, so a patch release that back- or forward-ports an API just works; the
-version where each difference was measured is noted next to it.
-
-What differs inside the range (measured by reading each installed JAX's source, the whole
-CPU suite on 0.12.0.1 and ``pytest -m smoke`` on 0.10.2, 0.11.0 and 0.11.2):
-
-- ``plgpu.InterpretGPUParams`` (Mosaic GPU interpret mode, the CPU path of the Pallas
-  index kernels) is exported from ``jax.experimental.pallas.mosaic_gpu`` only from 0.11.2;
-  0.10.2 and 0.11.0 have the same class at ``jax._src.pallas.mosaic_gpu.interpret.params``
-  (same keywords for what specjax passes: none). :func:`interpret_gpu_params`.
-- The GPU interpreter of 0.10.2 / 0.11.0 has no rule for ``layout_cast`` (what
-  ``plgpu.broadcasted_iota(..., layout=...)`` emits); 0.11.2+ interprets it as the
-  identity. :func:`mosaic_gpu_strided_iota` leaves the layout out in interpret mode.
-- ``plgpu.kernel`` drops its deprecated ``out_shape`` / ``scratch_shapes`` aliases in
-  0.12; specjax passes ``out_type`` (every version in range has it).
-- Lowering a Pallas Triton kernel without a GPU: 0.10.2 targets compute capability 9.0,
-  0.11.0+ asks ``jax._src.pallas.triton.gpu_info`` (only tests/kernels/test_paged_attention.py's
-  Triton-lowering test cares).
-- The Pallas Triton backend (``jax.experimental.pallas.triton``, the GPU lowering of the
-  Pallas paged-attention kernel) warns "deprecated" on every lowering from 0.11.2 on (not
-  in 0.10.2 / 0.11.0); it is still present in 0.12.0.1. :func:`pallas_triton` reports
-  whether it exists, so a JAX without it makes ``"auto"`` fall back instead of failing
-  at import.
-
-What is the same across the range (so the shims below are thin, kept so a future JAX
-changes one file): ``jax.shard_map`` with ``check_vma`` / ``axis_names`` (the
-``jax.experimental.shard_map`` spelling with ``check_rep`` is deprecated since 0.8 and
-used only as a fallback), ``jax.sharding.get_abstract_mesh``, ``custom_partitioning``'s
-``def_partition(..., sharding_rule=...)`` with Shardy on by default,
-``jax._src.config.enum_state(include_in_jit_key=..., include_in_trace_context=...)``,
-``GSPMDSharding.get_replicated``, ``plgpu.kernel`` / ``CompilerParams(lowering_semantics)``
-/ ``broadcasted_iota`` / ``Layout.WG_STRIDED``, ``pl.pallas_call(interpret=...)``.
+Supported: jax / jaxlib 0.10.2 through 0.12.x (``pyproject.toml``). Every other module
+imports the version-sensitive pieces from here; nothing else tests ``jax.__version__``.
+Each shim detects the feature (attribute, signature), not the version number. What
+differs across the range: docs/install.md.
 """
 
 from __future__ import annotations
@@ -119,9 +88,8 @@ def custom_partitioning_shardy(fn: Callable, *, static_argnums, partition: Calla
 
 
 def enum_config_state(name: str, values, default: str, help: str):
-    """A JAX config option that keys ``jax.jit``'s cache (``jax._src.config.enum_state``),
-    the one already registered under ``name`` (module re-imported), or None when this JAX
-    has no such private API (callers then keep the value in a plain holder)."""
+    """A JAX config option that keys ``jax.jit``'s cache (``jax._src.config.enum_state``;
+    the one already registered under ``name`` if any), or None without that private API."""
     try:
         from jax._src import config as jax_config
 
@@ -192,13 +160,9 @@ def interpret_gpu_params():
 
 
 def mosaic_gpu_strided_iota(dtype, n: int):
-    """``[n]`` iota (lane i holds i) in Mosaic GPU's strided warpgroup layout
-    (``plgpu.broadcasted_iota(..., layout=plgpu.Layout.WG_STRIDED((n,), vec_size=1))``) when
-    compiled for the GPU; a plain ``lax.broadcasted_iota`` in interpret mode. Interpret mode
-    stores values in their logical layout, so the layout is a no-op there (JAX 0.11.2+
-    interprets ``layout_cast`` as the identity), and JAX 0.10.2 / 0.11.0's GPU interpreter
-    has no rule for ``layout_cast`` at all (``NotImplementedError: MLIR translation rule for
-    primitive 'layout_cast' not found for platform cpu``)."""
+    """``[n]`` iota (lane i holds i) in Mosaic GPU's strided warpgroup layout when compiled
+    for the GPU; a plain ``lax.broadcasted_iota`` in interpret mode, where the layout is a
+    no-op (and JAX < 0.11.2's interpreter has no ``layout_cast`` rule)."""
     if jax.default_backend() != "gpu":
         return jax.lax.broadcasted_iota(dtype, (n,), 0)
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -209,9 +173,8 @@ def mosaic_gpu_strided_iota(dtype, n: int):
 
 @functools.cache
 def pallas_triton() -> tuple[Any, str]:
-    """``(jax.experimental.pallas.triton, "")`` -- the Pallas Triton backend that lowers the
-    Pallas paged-attention kernel on the GPU -- or ``(None, why)`` when this JAX has none
-    (deprecated from JAX 0.11.2, still present in 0.12.0.1)."""
+    """``(jax.experimental.pallas.triton, "")``, the backend that lowers the Pallas
+    paged-attention kernel on the GPU, or ``(None, why)`` when this JAX has none."""
     try:
         from jax.experimental.pallas import triton as pltr
 
@@ -236,9 +199,8 @@ def pallas_triton_compiler_params(**kw):
 
 @functools.cache
 def jax_triton_available() -> tuple[bool, str]:
-    """Whether the ``"triton"`` backends can run: an NVIDIA GPU and an importable
-    jax-triton + triton (``specjax[gpu]``: jax-triton 0.3.1, triton 3.6 on every JAX in
-    range)."""
+    """Whether the ``"triton"`` backends can run: an NVIDIA GPU and an importable jax-triton
+    + triton (``specjax[gpu]``)."""
     if jax.default_backend() not in ("gpu", "cuda"):
         return False, f"no NVIDIA GPU: jax.default_backend() is {jax.default_backend()!r}"
     try:

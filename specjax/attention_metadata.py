@@ -1,8 +1,7 @@
 """``CommonAttentionMetadata``: the ragged-batch description every step passes around.
 
-A registered pytree. Device arrays are leaves; the padded sizes, the ``max_query_len``
-bucket and ``causal`` are static aux data (part of the jit cache key), so a step compiles
-once per bucket and never because the real counts changed inside it.
+A registered pytree: device arrays are leaves; padded sizes, the ``max_query_len`` bucket
+and ``causal`` are static, so a step compiles once per bucket.
 """
 
 from __future__ import annotations
@@ -38,18 +37,15 @@ class CommonAttentionMetadata:
 
     Attributes:
       query_start_loc: ``[B_pad + 1] int32``; padding rows repeat the last real value.
-      seq_lens: ``[B_pad] int32``, context length of each request including this step's
-        tokens; 0 on padding rows.
+      seq_lens: ``[B_pad] int32``, context length including this step's tokens (0: padding).
       block_table: ``[B_pad, max_blocks] int32``.
       slot_mapping: ``[T_pad] int32``, -1 on padding tokens.
       num_reqs, num_actual_tokens, max_seq_len: 0-d int32 device scalars.
       max_query_len: static int, the query-length bucket (an upper bound).
       causal: static bool.
-      tree_mask: static ``None`` or a ``Q x Q`` tuple of tuples of bools (tree attention,
-        vLLM's ``tree_attn_bias``): query ``i`` of a request with query length ``q <= Q``
-        sees every key before its query block (positions ``< seq_len - q``) and the key of
-        query ``j`` of its block iff ``tree_mask[i][j]``; ``causal`` is then ignored.
-        Every request's query length must be at most ``Q``.
+      tree_mask: static ``None`` or ``Q x Q`` bools (vLLM's ``tree_attn_bias``): query ``i``
+        sees the context before its block and query ``j`` of its block iff
+        ``tree_mask[i][j]`` (``causal`` ignored; query lengths at most ``Q``).
     """
 
     query_start_loc: jax.Array
@@ -115,12 +111,9 @@ class CommonAttentionMetadata:
         max_query_len: int | None = None,
         causal: bool = True,
     ) -> "CommonAttentionMetadata":
-        """Build padded metadata on the host from per-request numbers (not jittable).
-
-        ``query_lens``, ``seq_lens``: ``[num_reqs]`` ints; ``block_table``:
-        ``[num_reqs, max_blocks]``. The slot mapping covers each request's last
-        ``query_len`` positions ``seq_len - query_len .. seq_len - 1``.
-        """
+        """Build padded metadata on the host (not jittable) from ``query_lens``, ``seq_lens``
+        ``[num_reqs]`` and ``block_table [num_reqs, max_blocks]``; each request's query is
+        its last ``query_len`` positions."""
         q = np.asarray(query_lens, dtype=np.int64)
         s = np.asarray(seq_lens, dtype=np.int64)
         bt = np.asarray(block_table, dtype=np.int64)

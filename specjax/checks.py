@@ -1,12 +1,9 @@
-"""Argument checks shared by every public entry point (``SpeculativeConfig``,
-``SpeculativeConfig.from_vllm``, ``make_proposer``, ``generate`` / ``Engine``, the public
-step, the HF config parser).
+"""Argument checks shared by every public entry point.
 
-Each check raises before any work, with a message that names the argument, shows the value
-(``repr``, truncated to :data:`MAX_VALUE_CHARS`) and states what is allowed. Wrong types are
-``TypeError`` (:class:`ArgumentTypeError`, also a ``ValueError``); values of the right
-type outside their range are ``ValueError``. A ``bool`` is never an integer here
-(``True`` is not a count); NumPy integer scalars are.
+Each raises before any work, naming the argument, showing the value (``repr``, cut to
+:data:`MAX_VALUE_CHARS`) and stating what is allowed: ``TypeError``
+(:class:`ArgumentTypeError`, also a ``ValueError``) for a wrong type, ``ValueError`` for
+a value out of range. A ``bool`` is never an integer here; NumPy integer scalars are.
 """
 
 from __future__ import annotations
@@ -31,8 +28,8 @@ class ArgumentError(ValueError):
 
 
 class ArgumentTypeError(TypeError, ValueError):
-    """A value of the wrong type: a ``TypeError``, and also a ``ValueError`` so that code
-    written against the earlier ``ValueError``-only checks keeps catching it."""
+    """A value of the wrong type: a ``TypeError``, and also a ``ValueError`` so that one
+    ``except ValueError`` catches every argument error."""
 
 
 def show(value: Any, limit: int = MAX_VALUE_CHARS) -> str:

@@ -1,10 +1,7 @@
 """``SpeculativeConfig``: vLLM's field names and defaults, validated at construction.
 
-Every check raises before any model or buffer is built, naming the field, the value and
-the allowed values (``specjax.checks``: ``ValueError``; a wrong type is a ``TypeError``
-that is also a ``ValueError``). ``SpeculativeConfig.from_vllm`` reads a vLLM
-``speculative_config`` dict (``specjax.vllm_config``). The object is frozen and hashable, so proposers can keep it as
-static configuration under ``jax.jit``.
+Every check raises before any model is built, naming the field, the value and what is
+allowed (``specjax.checks``). Frozen and hashable: static configuration under ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -46,12 +43,8 @@ def _chain_tree(k: int) -> tuple[tuple[int, ...], ...]:
 
 def parse_token_tree(tree: str | list | tuple) -> tuple[tuple[int, ...], ...]:
     """Parse and check a ``speculative_token_tree``; return it sorted by ``(len, tuple)``.
-
-    The proposer expands every node of a level into the same number of children (top-k
-    per level, as vLLM's ``propose_tree`` does), so the tree must be breadth-first
-    consistent: no duplicates, every node's parent present, and level l made of exactly
-    the children ``0..c_l-1`` of every node of level l-1.
-    """
+    ValueError unless level l is exactly the children ``0..c_l-1`` of every node of level
+    l-1 (top-k per level, as vLLM's ``propose_tree`` drafts)."""
     if isinstance(tree, str):
         try:
             choices = ast.literal_eval(tree)
@@ -99,15 +92,11 @@ def parse_token_tree(tree: str | list | tuple) -> tuple[tuple[int, ...], ...]:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding configuration (vLLM ``SpeculativeConfig`` field names).
-
-    ``method`` None means ``"ngram"`` when ``model`` is ``"ngram"``/``"[ngram]"``, else
-    ``"draft_model"``. ``num_speculative_tokens`` defaults to
-    ``suffix_decoding_max_tree_depth`` for suffix decoding and is required otherwise.
-    ``prompt_lookup_min/max`` default to 5 for the n-gram methods (one copies the other
-    when only one is given) and are 0 for the others. ``speculative_token_tree`` becomes
-    the chain of k nodes for model-based methods when None; it is stored normalized
-    (sorted ``(len, tuple)``) as ``str`` like vLLM, and parsed in ``token_tree``.
+    """Speculative decoding configuration (vLLM ``SpeculativeConfig`` field names and
+    defaults). ``method`` None: ``"ngram"`` when ``model`` is ``"ngram"``, else
+    ``"draft_model"``. ``num_speculative_tokens`` is required except for suffix decoding.
+    ``speculative_token_tree`` (None: the chain of k nodes for model-based methods) is
+    stored sorted, as ``str`` like vLLM's.
     """
 
     method: str | None = None
@@ -281,9 +270,8 @@ class SpeculativeConfig:
 
     @property
     def synthetic_rates(self) -> tuple[float, ...] | None:
-        """The synthetic unconditional acceptance rates (given, or resolved from
-        ``synthetic_acceptance_length`` as vLLM's ``_acceptance_length_to_rates``), None
-        unless ``rejection_sample_method='synthetic'``."""
+        """The synthetic unconditional acceptance rates (given or resolved from the length),
+        None unless ``rejection_sample_method='synthetic'``."""
         if self.rejection_sample_method != "synthetic":
             return None
         return resolve_synthetic_acceptance_rates(self.num_speculative_tokens,
@@ -292,9 +280,8 @@ class SpeculativeConfig:
 
     @classmethod
     def from_vllm(cls, d: Mapping[str, Any], **overrides: Any) -> "SpeculativeConfig":
-        """A vLLM ``speculative_config`` dict (v0.20 field names and values) ->
-        ``SpeculativeConfig``; see :func:`specjax.vllm_config.from_vllm` (method detection
-        from the draft's config, vLLM-only fields refused away from their defaults)."""
+        """A vLLM ``speculative_config`` dict -> ``SpeculativeConfig``
+        (:func:`specjax.vllm_config.from_vllm`)."""
         from specjax.vllm_config import from_vllm
 
         return cls(**from_vllm(d, tuple(f.name for f in dataclasses.fields(cls)), **overrides))
@@ -324,9 +311,8 @@ class SpeculativeConfig:
 
     @property
     def max_num_new_slots_for_drafting(self) -> "SlotCount":
-        """Extra KV slots a request may need while drafting: ``k-1`` if parallel drafting,
-        plus 1 for a draft model (vLLM; a property there and here). The value is an int
-        that may also be called, as the earlier method was."""
+        """Extra KV slots a request may need while drafting (vLLM's property): ``k-1`` with
+        parallel drafting, plus 1 for a draft model; an int that may also be called."""
         n = self.num_speculative_tokens - 1 if self.parallel_drafting else 0
         return SlotCount(n + (1 if self.uses_draft_model() else 0))
 
@@ -337,7 +323,7 @@ class SpeculativeConfig:
 
 class SlotCount(int):
     """An int that returns itself when called (``config.max_num_new_slots_for_drafting``
-    was a method before it became vLLM's property)."""
+    works as vLLM's property and as a call)."""
 
     def __call__(self) -> int:
         return int(self)
@@ -348,9 +334,8 @@ def _is_int(v) -> bool:
 
 
 def acceptance_length_to_rates(length: float, k: int) -> tuple[float, ...]:
-    """vLLM's ``SpeculativeConfig._acceptance_length_to_rates``: the least-variance
-    unconditional rates with mean acceptance length ``length``: ``floor(length-1)`` ones,
-    then the fraction, then zeros, truncated to ``k``."""
+    """vLLM's ``_acceptance_length_to_rates``: ``floor(length-1)`` ones, the fraction, then
+    zeros, truncated to ``k``."""
     n_full = int(math.floor(length - 1))
     frac = (length - 1) - n_full
     rates = [1.0] * n_full + ([frac] if n_full < k else [])

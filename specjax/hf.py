@@ -1,12 +1,8 @@
-"""Real checkpoints end to end, torch-free: read a checkpoint directory's config, load a
-model by path, its tokenizer (``transformers.AutoTokenizer``, the ``hf`` extra), its
-``generation_config.json`` stop ids, and score token ids.
-
-Nothing here downloads: every path is a local directory (``FileNotFoundError`` naming it
-otherwise). Nothing in a checkpoint is executed (``trust_remote_code`` stays False). A
-``specjax-convert`` output holds its source's tokenizer and generation files, checked
-against the sizes and sha256 its ``specjax.json`` records before they are read. Importing
-transformers here drops its "PyTorch was not found" notice (only tokenizers are used).
+"""Real checkpoints end to end, torch-free: a checkpoint directory's config, its model, its
+tokenizer (``transformers.AutoTokenizer``, the ``hf`` extra), its ``generation_config.json``
+stop ids, and scoring. Local directories only, nothing downloaded or executed
+(``trust_remote_code`` stays False); a ``specjax-convert`` output's carried files are
+checked against the sizes and sha256 its ``specjax.json`` records before they are read.
 """
 
 from __future__ import annotations
@@ -75,9 +71,8 @@ def read_checkpoint_config(path: Any) -> dict:
 
 def load_model(path: Any, dtype: Any = None, *, format: str | None = None):
     """``(runner, kind, config, params)`` of the checkpoint at ``path`` (converted or
-    original; ``specjax.load_pretrained`` underneath). ``format``: the converters' format
-    an original checkpoint is read in (a key of ``specjax.converters.FORMATS``; None:
-    auto-detected); a converted directory records its own."""
+    original); ``format``: a ``specjax.converters.FORMATS`` key for an original one (None:
+    auto-detected)."""
     from specjax.converters import load_pretrained
     from specjax.models import registry
 
@@ -88,9 +83,7 @@ def load_model(path: Any, dtype: Any = None, *, format: str | None = None):
 
 def load_draft(path: Any, method: str, dtype: Any = None):
     """``(draft runner, draft params)`` of ``config.model``, checked to be a draft of
-    ``method``'s kind. An original directory is read in ``DRAFT_METHOD_FORMATS[method]``
-    when there is one (``"mtp"``: the MTP head of a MiMo checkpoint, format ``mimo-mtp``),
-    else in its auto-detected format."""
+    ``method``'s kind (read in ``DRAFT_METHOD_FORMATS[method]`` when there is one)."""
     from specjax.converters.errors import CheckpointError
 
     fmt = DRAFT_METHOD_FORMATS.get(method)
@@ -112,10 +105,7 @@ def load_draft(path: Any, method: str, dtype: Any = None):
 def load_generation_config(path: Any) -> dict:
     """``generation_config.json`` of a checkpoint directory as ``{"eos_token_ids": [...],
     "bos_token_id", "pad_token_id", "temperature", "top_k", "top_p"}`` (absent keys
-    omitted; ``eos_token_id`` may be an int or a list in the file). Without the file, the
-    same keys of ``config.json`` (of a converted directory: ``specjax.json``'s
-    ``hf_config``); ``{}`` when there is none. A converted directory's carried
-    ``generation_config.json`` is checked against its recorded size and sha256 first."""
+    omitted), else the same keys of its config; ``{}`` when there are none."""
     p = Path(path).expanduser()
     if not p.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(p)!r} does not exist")
@@ -151,9 +141,8 @@ def _generation_fields(d: dict, src: Path) -> dict:
 
 
 def _converted_metadata(p: Path, names=None) -> dict | None:
-    """``specjax.json`` of a converted directory, its carried files among ``names`` (None:
-    all) checked (``CorruptOutputError`` naming a missing or changed one); None for an
-    original checkpoint."""
+    """``specjax.json`` of a converted directory with its carried files among ``names``
+    checked (``CorruptOutputError``); None for an original checkpoint."""
     if not (p / "specjax.json").is_file():
         return None
     from specjax.converters import store
@@ -164,9 +153,8 @@ def _converted_metadata(p: Path, names=None) -> dict | None:
 
 
 def tokenizer_dir(path: Any, what: str = "tokenizer", hint: str = "") -> Path:
-    """``path`` as an existing directory holding a tokenizer (one of
-    :data:`TOKENIZER_FILES`); ``FileNotFoundError`` / ``NotADirectoryError`` naming
-    ``what``, the directory and the files looked for (then ``hint``) otherwise."""
+    """``path`` as an existing directory holding one of :data:`TOKENIZER_FILES`; else
+    ``FileNotFoundError`` / ``NotADirectoryError`` naming ``what``, the files and ``hint``."""
     if not isinstance(path, (str, Path)):
         raise ArgumentTypeError(f"{what} path must be a str or Path, got {show(path)}")
     p = Path(path).expanduser()
@@ -182,10 +170,8 @@ def tokenizer_dir(path: Any, what: str = "tokenizer", hint: str = "") -> Path:
 
 
 def _import_auto_tokenizer():
-    """``transformers.AutoTokenizer``, imported with its "PyTorch was not found" notice
-    dropped: specjax uses transformers for tokenizers only, which need no PyTorch. The
-    notice is logged while transformers is first imported, so the filter goes on its
-    logger before the import."""
+    """``transformers.AutoTokenizer``, imported without its "PyTorch was not found" notice
+    (tokenizers need no PyTorch)."""
     lg = logging.getLogger("transformers")
     if not any(isinstance(f, _NoTorchNotice) for f in lg.filters):
         lg.addFilter(_NoTorchNotice())
@@ -204,13 +190,10 @@ class _NoTorchNotice(logging.Filter):
 
 
 def load_tokenizer(path: Any, what: str = "tokenizer"):
-    """``transformers.AutoTokenizer`` of a local directory holding a tokenizer (an original
-    checkpoint, a ``specjax-convert`` output carrying its source's tokenizer, or a
-    tokenizer-only directory; the ``hf`` extra: ``pip install "specjax[hf]"``);
-    ``trust_remote_code=False``, no network. ``FileNotFoundError`` naming ``what`` and the
-    files looked for when there is no tokenizer (:func:`tokenizer_dir`);
-    ``CorruptOutputError`` when a converted directory's carried file was changed; a
-    ValueError naming ``what`` and the directory when transformers cannot load it."""
+    """``transformers.AutoTokenizer`` of a local directory holding a tokenizer (the ``hf``
+    extra; ``trust_remote_code=False``, no network). Raises ``FileNotFoundError`` without
+    a tokenizer, ``CorruptOutputError`` for a changed carried file, ``ValueError`` when
+    transformers cannot load it; each names ``what``."""
     p = tokenizer_dir(path, what)
     _converted_metadata(p)
     auto = _import_auto_tokenizer()
@@ -240,9 +223,8 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool | None = None) -> list[i
 
 def encode_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
     """Token-id sequences of vLLM's string ``bad_words`` (``SamplingParams.
-    update_from_tokenizer``): each word, left-stripped, encoded without special tokens as
-    written, and again with a leading space when that gives a different first token and
-    as many tokens (the word in mid-text). A word that encodes to no token is refused."""
+    update_from_tokenizer``): each word as written and, when that differs in its first
+    token only, with a leading space; a word of no tokens is refused."""
     if isinstance(words, (str, bytes)) or not isinstance(words, (list, tuple)):
         raise ArgumentTypeError(f"bad_words must be a list of str, got {show(words)}")
     out: list[list[int]] = []
@@ -264,10 +246,8 @@ def encode_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
 
 
 def score(model, params, token_ids: Sequence[int]):
-    """Logits ``[len(token_ids), V]`` (float32, NumPy) of ``model`` (a ``DecoderLM``) at
-    every position of one sequence: row ``i`` scores the token after
-    ``token_ids[: i + 1]``. One jitted prefill into a fresh paged cache of one block,
-    padded to a power of two (so nearby lengths share a compilation)."""
+    """Logits ``[len(token_ids), V]`` (float32, NumPy) of a ``DecoderLM`` over one sequence:
+    row ``i`` scores the token after ``token_ids[: i + 1]`` (one jitted prefill)."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -30,15 +30,12 @@ class SpecDecodeMetadata:
     Attributes (device arrays, int32):
       draft_token_ids: ``[N_pad]`` all drafts back to back (-1 on padding).
       num_draft_tokens: ``[B_pad]`` drafts per request (0 on padding rows).
-      cu_num_draft_tokens: ``[B_pad]`` inclusive cumsum of ``num_draft_tokens``.
-      cu_num_sampled_tokens: ``[B_pad]`` inclusive cumsum of ``num_draft_tokens + 1``
-        over real rows (padding rows repeat the last value).
-      target_logits_indices: ``[N_pad]`` row of ``logits`` for each draft position.
-      bonus_logits_indices: ``[B_pad]`` row of ``logits`` for each bonus position.
-      logits_indices: ``[N_pad + B_pad]`` token index (into the target batch) of every row of
-        ``logits``: the last ``n_draft + 1`` tokens of each request.
-      num_reqs: 0-d.
-      max_spec_len: static int, the largest draft count (the bucket).
+      cu_num_draft_tokens, cu_num_sampled_tokens: ``[B_pad]`` inclusive cumsums of
+        ``num_draft_tokens`` and ``num_draft_tokens + 1`` (padding repeats the last).
+      target_logits_indices / bonus_logits_indices: ``[N_pad]`` / ``[B_pad]`` rows of
+        ``logits`` for each draft / bonus position.
+      logits_indices: ``[N_pad + B_pad]`` target-batch token index of every ``logits`` row.
+      num_reqs: 0-d; max_spec_len: static int, the draft-count bucket.
     """
 
     draft_token_ids: jax.Array
@@ -62,12 +59,8 @@ class SpecDecodeMetadata:
         num_drafts_pad: int | None = None,
     ) -> "SpecDecodeMetadata":
         """Build from per-request draft lists on the host (vLLM's
-        ``_calc_spec_decode_metadata``).
-
-        ``cu_num_scheduled_tokens``: ``[num_reqs]`` inclusive cumsum of the tokens each
-        request was scheduled in the target batch (each at least ``n_draft + 1``). When
-        None, each request is scheduled exactly ``n_draft + 1`` tokens.
-        """
+        ``_calc_spec_decode_metadata``); ``cu_num_scheduled_tokens [num_reqs]``: inclusive
+        cumsum of scheduled tokens (None: ``n_draft + 1`` each)."""
         drafts = [list(map(int, d)) for d in draft_token_ids]
         n = len(drafts)
         nd = np.array([len(d) for d in drafts], dtype=np.int64)

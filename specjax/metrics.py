@@ -1,30 +1,10 @@
-"""Speculative-decoding metrics, the same numbers, log line and Prometheus counters as vLLM
-v0.20 (``vllm/v1/spec_decode/metrics.py``), so existing dashboards and PromQL keep working.
+"""Speculative-decoding metrics: the same numbers, log line and Prometheus counters as
+vLLM's ``vllm/v1/spec_decode/metrics.py``, so existing dashboards and PromQL keep working.
 
-* ``SpecDecodingStats``: one engine step's counts, filled by ``observe_draft`` once per
-  request that had drafts verified.
-* ``SpecDecodingLogging``: accumulates stats and periodically logs one line::
-
-    SpecDecoding metrics: Mean acceptance length: 2.50, Accepted throughput: 1.20 tokens/s,
-    Drafted throughput: 3.00 tokens/s, Accepted: 12 tokens, Drafted: 30 tokens,
-    Per-position acceptance rate: 0.800, 0.400, Avg Draft acceptance rate: 40.0%
-
-  mean acceptance length = 1 + accepted / drafts (the bonus token counts), per-position
-  rate = accepted at position p / drafts, acceptance rate = accepted / drafted * 100.
-* ``SpecDecodingProm``: Prometheus counters ``<prefix>spec_decode_num_drafts``,
-  ``..._num_draft_tokens``, ``..._num_accepted_tokens`` (labels ``labelnames``, vLLM passes
-  ``["model_name", "engine"]``) and ``..._num_accepted_tokens_per_pos`` (plus
-  ``position``); prometheus_client exposes them with a ``_total`` suffix. The prefix
-  defaults to vLLM's ``"vllm:"``.
-
-Useful PromQL (vLLM's)::
-
-    acceptance rate:   rate(vllm:spec_decode_num_accepted_tokens_total[$i])
-                         / rate(vllm:spec_decode_num_draft_tokens_total[$i])
-    mean accept. len.: 1 + rate(vllm:spec_decode_num_accepted_tokens_total[$i])
-                         / rate(vllm:spec_decode_num_drafts_total[$i])
-    per position:      rate(vllm:spec_decode_num_accepted_tokens_per_pos_total[$i])
-                         / rate(vllm:spec_decode_num_drafts_total[$i])
+``SpecDecodingStats``: one engine step's counts (``observe_draft`` per request with
+verified drafts); ``SpecDecodingLogging``: accumulates them and logs vLLM's line;
+``SpecDecodingProm``: the ``<prefix>spec_decode_*`` counters. Formulas and PromQL:
+docs/integration.md, §5.
 """
 
 from __future__ import annotations
@@ -59,16 +39,9 @@ def _check_count(name: str, value) -> int:
 
 @dataclasses.dataclass
 class SpecDecodingStats:
-    """Per-step counts.
-
-    Attributes:
-      num_spec_tokens: ``k``, the configured number of speculative tokens.
-      num_drafts: requests whose drafts were verified.
-      num_draft_tokens: draft tokens verified.
-      num_accepted_tokens: draft tokens accepted.
-      num_accepted_tokens_per_pos: ``[k]`` ints; entry ``p`` counts drafts whose token at
-        position ``p`` was accepted.
-    """
+    """Per-step counts: ``num_spec_tokens`` (k), ``num_drafts`` (requests whose drafts were
+    verified), ``num_draft_tokens``, ``num_accepted_tokens`` and
+    ``num_accepted_tokens_per_pos`` (``[k]``: drafts accepted at position ``p``)."""
 
     num_spec_tokens: int
     num_drafts: int = 0
@@ -100,12 +73,8 @@ class SpecDecodingStats:
 
 
 class SpecDecodingLogging:
-    """Aggregates ``SpecDecodingStats`` between log lines.
-
-    Args:
-      clock: seconds as a float, for throughputs (default ``time.monotonic``; tests inject
-        a fake clock).
-    """
+    """Aggregates ``SpecDecodingStats`` between log lines; ``clock``: float seconds for the
+    throughputs (default ``time.monotonic``)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -170,16 +139,10 @@ class SpecDecodingLogging:
 class SpecDecodingProm:
     """Prometheus counters for speculative decoding (vLLM's names, documentation, labels).
 
-    Args:
-      speculative_config: None disables the counters (``observe`` does nothing); otherwise
-        ``k`` as an int, or any object with a ``num_speculative_tokens`` attribute (such as
-        ``specjax.config.SpeculativeConfig``).
-      labelnames: label names of every counter (vLLM: ``["model_name", "engine"]``);
-        ``position`` is added for the per-position counter.
-      per_engine_labelvalues: engine index -> label values (one per label name).
-      prefix: prepended to every metric name (default ``"vllm:"``).
-      registry: the ``prometheus_client.CollectorRegistry`` to register with (default: the
-        global ``REGISTRY``).
+    ``speculative_config``: None (counters off), ``k``, or an object with
+    ``num_speculative_tokens``; ``labelnames`` / ``per_engine_labelvalues``: every
+    counter's labels and each engine's values; ``prefix`` (default ``"vllm:"``);
+    ``registry`` (default: prometheus_client's global one).
     """
 
     _counter_cls = None  # set lazily to prometheus_client.Counter; overridable like vLLM's

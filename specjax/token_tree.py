@@ -1,14 +1,9 @@
 """Speculative token trees (vLLM's ``speculative_token_tree``), as static structure.
 
-A tree is a list of nodes, each a tuple of child ranks from the root: ``(0,)`` is the
-root's best child, ``(1,)`` its second best, ``(0, 1)`` the second best child of
-``(0,)``. ``SpeculativeConfig`` sorts them breadth-first by ``(len, tuple)`` and checks
-that every level is made of children ``0..c_l-1`` of every node above it (top-k per
-level, as vLLM's ``propose_tree`` drafts them). Node ``j`` in that order is column ``j``
-of a tree proposer's ``DraftOutput.token_ids``.
-
-Everything here is plain Python over a frozen, hashable object, so it can be static
-configuration under ``jax.jit``.
+A node is a tuple of child ranks from the root (``(0,)`` the root's best child, ``(0, 1)``
+the second best child of ``(0,)``); nodes are sorted breadth-first by ``(len, tuple)`` and
+every level must be the top-``c_l`` children of every node above it. Node ``j`` is column
+``j`` of a tree proposer's drafts. A frozen, hashable object: static under ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -21,11 +16,8 @@ from specjax.config import parse_token_tree
 
 @dataclasses.dataclass(frozen=True)
 class TokenTree:
-    """The static structure of a speculative token tree.
-
-    Attributes:
-      choices: the nodes, sorted breadth-first by ``(len, tuple)``.
-    """
+    """The static structure of a speculative token tree; ``choices``: the nodes, sorted
+    breadth-first by ``(len, tuple)``."""
 
     choices: tuple[tuple[int, ...], ...]
 
@@ -88,12 +80,8 @@ class TokenTree:
         return (s[0],) + tuple(s[i] // s[i - 1] for i in range(1, len(s)))
 
     def ancestor_mask(self, *, with_root: bool = False) -> tuple[tuple[bool, ...], ...]:
-        """``mask[i][j]``: node ``j`` is node ``i`` or one of its ancestors (tree attention).
-
-        ``with_root``: an ``(N+1) x (N+1)`` mask with the root at index 0, seen by every
-        node (the target's verification pass: root = the last committed token), nodes at
-        ``1..N``. Otherwise ``N x N`` over the nodes (the drafting passes).
-        """
+        """``mask[i][j]``: node ``j`` is node ``i`` or one of its ancestors (tree attention);
+        ``N x N``, or with ``with_root`` ``(N+1) x (N+1)`` with the root at index 0."""
         n = self.num_nodes
         off = 1 if with_root else 0
         rows = [[False] * (n + off) for _ in range(n + off)]

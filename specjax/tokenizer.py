@@ -1,19 +1,8 @@
 """Byte-level tokenizer for the demo models (a target LM and its draft heads).
 
-Token ids ``0..255`` are the raw bytes; four special tokens follow:
-
-==========  ====  ==========================================================
-name        id    meaning
-==========  ====  ==========================================================
-``bos``     256   beginning of a document (every training file starts with it)
-``eos``     257   end of a document
-``mask``    258   DFlash's mask token (the placeholder a parallel drafter fills)
-``pad``     259   padding (never produced by the data pipeline)
-==========  ====  ==========================================================
-
-so ``VOCAB_SIZE = 260``. The tokenizer has no state: ``encode`` is ``bytes(text)``
-plus optional BOS/EOS, and ``decode`` is the inverse. Every id fits ``uint16``, the
-storage dtype of token shards (:mod:`specjax.training.data`).
+Ids ``0..255`` are the raw bytes, then ``bos`` 256, ``eos`` 257, ``mask`` 258 (DFlash's
+mask token) and ``pad`` 259: ``VOCAB_SIZE = 260``, every id fits ``uint16`` (the token
+shards' dtype). Stateless: ``encode`` is the bytes plus optional BOS/EOS.
 """
 
 from __future__ import annotations
@@ -95,35 +84,27 @@ class ByteTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """``VOCAB_SIZE`` (260)."""
         return VOCAB_SIZE
 
     @property
     def bos_id(self) -> int:
-        """``BOS_ID`` (256)."""
         return BOS_ID
 
     @property
     def eos_id(self) -> int:
-        """``EOS_ID`` (257)."""
         return EOS_ID
 
     @property
     def mask_id(self) -> int:
-        """``MASK_ID`` (258), DFlash's mask token."""
         return MASK_ID
 
     @property
     def pad_id(self) -> int:
-        """``PAD_ID`` (259)."""
         return PAD_ID
 
     def encode_np(self, text: str | bytes, *, bos: bool = False, eos: bool = False) -> np.ndarray:
-        """Encode to a 1-D ``uint16`` array: optional BOS, the bytes, optional EOS.
-
-        ``text`` is a ``str`` (encoded as UTF-8) or a bytes-like object (bytes, bytearray,
-        memoryview) taken as is; anything else raises TypeError.
-        """
+        """Encode ``text`` (``str`` as UTF-8, or bytes-like as is; else TypeError) to a 1-D
+        ``uint16`` array: optional BOS, the bytes, optional EOS."""
         data = _to_bytes(text)
         bos, eos = _check_flag("bos", bos), _check_flag("eos", eos)
         out = np.empty(len(data) + bos + eos, np.uint16)
@@ -139,12 +120,8 @@ class ByteTokenizer:
         return self.encode_np(text, bos=bos, eos=eos).tolist()
 
     def decode_bytes(self, ids: Any, *, skip_special: bool = True) -> bytes:
-        """Bytes of ``ids`` (a 1-D sequence or array of integer ids).
-
-        Ids outside ``[0, VOCAB_SIZE)`` raise ValueError naming the id and its position.
-        Special ids (256..259) have no bytes: ``skip_special=True`` drops them,
-        ``skip_special=False`` raises ValueError naming the first one.
-        """
+        """Bytes of 1-D integer ``ids``; special ids are dropped (``skip_special``) or raise
+        ValueError, as do ids outside ``[0, VOCAB_SIZE)``."""
         skip_special = _check_flag("skip_special", skip_special)
         arr = _ids_to_array(ids)
         special = arr >= BYTE_VOCAB
@@ -160,12 +137,8 @@ class ByteTokenizer:
         return arr.astype(np.uint8).tobytes()
 
     def decode(self, ids: Any, *, skip_special: bool = True, errors: str = "replace") -> str:
-        """``decode_bytes(ids)`` decoded as UTF-8 with the codec error handler ``errors``.
-
-        ``errors`` is any registered handler ("strict", "replace", "ignore",
-        "backslashreplace", "surrogateescape", ...); the default "replace" never raises on
-        byte sequences that are not valid UTF-8 (a model may emit any byte).
-        """
+        """``decode_bytes(ids)`` as UTF-8 with codec error handler ``errors`` (default
+        "replace": never raises, a model may emit any byte)."""
         if not isinstance(errors, str):
             raise TypeError(f"errors must be a str naming a codec error handler, got {type(errors).__name__}")
         try:

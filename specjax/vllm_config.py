@@ -1,18 +1,6 @@
-"""A vLLM ``speculative_config`` dict -> ``SpeculativeConfig`` (v0.20 names and values;
-docs/vllm_config.md lists every difference).
-
-* Every v0.20 field specjax implements keeps vLLM's meaning.
-* A vLLM field specjax does not implement (``quantization``, ``revision``,
-  ``tensor_parallel_size``, the v0.33 additions, ...) is accepted only at vLLM's default
-  value and refused by name at any other; an unknown key is refused with the known ones.
-* ``method`` absent or None with a ``model``: detected from the draft's config first
-  (``speculators_config.algorithm``, ``architectures``, ``model_type``, ``dflash_config``,
-  a converted directory's ``kind``), then from its format (config and tensor names, as
-  ``specjax-convert`` detects it: a SafeAILab EAGLE config says ``LlamaForCausalLM``),
-  then by vLLM v0.20's path-substring rule
-  (``"eagle-"`` -> eagle, ``"eagle3"`` -> eagle3, ``"dflash"`` -> dflash), else
-  ``draft_model``; config signals that disagree are refused. An explicit method that the
-  draft's config contradicts is refused too (vLLM would fail later, loading weights).
+"""A vLLM ``speculative_config`` dict -> ``SpeculativeConfig``: vLLM's names and values;
+unimplemented fields accepted only at vLLM's default, unknown keys refused; ``method``
+detected from the draft when absent. Every difference: docs/vllm_config.md.
 """
 
 from __future__ import annotations
@@ -35,7 +23,7 @@ VLLM_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "target_model_config": (None,), "target_parallel_config": (None,),
     "draft_model_config": (None,), "draft_parallel_config": (None,),
     "hf_config_override": (None, {}),
-    # v0.33 (vllm_delta_0.33.md section 6.3)
+    # vLLM v0.33 additions (vllm/config/speculative.py)
     "attention_backend": (None, "auto"), "kv_cache_dtype": (None, "auto"),
     "index_share_for_mtp_iteration": (None,), "disable_eagle_block_drop": (False,),
     "disable_lookahead_block_hashes": (False,), "draft_lm_head_quantization": (None,),
@@ -88,9 +76,8 @@ def _from_config(cfg: Mapping[str, Any]) -> set[str]:
 
 
 def _from_tensors(model: str) -> str | None:
-    """The method of the checkpoint's format, told from its config and tensor names
-    (``specjax.converters``' format detection; headers only, no tensor data read), None
-    when that cannot tell (or the directory is a converted one)."""
+    """The method of the checkpoint's format (``specjax.converters``' detection from config
+    and tensor names), or None."""
     from specjax.converters.errors import CheckpointError
     from specjax.converters.formats import FORMATS, detect_format
     from specjax.converters.readers import read_checkpoint
@@ -107,8 +94,7 @@ def _from_tensors(model: str) -> str | None:
 
 
 def detect_method(model: str, config: Mapping[str, Any] | None = None) -> str:
-    """The method of the draft at ``model`` (its config read when ``config`` is None and
-    ``model`` is a directory); see the module docstring for the order."""
+    """The method of the draft at ``model`` (its config read when ``config`` is None)."""
     is_dir = Path(model).is_dir()
     if config is None and is_dir:
         from specjax.hf import read_checkpoint_config
@@ -138,9 +124,8 @@ def detect_method(model: str, config: Mapping[str, Any] | None = None) -> str:
 
 
 def from_vllm(d: Mapping[str, Any], fields: tuple[str, ...], **overrides: Any) -> dict:
-    """The ``SpeculativeConfig`` keyword arguments (``fields``: its field names) of a vLLM
-    ``speculative_config`` dict (``overrides`` applied on top, with the same rules); used
-    by ``SpeculativeConfig.from_vllm``."""
+    """``SpeculativeConfig`` keyword arguments (``fields``: its field names) of a vLLM
+    ``speculative_config`` dict, ``overrides`` applied on top under the same rules."""
     if not isinstance(d, Mapping):
         raise ArgumentTypeError(f"speculative_config must be a dict, got {show(d)}")
     d = {**d, **overrides}
@@ -194,9 +179,7 @@ def from_vllm(d: Mapping[str, Any], fields: tuple[str, ...], **overrides: Any) -
 
 
 def _mtp_default_k(kw: dict) -> None:
-    """vLLM's MTP default: ``num_speculative_tokens`` None -> the checkpoint's ``n_predict``
-    (``num_nextn_predict_layers``, 1 when absent), read from ``model``'s config when it is a
-    directory (the target's, for MTP)."""
+    """vLLM's MTP default k: the checkpoint's ``num_nextn_predict_layers`` (1 when absent)."""
     model = kw.get("model")
     if kw.get("num_speculative_tokens") is not None or model is None or not Path(model).is_dir():
         return

@@ -179,7 +179,7 @@ def test_make_proposer_bad_arguments():
 
 def test_generate_bad_arguments():
     from specjax import generate
-    from specjax.engine import SamplingParams, TargetModel
+    from specjax.engine import LoopOptions, SamplingParams, TargetModel
 
     tgt, tp = _target()
     t = TargetModel(tgt, tp)
@@ -193,14 +193,22 @@ def test_generate_bad_arguments():
         (dict(seed="abc"), TypeError, "seed"),
         (dict(seed=-1), ValueError, "seed"),
         (dict(block_size=2.5), TypeError, "block_size"),
-        (dict(batch_buckets=(1,), max_num_seqs=2), ValueError, "batch_buckets"),
-        (dict(query_buckets=(0,)), ValueError, "query_buckets"),
-        (dict(context_buckets=(2,), max_model_len=256), ValueError, "context_buckets"),
+        (dict(loop=dict(batch_buckets=(1,)), max_num_seqs=2), ValueError, "batch_buckets"),
+        (dict(loop=dict(query_buckets=(0,))), ValueError, "query_buckets"),
+        (dict(loop=dict(context_buckets=(2,)), max_model_len=256), ValueError, "context_buckets"),
+        (dict(loop=dict(steps_per_sync=0)), ValueError, "steps_per_sync"),
+        (dict(loop=dict(overlap="yes")), TypeError, "overlap"),
         (dict(num_blocks=True), TypeError, "num_blocks"),
+        (dict(options={"steps_per_sync": 4}), TypeError, "options"),
+        (dict(steps_per_sync=4), TypeError, r"steps_per_sync.*allowed: .*'max_model_len'.*"
+                                            r"options=LoopOptions\(steps_per_sync=\.\.\.\)"),
+        (dict(bogus=1), TypeError, r"unknown option\(s\) \['bogus'\]; allowed: .*'options'"),
     ]
     for kw, exc, name in cases:
         with pytest.raises(exc, match=name):
-            generate(t, None, prompts, sp, **kw)
+            loop = kw.pop("loop", None)
+            generate(t, None, prompts, sp, **kw,
+                     **({} if loop is None else {"options": LoopOptions(**loop)}))
     _, other = _target(intermediate_size=96)
     with pytest.raises(ValueError, match="target params do not match"):
         generate(TargetModel(tgt, other), None, prompts, sp)

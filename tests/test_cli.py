@@ -111,7 +111,7 @@ def test_demo_batch(monkeypatch, capsys):
     init = specjax.engine.Engine.__init__
 
     def spy(self, *a, **kw):
-        seen.append((kw["max_num_seqs"], kw["batch_buckets"]))
+        seen.append((kw["max_num_seqs"], kw["options"].batch_buckets))
         init(self, *a, **kw)
 
     monkeypatch.setattr(specjax.engine.Engine, "__init__", spy)

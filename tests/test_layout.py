@@ -133,3 +133,57 @@ def test_docs_layout_names_every_module():
             if "demo_models" not in f.parts or f.name == "__init__.py"}
     assert not have - listed, f"modules missing from docs/layout.md: {sorted(have - listed)}"
     assert not listed - have, f"docs/layout.md lists files that do not exist: {sorted(listed - have)}"
+
+
+#: the most lines a module's or a class's docstring may take, and the share of the
+#: library's non-blank lines docstrings may take: docstrings are specifications
+MAX_DOC_LINES, MAX_DOC_SHARE = 25, 0.15
+
+
+def docstring_lines(src: str) -> list[tuple[str, int]]:
+    """``(owner, lines)`` of every module, class and function docstring in ``src``."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                kind = "module" if isinstance(node, ast.Module) else \
+                    "class" if isinstance(node, ast.ClassDef) else "function"
+                out.append((f"{kind} {getattr(node, 'name', '')}".strip(),
+                            first.end_lineno - first.lineno + 1))
+    return out
+
+
+def test_docstrings_are_specifications_not_essays():
+    total = doc = 0
+    long = []
+    for name, f in modules().items():
+        src = f.read_text()
+        total += sum(1 for line in src.splitlines() if line.strip())
+        for owner, n in docstring_lines(src):
+            doc += n
+            if not owner.startswith("function") and n > MAX_DOC_LINES:
+                long.append(f"{name} {owner}: {n}")
+    assert not long, f"module / class docstrings over {MAX_DOC_LINES} lines: {long}"
+    assert doc <= MAX_DOC_SHARE * total, \
+        f"docstrings take {doc} of {total} non-blank lines ({doc / total:.1%} > {MAX_DOC_SHARE:.0%})"
+
+
+def test_the_docstring_count_counts():
+    src = '"""m\n\nx"""\nclass A:\n    """a\n    b"""\n    def f(self):\n        """f"""\n'
+    assert docstring_lines(src) == [("module", 3), ("class A", 2), ("function f", 1)]
+
+
+def test_no_history_or_machine_figures_in_the_library():
+    """Timings, GPU names, session history and research notes live in benchmarks/RESULTS.md,
+    the commit log and docs/, not in the code."""
+    import re
+
+    pat = re.compile(r"H200|research/|\b(\d+(st|nd|rd|th)|[a-z]+(teenth|tieth)) session")
+    hits = [f"{name}:{i}" for name, f in modules().items()
+            for i, line in enumerate(f.read_text().splitlines(), 1) if pat.search(line)]
+    assert not hits, f"history or machine figures in library code: {hits[:10]}"
+    assert not [p for p in (ROOT / "docs").glob("*.md") if "research/" in p.read_text()]

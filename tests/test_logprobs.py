@@ -33,11 +33,12 @@ from specjax.runtime.step import make_step
 
 try:
     from test_engine import (FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B, V,
-                             _dense_forward, _fast_compiles, build, eos_b, target)  # noqa: F401
+                             _dense_forward, _fast_compiles, build, eos_b, fixed,  # noqa: F401
+                             target)
 except ImportError:  # tests/ made a package
     from tests.test_engine import (FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A,  # noqa: F401
                                    PROMPTS_B, V, _dense_forward, _fast_compiles, build, eos_b,
-                                   target)
+                                   fixed, target)
 
 TOL = 1e-5
 
@@ -189,9 +190,9 @@ def _with_logprobs(params, ns=NS):
 def plain(mode: str, which: str = "A"):
     if which == "A":
         return generate(target(), None, PROMPTS_A, _with_logprobs(PARAMS_A), logprobs_mode=mode,
-                        steps_per_sync=1, **FIXED)
+                        **fixed(steps_per_sync=1))
     return generate(target(), None, PROMPTS_B, _with_logprobs(PARAMS_B), logprobs_mode=mode,
-                    max_num_seqs=3, eos_token_id=eos_b(), steps_per_sync=1, **FIXED)
+                    max_num_seqs=3, eos_token_id=eos_b(), **fixed(steps_per_sync=1))
 
 
 def assert_same_logprobs(got, want, ns):
@@ -306,7 +307,7 @@ def test_device_loop_equals_per_step(method):
               for i, p in enumerate(PARAMS_B)]
     mode = "processed_logprobs"
     runs = [generate(target(), build(method, 3), PROMPTS_B, params, logprobs_mode=mode,
-                     max_num_seqs=3, eos_token_id=eos_b(), steps_per_sync=n, **FIXED)
+                     max_num_seqs=3, eos_token_id=eos_b(), **fixed(steps_per_sync=n))
             for n in (1, 4)]
     a, b = runs
     assert a.token_ids == b.token_ids
@@ -339,8 +340,8 @@ def test_tree_verification_logprobs_equal_plain(n_sync):
     """Tree verification, per step and in the device loop: each emitted token's logprobs
     come from its parent's slot on the accepted path; greedy: plain decoding's."""
     for prop, mode in zip(_tree_proposers(), ("processed_logprobs", "raw_logprobs")):
-        eng = Engine(target(), prop, max_num_seqs=4, logprobs_mode=mode, steps_per_sync=n_sync,
-                     **FIXED)
+        eng = Engine(target(), prop, max_num_seqs=4, logprobs_mode=mode,
+                     **fixed(steps_per_sync=n_sync))
         assert eng.tree is not None and not eng.tree.is_chain
         out = eng.generate(PROMPTS_A, _with_logprobs(PARAMS_A))
         assert out.spec_stats.num_accepted_tokens > 0
@@ -417,15 +418,15 @@ def test_processed_logprobs_with_logits_processors_equal_plain(method):
                  logit_bias={3: 2.5, 7: -4.0}, min_tokens=2)
     params = [dataclasses.replace(p, **feats) for p in _with_logprobs(PARAMS_A)]
     for mode in ("processed_logprobs", "processed_logits"):
-        want = generate(target(), None, PROMPTS_A, params, logprobs_mode=mode, steps_per_sync=1,
-                        **FIXED)
+        want = generate(target(), None, PROMPTS_A, params, logprobs_mode=mode,
+                        **fixed(steps_per_sync=1))
         out = generate(target(), build(method, 3), PROMPTS_A, params, logprobs_mode=mode, **FIXED)
         if method == "draft_model":     # n-gram's repeats are penalized away: it may accept none
             assert out.spec_stats.num_accepted_tokens > 0
         assert_same_logprobs(out, want, ns)
         # the processors changed what was emitted or its values: the test can tell
         base = generate(target(), None, PROMPTS_A, _with_logprobs(PARAMS_A), logprobs_mode=mode,
-                        steps_per_sync=1, **FIXED)
+                        **fixed(steps_per_sync=1))
         assert base.token_ids != want.token_ids or any(
             a != b for o, w in zip(base.outputs, want.outputs) if o.logprobs
             for a, b in zip(o.logprobs, w.logprobs))
@@ -449,7 +450,7 @@ def test_bf16_gpu_speculative_logprobs_close_to_plain(method):
     params = _with_logprobs(PARAMS_A)
     ns = (NS * 4)[: len(PARAMS_A)]
     kw = dict(FIXED, kv_dtype=jnp.bfloat16, logprobs_mode="raw_logprobs")
-    want = generate(t16, None, PROMPTS_A, params, steps_per_sync=1, **kw)
+    want = generate(t16, None, PROMPTS_A, params, **dict(kw, **fixed(steps_per_sync=1)))
     got = generate(t16, build(method, 3, t16), PROMPTS_A, params, **kw)
     assert got.spec_stats.num_accepted_tokens > 0
     compared = 0

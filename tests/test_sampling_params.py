@@ -17,16 +17,16 @@ import pytest
 from scipy import stats
 
 from specjax.config import SpeculativeConfig
-from specjax.engine import Engine, SamplingParams, generate
+from specjax.engine import Engine, LoopOptions, SamplingParams, generate
 from specjax.sampling.logits_processors import ProcessorLimits
 from specjax.proposers import DraftOutput, Feed, Proposer, TokenHistory
 
 try:
     from test_engine import (BS, FIXED, METHODS, MML, PROMPTS_A, SAMPLE_PROMPT, V,  # noqa: F401
-                             _fast_compiles, _target_probs, build, target)
+                             _fast_compiles, _target_probs, build, fixed, target)
 except ImportError:  # tests/ made a package
     from tests.test_engine import (BS, FIXED, METHODS, MML, PROMPTS_A, SAMPLE_PROMPT, V,  # noqa: F401
-                                   _fast_compiles, _target_probs, build, target)
+                                   _fast_compiles, _target_probs, build, fixed, target)
 
 EOS = 19
 
@@ -70,7 +70,7 @@ def params(feature, mixed=False):
 
 def run(proposer, feature, n=1, mixed=False, **kw):
     return generate(target(), proposer, PROMPTS_A, params(feature, mixed), eos_token_id=EOS,
-                    steps_per_sync=n, logits_processors=PROCESSORS, **dict(FIXED, **kw))
+                    logits_processors=PROCESSORS, **dict(fixed(steps_per_sync=n), **kw))
 
 
 _plain_cache: dict = {}
@@ -126,7 +126,7 @@ def test_each_feature_changes_plain_greedy_output():
     """The workload is sensitive to every feature (otherwise the comparisons below prove
     nothing), and the processed outputs obey their constraints."""
     none = generate(target(), None, PROMPTS_A, [SamplingParams(max_tokens=m) for m in MAXTOK],
-                    eos_token_id=EOS, steps_per_sync=1, **FIXED)
+                    eos_token_id=EOS, **fixed(steps_per_sync=1))
     for f in FEATURES:
         if f == "min_p":    # argmax-invariant (vLLM's MinP): greedy unchanged
             assert plain(f).token_ids == none.token_ids
@@ -209,14 +209,14 @@ def test_greedy_speculative_equals_plain_other_methods(method):
 def test_seeded_sampling_with_processors_same_in_loop_and_per_step():
     sps = [SamplingParams(max_tokens=10, temperature=0.8, seed=i, **FEATURES["all"])
            for i in range(4)]
-    kw = dict(eos_token_id=EOS, logits_processors=PROCESSORS, **FIXED)
-    a = generate(target(), None, PROMPTS_A, sps, steps_per_sync=1, **kw)
-    b = generate(target(), None, PROMPTS_A, sps, steps_per_sync=4, **kw)
+    kw = dict(eos_token_id=EOS, logits_processors=PROCESSORS)
+    a = generate(target(), None, PROMPTS_A, sps, **kw, **fixed(steps_per_sync=1))
+    b = generate(target(), None, PROMPTS_A, sps, **kw, **fixed(steps_per_sync=4))
     assert a.token_ids == b.token_ids
     if "eagle3" in METHODS:
         prop = build("eagle3", 3)
-        c = generate(target(), prop, PROMPTS_A, sps, steps_per_sync=1, **kw)
-        d = generate(target(), prop, PROMPTS_A, sps, steps_per_sync=4, **kw)
+        c = generate(target(), prop, PROMPTS_A, sps, **kw, **fixed(steps_per_sync=1))
+        d = generate(target(), prop, PROMPTS_A, sps, **kw, **fixed(steps_per_sync=4))
         assert c.token_ids == d.token_ids
 
 
@@ -236,8 +236,9 @@ def test_random_sampling_with_processors_matches_processed_target():
              logit_bias={7: 4.0, 12: 3.0}, bad_words=[[1, 30]], min_p=0.02)
     sps = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, **f) for i in range(N)]
     prop = build("draft_model", 2, tgt, max_model_len=16) if "draft_model" in METHODS else None
-    kw = dict(max_model_len=16, block_size=BS, query_buckets=(8,), context_buckets=(2,))
-    out = generate(tgt, prop, [SAMPLE_PROMPT] * N, sps, steps_per_sync=1, **kw)
+    loop = LoopOptions(steps_per_sync=1, query_buckets=(8,), context_buckets=(2,))
+    out = generate(tgt, prop, [SAMPLE_PROMPT] * N, sps, max_model_len=16, block_size=BS,
+                   options=loop)
     if prop is not None:
         assert out.spec_stats.num_accepted_tokens > 0
     t0 = np.array([o.token_ids[0] for o in out.outputs])
@@ -310,7 +311,8 @@ def test_sampling_params_refused_by_name(kw, match):
 def test_engine_refuses_requests_beyond_its_limits_before_work():
     lim = ProcessorLimits(max_logit_bias=2, max_bad_words=1, max_bad_word_len=2,
                           max_allowed_token_ids=3, max_stop_ids=1, num_processor_params=1)
-    eng = Engine(target(), None, logits_processors=PROCESSORS, processor_limits=lim, max_num_seqs=4, **FIXED)
+    eng = Engine(target(), None, logits_processors=PROCESSORS, max_num_seqs=4,
+                 **fixed(processor_limits=lim))
     bad = [(dict(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}), "max_logit_bias"),
            (dict(logit_bias={V: 1.0}), "vocabulary"),
            (dict(bad_words=[[1], [2]]), "max_bad_words"), (dict(bad_words=[[1, 2, 3]]), "max_bad_word_len"),
@@ -327,7 +329,7 @@ def test_engine_refuses_requests_beyond_its_limits_before_work():
     with pytest.raises(ValueError, match="logits_processors"):
         Engine(target(), None, logits_processors=(1,), max_num_seqs=4, **FIXED)
     with pytest.raises(ValueError, match="processor_limits"):
-        Engine(target(), None, processor_limits=(1, 2), max_num_seqs=4, **FIXED)
+        LoopOptions(processor_limits=(1, 2))
 
 
 @pytest.mark.smoke
@@ -342,8 +344,8 @@ def test_plain_program_unchanged_without_features():
     r = _Request(index=0, req_id="x", prompt=[1, 2, 3], params=SamplingParams(), seed=0,
                  stop_ids=frozenset(), proc=SamplingParams().processing())
     r.row = 0
-    eng.tok_buf[0, :3] = [1, 2, 3]
-    batch, _, _ = eng._build_batch([r])
+    eng.scheduler.tok_buf[0, :3] = [1, 2, 3]
+    batch, _, _ = eng.scheduler.build_batch([r])
     assert batch.procs is None
     args = (eng.target.params, None, eng.target_kv, eng.draft_state, batch)
     a = eng.step.lower(*args).as_text()
@@ -392,8 +394,8 @@ def test_warmup_compiles_the_processing_variant_then_no_compile():
     from specjax.runtime.decode_loop import loop_cache_size
     from specjax.runtime.step import step_cache_size
 
-    eng = Engine(target(), None, logits_processors=PROCESSORS, max_num_seqs=4, steps_per_sync=4,
-                 **FIXED)
+    eng = Engine(target(), None, logits_processors=PROCESSORS, max_num_seqs=4,
+                 **fixed(steps_per_sync=4))
     eng.warmup([4], [16], all_greedy=(True, False), stop_pads=(1,), logits_processing=(False, True))
     before = step_cache_size() + loop_cache_size()
     sps = params("all", mixed=True)

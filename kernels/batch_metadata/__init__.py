@@ -1,10 +1,5 @@
-"""Batch-metadata updates of speculative decoding (vLLM's helpers), XLA only.
-
-``compute_new_slot_mapping``, ``extend_all_queries_by_N`` and
-``update_num_computed_tokens_for_batch_change`` are a handful of fused element-wise
-operations each: XLA fuses them into the surrounding step, so no hand-written kernel pays
-and there is no ``backend=``.
-"""
+"""vLLM's batch-metadata helpers of speculative decoding, XLA only: a few element-wise
+operations each, which XLA fuses into the step (no ``backend=``)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""``copy_and_expand_eagle_inputs`` and ``copy_and_expand_dflash_inputs`` as Mosaic GPU kernels.
+"""The copy-and-expand ops as one Mosaic GPU kernel each, written *pull* style.
 
-Both ops are written *pull* style: each program owns one chunk of 128 consecutive elements
-of one output and computes every element of it, instead of vLLM's push style (a program
-per request scattering into a ragged range), which would need masked stores. One kernel
-launch covers every output: the grid is the concatenation of the chunks of each output
-(``sections``), and each program branches on which section it falls in.
-
-Requests are laid out back to back, so the requests touching a chunk are a contiguous run
-found with a binary search over ``query_start_loc`` (scalar loads); a loop over that run
-merges each request's lanes into the chunk's vectors with selects.
+Each program computes one chunk of 128 elements of one output (no masked stores); the grid
+concatenates the chunks of every output (``sections``). The requests touching a chunk are a
+contiguous run, found by binary search over ``query_start_loc`` and merged with selects.
 """
 
 from __future__ import annotations

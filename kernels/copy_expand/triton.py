@@ -1,11 +1,8 @@
-"""``copy_and_expand_eagle_inputs`` and ``copy_and_expand_dflash_inputs`` (vLLM kernels 4 and 5).
+"""The copy-and-expand ops as Triton kernels (vLLM kernels 4 and 5), one launch each.
 
-One launch each. Programs ``0 .. R-1`` own one request each and loop over its ragged
-token range (vLLM's ``(num_reqs, num_token_blocks)`` grid, folded into a loop because a
-JAX grid is static). The requests' output ranges tile ``[start of request 0, end of the
-last real request)`` back to back, so everything outside that one interval, and only that,
-belongs to no real request: programs ``R ..`` write the fill values there. Every output
-element is thus written exactly once, with no ordering between programs.
+Programs ``0 .. R-1`` own one request each and loop over its token range; programs ``R ..``
+write the fill values outside the requests' output interval, so every output element is
+written exactly once, with no ordering between programs.
 """
 
 from __future__ import annotations

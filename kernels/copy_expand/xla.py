@@ -1,6 +1,4 @@
-"""The XLA (pure ``jax.numpy``) backend of :mod:`specjax.kernels.copy_expand`: the reference and
-the CPU path. Arguments arrive normalized by the public op; vectorized over tokens and
-requests, so each op is one fused XLA computation per shape bucket."""
+"""XLA backend of :mod:`specjax.kernels.copy_expand`: the reference and the CPU path."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""EAGLE's per-draft-step update: slot mapping, positions and seq_lens.
-
-The public op below checks and normalize the arguments, then run one backend:
-``xla.py`` (the reference and the CPU path), ``pallas.py`` (Mosaic GPU; GPU interpret mode
-off the GPU) or ``triton.py`` (through jax-triton, GPU only), side by side in this folder and
-bit-identical. The docstrings here are the specification every backend implements;
-``backend=`` follows :mod:`specjax.kernels.backend`.
-"""
+"""EAGLE's per-draft-step update of slot mapping, positions and seq_lens: the docstring
+below specifies every backend bit for bit; ``backend=``: :mod:`~specjax.kernels.backend`."""
 
 from __future__ import annotations
 

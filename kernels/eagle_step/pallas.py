@@ -1,10 +1,6 @@
-"""``eagle_step_update_slot_mapping_and_metadata`` as a Mosaic GPU kernel.
-
-One program per chunk of 128 rows of ``slot_mapping`` (``input_batch_size`` rows; the
-first ``B`` are requests): positions and seq_lens are vector windows, the block-table entry
-of each real row is a scalar load (a 2-D gather, one row per lane) merged into the slot
-vector.
-"""
+"""``eagle_step_update_slot_mapping_and_metadata`` as a Mosaic GPU kernel: one program per
+chunk of 128 rows; each real row's block-table entry is a scalar load merged into the slot
+vector."""
 
 from __future__ import annotations
 

@@ -1,75 +1,29 @@
-"""Paged attention, one op: the KV-cache write and attention over ragged batches.
+"""Paged attention: the KV-cache write and attention over ragged batches (vLLM's semantics).
 
-The public op (this file: backend choice and the entry points) with everything it runs,
-side by side: ``reference.py`` (pure jax.numpy), ``pallas.py`` and ``triton.py`` (the
-kernels), ``limits.py`` (the shapes the kernels take, shared), ``partition.py`` (the
-SPMD rule) and ``kv_cache.py`` (the cache write). Models call only :func:`write_kv` and
-:func:`paged_attention` (or :func:`attend`, both).
+Cache, per layer: ``KVCache(k, v)``, each ``[num_blocks, block_size, num_kv_heads,
+head_dim]``; token ``t`` is written at flat slot ``slot_mapping[t]`` (``block * block_size +
+offset``), slot ``-1`` dropped. Request ``r`` owns query tokens ``query_start_loc[r] ..
+query_start_loc[r+1]-1`` and keys ``0 .. seq_lens[r]-1``, read through ``block_table[r]``.
+Causal: query ``i`` of a request of query length ``q`` sits at position ``seq_len - q + i``
+and sees keys at positions ``<=`` it. Non-causal: every key of its request. Tree
+(``md.tree_mask``, static ``Q x Q``): query ``i`` sees every key before its request's query
+block and the key of query ``j`` of the block iff ``tree_mask[i][j]``. Tokens past
+``query_start_loc[-1]`` get zeros. The block table's width and ``md.max_query_len`` are static.
 
-Cache layout, per layer: ``KVCache(k, v)``, each ``[num_blocks, block_size, num_kv_heads,
-head_dim]``. Token ``t`` is written at flat slot ``slot_mapping[t]`` (=
-``block * block_size + offset``); slot ``-1`` (``PADDING_SLOT_ID``) is dropped.
-
-Attention semantics (vLLM): request ``r`` owns query tokens ``query_start_loc[r] ..
-query_start_loc[r+1]-1`` and keys at positions ``0 .. seq_lens[r]-1``, read through
-``block_table[r]``. Causal: query ``i`` of a request of query length ``q`` sits at position
-``seq_len - q + i`` and sees keys at positions ``<=`` it. Non-causal: every query sees
-every key of its request. Tree attention (``md.tree_mask``, static ``Q x Q``): query
-``i`` sees every key before its request's query block and the key of query ``j`` of the
-block iff ``tree_mask[i][j]``. Tokens past ``query_start_loc[-1]`` (padding) get zeros.
-
-Memory: K/V are gathered per request up to the block table's width (``[B_pad,
-max_blocks * block_size]``), so the block table's width is the static context bucket:
-callers pass a table sliced to the bucket they need. Queries are laid out per request
-up to ``attn_metadata.max_query_len`` (static).
-
-Backends. :func:`paged_attention` runs one of three implementations of the same function,
-side by side in this folder:
-
-- ``"xla"``: the pure jax.numpy reference (``reference.py``, :func:`paged_attention_xla`).
-- ``"pallas"``: ``pallas.py``, a Pallas kernel lowered through Triton that reads only each
-  request's live pages (online softmax, split-K for small batches); interpret mode off the
-  GPU. Not bit-identical: float32 results agree with the reference to ~1e-6 relative,
-  bfloat16 to bfloat16 rounding (tests/kernels/test_paged_attention.py holds them to 2e-5 / 2e-2).
-  Shapes it cannot take (``limits.py``, :func:`unsupported_reason`: head_dim not a power of
-  two >= 16, ``max_query_len * group > 128`` rows, trees over 31 nodes) fall back to
-  ``"xla"``.
-- ``"triton"``: ``triton.py``, the same kernel written in Triton's own language and called
-  through jax-triton (GPU only; JAX deprecates the Pallas Triton backend the ``"pallas"``
-  kernel is lowered through). Same limits and fallbacks; the step's K/V are written by two
-  scatters first (the fused write is Pallas-only).
-- ``"auto"``: a kernel when JAX's default backend is the GPU, ``max_query_len <=
-  AUTO_MAX_QUERY_LEN`` (the decode-shaped steps the kernel is built for) and the shapes are
-  supported; else ``"xla"``. On CPU this is always ``"xla"``. The kernel is ``"pallas"``
-  where this JAX has the Pallas Triton backend (every JAX in the supported range,
-  0.10.2-0.12, has it), else ``"triton"`` when jax-triton is installed, else ``"xla"`` with
-  one warning naming the cost (:func:`auto_kernel_backend`).
-
-Choosing. Per call, ``paged_attention(..., backend=)`` / ``attend(..., backend=)``; else the
-process default of every kernel (:mod:`specjax.kernels.backend`: ``SPECJAX_KERNEL_BACKEND``,
-``specjax.kernels.default_backend(...)``, ``specjax.kernels.set_default_backend``). The
-older attention-only names, ``SPECJAX_ATTENTION_BACKEND``, :func:`set_attention_backend`,
-:func:`attention_backend` and :func:`get_attention_backend`, keep working and take
-precedence over the process default for attention (an alias scoped to this op). Every
-choice is **trace-time static** and part of ``jax.jit``'s cache key.
-
-Several devices: the kernels are called through ``custom_partitioning``
-(``partition.py``), which keeps the kv-head split of tensor parallelism with no collective.
-
-On the ``"pallas"`` backend :func:`attend` writes the step's K/V inside the attention kernel
-instead of two scatters where that pays (small batches; ``SPECJAX_FUSED_KV_WRITE=auto|0|1``,
-see :data:`FUSED_KV_WRITE`), elsewhere with one cache-write kernel (:data:`KV_WRITE_KERNEL`).
-The KV-cache write itself is ``kv_cache.py`` (:func:`scatter_slots`).
+Backends, one function: ``"xla"`` (``reference.py``: the specification, the CPU path),
+``"pallas"`` (``pallas.py``; interpret mode off the GPU) and ``"triton"`` (``triton.py``,
+GPU only), the kernels equal to the reference up to float rounding; shapes they cannot take
+(``limits.py``) run ``"xla"``. ``"auto"``: a kernel on the GPU for ``max_query_len <=
+AUTO_MAX_QUERY_LEN`` (:func:`auto_kernel_backend`), else ``"xla"``. Chosen per call
+(``backend=``), else by :mod:`specjax.kernels.backend`'s process default, at trace time.
+On several devices the kernels run through ``partition.py``, split by kv heads.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import _compat
 from specjax.attention_metadata import CommonAttentionMetadata
@@ -80,40 +34,8 @@ from specjax.kernels.paged_attention.limits import fused_write_pays, unsupported
 from specjax.kernels.paged_attention.reference import paged_attention_xla
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "triton")
-FUSED_KV_WRITE_MODES = ("auto", "0", "1")
-#: Whether :func:`attend` on the ``"pallas"`` backend writes the new K/V inside the attention
-#: kernel (trace-time; environment variable ``SPECJAX_FUSED_KV_WRITE``, read at import):
-#: ``"1"`` always, ``"0"`` never (two scatters, then the kernel), ``"auto"`` (default) when
-#: :func:`~specjax.kernels.paged_attention.limits.fused_write_pays` says so -- the kernel
-#: splits each request's context over several programs (small batches). On the H200 the
-#: fused write took 1-5% off the B = 1 / 8 propose and cost 4-16% at B = 64
-#: (benchmarks/RESULTS.md, "The cache write inside the attention kernel"); at B = 32 the
-#: kernel alone, split in two, beat it (fourteenth session).
-FUSED_KV_WRITE = os.environ.get("SPECJAX_FUSED_KV_WRITE", "auto")
-if FUSED_KV_WRITE not in FUSED_KV_WRITE_MODES:
-    raise ValueError(f"SPECJAX_FUSED_KV_WRITE must be one of {FUSED_KV_WRITE_MODES}, "
-                     f"got {FUSED_KV_WRITE!r}")
-#: Whether :func:`attend` on the ``"pallas"`` backend, where it does not fuse the write,
-#: stores the step's K/V with one kernel (:func:`specjax.kernels.paged_attention.pallas.write_kv`,
-#: ``"1"``, the default) or two XLA scatters (``"0"``); environment variable
-#: ``SPECJAX_KV_WRITE_KERNEL``, read at import (benchmarks/RESULTS.md, sixteenth session).
-KV_WRITE_KERNEL = os.environ.get("SPECJAX_KV_WRITE_KERNEL", "1")
-if KV_WRITE_KERNEL not in ("0", "1"):
-    raise ValueError(f"SPECJAX_KV_WRITE_KERNEL must be one of ('0', '1'), got {KV_WRITE_KERNEL!r}")
-#: ``"auto"`` picks the Pallas kernel only up to this ``max_query_len`` (decode-shaped steps).
+#: ``"auto"`` picks a kernel only up to this ``max_query_len`` (decode-shaped steps).
 AUTO_MAX_QUERY_LEN = 16
-_OPTION = "specjax_attention_backend"
-_ENV = "SPECJAX_ATTENTION_BACKEND"
-
-
-def _make_backend_state():
-    """A JAX config option (so the choice keys ``jax.jit``'s cache), or None when this JAX
-    has no such private API (then a plain holder: the choice is read at trace time only)."""
-    return _compat.enum_config_state(
-        _OPTION, ATTENTION_BACKENDS, "auto",
-        help="paged attention backend of specjax.kernels.paged_attention (an alias scoped to "
-             "attention, over SPECJAX_KERNEL_BACKEND): auto | xla | pallas | triton "
-             "(trace-time static; environment variable SPECJAX_ATTENTION_BACKEND)")
 
 
 def _check_backend(backend) -> str:
@@ -122,55 +44,13 @@ def _check_backend(backend) -> str:
     return backend
 
 
-_STATE = _make_backend_state()
-_fallback_backend = [_check_backend(os.environ.get(_ENV, "auto"))] if _STATE is None else None
-
-
-def get_attention_backend() -> str:
-    """The attention-scoped setting (``"auto"``, ``"xla"``, ``"pallas"`` or ``"triton"``), as
-    read at trace time; ``"auto"`` defers to the process default of every kernel."""
-    return _STATE.value if _STATE is not None else _fallback_backend[0]
-
-
-def set_attention_backend(backend: str) -> None:
-    """Set the paged-attention backend for the process (over
-    :func:`specjax.kernels.set_default_backend`, which sets every kernel's default):
-    ``"auto"``, ``"xla"``, ``"pallas"`` or ``"triton"``.
-
-    Trace-time static: functions traced afterwards use it (jitted callers retrace).
-    """
-    _check_backend(backend)
-    if _STATE is not None:
-        jax.config.update(_OPTION, backend)
-    else:  # pragma: no cover
-        _fallback_backend[0] = backend
-
-
-@contextlib.contextmanager
-def attention_backend(backend: str) -> Iterator[None]:
-    """Context manager: use ``backend`` for the functions traced inside the block."""
-    _check_backend(backend)
-    if _STATE is not None:
-        with _STATE(backend):
-            yield
-    else:  # pragma: no cover
-        prev, _fallback_backend[0] = _fallback_backend[0], backend
-        try:
-            yield
-        finally:
-            _fallback_backend[0] = prev
-
-
 def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata, dtype=None,
                               backend: str | None = None) -> str:
-    """The backend ``"xla"``, ``"pallas"`` or ``"triton"`` that :func:`paged_attention` uses
-    for these static shapes: ``backend`` when it names one, else the attention setting
-    (:func:`get_attention_backend`) when not ``"auto"``, else the process default
-    (:func:`specjax.kernels.get_default_backend`), else the ``"auto"`` rule. ``"triton"``
-    needs an NVIDIA GPU and jax-triton (ValueError naming what is missing otherwise)."""
+    """The backend (``"xla"``, ``"pallas"`` or ``"triton"``) :func:`paged_attention` runs for
+    these static shapes: ``backend`` when it names one, else the process default
+    (:func:`specjax.kernels.get_default_backend`), else the ``"auto"`` rule. ValueError when
+    a named kernel cannot run here (``"triton"`` without a GPU and jax-triton)."""
     backend = _check_backend("auto" if backend is None else backend)
-    if backend == "auto":
-        backend = get_attention_backend()
     if backend == "auto":
         backend = _backend.get_default_backend()
     if backend == "xla":
@@ -202,11 +82,10 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-#: What ``"auto"`` gives up on the GPU when it has to use the XLA reference (measured on the
-#: H200, benchmarks/RESULTS.md, "Pallas paged attention").
+#: What ``"auto"`` gives up on the GPU without a kernel (named in its warning).
 XLA_FALLBACK_COST = ("the XLA reference gathers each request's whole context bucket: an "
-                     "8B-shaped EAGLE-3 propose at B=64 took 2.42 ms instead of 1.14 ms with "
-                     "the Pallas kernel on an H200 (2.1x), attention alone 6x slower")
+                     "8B-shaped EAGLE-3 propose at B=64 runs 2.1x slower than with the Pallas "
+                     "kernel, attention alone 6x (docs/performance.md)")
 
 
 def auto_kernel_backend() -> str:
@@ -241,13 +120,10 @@ def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 
 def paged_attention(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *,
                     scale: float, backend: str | None = None) -> jax.Array:
-    """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads, head_dim]``.
-
-    GQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``. Scores and
-    softmax in float32; the output has ``q.dtype``. Runs the backend chosen by
-    :func:`resolve_attention_backend` for ``backend`` (None: the configured choice; see the
-    module docstring).
-    """
+    """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads,
+    head_dim]`` in ``q.dtype`` (module docstring). GQA: query head ``h`` reads kv head ``h //
+    (num_heads // num_kv_heads)``; scores and softmax in float32. ``backend``: see
+    :func:`resolve_attention_backend` (None is ``"auto"``)."""
     backend = resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype, backend)
     if backend != "xla":
         args = (q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_table)
@@ -259,43 +135,47 @@ def paged_attention(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
-           md: CommonAttentionMetadata, *, scale: float,
-           backend: str | None = None) -> tuple[jax.Array, KVCache]:
-    """Write this step's ``k``/``v`` through ``md.slot_mapping``, then attend over the cache.
+           md: CommonAttentionMetadata, *, scale: float, backend: str | None = None,
+           fused_kv_write: bool | str = "auto",
+           kv_write_kernel: bool = True) -> tuple[jax.Array, KVCache]:
+    """Write ``k``, ``v [T, num_kv_heads, head_dim]`` at ``md.slot_mapping``, then
+    :func:`paged_attention`; returns ``(out [T, num_heads, head_dim], cache)``.
 
-    On the ``"pallas"`` backend, when ``q``, ``k``, ``v`` and the cache share one dtype and
-    :data:`FUSED_KV_WRITE` allows it (``"auto"``: small batches, see
-    :func:`~specjax.kernels.paged_attention.limits.fused_write_pays`), both happen in one
-    kernel (:func:`specjax.kernels.paged_attention.pallas.paged_attention_write`: the two
-    scatter kernels go away), which assumes vLLM's metadata: no request reads a slot that
-    another request's token writes in the same call. Otherwise the pallas backend writes
-    with one kernel (:func:`specjax.kernels.paged_attention.pallas.write_kv`, on one device
-    and rows of a power-of-two ``num_kv_heads * head_dim``; :data:`KV_WRITE_KERNEL`), then
-    attends; every other backend (``"triton"``, ``"xla"``) writes with two scatters.
-
-    One token (``T == 1``): XLA rewrites the K / V projections (``[1, H] @ [H, kv * hd]``)
-    as a multiply + reduce and fuses that into the consumer, the ``q|k|v`` concatenation
-    of the fused write or the cache scatter, where it runs as one serial 4096-long loop per
-    output element: 36.8 of the 41.8 ms of an 8B-shaped step on the H200
-    (benchmarks/RESULTS.md). An optimization barrier on ``k`` and ``v`` keeps the
-    projections their own (reduction) kernels; programs of two or more tokens are unchanged.
+    On the ``"pallas"`` backend (one dtype throughout) ``fused_kv_write=True`` writes inside
+    the attention kernel (assuming no request reads a slot another request writes in the
+    call, as in vLLM's metadata), ``"auto"`` where :func:`~.limits.fused_write_pays`;
+    unfused, ``kv_write_kernel=True`` writes with one kernel on one device instead of two
+    scatters. ValueError names a bad argument. ``T == 1``: an optimization barrier keeps
+    the K / V projections out of the write's fusion (a serial loop per element there).
     """
+    fused_kv_write, kv_write_kernel = _check_write_options(fused_kv_write, kv_write_kernel)
     if q.shape[0] == 1:
         k, v = jax.lax.optimization_barrier((k, v))
     pallas = resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype, backend) == "pallas"
-    if (FUSED_KV_WRITE != "0" and pallas
+    if (fused_kv_write is not False and pallas
             and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype):
         _, bs, nkv, _ = cache.k.shape
-        if FUSED_KV_WRITE == "1" or fused_write_pays(
+        if fused_kv_write is True or fused_write_pays(
                 md.query_start_loc.shape[0] - 1, nkv, md.block_table.shape[1] * bs):
             return _attend_fused(q, k, v, cache, md, scale)
-    one_kernel = pallas and KV_WRITE_KERNEL == "1" and jax.device_count() == 1
+    one_kernel = pallas and kv_write_kernel and jax.device_count() == 1
     if one_kernel:
         from specjax.kernels.paged_attention import pallas as _pallas
         one_kernel = _pallas.write_kv_supported(cache.k.shape, cache.k.dtype, k.dtype, v.dtype)
     cache = (KVCache(*_pallas.write_kv(cache.k, cache.v, k, v, md.slot_mapping)) if one_kernel
              else write_kv(cache, k, v, md.slot_mapping))
     return paged_attention(q, cache, md, scale=scale, backend=backend), cache
+
+
+def _check_write_options(fused_kv_write, kv_write_kernel) -> tuple[bool | str, bool]:
+    if isinstance(fused_kv_write, np.bool_):
+        fused_kv_write = bool(fused_kv_write)
+    if not (isinstance(fused_kv_write, bool)
+            or (isinstance(fused_kv_write, str) and fused_kv_write == "auto")):
+        raise ValueError(f"fused_kv_write must be 'auto', True or False, got {fused_kv_write!r}")
+    if not isinstance(kv_write_kernel, (bool, np.bool_)):
+        raise ValueError(f"kv_write_kernel must be True or False, got {kv_write_kernel!r}")
+    return fused_kv_write, bool(kv_write_kernel)
 
 
 def _attend_fused(q, k, v, cache: KVCache, md: CommonAttentionMetadata, scale: float):

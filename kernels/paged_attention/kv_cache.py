@@ -1,6 +1,5 @@
 """The paged KV-cache write: values scattered into ``[num_blocks, block_size, ...]`` caches
-at flat slots. Every kernel and model writes the cache through :func:`scatter_slots`
-(``specjax.kernels.paged_attention`` re-exports it)."""
+at flat slots (:func:`scatter_slots`)."""
 
 from __future__ import annotations
 

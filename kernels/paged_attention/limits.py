@@ -1,6 +1,5 @@
-"""The limits and static configuration shared by the paged-attention kernels
-(``pallas.py`` and ``triton.py``): which shapes they take, the row tile, the context
-splits (flash-decoding), and when the fused cache write pays."""
+"""Limits and static configuration shared by the paged-attention kernels (``pallas.py``,
+``triton.py``): the shapes they take, the row tile, the context splits, the fused write."""
 
 from __future__ import annotations
 
@@ -19,16 +18,10 @@ MAX_TREE = 31
 DEFAULT_BLOCK_K = 64
 #: Cap on the context splits per request.
 MAX_SPLITS = 16
-#: Streaming multiprocessors assumed when the device does not say (H200: 132).
+#: Streaming multiprocessors assumed when the device does not say.
 DEFAULT_NUM_SMS = 132
-#: Programs per SM the default context split aims for, attention alone. One program per SM
-#: left the H200 latency-bound: 32 layers of the 8B-shaped verify attention (B = 32, 4
-#: queries, 1k context) took 1.446 ms with 256 programs and 1.326 ms with 512 (two
-#: splits); B = 16, 0.908 -> 0.796 ms with four splits; B = 8, 0.574 -> 0.545 with eight;
-#: B = 64 (512 programs unsplit) was fastest unsplit. The kernel with the K/V write fused
-#: keeps one program per SM (``FUSED_WRITE_PROGRAMS_PER_SM``): with two, the B = 32 EAGLE-3
-#: loop took 8.05 ms per iteration against 7.86 with the write unfused, and B = 8 lost
-#: ~0.12 ms (benchmarks/RESULTS.md, fourteenth session).
+#: Programs per SM the default context split aims for: attention alone, and the kernel that
+#: also writes the step's K/V (chosen by measurement: docs/performance.md).
 PROGRAMS_PER_SM = 3
 FUSED_WRITE_PROGRAMS_PER_SM = 1
 
@@ -95,13 +88,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int,
 
 def fused_write_pays(num_requests: int, num_kv_heads: int, context: int, *,
                      block_k: int | None = None, num_sms: int | None = None) -> bool:
-    """Whether :func:`paged_attention_write` should replace the two scatters and
-    :func:`paged_attention` (``SPECJAX_FUSED_KV_WRITE=auto``): when
+    """``attend(..., fused_kv_write="auto")``'s rule: fuse the write when
     :func:`default_num_splits` splits each request's context (``context`` keys of block
-    table, ``num_requests`` rows) over several programs of the fused kernel. Each program
-    then walks few tiles, and the scatter kernels saved outweigh the kernel's extra work;
-    with one split per request (B = 64 of an 8-kv-head model on the H200) the fused kernel
-    measured 4-16% slower (benchmarks/RESULTS.md)."""
+    table, ``num_requests`` rows) over several programs of the fused kernel; each then walks
+    few tiles, so the two scatter kernels saved outweigh its extra work."""
     return default_num_splits(max(int(num_requests), 1), num_kv_heads,
                               cdiv(int(context), block_k or DEFAULT_BLOCK_K), num_sms,
                               fused_write=True) > 1

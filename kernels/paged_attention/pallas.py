@@ -1,57 +1,12 @@
-"""Paged attention over ragged batches: a Pallas kernel lowered through Triton.
+"""Paged attention as a Pallas kernel lowered through Triton (interpret mode off the GPU).
 
-The specification is :func:`specjax.kernels.paged_attention.paged_attention` (pure jax.numpy); this
-kernel computes the same function without gathering every request's whole context.
-
-Layout: ``q [T, num_heads, head_dim]``; ``k_cache``, ``v_cache`` ``[num_blocks, block_size,
-num_kv_heads, head_dim]``; ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_table [B,
-max_blocks]`` int32 (see :class:`specjax.attention_metadata.CommonAttentionMetadata`).
-
-Grid ``(B, num_kv_heads, num_splits)``. Program ``(r, h, s)`` owns request ``r``'s queries
-for the ``G = num_heads // num_kv_heads`` query heads that read kv head ``h``: one tile of
-``ROWS`` rows, row ``m`` = query ``m // G`` of the request, query head ``h * G + m % G``;
-``ROWS`` is ``max_query_len * G`` rounded up to a power of two, at least 16 (``tl.dot``
-wants M >= 16; the Triton lowering wants power-of-two loads). It walks the request's keys
-``BLOCK_K`` at a time (several pages per step when ``block_size < BLOCK_K``): key ``j`` is
-read at page ``block_table[r, j // block_size]``, offset ``j % block_size`` (one gathered
-load of ``BLOCK_K`` rows of ``head_dim`` contiguous elements), with an online softmax in
-float32. Masks, as in the reference: key ``< seq_len``; row's query ``< query_len``;
-causal (key ``<= seq_len - query_len + i``) or the static ``tree_mask`` (baked into the
-kernel as one int32 bitmask per query row). Only tiles below ``seq_len`` are read, and
-requests with no queries (padding rows) read nothing.
-
-Split-K (flash-decoding): with few programs (small batches), the tiles of each request are
-divided among ``num_splits`` programs (by the request's actual length); each writes its
-unnormalized float32 accumulator with its running max and sum, and a second small kernel
-(grid ``(T, num_kv_heads)``, one program per token and kv head) merges the splits,
-normalizes and writes the rows back in token order. With ``num_splits == 1`` there is no
-merge kernel: each program normalizes its rows and stores them in token order itself (rows
-past the request's queries repeat its last query, so no store needs a mask), and the
-programs of request 0 store zeros for the tokens past ``query_start_loc[-1]``.
-
-Numerics: scores, softmax and accumulation in float32 (dots take ``q.dtype`` inputs with
-float32 accumulation, ``Precision.HIGHEST`` so float32 dots are IEEE, not TF32); the
-probabilities enter the second dot in the cache dtype, like the reference. The result is
-not bit-identical to the reference: the online softmax sums in a different order and
-rescales the accumulator per tile (float32: ~1e-6 relative), and in bfloat16 the
-probabilities are rounded before, not after, normalization. A query row with no visible key
-(not produced by valid metadata) gives zeros here and a uniform average in the reference.
-
-:func:`paged_attention_write` is the same kernel with the step's cache write folded in
-(``qkv`` in, the caches aliased in and out): program ``(r, h, 0)`` stores request ``r``'s
-new K/V of head ``h``, and the tiles that can hold one of those slots take the new values
-from ``qkv`` through an exact one-hot product, since programs run in no fixed order. Opt-in
-from :func:`specjax.kernels.paged_attention.attend` (``SPECJAX_FUSED_KV_WRITE=1``).
-
-:func:`write_kv` is the unfused cache write as one kernel (both caches aliased in and out,
-each token's ``num_kv_heads * head_dim`` row stored whole) instead of two XLA scatters;
-:func:`specjax.kernels.paged_attention.attend` takes it on the ``"pallas"`` backend where the
-fused write does not pay (``SPECJAX_KV_WRITE_KERNEL=0``: the scatters).
-
-On the GPU this is a Triton-lowered ``pl.pallas_call`` (the Pallas Triton backend, which
-JAX deprecates: a warning once per compilation from JAX 0.11.2, none in 0.10.2 / 0.11.0);
-elsewhere it runs in Pallas interpret mode (``interpret=True``), which does not check
-Triton's rules (power-of-two shapes), so :func:`unsupported_reason` checks them up front.
+The function of :func:`specjax.kernels.paged_attention.paged_attention`, reading only each
+request's live pages: grid ``(B, num_kv_heads, num_splits)``, program ``(r, h, s)`` owns
+request ``r``'s query rows of kv head ``h`` (one ``ROWS x head_dim`` tile) and split ``s``
+of its keys, online softmax in float32; :func:`_merge` combines the splits. Not
+bit-identical to the reference (summation order). :func:`paged_attention_write` folds the
+step's cache write in; :func:`write_kv` is the unfused write as one kernel. Interpret mode
+does not check Triton's shape rules: :func:`unsupported_reason` does, up front.
 """
 
 from __future__ import annotations
@@ -297,14 +252,11 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     num_warps: int | None = None, num_stages: int = 2,
                     interpret: bool | None = None) -> jax.Array:
     """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads,
-    head_dim]`` in ``q.dtype`` (semantics: :func:`specjax.kernels.paged_attention.paged_attention`).
-
-    ``max_query_len`` (static) bounds every request's query length; ``tree_mask`` (static
-    ``Q x Q`` bools or ``None``) replaces the causal mask when given. Tuning knobs (static):
-    ``block_k`` keys per step (default 64, a power of two >= 16), ``num_splits`` context
-    splits per request (default: :func:`default_num_splits`), ``num_warps`` (default 4, 8
-    for tiles of more than 32 rows), ``num_stages``. ``interpret`` (default: off the GPU)
-    runs the kernel in Pallas interpret mode.
+    head_dim]`` in ``q.dtype`` (:func:`specjax.kernels.paged_attention.paged_attention`).
+    Static: ``max_query_len`` bounds every query length; ``tree_mask`` (``Q x Q`` bools)
+    replaces the causal mask; ``block_k`` keys per step (64; a power of two >= 16),
+    ``num_splits`` (:func:`default_num_splits`), ``num_warps`` (4, 8 above 32 rows),
+    ``num_stages``; ``interpret`` (default: off the GPU) runs Pallas interpret mode.
     """
     out, _ = _attention(q, None, k_cache, v_cache, None, query_start_loc, seq_lens, block_table,
                         scale=scale, max_query_len=max_query_len, causal=causal,
@@ -324,24 +276,12 @@ def paged_attention_write(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array
                           interpret: bool | None = None
                           ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """This step's K/V written into the paged cache and the attention over it, in one kernel:
-    :func:`specjax.kernels.paged_attention.attend` (``write_kv`` then :func:`paged_attention`)
-    without the two scatter kernels.
-
-    ``qkv [T, num_heads + 2 * num_kv_heads, head_dim]``: the queries, then the new keys, then
-    the new values, in the caches' dtype (one array, so that XLA produces it with one fusion
-    out of the projection). Returns ``(out [T, num_heads, head_dim], (k_cache, v_cache))``;
-    the kernel's cache outputs alias its cache inputs, so under a ``jax.jit`` that donates
-    the caches (every proposer's ``propose``, the engine step) they are updated in place.
-
-    Writes: program ``(r, h, 0)`` stores kv head ``h`` of request ``r``'s tokens at their
-    ``slot_mapping`` entries (slots ``< 0`` or past the cache dropped, as the scatter does);
-    tokens past ``query_start_loc[-1]`` with a slot are stored by the programs of request 0.
-    Reads: a key whose slot one of the request's own tokens writes takes the new value from
-    ``qkv`` instead of the cache (programs run in no fixed order). Same result as
-    ``write_kv`` then :func:`paged_attention` -- the caches bit-identical, the output too --
-    when no request reads a slot that another request's (or a padding) token writes this call:
-    true of vLLM's metadata, where each token's slot is a page of its own request's block
-    table.
+    ``qkv [T, num_heads + 2 * num_kv_heads, head_dim]`` (queries, new keys, new values, in
+    the caches' dtype) -> ``(out [T, num_heads, head_dim], (k_cache, v_cache))``, the caches
+    aliased in and out. Slots ``< 0`` or past the cache are dropped. Bit-identical to
+    ``write_kv`` then :func:`paged_attention` when no request reads a slot that another
+    request's (or a padding) token writes in the call, true of vLLM's metadata. ValueError
+    for mismatched shapes or dtypes.
     """
     t_pad, width, hd = qkv.shape
     nb, bs, nkv, hd_k = k_cache.shape
@@ -530,8 +470,7 @@ def _write_kv_kernel(slot_ref, k_ref, v_ref, kc_in, vc_in, kc_ref, vc_ref, *, to
     _store_rows(t_ok & (slot >= 0) & (slot < num_slots), (tok, slot), write)
 
 
-#: Tokens per program of :func:`write_kv` (B = 32 EAGLE-3 loop on the H200: 7.558 ms per
-#: iteration with 8, 7.593 with 2, 7.607 with the two scatters; benchmarks/RESULTS.md).
+#: Tokens per program of :func:`write_kv` (docs/performance.md).
 WRITE_TOKENS_PER_PROGRAM = 8
 
 

@@ -1,13 +1,7 @@
-"""How the paged-attention kernels are called, on one device and under SPMD partitioning.
-
-On several devices the kernel (``"pallas"`` or ``"triton"``) is called through
-``jax.experimental.custom_partitioning`` (:func:`partitioned`) with a Shardy rule that lets
-the kv-head dimension be sharded (``q [T, (kv_heads group), hd]`` with the caches
-``[blocks, block_size, kv_heads, hd]``) and nothing else: under tensor parallelism each
-device runs the kernel on its own heads and its own cache shard, with no collective;
-replicated caches run it whole on every device; inside a ``jax.shard_map`` it is inlined.
-Without it, XLA's partitioner cannot split the kernel's custom call and would gather the
-whole cache.
+"""How the paged-attention kernels are called, on one device and under SPMD partitioning:
+on several devices through ``custom_partitioning`` (:func:`partitioned`) with a Shardy rule
+that lets only the kv-head dimension be sharded, so each tensor-parallel device attends over
+its own heads and cache shard with no collective (XLA alone would gather the whole cache).
 """
 
 from __future__ import annotations

@@ -32,10 +32,9 @@ def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadat
     q_valid = qi[None, :] < qlen[:, None]                       # [B, Q]
     qr = q[tok].reshape(b_pad, qmax, nkv, group, hd)
 
-    # K/V of each request, kv-head major: [B, nkv, C, hd]. Both dots below are then plain
-    # batched GEMMs over (request, kv head) with the head dim minor in q and K: gathered as
-    # [B, C, nkv, hd], XLA:CPU copied K transposed element by element ([B, nkv, hd, C]) in
-    # every layer.
+    # K/V of each request, kv-head major: [B, nkv, C, hd], so both dots below are plain
+    # batched GEMMs over (request, kv head) with the head dim minor in q and K (gathered as
+    # [B, C, nkv, hd], XLA:CPU would copy K transposed element by element in every layer).
     table = jnp.clip(md.block_table, 0, nb - 1)
     kr = jnp.swapaxes(cache.k[table].reshape(b_pad, ctx, nkv, hd), 1, 2)
     vr = jnp.swapaxes(cache.v[table].reshape(b_pad, ctx, nkv, hd), 1, 2)
@@ -77,9 +76,8 @@ def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadat
 # times queries per request). On a CPU, when every request has one query and its kv head
 # serves at most two query heads (x <= 2: a decoding step, a drafter's later passes),
 # they take their row operand transposed ([B, nkv, *, x]): XLA:CPU then runs them with its
-# own dot instead of YNNPACK, whose fixed cost per call dominates products this small (the
-# shipped demo's plain decoding 18% faster on 2 cores, EAGLE-3 5%; benchmarks/RESULTS.md,
-# eighteenth session). The choice is made per platform when the program is lowered; the
+# own dot instead of YNNPACK, whose fixed cost per call dominates products this small
+# (docs/performance.md). The choice is made per platform when the program is lowered; the
 # GPU program is unchanged. Both forms compute the same sums (summation order aside).
 _CPU_TRANSPOSED_MAX_ROWS = 2
 

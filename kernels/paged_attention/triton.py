@@ -1,22 +1,9 @@
-"""Paged attention over ragged batches as plain Triton kernels, called through jax-triton.
+"""Paged attention as plain Triton kernels, called through jax-triton (GPU only).
 
-The same algorithm, grid and numerics as the Pallas kernel
-(:mod:`specjax.kernels.paged_attention.pallas`, whose docstring describes them: grid ``(B,
-num_kv_heads, num_splits)``, one ``ROWS x head_dim`` tile of query rows per program, keys
-``BLOCK_K`` at a time through the block table, online softmax in float32, split-K partials
-merged by a second kernel of grid ``(T, num_kv_heads)``), written against Triton's own
-language instead of the Pallas Triton backend, which JAX deprecates from 0.11.2 ("to keep using
-Triton, switch to the official Triton bindings and jax_triton"). The cache write is not
-folded in here (that variant stays Pallas-only): :func:`specjax.kernels.paged_attention.attend`
-writes the step's K/V with two scatters first on this backend.
-
-Shapes it takes are those of :func:`~specjax.kernels.paged_attention.limits.unsupported_reason`
-(head_dim a power of two >= 16, ``max_query_len * group <= 128`` rows, trees of at most 31
-nodes). Tree masks are passed as one int32 bitmask per query row (a small device array).
-Addresses into the caches and outputs are computed in int64 (caches past 2**31 elements).
-
-:func:`launch_plan` (pure Python) gives each kernel's grid and constexprs, so a test harness
-can launch the same kernels under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU.
+The algorithm, grid and numerics of the Pallas kernel (:mod:`.pallas`) in Triton's own
+language; no fused cache write. Tree masks are one int32 bitmask per query row; addresses
+are int64. :func:`launch_plan` (pure Python) gives each kernel's grid and constexprs, so a
+test can launch them under Triton's interpreter on CPU.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Padded-drafter input preparation: the token each request samples from, and the next input token.
-
-The public ops below check and normalize the arguments, then run one backend:
-``xla.py`` (the reference and the CPU path), ``pallas.py`` (Mosaic GPU; GPU interpret mode
-off the GPU) or ``triton.py`` (through jax-triton, GPU only), side by side in this folder and
-bit-identical. The docstrings here are the specification every backend implements;
-``backend=`` follows :mod:`specjax.kernels.backend`.
-"""
+"""Padded-drafter input preparation (the token each request samples from, the next input
+token): the docstrings below specify every backend bit for bit; ``backend=``: :mod:`~specjax.kernels.backend`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""``eagle_prepare_inputs_padded`` and ``eagle_prepare_next_token_padded``: row-wise kernels.
-
-One program per chunk of 128 requests, one request per lane; every input is a vector
-window (the ``[R, S]`` sampled tokens are read one column at a time), so these kernels
-need no scalar loads at all.
-"""
+"""``eagle_prepare_inputs_padded`` and ``eagle_prepare_next_token_padded`` as Mosaic GPU
+kernels: one program per chunk of 128 requests, one request per lane, vector loads only."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
-"""``specjax demo``: every available method on the shipped demo models. The table leads with
-what does not depend on the machine's speed: the check (each method's output equals plain
-greedy decoding) and tokens per target forward pass (the mean acceptance length); then
-per-position acceptance and the wall-clock columns (tokens/s, spread, speed-up). The machine's load is read
-before and after the timed runs (:func:`machine_load`) and printed; at
-:data:`LOAD_THRESHOLD` per core or more with a note that the timings are not meaningful.
-On a CPU one line says why speed-ups there are smaller than on a GPU.
-
-The embedded models ship with the package (:mod:`specjax.demo_models`): a byte-level Llama
-target (4 layers, width 256) trained on CPython's standard-library sources, and one draft
-of every kind trained against it (EAGLE-1, EAGLE-3, Medusa, a small draft model, DFlash),
-each stored in its real upstream checkpoint layout and loaded through
-``specjax.load_pretrained``, the path a user's checkpoint takes. The prompts are Python
-code, the text the models know. n-gram and suffix decoding need no weights; extract-hidden-
-states is not a drafter (its draft is the token just sampled). ``--target`` / ``--draft`` /
-``--prompts``: the same table on your own checkpoints and prompts.
+"""``specjax demo``: every available method on the shipped demo models
+(:mod:`specjax.demo_models`). The table leads with what does not depend on the machine: the
+check (each method's output equals plain greedy decoding) and tokens per target forward
+pass; then per-position acceptance and the wall-clock columns, with the machine's load
+(:func:`machine_load`, flagged at :data:`LOAD_THRESHOLD` per core). ``--target`` /
+``--draft`` / ``--prompts`` run the same table on your own checkpoints (docs/demo.md).
 """
 
 from __future__ import annotations
@@ -83,9 +73,8 @@ def _cpu_s() -> float:
 
 
 def load_line(load: float | None) -> str | None:
-    """The line printed for other work's ``load`` per core: the load, and at
-    :data:`LOAD_THRESHOLD` or more that the wall-clock columns are not meaningful; None when
-    the load is unknown."""
+    """The line printed for other work's ``load`` per core (flagged at
+    :data:`LOAD_THRESHOLD` or more); None when the load is unknown."""
     if load is None:
         return None
     what = (f"load {load:.2f} per core (other work's 1-minute load average, the larger of "
@@ -98,9 +87,8 @@ def load_line(load: float | None) -> str | None:
 
 
 class _OwnLoad:
-    """This process's share of the 1-minute load average: its busy cores (CPU seconds per
-    second) between calls, decayed as the kernel decays the load average (time constant 60
-    s). The CPU it used before the first call counts as one core busy just before it."""
+    """This process's share of the 1-minute load average: its busy cores between calls,
+    decayed as the kernel decays the load average (time constant 60 s)."""
 
     def __init__(self) -> None:
         t, c = time.monotonic(), _cpu_s()
@@ -118,9 +106,8 @@ class _OwnLoad:
 
 
 def machine_load(own_cores: float = 0.0) -> float | None:
-    """Other work's load per core: ``os.getloadavg()[0]`` less ``own_cores`` (the cores
-    this process kept busy meanwhile, which the load average counts too), over
-    ``os.cpu_count()``; never below 0. None where the OS gives no load average."""
+    """Other work's load per core: ``(os.getloadavg()[0] - own_cores) / os.cpu_count()``,
+    at least 0; None where the OS gives no load average."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -156,10 +143,8 @@ def demo_target():
 
 def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL_LEN,
                   block_size: int = BLOCK_SIZE, tree: str | None = None):
-    """The demo's proposer of ``method`` with ``k`` speculative tokens (shipped weights).
-
-    ``tree``: a ``speculative_token_tree`` for ``eagle`` / ``eagle3`` (tree drafting; ``k``
-    is then ignored: one draft per node)."""
+    """The demo's proposer of ``method`` with ``k`` speculative tokens (shipped weights);
+    ``tree``: a ``speculative_token_tree`` for ``eagle`` / ``eagle3`` (``k`` then ignored)."""
     from specjax import demo_models
     from specjax.proposers import make_proposer
 
@@ -228,15 +213,9 @@ class _Progress:
 
 
 class _Timer:
-    """One method's timed runs of the whole workload. :func:`run_demo` compiles every
-    method first (:meth:`warm`: a run of the same workload, every bucket the timed runs
-    use), then times them in rounds, one run of each method a round (:meth:`run`), so load
-    from other jobs on the machine hits every row alike. ``batch``: requests decoded at
-    once (None: every prompt; fewer: the rest wait and join as requests finish, so the
-    later requests' prefill steps count as iterations). The device loop
-    (``steps_per_sync``) is used when the method runs in it, else one step per sync. Every
-    run gets a fresh proposer (same configuration, so no new compilation): suffix decoding
-    must not draft from its cache of the previous runs' responses."""
+    """One method's timed runs of the whole workload (:meth:`warm` compiles, :meth:`run`
+    times one run); ``batch``: requests decoded at once (None: every prompt). Every run
+    gets a fresh proposer, so suffix decoding cannot draft from earlier runs' responses."""
 
     def __init__(self, target, make_proposer, prompts, max_tokens: int, steps_per_sync: int,
                  max_model_len: int, temperature: float, batch: int | None) -> None:
@@ -251,21 +230,24 @@ class _Timer:
         self.used_steps_per_sync = 1
 
     def _engine(self):
+        import dataclasses
+
         from specjax.runtime.decode_loop import loop_support
-        from specjax.engine import Engine
+        from specjax.engine import Engine, LoopOptions
 
         eng = Engine(self.target, self.make_proposer(), max_model_len=self.max_model_len,
-                     block_size=BLOCK_SIZE, max_num_seqs=self.batch, batch_buckets=(self.batch,),
-                     query_buckets=query_buckets(self.prompts, self.max_model_len),
-                     context_buckets=context_buckets(self.max_model_len))
+                     block_size=BLOCK_SIZE, max_num_seqs=self.batch, options=LoopOptions(
+                         batch_buckets=(self.batch,),
+                         query_buckets=query_buckets(self.prompts, self.max_model_len),
+                         context_buckets=context_buckets(self.max_model_len)))
         if self.steps_per_sync > 1 and loop_support(eng.step) is None:
-            eng.steps_per_sync = self.steps_per_sync
+            eng.options = dataclasses.replace(eng.options, steps_per_sync=self.steps_per_sync)
         return eng
 
     def warm(self) -> None:
         eng = self._engine()
         eng.generate(self.prompts, self.sp)        # compiles every bucket the timed runs use
-        self.used_steps_per_sync = eng.steps_per_sync
+        self.used_steps_per_sync = eng.options.steps_per_sync
 
     def run(self, progress: _Progress | None) -> None:
         marks: list[tuple[float, int]] = []     # (time, generated tokens) after each iteration
@@ -285,9 +267,8 @@ class _Timer:
                             (marks[-1][0] - marks[0][0]) / its * 1e3))
 
     def result(self):
-        """``(result, tokens/s: the median run's, spread: (max - min) / median,
-        steps_per_sync used, the median run's (tokens per request, ms) per decoding
-        iteration after the first prefill step)``."""
+        """``(result, median tokens/s, spread (max - min) / median, steps_per_sync, the
+        median run's (tokens per request, ms) per decoding iteration)``."""
         import statistics
 
         tps = [r.num_generated_tokens / r.elapsed_s for r in self.runs]
@@ -303,29 +284,12 @@ def run_demo(methods: Sequence[str] | None = None, *, k: int = 3,
              steps_per_sync: int = DEFAULT_STEPS_PER_SYNC, target_dir: str | None = None,
              draft_dirs: Sequence[str] = (), prompts_file: str | None = None,
              temperature: float = 0.0, batch: int | None = DEFAULT_BATCH) -> list[Row]:
-    """Run the demo; print the note and the table on ``out``, progress on ``err``.
+    """Run the demo; print the note and the table on ``out``, progress on ``err``. Returns
+    one ``Row`` per method that ran, plain decoding (``"plain"``) first.
 
-    The table's lead columns are the check (greedy: the tokens equal plain decoding's) and
-    tokens per target forward pass (the mean acceptance length); the wall-clock columns
-    follow. Other work's load per core (:func:`machine_load`, before and after the timed
-    runs, the larger) is printed (:func:`load_line`), at :data:`LOAD_THRESHOLD` or more with
-    the note that the timings are not meaningful; on a CPU device :data:`CPU_NOTE` is printed.
-
-    ``repeat``: timed runs per method (the median counts; the spread is printed);
-    ``steps_per_sync``: the device loop's iterations per host sync for every method that
-    runs in it (1: the per-step loop everywhere). ``target_dir`` (``--target``): your target
-    checkpoint (a ``specjax-convert`` output or an original HF directory, with its
-    tokenizer) instead of the shipped one; ``draft_dirs`` (``--draft``): draft checkpoints
-    for it, one row each (method detected from the checkpoint, as for a vLLM
-    ``speculative_config`` without ``method``); ``methods`` then picks among the model-free
-    methods (default: n-gram CPU / GPU and suffix). ``prompts_file`` (``--prompts``): one
-    prompt per line (encoded by the target's tokenizer; the shipped byte-level model reads
-    the bytes). Bad paths are refused before anything loads. ``temperature`` > 0: seeded
-    sampling (the table's acceptance and speed; no check column: sampled speculative output
-    has the target's distribution, not plain decoding's tokens). ``batch`` (``--batch``):
-    requests decoded at once (default 1: one after another; None: every prompt in one
-    batch; more than the prompts is refused). Returns one ``Row`` per method that ran
-    (plain decoding first, as ``"plain"``).
+    Arguments are the CLI flags (docs/demo.md): ``target_dir`` / ``draft_dirs`` /
+    ``prompts_file`` are ``--target`` / ``--draft`` / ``--prompts`` (bad paths refused
+    before anything loads); ``batch`` None decodes every prompt at once.
     """
     import jax
 
@@ -450,27 +414,23 @@ def _batching(batch: int | None, n: int) -> str:
 
 def query_buckets(prompts, max_model_len: int = MAX_MODEL_LEN) -> tuple[int, ...]:
     """The demo's query buckets: powers of two (decode steps) and the longest prompt rounded
-    up to a multiple of 16 (the prefill step: its 88-94 tokens in 96, not 128; on 2 CPU
-    cores the 4-prompt prefill took 33 ms at 96 and 56 ms at 128)."""
+    up to a multiple of 16 (the prefill step; a smaller bucket than the next power of two)."""
     longest = max(len(p) for p in prompts)
     return tuple(sorted({1 << i for i in range(max_model_len.bit_length())}
                         | {-(-longest // 16) * 16}))
 
 
 def context_buckets(max_model_len: int = MAX_MODEL_LEN) -> tuple[int, ...]:
-    """KV block-table widths the demo compiles for (blocks of BLOCK_SIZE): 8, 16, then powers
-    of two up to ``max_model_len``. Attention reads the whole bucket, and on 2 CPU cores a
-    decoding step over 32 blocks cost twice one over 8 (the shipped demo's requests hold
-    6-10 blocks)."""
+    """KV block-table widths the demo compiles for: 8, 16, then powers of two up to
+    ``max_model_len`` (attention reads the whole bucket, so narrow ones pay)."""
     top = max_model_len // BLOCK_SIZE
     return tuple(sorted({w for w in (8, 16) if w < top} | {1 << i for i in range(5, top.bit_length())
                                                             if 1 << i < top} | {top}))
 
 
 def slow_reasons(rows: Sequence[Row]) -> list[str]:
-    """One measured reason per method below 1.0x: the tokens a decoding iteration gains
-    against what an iteration costs next to plain decoding's (the median runs, from the
-    end of the prefill step)."""
+    """One measured reason per method below 1.0x: tokens and cost per decoding iteration
+    next to plain decoding's."""
     plain = next(r for r in rows if r.method == "plain")
     out = []
     for r in rows:
@@ -581,9 +541,8 @@ def _user_setup(target_dir, draft_dirs, lines, methods, k: int, max_tokens: int)
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """The demo's table: ``check`` and ``tokens/fwd`` (the mean acceptance length; 1.00 for
-    plain decoding) first, the machine-independent columns; then ``k``, per-position
-    acceptance and the wall-clock columns (tokens/s, spread, sync, speed-up)."""
+    """The demo's table: ``check`` and ``tokens/fwd`` (machine-independent) first, then ``k``,
+    per-position acceptance and the wall-clock columns."""
     head = ("method", "check", "tokens/fwd", "k", "per-position acceptance", "tokens/s",
             "spread", "sync", "speed-up")
     body = []

@@ -1,19 +1,10 @@
 """``specjax generate``: a real checkpoint, its tokenizer and a vLLM ``speculative_config``
-from the command line (see :mod:`specjax.cli.main`).
+from the command line.
 
-``--target DIR`` is a ``specjax-convert`` output (it carries its source's tokenizer and
-``generation_config.json``) or an original HF directory; ``--tokenizer DIR`` takes the
-tokenizer, and ``generation_config.json`` when DIR has one, from DIR instead. Both paths
-are checked before anything is loaded: a missing directory, a ``--target`` that is not a
-checkpoint, or no tokenizer where one is read is one error line naming the flag, the
-directory and the files looked for (:func:`check_paths`).
-
-The sampling flags are vLLM's ``SamplingParams`` fields (:data:`FLAGS`); each value is
-checked by ``SamplingParams`` itself and by the engine's request check
-(``specjax.sampling.logits_processors.check_request``, the vocabulary read from the checkpoint's
-config) before any model is loaded, the error naming the flag. ``--logprobs N`` prints
-each generated token's logprob, rank and top-N under its completion; ``--json FILE``
-writes every result (:func:`result_records`).
+``--target DIR``: a ``specjax-convert`` output or an original HF directory; ``--tokenizer
+DIR`` takes the tokenizer (and ``generation_config.json``) from elsewhere. Paths and the
+sampling flags (vLLM's ``SamplingParams`` fields, :data:`FLAGS`) are checked before any
+model loads, each error naming its flag. ``--json FILE`` writes :func:`result_records`.
 """
 
 from __future__ import annotations
@@ -63,11 +54,9 @@ def main_generate(args, out: TextIO | None = None, err: TextIO | None = None) ->
 
 
 def sampling_params(args, *, bad_words: Any = (), stop_token_ids: Any = None):
-    """The ``SamplingParams`` of parsed ``generate`` arguments. ``bad_words``: token-id
-    sequences (``specjax.hf.encode_bad_words`` of ``--bad-words``); ``stop_token_ids``:
-    None for ``--stop-token-ids`` alone, else the ids to stop on (the flag's plus EOS).
-    Each field is checked alone by ``SamplingParams`` first (``min_tokens`` with
-    ``max_tokens``), so a bad value raises ``ArgumentError`` naming its flag."""
+    """The ``SamplingParams`` of parsed ``generate`` arguments (``bad_words``: encoded
+    token-id sequences; ``stop_token_ids``: None, or the flag's ids plus EOS); a bad value
+    raises ``ArgumentError`` naming its flag."""
     from specjax.engine import SamplingParams
 
     bias: dict[int, float] = {}
@@ -110,10 +99,8 @@ def check_vocabulary(sp, vocab_size: int) -> None:
 
 def check_paths(args) -> tuple[str, str]:
     """``(tokenizer directory, generation_config directory)`` of parsed ``generate``
-    arguments, after checking ``--target`` (an existing checkpoint directory) and
-    ``--tokenizer`` (an existing directory); the tokenizer directory must hold a tokenizer
-    (``specjax.hf.TOKENIZER_FILES``). Each error names its flag and directory; a
-    ``--target`` without a tokenizer suggests ``--tokenizer DIR``."""
+    arguments, after checking ``--target`` / ``--tokenizer`` exist and a tokenizer
+    (``specjax.hf.TOKENIZER_FILES``) is there; errors name the flag and directory."""
     from specjax.hf import tokenizer_dir
 
     target = Path(args.target).expanduser()
@@ -162,9 +149,8 @@ def _value(v: float) -> float | None:
 
 
 def token_logprobs(tok, token_ids, logprobs, n: int) -> list[dict]:
-    """Per generated token: ``token_id``, ``token`` (its text or None), ``logprob``, ``rank``
-    and ``top_logprobs`` (the top ``n`` by rank, each ``token_id``, ``token``, ``logprob``,
-    ``rank``) from ``RequestOutput.logprobs``; a removed token's ``-inf`` is None."""
+    """Per generated token: ``token_id``, ``token`` (text or None), ``logprob``, ``rank`` and
+    ``top_logprobs`` (same fields) from ``RequestOutput.logprobs``; ``-inf`` is None."""
     out = []
     for t, d in zip(token_ids, logprobs):
         items = list(d.items())

@@ -1,21 +1,10 @@
 """The ``specjax`` console script (also ``python -m specjax``).
 
-``specjax demo``: speculative decoding with every available method on the embedded demo
-model, checked against plain decoding (see :mod:`specjax.cli.demo`). Runs on a fresh install
-with no network and no GPU. ``--target DIR [--draft DIR ...] [--prompts FILE]``: the same
-table on your own checkpoints and prompts.
-
-``specjax generate --target DIR [--speculative-config JSON] --prompt TEXT ...``: your own
-checkpoint (converted or original HF directory) with its tokenizer (the ``hf`` extra), its
-``generation_config.json`` stop ids and an optional vLLM ``speculative_config``; prints
-each completion, then acceptance and tokens/s (progress on stderr). vLLM's per-request
-sampling parameters as flags (``--min-p``, ``--presence-penalty``, ``--frequency-penalty``,
-``--repetition-penalty``, ``--min-tokens``, ``--stop-token-ids``, ``--ignore-eos``,
-``--bad-words``, ``--allowed-token-ids``, ``--logit-bias``, ``--logprobs N``,
-``--logprobs-mode``), checked before any model is loaded; ``--json FILE`` writes the
-results (see :mod:`specjax.cli.generate`).
-
-``specjax --version``.
+``specjax demo``: every available method on the shipped demo models, checked against plain
+decoding (:mod:`specjax.cli.demo`); no network, no GPU. ``specjax generate --target DIR
+[--speculative-config JSON] --prompt TEXT ...``: your own checkpoint with its tokenizer,
+stop ids, an optional vLLM ``speculative_config`` and vLLM's sampling parameters as flags
+(:mod:`specjax.cli.generate`). ``specjax --version``.
 """
 
 from __future__ import annotations

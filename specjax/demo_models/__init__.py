@@ -1,22 +1,10 @@
 """The trained demo models shipped with specjax (package data).
 
 A byte-level Llama target trained on CPython's standard-library sources and one draft of
-every kind trained against it, each in its real upstream checkpoint layout, fp16:
-
-========== ================================ =====================================
-name       layout                           loads as
-========== ================================ =====================================
-target     HF LlamaForCausalLM              ``llama`` (the target)
-eagle      SafeAILab EAGLE-1                ``eagle``
-eagle3     SafeAILab EAGLE-3 (draft vocab)  ``eagle3``
-medusa     FasterDecoding Medusa-1          ``medusa``
-draft_model HF LlamaForCausalLM (small)     ``llama`` (a draft model)
-dflash     z-lab DFlash                     ``dflash``
-========== ================================ =====================================
-
-Reproduce them with ``python -m specjax.training.recipe --out DIR`` (one H200, see
-``benchmarks/RESULTS.md``); ``specjax.demo_models.load(name)`` reads one through
-``specjax.load_pretrained``, the path any user checkpoint takes.
+every kind trained against it (``eagle``, ``eagle3``, ``medusa``, ``draft_model``,
+``dflash``), each in its real upstream checkpoint layout, fp16; :func:`load` reads one
+through ``specjax.load_pretrained``. Reproduce them with ``python -m
+specjax.training.recipe --out DIR`` (docs/training.md).
 """
 
 from __future__ import annotations
@@ -42,10 +30,9 @@ def available() -> tuple[str, ...]:
 
 
 def load(name: str, dtype="fp32"):
-    """``Pretrained(kind, config, params)`` of the shipped model ``name`` (one of
-    :data:`NAMES`) via ``load_pretrained``, params cast to ``dtype`` (the files are fp16;
-    fp32 by default, the precision the demo's lossless checks run at). Public as
-    ``specjax.load_demo_model``."""
+    """``Pretrained(kind, config, params)`` of the shipped model ``name`` via
+    ``load_pretrained``, params cast to ``dtype`` (default fp32, for the lossless checks;
+    the files are fp16). Public as ``specjax.load_demo_model``."""
     from specjax.converters import load_pretrained
 
     p = path(name)

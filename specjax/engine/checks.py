@@ -68,14 +68,13 @@ def check_buckets(name: str, buckets: Any, need: int, what: str) -> tuple[int, .
 
 
 def check_engine_args(model: Any, *, max_model_len: Any, block_size: Any, max_num_seqs: Any,
-                      num_blocks: Any, min_tokens_per_step: Any, kv_dtype: Any,
-                      buckets: tuple[Any, Any, Any], k: int, params: Any = None) -> None:
+                      num_blocks: Any, kv_dtype: Any, buckets: tuple[Any, Any, Any], k: int,
+                      params: Any = None) -> None:
     """The checks of ``Engine`` / ``generate``: every integer bounded, each bucket list able
     to hold its size, the KV cache within memory (:func:`check_kv_cache_fits`)."""
     mml = check_int("max_model_len", max_model_len, 2)
     bs = check_int("block_size", block_size, 1, 1 << 16)
     seqs = check_int("max_num_seqs", max_num_seqs, 1, 1 << 16)
-    check_int("min_tokens_per_step", min_tokens_per_step, 1, 1 << 20)
     nb_given = num_blocks is not None
     nb = (1 + seqs * -(-mml // bs)) if num_blocks is None else \
         check_int("num_blocks", num_blocks, 2, why="block 0 is the null block")

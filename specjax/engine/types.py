@@ -14,33 +14,23 @@ from specjax.metrics import SpecDecodingStats
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling parameters (vLLM's names).
+    """Per-request sampling parameters (vLLM's names); a bad value raises naming the field.
 
     Attributes:
-      max_tokens: most tokens to generate (>= 1).
-      temperature: 0 is greedy; > 0 samples.
-      top_k: 0 disables; top_p: 1 disables.
-      seed: per-request seed; None draws one from ``generate``'s ``seed``. A seeded request
-        gives the same tokens whatever else is in the batch.
-      stop_token_ids: generation stops after emitting any of these (the token is kept).
-      ignore_eos: do not stop on ``generate``'s ``eos_token_id``.
-      presence_penalty, frequency_penalty: subtracted once / per occurrence for tokens in
-        the output (0 disables; in [-2, 2] as vLLM); repetition_penalty: > 0, over prompt
-        and output (1 disables).
-      min_p: in [0, 1]; tokens below ``min_p`` times the top probability are dropped.
-      logit_bias: ``{token_id: bias}`` added to the logits (bias in [-100, 100]).
-      bad_words: token-id sequences never completed (strings need a tokenizer: refused).
-      allowed_token_ids: only these may be sampled (None: all).
-      min_tokens: stop and EOS tokens are suppressed until this many were generated.
-      logits_processor: index into the engine's ``logits_processors`` (-1: none);
-        logits_processor_params: its per-request float parameters.
-      Refused by name when set: ``n`` / ``best_of`` other than 1 / None, ``prompt_logprobs``,
-      ``structured_outputs`` (structured-output engines), ``stop`` (stop strings need
-      detokenization).
-      logprobs: None (off) or ``n`` in 0..20: each generated token's logprob and rank and
-        the top-``n`` (``RequestOutput.logprobs``; values per the engine's
-        ``logprobs_mode``; ``specjax.sampling.logprobs``).
-    """
+      max_tokens: most tokens to generate (>= 1). temperature: 0 is greedy. top_k: 0 off;
+        top_p: 1 off. min_p: in [0, 1]; tokens below ``min_p`` times the top probability drop.
+      seed: None draws one from ``generate``'s ``seed``; a seeded request gives the same tokens
+        whatever else is in the batch.
+      stop_token_ids: stop after emitting one (kept); ignore_eos: ignore ``eos_token_id``.
+      presence_penalty, frequency_penalty: in [-2, 2], 0 off; repetition_penalty: > 0, 1 off.
+      logit_bias: ``{token_id: bias}`` (bias in [-100, 100]); bad_words: token-id sequences
+        never completed; allowed_token_ids: only these (None: all); min_tokens: stop and EOS
+        suppressed until this many were generated.
+      logits_processor: index into the engine's ``logits_processors`` (-1: none), with
+        ``logits_processor_params``.
+      logprobs: None or ``n`` in 0..20: each token's logprob, rank and the top-``n``.
+      Refused when set: ``n`` / ``best_of`` other than 1, ``prompt_logprobs``,
+      ``structured_outputs``, ``stop`` (stop strings need detokenization)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -172,11 +162,9 @@ class RequestOutput(NamedTuple):
 
 @dataclasses.dataclass
 class GenerateResult:
-    """Outputs in prompt order plus the run's speculative-decoding metrics.
-
-    ``spec_stats`` sums every step's ``SpecDecodingStats`` (vLLM's counters);
-    ``elapsed_s`` is the wall time of the loop (compilation included unless warmed up).
-    """
+    """Outputs in prompt order, ``spec_stats`` (every iteration's ``SpecDecodingStats``
+    summed), ``num_steps`` (iterations) and ``elapsed_s`` (wall time, compilation included
+    unless warmed up)."""
 
     outputs: list[RequestOutput]
     spec_stats: SpecDecodingStats

@@ -1,20 +1,9 @@
 """Proposers, one module per method, and the uniform interface a decoding loop drives.
 
-``make_proposer(config, ...)`` builds any method of a ``SpeculativeConfig`` and returns a
-:class:`Proposer`: the method's own proposer object (``impl``), its ``params`` (device
-model proposers) and its :class:`Feed` (``proposer.feed``): where it drafts (inside the
-jitted step, in a second call after vLLM's host ``prepare_inputs``, or from the token
-history), which target activations it needs, how many KV slots it writes ahead, its token
-tree and vocabulary. A decoding loop reads the Feed only, never the method name
-(``specjax.runtime.step.make_step`` does).
-
-Model-free proposers (``ngram``, ``ngram_gpu``, ``suffix``) each keep their own vLLM-shaped
-API in their module; :class:`NgramProposerAdapter`, :class:`NgramGPUProposerAdapter` and
-:class:`SuffixProposerAdapter` map a :class:`TokenHistory` onto it and return a
-``DraftOutput``.
-
-Imports of the method modules are lazy: importing ``specjax.proposers`` pulls in neither
-numba nor the models.
+``make_proposer(config, ...)`` builds any method and returns a :class:`Proposer`: the
+method's own object (``impl``), its ``params`` and its :class:`Feed`, which is all a loop
+reads. Model-free methods keep their vLLM-shaped API; their adapters map a
+:class:`TokenHistory` onto it. Method modules are imported lazily (no numba, no models).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Machinery shared by the device proposers, as small pieces (vLLM keeps it in
-``SpecDecodeBaseProposer``): construction checks, the draft KV state, the padded-batch
-helpers, the autoregressive chain of single-token steps, the output padding, and
-ahead-of-time compilation of ``propose`` for every shape bucket (``warmup``). Greedy
-draft selection (vLLM's local argmax reduction under a vocab-sharded mesh) lives with the
-sharding code, :mod:`specjax.sharding.vocab`."""
+"""Machinery shared by the device proposers (vLLM keeps it in ``SpecDecodeBaseProposer``):
+construction checks, the draft KV state, the padded-batch helpers, the chain of
+single-token steps, output padding and ahead-of-time compilation (``warmup``)."""
 
 from __future__ import annotations
 
@@ -20,7 +17,8 @@ from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
 from specjax.constants import check_index_range
 from specjax.metadata import SpecDecodeMetadata
-from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, ProposerInputs, check_int
+from specjax.checks import check_int
+from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
 
 _I32 = jnp.int32
 
@@ -107,14 +105,10 @@ StepFn = Callable[..., tuple[jax.Array, Any, Any]]
 def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Array, hidden: Any,
                 seq_lens: jax.Array, cad: CommonAttentionMetadata, caches: Any, *,
                 block_size: int, max_model_len: int, backend: str) -> tuple[jax.Array, Any]:
-    """Fill columns ``1..k-1`` of ``drafts [B, k]`` (column 0 given) with single-token steps.
-
-    Each step advances every request one position with
-    ``eagle_step_update_slot_mapping_and_metadata`` (positions past ``max_model_len`` get
-    slot -1), raises ``max_seq_len`` (capped at ``max_model_len``), and runs ``step`` on the
-    previous draft. One ``lax.fori_loop`` (unrolled up to ``MAX_UNROLLED_STEPS`` steps):
-    no recompile per step, no host round trip.
-    ``positions [B]`` / ``seq_lens [B]`` are those of each request's last sampled token.
+    """Fill columns ``1..k-1`` of ``drafts [B, k]`` (column 0 given) with single-token steps
+    of ``step`` on the previous draft, in one ``lax.fori_loop``; positions past
+    ``max_model_len`` get slot -1. ``positions [B]`` / ``seq_lens [B]``: each request's
+    last sampled token's.
     """
     b, k = drafts.shape
     n = cad.num_reqs
@@ -146,12 +140,9 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
 def shift_in_next_tokens(token_ids: jax.Array, sample_idx: jax.Array, next_token_ids: jax.Array,
                          real: jax.Array) -> jax.Array:
     """EAGLE's first-pass input ids: ``token_ids [T]`` shifted left by one (the last entry
-    wraps), with ``next_token_ids[r]`` at ``sample_idx[r]`` for each real request ``r``
-    (``real [B]``; padding rows write nowhere).
-
-    A select over a ``[T, B]`` one-hot, not a scatter: XLA fuses it into the embedding
-    gather that reads the ids (one kernel for the shift, the insert and the gather on the
-    H200).
+    wraps), with ``next_token_ids[r]`` at ``sample_idx[r]`` for each request where ``real
+    [B]``. A select over a ``[T, B]`` one-hot, not a scatter, so XLA fuses it into the
+    embedding gather.
     """
     t = token_ids.shape[0]
     hit = jnp.arange(t, dtype=_I32)[:, None] == jnp.where(real, sample_idx, -1)[None, :]
@@ -161,9 +152,8 @@ def shift_in_next_tokens(token_ids: jax.Array, sample_idx: jax.Array, next_token
 
 
 def drafts_with_first(first: jax.Array, k: int) -> jax.Array:
-    """``[B, k]`` drafts: column 0 ``first [B]``, the rest padding (-1), for
-    :func:`chain_steps` to fill. A concatenate, which fuses (``.at[:, 0].set`` left a
-    bounds-check kernel in the compiled propose)."""
+    """``[B, k]`` drafts: column 0 ``first [B]``, the rest -1, for :func:`chain_steps`
+    (a concatenate, which fuses)."""
     return jnp.concatenate([first[:, None].astype(_I32),
                             jnp.full((first.shape[0], k - 1), DRAFT_PADDING_ID, _I32)], axis=1)
 
@@ -182,30 +172,14 @@ def draft_output(drafts: jax.Array, num_reqs: jax.Array) -> DraftOutput:
 
 @dataclasses.dataclass(frozen=True)
 class ProposeBucket:
-    """One padded shape a serving loop calls ``propose`` with: every static dimension the
-    compiled step depends on (besides the params and state, which are fixed).
+    """One padded shape a serving loop calls ``propose`` with (every static dimension of
+    the compiled step); ``warmup`` takes these or tuples of the leading fields.
 
-    ``warmup`` takes these, or plain tuples ``(num_reqs_pad, num_tokens_pad[,
-    max_blocks_per_req[, max_query_len]])``.
-
-    Attributes:
-      num_reqs_pad: ``B_pad`` >= 1: ``next_token_ids [B_pad]``, ``query_start_loc
-        [B_pad + 1]``, ``seq_lens [B_pad]``, ...
-      num_tokens_pad: ``T_pad`` >= 1: ``target_token_ids [T_pad]``, ``slot_mapping
-        [T_pad]``, the hidden states ``[T_pad, ...]``.
-      max_blocks_per_req: width ``C`` >= 1 of ``attn_metadata.block_table [B_pad, C]``.
-        None: ``cdiv(max_model_len, block_size)`` of the proposer (required for
-        proposers without both, Medusa and extract-hidden-states).
-      max_query_len: the static ``attn_metadata.max_query_len`` bucket, in
-        ``[1, num_tokens_pad]``. None: ``num_tokens_pad``.
-      padded_batch: True when ``token_indices_to_sample`` and ``num_rejected_tokens``
-        are given (padded drafter batch), False when both are None. None: ``not
-        config.disable_padded_drafter_batch``.
-
-    The rest of the inputs' layout follows the proposer's declarations (as
-    ``specjax.Engine`` feeds them): ``target_hidden_states [T_pad, H]`` iff
-    ``needs_hidden_states``, ``aux_hidden_states [T_pad, n_aux, Ht]`` iff
-    ``needs_aux_hidden_states``, otherwise None; ``attn_metadata.causal`` is True.
+    ``num_reqs_pad`` (``B_pad``) and ``num_tokens_pad`` (``T_pad``) >= 1;
+    ``max_blocks_per_req``: block-table width (None: ``cdiv(max_model_len, block_size)``;
+    required for Medusa / extract-hidden-states); ``max_query_len`` (None:
+    ``num_tokens_pad``); ``padded_batch`` (None: ``not
+    config.disable_padded_drafter_batch``).
     """
 
     num_reqs_pad: int
@@ -231,8 +205,8 @@ def resolve_buckets(proposer: Any, buckets: Iterable[Any]) -> tuple[ProposeBucke
         else:
             raise ValueError(f"{where} must be a ProposeBucket or a tuple (num_reqs_pad, num_tokens_pad"
                              f"[, max_blocks_per_req[, max_query_len]]) of 2 to 4 ints, got {b!r}")
-        B = check_int(f"{where}.num_reqs_pad", b.num_reqs_pad, minimum=1)
-        T = check_int(f"{where}.num_tokens_pad", b.num_tokens_pad, minimum=1)
+        B = check_int(f"{where}.num_reqs_pad", b.num_reqs_pad, 1)
+        T = check_int(f"{where}.num_tokens_pad", b.num_tokens_pad, 1)
         C = b.max_blocks_per_req
         if C is None:
             bs, mml = getattr(proposer, "block_size", None), getattr(proposer, "max_model_len", None)
@@ -242,9 +216,9 @@ def resolve_buckets(proposer: Any, buckets: Iterable[Any]) -> tuple[ProposeBucke
                                  "block-table width from): give (num_reqs_pad, num_tokens_pad, "
                                  "max_blocks_per_req)")
             C = -(-mml // bs)
-        C = check_int(f"{where}.max_blocks_per_req", C, minimum=1)
+        C = check_int(f"{where}.max_blocks_per_req", C, 1)
         Q = check_int(f"{where}.max_query_len", T if b.max_query_len is None else b.max_query_len,
-                      minimum=1, maximum=T)
+                      1, T)
         padded = b.padded_batch
         if padded is None:
             padded = not proposer.config.disable_padded_drafter_batch
@@ -274,8 +248,8 @@ def _hidden_widths(proposer: Any) -> tuple[int | None, tuple[int, int] | None]:
 
 
 def abstract_inputs(proposer: Any, bucket: ProposeBucket, hidden_dtype=jnp.float32) -> ProposerInputs:
-    """``ProposerInputs`` of ``jax.ShapeDtypeStruct`` leaves with the shapes of a resolved
-    ``bucket`` (see ``ProposeBucket`` for the layout): what ``propose`` is lowered with."""
+    """``ProposerInputs`` of ``jax.ShapeDtypeStruct`` leaves for a resolved ``bucket``; the
+    hidden-state fields follow ``needs_hidden_states`` / ``needs_aux_hidden_states``."""
     B, T, C, Q = bucket.num_reqs_pad, bucket.num_tokens_pad, bucket.max_blocks_per_req, \
         bucket.max_query_len
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, _I32)  # noqa: E731
@@ -309,29 +283,14 @@ class AheadOfTimeCompile:
     def warmup(self, buckets: Iterable[Any], params: Any, state: Any = None, *,
                num_blocks: int | None = None, dtype=jnp.float32,
                hidden_dtype=None) -> tuple[ProposeBucket, ...]:
-        """Lower and compile ``propose(params, state, inputs)`` for each bucket, so that
-        calls whose real request / token counts vary inside those buckets compile nothing.
+        """Lower and compile ``propose(params, state, inputs)`` for each bucket
+        (``ProposeBucket`` or tuple); nothing runs and nothing is donated.
 
-        Nothing runs and nothing is donated: ``state`` is only looked at (its shapes,
-        dtypes and shardings), inputs are abstract (``abstract_inputs``).
-
-        Args:
-          buckets: ``ProposeBucket``s or tuples ``(num_reqs_pad, num_tokens_pad[,
-            max_blocks_per_req[, max_query_len]])``; all validated before anything compiles.
-          params: the params later passed to ``propose`` (their shapes, dtypes, shardings).
-          state: the state later passed to ``propose``, or an abstract one
-            (``jax.eval_shape(proposer.init_state, ...)``); None: built abstractly from
-            ``num_blocks`` and ``dtype`` as ``init_state`` would.
-          num_blocks, dtype: the KV pool size and cache dtype when ``state`` is None.
-          hidden_dtype: dtype of the hidden-state inputs; None: the state's floating dtype
-            (the cache's), else float32.
-
-        Returns:
-          The resolved buckets compiled (every None field filled in), in order.
-
-        Raises:
-          ValueError: a bad bucket (naming ``buckets[i].field``), or neither ``state`` nor
-            ``num_blocks`` for a proposer with a cache; before anything is compiled.
+        ``params`` / ``state`` (possibly abstract): those later passed to ``propose``;
+        ``state`` None: built abstractly from ``num_blocks`` and ``dtype``. ``hidden_dtype``:
+        of the hidden-state inputs (None: the cache's floating dtype, else float32). Returns
+        the resolved buckets in order. Raises ``ValueError`` (naming ``buckets[i].field``,
+        or for a missing ``state`` and ``num_blocks``) before anything compiles.
         """
         resolved = resolve_buckets(self, buckets)
         if state is None:

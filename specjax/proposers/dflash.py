@@ -1,37 +1,9 @@
 """DFlash block drafting (vLLM ``dflash.py`` on ``llm_base_proposer.py``).
 
-A frozen, hashable configuration object plus pure functions, like
-:mod:`specjax.proposers.eagle`. ``propose`` is one ``jax.jit`` (configuration static,
-state donated) that does, with no host round trip and no Python loop over requests:
-
-1. ``copy_and_expand_dflash_inputs``: each target token of this step becomes a *context*
-   token (its position and slot); each request gets a query block ``[bonus, mask * k]``
-   at positions ``last_valid + 1 ..`` with its slots, and the indices of its mask slots.
-2. Context: ``fc`` over the stacked aux hidden states (``combine_hidden_states``), then
-   ``hidden_norm`` and the K/V of every draft layer at once, written into the draft's
-   paged cache (``precompute_and_store_context_kv``).
-3. One forward of the query blocks with non-causal metadata: ``query_start_loc = arange
-   * (1 + k)``, ``seq_lens = seq_lens - rejected + 1 + k``; each block sees its request's
-   whole cached context and the whole block (its own K/V written at the query slots).
-4. Greedy drafts at the mask slots: argmax of ``compute_logits`` (the target's lm_head,
-   or the head's own reduced-vocab head scattered through ``d2t``). Parallel drafting:
-   no autoregressive steps, ``k`` drafts from one forward.
-
-Padded mode (``num_rejected_tokens`` given): the rejected tokens stay in the batch; as in
-vLLM their context K/V are written at their slots and then overwritten by the query block
-(whose positions start right after the last valid token and cover ``1 + k >= rejected``
-positions), and ``seq_lens`` drop them, so they are never attended to.
-
-One choice differs from vLLM v0.20.0, whose DFlash path has no length rule: query-block
-positions at or past ``min(max_model_len, block-table capacity)`` get slot -1 and
-``seq_lens`` are capped there (``max_model_len`` is the project-wide rule of the EAGLE
-kernels), so those positions are neither stored nor attended to. vLLM computes their
-slots from the block table with the block index capped at its last column, so past the
-end of the table they overwrite context K/V of the request's last block (and its
-attention reads past the table row); the drafts for positions past ``max_model_len`` are
-dropped by the scheduler anyway. Like v0.20.0 the attention is always non-causal: a head
-whose config says ``causal`` (later vLLM versions honour ``dflash_config.causal``) is
-refused.
+One ``jax.jit``: the step's target tokens become context K/V in the draft cache, then one
+non-causal forward of a ``[bonus, mask * k]`` block per request drafts ``k`` tokens.
+Positions at or past ``min(max_model_len, block-table capacity)`` are neither stored nor
+attended to. Data flow: docs/integration.md, "How the device proposers draft".
 """
 
 from __future__ import annotations
@@ -62,10 +34,9 @@ _I32 = jnp.int32
 
 
 class DFlashState(NamedTuple):
-    """Every buffer the proposer owns: the draft's paged KV cache (one ``KVCache`` per
-    draft layer, ``[num_blocks, block_size, n_kv, head_dim]``), laid out by the target's
-    block table. It holds the context K/V of every accepted token; a step's query-block
-    K/V are overwritten by the next step's context."""
+    """The draft's paged KV cache: one ``KVCache`` per draft layer, ``[num_blocks,
+    block_size, n_kv, head_dim]``, under the target's block table (context K/V of every
+    accepted token)."""
 
     kv_caches: Any
 
@@ -75,26 +46,12 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """DFlash proposer: ``k`` drafts per request from one non-causal block forward.
 
     Attributes:
-      config: a ``SpeculativeConfig`` with ``method="dflash"`` (``parallel_drafting`` is
-        forced on by the config, as in vLLM).
-      model: the ``DFlashHead``; its params are passed to ``propose`` with the target's
-        embedding / lm_head shared in where the head has none
-        (``specjax.models.share_target_weights``). Its ``config.mask_token_id`` is the
-        parallel-drafting token.
-      block_size, max_model_len: of the KV cache / the model.
-      kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ...).
-      mesh, vocab_axis: with ``config.use_local_argmax_reduction``, greedy drafting takes
-        the argmax of each shard of the vocabulary over mesh axis ``vocab_axis`` and
-        reduces the (value, index) pairs (``vocab.greedy_argmax``) instead of gathering
-        the logits (target vocabulary; a reduced head's are scattered through ``d2t``);
-        the vocabulary must divide evenly. Mesh None (default): plain argmax.
+      config, block_size, max_model_len, kernel_backend, mesh, vocab_axis: as EAGLE's
+        (``method="dflash"``).
+      model: the ``DFlashHead``; its ``config.mask_token_id`` is the mask token.
 
-    ``warmup(buckets, params, state)`` compiles ``propose`` for every shape bucket ahead of
-    time (``common.AheadOfTimeCompile``).
-
-    The block table passed in ``attn_metadata`` should cover each request's query block,
-    ``min(seq_len - rejected + 1 + k, max_model_len)`` positions: block positions past its
-    capacity are dropped like those past ``max_model_len``.
+    Query positions past the block table (which should cover ``min(seq_len - rejected + 1
+    + k, max_model_len)``) are dropped.
     """
 
     config: SpeculativeConfig
@@ -149,15 +106,10 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
     def propose(self, params: dict, state: DFlashState, inputs: ProposerInputs
                 ) -> tuple[DraftOutput, DFlashState]:
-        """Draft ``k`` tokens for every request.
-
-        Uses ``inputs.aux_hidden_states [T_pad, n_aux, Ht]``, ``target_positions [T_pad]``,
-        ``next_token_ids [B_pad]``, ``num_rejected_tokens [B_pad]`` (or None) and
-        ``attn_metadata``; ``target_token_ids`` only for its length and
-        ``token_indices_to_sample`` not at all (the mask slots are sampled).
-
-        Returns ``(DraftOutput(token_ids [B_pad, k] int32, num_drafts [B_pad] int32),
-        state)``; padding rows (past ``num_reqs``) hold -1 and 0.
+        """Draft ``k`` tokens for every request from ``inputs.aux_hidden_states [T_pad,
+        n_aux, Ht]``, ``target_positions``, ``next_token_ids``, ``num_rejected_tokens`` (or
+        None) and ``attn_metadata``. Returns ``(DraftOutput(token_ids [B_pad, k] int32,
+        num_drafts [B_pad] int32), state)``; padding rows hold -1 and 0.
         """
         cad = inputs.attn_metadata
         model = self.model

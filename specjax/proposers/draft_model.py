@@ -1,28 +1,7 @@
-"""Draft-model drafting (vLLM ``draft_model.py`` on ``llm_base_proposer.py``).
-
-An independent Llama-family LM of the target's vocabulary drafts from token ids alone: it
-gets no hidden state from the target and has its own embedding and lm_head (nothing is
-shared). It keeps its own paged KV cache, laid out by the target's block table.
-
-vLLM runs it with ``pass_hidden_states_to_model=False``, which takes the *unshifted
-extra-slot* path of ``set_inputs_first_pass``: ``net_num_new_slots_per_request`` is 1
-(``k`` with parallel drafting), so each request's query is its accepted target tokens as
-they are (not shifted), then the bonus token in one new slot (then ``k - 1``
-parallel-drafting slots), then its rejected tokens as padding (slot -1, position 0):
-
-1. ``copy_and_expand_eagle_inputs(shift_input_ids=False, num_padding_slots_per_request=P,
-   padding_token_id=0)`` with ``query_end_loc = query_start_loc[1:] - 1 - num_rejected``;
-2. ``compute_new_slot_mapping(num_new_tokens=P)`` with the rejected mask;
-3. ``extend_all_queries_by_N(N=P)``;
-4. one forward over the expanded batch and an argmax at the new slots
-   (``new_token_indices``);
-5. without parallel drafting and for ``k > 1``: ``k - 1`` single-token steps exactly as
-   EAGLE's (``eagle_step_update_slot_mapping_and_metadata``, ``seq_lens`` first reduced by
-   the rejected counts), each feeding back the previous draft.
-
-Capacity: the new slot of a request sits at the position of its first rejected token (or
-one past its context), which the block table covers as long as it covers
-``max_model_len`` (positions at or past ``max_model_len`` get slot -1).
+"""Draft-model drafting (vLLM ``draft_model.py`` on ``llm_base_proposer.py``): an
+independent LM of the target's vocabulary, with its own embedding, lm_head and paged KV
+cache, drafts from token ids alone (vLLM's ``pass_hidden_states_to_model=False`` path;
+docs/integration.md, "How the device proposers draft").
 """
 
 from __future__ import annotations
@@ -55,8 +34,7 @@ _I32 = jnp.int32
 
 
 class DraftModelState(NamedTuple):
-    """The draft LM's paged KV cache: one ``KVCache`` per draft layer,
-    ``[num_blocks, block_size, n_kv, head_dim]``, addressed by the target's block table."""
+    """The draft LM's paged KV cache: one ``KVCache`` per draft layer (target's block table)."""
 
     kv_caches: Any
 
@@ -66,23 +44,12 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """Chain (or parallel) drafting with an independent draft LM.
 
     Attributes:
-      config: a ``SpeculativeConfig`` with ``method="draft_model"``.
-      model: the draft's ``DecoderLM`` runner; its own params (embedding and lm_head
-        included) are passed to ``propose``.
-      target_vocab_size: the target model's vocabulary size; must equal the draft's.
-      block_size, max_model_len: of the KV cache / the model.
-      target_tensor_parallel_size: the target's TP degree, when known; a
-        ``config.draft_tensor_parallel_size`` that differs is refused (vLLM).
-      parallel_drafting_token_id: the draft's mask token (vLLM reads ``pard_token`` /
-        ``ptd_token_id`` from the draft config); required with ``parallel_drafting``.
-      kernel_backend: backend of the index kernels.
-      mesh, vocab_axis: with ``config.use_local_argmax_reduction``, greedy drafting takes
-        the argmax of each shard of the vocabulary over mesh axis ``vocab_axis`` and
-        reduces the (value, index) pairs (``vocab.greedy_argmax``) instead of gathering
-        the logits; the vocabulary must divide evenly. Mesh None (default): plain argmax.
-
-    ``warmup(buckets, params, state)`` compiles ``propose`` for every shape bucket ahead of
-    time (``common.AheadOfTimeCompile``).
+      config, block_size, max_model_len, parallel_drafting_token_id, kernel_backend, mesh,
+        vocab_axis: as EAGLE's (``method="draft_model"``).
+      model: the draft's ``DecoderLM`` runner (its own params).
+      target_vocab_size: the target's vocabulary size; must equal the draft's.
+      target_tensor_parallel_size: the target's TP degree when known; a differing
+        ``config.draft_tensor_parallel_size`` is refused (vLLM).
     """
 
     config: SpeculativeConfig
@@ -140,15 +107,10 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
     def propose(self, params: dict, state: DraftModelState, inputs: ProposerInputs
                 ) -> tuple[DraftOutput, DraftModelState]:
-        """Draft ``k`` tokens for every request.
-
-        Uses ``inputs.target_token_ids``, ``target_positions``, ``next_token_ids``,
-        ``num_rejected_tokens`` (padded mode; None means none rejected) and
-        ``attn_metadata``; hidden states and ``token_indices_to_sample`` are ignored (the
-        draft samples at its own new slots).
-
-        Returns ``(DraftOutput(token_ids [B_pad, k] int32, num_drafts [B_pad] int32),
-        state)``; padding rows (past ``num_reqs``) hold -1 and 0.
+        """Draft ``k`` tokens for every request from ``inputs.target_token_ids``,
+        ``target_positions``, ``next_token_ids``, ``num_rejected_tokens`` (None: none) and
+        ``attn_metadata``. Returns ``(DraftOutput(token_ids [B_pad, k] int32, num_drafts
+        [B_pad] int32), state)``; padding rows hold -1 and 0.
         """
         cad = inputs.attn_metadata
         model = self.model

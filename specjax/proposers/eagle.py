@@ -1,53 +1,9 @@
 """EAGLE / EAGLE-3 drafting: chain, tree or parallel (vLLM ``llm_base_proposer.py`` + ``eagle.py``).
 
-A frozen, hashable configuration object plus pure functions. ``propose`` is one
-``jax.jit`` (configuration static, state donated). No host round trip, no Python loop over
-requests, no recompilation inside a shape bucket.
-
-**Chain drafting** (default): the first forward over the target's batch (ids shifted left
-by one, the bonus token written at ``token_indices_to_sample``; positions and hidden
-states as the target had them), greedy sampling at ``token_indices_to_sample``, then
-``k - 1`` single-token steps in a ``lax.fori_loop`` (slot mapping and seq_lens advanced by
-``eagle_step_update_slot_mapping_and_metadata``).
-
-**Parallel drafting** (``parallel_drafting=True``, vLLM's P-EAGLE): one forward drafts all
-``k`` tokens. vLLM's ``extra_slots_per_request`` is ``k``; EAGLE passes hidden states, so
-``net_num_new_slots_per_request`` is ``k - 1``, and for ``k > 1`` the first pass takes the
-*shifted extra-slot* path of ``set_inputs_first_pass``:
-
-1. ``copy_and_expand_eagle_inputs(shift_input_ids=True, num_padding_slots_per_request=k,
-   padding_token_id=0, parallel_drafting_token_id=...)`` with ``query_end_loc =
-   query_start_loc[1:] - 1 - num_rejected``: each request's query becomes ``[its V
-   accepted tokens shifted left by one, the bonus token, k - 1 mask tokens, its rejected
-   tokens as padding]`` starting at ``start + r * (k - 1)``; positions run on from the
-   request's first query position (rejected slots: position 0);
-2. hidden states: the target's (EAGLE-3: after ``combine_hidden_states``) scattered
-   through the kernel's hidden-state mapping into a zero ``[T + B (k-1), H]`` buffer, then
-   the mask slots overwritten with the *parallel-drafting hidden state*: the checkpoint's
-   ``mask_hidden`` (``params["mask_hidden"]``: flat ``[n_aux * Ht]`` through
-   ``combine_hidden_states`` for EAGLE-3, ``[H]`` for EAGLE-1; the head's
-   ``parallel_drafting_hidden_state``), zeros when the params have none (vLLM keeps a zero
-   buffer then);
-3. ``compute_new_slot_mapping(num_new_tokens=k-1)`` (rejected tokens and positions at or
-   past ``max_model_len`` get slot -1) and ``extend_all_queries_by_N(k - 1)``;
-4. one forward, greedy drafts at the kernel's ``new_token_indices`` (the bonus and mask
-   slots, ``k`` per request): the ``[B, k]`` drafts, no autoregressive steps.
-
-With ``k == 1`` there are no new slots and vLLM takes the default path: exactly chain
-drafting with one draft. Parallel drafting needs the padded drafter batch in vLLM (the
-config refuses ``disable_padded_drafter_batch=True`` with it), but ``propose`` also runs
-on a batch prepared by the non-padded ``prepare_inputs`` (``num_rejected_tokens`` None).
-
-Both modes support ``eagle`` and ``eagle3``, padded-batch mode (``num_rejected_tokens``
-given: rejected tokens stay as padding and, in chain mode, ``seq_lens`` shrink before the
-chain) and the non-padded mode (``prepare_inputs`` on the host).
-
-**Tree drafting** (a branching ``speculative_token_tree``; ``num_speculative_tokens`` must
-equal its node count): the same first pass, then ``specjax.proposers.tree_drafting.tree_drafts``
-(vLLM's ``propose_tree``: top-k children per level, one forward per further level over
-every node so far under tree attention). ``propose`` then returns ``[B, num_nodes]``
-drafts in tree order (``proposer.token_tree`` gives the structure); a serving loop
-verifies them with ``specjax.sampling.tree_greedy_verify``.
+A frozen, hashable configuration plus pure functions: ``propose`` is one ``jax.jit``
+(configuration static, state donated), chain drafting a first forward then ``k - 1``
+single-token steps, tree drafting vLLM's ``propose_tree``, parallel drafting (P-EAGLE) one
+forward for all ``k``. Data flows: docs/integration.md, "How the device proposers draft".
 """
 
 from __future__ import annotations
@@ -87,40 +43,25 @@ _I32 = jnp.int32
 
 
 class EagleState(NamedTuple):
-    """Every buffer the proposer owns: the draft model's paged KV cache (one
-    ``KVCache`` per draft layer, ``[num_blocks, block_size, n_kv, head_dim]``), laid out
-    by the same block table as the target's cache."""
+    """The draft model's paged KV cache: one ``KVCache`` per draft layer, ``[num_blocks,
+    block_size, n_kv, head_dim]``, under the target's block table."""
 
     kv_caches: Any
 
 
 @dataclasses.dataclass(frozen=True)
 class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
-    """EAGLE-1/2 or EAGLE-3 proposer: chain drafting, tree drafting with a branching
-    ``config.speculative_token_tree``, or parallel drafting (P-EAGLE) with
-    ``config.parallel_drafting``.
+    """EAGLE-1/2, EAGLE-3 or MTP proposer (chain, tree or parallel drafting).
 
     Attributes:
-      config: a ``SpeculativeConfig`` with ``method`` ``"eagle"``, ``"eagle3"`` or ``"mtp"``
-        (MiMo MTP: EAGLE-1's data flow, the target's final hidden in, the head's post-norm
-        output recycled, every step with the checkpoint's module 0, as vLLM's V1 runner).
-      model: the head runner (``EagleHead`` / ``Eagle3Head`` / ``MTPHead``), params passed to ``propose``
-        with the target's embedding / lm_head shared in where the head has none
-        (``specjax.models.share_target_weights``).
+      config: a ``SpeculativeConfig`` with ``method`` ``"eagle"``, ``"eagle3"`` or ``"mtp"``.
+      model: the head runner (``EagleHead`` / ``Eagle3Head`` / ``MTPHead``); its params
+        carry the target's embedding / lm_head where it has none.
       block_size, max_model_len: of the KV cache / the model.
-      parallel_drafting_token_id: the mask token fed at the ``k - 1`` parallel-drafting
-        slots (vLLM reads ``dflash_config.mask_token_id``, then ``pard_token``, then
-        ``ptd_token_id`` from the draft config; ``specjax.load_pretrained`` puts it into the
-        head's ``config.mask_token_id``, which ``make_proposer`` passes on); required with
-        ``parallel_drafting``, an id of the head's input (embedding) vocabulary.
+      parallel_drafting_token_id: the mask token of the ``k - 1`` parallel-drafting slots
+        (the head's ``config.mask_token_id``); required with ``parallel_drafting``.
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ...).
-      mesh, vocab_axis: with ``config.use_local_argmax_reduction``, greedy drafting takes
-        the argmax of each shard of the vocabulary over mesh axis ``vocab_axis`` and
-        reduces the (value, index) pairs (``vocab.greedy_argmax``) instead of gathering
-        the logits; the vocabulary must divide evenly. Mesh None (default): plain argmax.
-
-    ``warmup(buckets, params, state)`` compiles ``propose`` for every shape bucket ahead of
-    time (``common.AheadOfTimeCompile``).
+      mesh, vocab_axis: the local argmax reduction's mesh and axis (None: plain argmax).
     """
 
     config: SpeculativeConfig
@@ -168,8 +109,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
 
     @functools.cached_property
     def token_tree(self) -> TokenTree:
-        """The draft tree (a chain of ``k`` nodes unless ``speculative_token_tree`` branches);
-        with a branching tree ``propose`` returns one draft per node, in tree order."""
+        """The draft tree (a chain of ``k`` nodes unless ``speculative_token_tree`` branches)."""
         return TokenTree(self.config.token_tree)
 
     @property
@@ -178,8 +118,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
 
     @property
     def num_new_slots_per_request(self) -> int:
-        """vLLM's ``net_num_new_slots_per_request``: ``k - 1`` with parallel drafting (``k``
-        extra slots, less the one EAGLE's shifted input frees), else 0."""
+        """vLLM's ``net_num_new_slots_per_request``: ``k - 1`` with parallel drafting, else 0."""
         return self.config.num_speculative_tokens - 1 if self.config.parallel_drafting else 0
 
     def init_state(self, num_blocks: int, dtype=jnp.float32) -> EagleState:
@@ -191,13 +130,10 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
     def propose(self, params: dict, state: EagleState, inputs: ProposerInputs
                 ) -> tuple[DraftOutput, EagleState]:
-        """Draft ``k`` tokens for every request.
+        """Draft ``k`` tokens (a tree: one per node, in tree order) for every request.
 
         Returns ``(DraftOutput(token_ids [B_pad, k] int32, num_drafts [B_pad] int32),
-        state)``; padding rows (past ``num_reqs``) hold -1 and 0. Tree drafting: ``[B_pad,
-        num_nodes]`` in tree order (``k == num_nodes``). With parallel drafting
-        (``k > 1``) ``token_indices_to_sample`` is not used: the drafts are sampled at the
-        bonus and mask slots of the expanded batch.
+        state)``; padding rows hold -1 and 0.
         """
         cad = inputs.attn_metadata
         model = self.model
@@ -250,9 +186,8 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
 
     def _propose_parallel(self, params: dict, state: EagleState, inputs: ProposerInputs,
                           hidden: jax.Array) -> tuple[DraftOutput, EagleState]:
-        """Parallel drafting, ``k > 1`` (vLLM's shifted extra-slot first pass; see the
-        module docstring): one forward over ``[accepted tokens shifted, bonus, k - 1 masks,
-        rejected padding]`` per request, greedy drafts at the bonus and mask slots."""
+        """Parallel drafting, ``k > 1``: one forward over ``[accepted tokens shifted, bonus,
+        k - 1 masks, rejected padding]`` per request, greedy at the bonus and mask slots."""
         cad = inputs.attn_metadata
         k = self.config.num_speculative_tokens
         net = self.num_new_slots_per_request          # k - 1
@@ -289,9 +224,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         return self._greedy(params, logits_h), hidden, caches
 
     def _top(self, params: dict, hidden: jax.Array, c: int) -> jax.Array:
-        """``[N, c]`` best tokens (target ids) of each row, best first; ``c == 1``: the
-        greedy argmax (with the local argmax reduction when configured), as vLLM's
-        ``propose_tree`` (``argmax`` for one child, ``topk`` otherwise)."""
+        """``[N, c]`` best tokens (target ids) of each row, best first (argmax for ``c == 1``)."""
         if c == 1:
             return self._greedy(params, hidden)[:, None]
         # c > 1: lax.top_k, per vocab shard with only the (value, index) candidates
@@ -313,11 +246,9 @@ def prepare_inputs(attn_metadata: CommonAttentionMetadata, sampled_token_ids: Se
                    num_draft_tokens: Sequence[int]) -> tuple[CommonAttentionMetadata, np.ndarray]:
     """Non-padded mode (host, NumPy; vLLM's ``prepare_inputs``): drop the rejected tokens.
 
-    ``n_rej[i] = n_draft + 1 - len(sampled)`` (0 when there were no drafts); each request
-    keeps its first ``q_i - n_rej_i`` tokens. Returns the new metadata (same padded sizes;
-    ``query_start_loc``, ``seq_lens``, ``slot_mapping``, ``num_actual_tokens`` updated) and
-    ``token_indices [T_pad] int32``: for each kept token its index in the old batch
-    (padding entries point at 0), to gather ``target_*`` arrays with.
+    Each request keeps its first ``q_i - n_rej_i`` tokens (``n_rej = n_draft + 1 -
+    len(sampled)``). Returns the new metadata (same padded sizes) and ``token_indices
+    [T_pad] int32``, each kept token's index in the old batch (padding: 0).
     """
     qsl = np.asarray(attn_metadata.query_start_loc).astype(np.int64)
     n = int(attn_metadata.num_reqs)

@@ -1,10 +1,9 @@
 """Extract-hidden-states "drafting" (vLLM ``extract_hidden_states.py``).
 
-Not a speculator: each step it stores the target's stacked aux hidden states
-``[T, n_aux, H]`` into its own paged cache through the target step's slot mapping (the
-``ExtractHiddenStates`` cache-only model), where a KV connector can read them, and returns
-the token the target just sampled as the single "draft", so verification always accepts
-it. ``num_speculative_tokens`` must be 1 and the padded drafter batch must stay on.
+Not a speculator: each step stores the target's aux hidden states ``[T, n_aux, H]`` into
+its own paged cache (where a KV connector can read them) and returns the token the target
+just sampled as the single draft, so verification always accepts it. Needs
+``num_speculative_tokens == 1`` and the padded drafter batch.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ _I32 = jnp.int32
 
 
 class ExtractHiddenStatesState(NamedTuple):
-    """The hidden-state cache: a one-element list holding
-    ``[num_blocks, block_size, n_aux, H]``, addressed like the target's KV cache."""
+    """The hidden-state cache: a one-element list of ``[num_blocks, block_size, n_aux, H]``."""
 
     kv_caches: Any
 
@@ -36,16 +34,10 @@ class ExtractHiddenStatesState(NamedTuple):
 class ExtractHiddenStatesProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """Caches the target's aux hidden states; drafts the sampled token.
 
-    Attributes:
-      config: a ``SpeculativeConfig`` with ``method="extract_hidden_states"`` (k == 1).
-      model: the ``ExtractHiddenStates`` cache-only model (``num_hidden_states`` =
-        ``len(eagle_aux_hidden_state_layer_ids)``, the target's ``hidden_size``).
-      block_size: of the target's KV cache (the hidden-state cache shares its layout).
-      kernel_backend: backend of the padded-batch helper kernel.
-
-    ``warmup(buckets, params, state)`` compiles ``propose`` for every shape bucket ahead of
-    time (``common.AheadOfTimeCompile``; buckets must give ``max_blocks_per_req``, the
-    width of the block table the loop passes, since there is no ``max_model_len``).
+    ``config``: ``method="extract_hidden_states"``, k == 1; ``model``: the
+    ``ExtractHiddenStates`` cache-only model; ``block_size``: the target cache's;
+    ``kernel_backend``: of the helper kernel. ``warmup`` buckets must give
+    ``max_blocks_per_req``.
     """
 
     config: SpeculativeConfig
@@ -88,20 +80,13 @@ class ExtractHiddenStatesProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     @functools.partial(jax.jit, static_argnums=0, static_argnames=("vocab_size",))
     def prepare_next_token_ids_padded(self, sampled_token_ids, discard_request_mask,
                                       backup_next_token_ids, *, vocab_size: int, num_reqs=None):
-        """This method's own variant of vLLM's ``prepare_next_token_ids_padded``.
+        """This method's variant of vLLM's ``prepare_next_token_ids_padded``: from
+        ``s = sampled_token_ids[:, 0]`` (``[B, S]`` int32), ``valid = 0 <= s < vocab_size``.
 
-        Only ``sampled_token_ids[:, 0]`` counts (k == 1). ``valid = 0 <= s < vocab_size``;
-        ``valid_sampled_tokens_count = 1`` when valid, **whatever the discard flag** (EAGLE's
-        kernel gives 0 for discarded rows); ``next_token_ids = s`` when valid and not
-        discarded, else the backup (the last committed token).
-
-        Args:
-          sampled_token_ids: ``[B, S] int32``; discard_request_mask: ``[B] bool``;
-          backup_next_token_ids: ``[B] int32``; num_reqs: optional 0-d int32.
-
-        Returns:
-          ``(next_token_ids [B], valid_sampled_tokens_count [B])`` int32; rows past
-          ``num_reqs`` give 0 and 0.
+        Returns ``(next_token_ids [B], valid_sampled_tokens_count [B])`` int32: ``s`` when
+        valid and not discarded (``discard_request_mask [B]``), else
+        ``backup_next_token_ids``; the count is 1 when valid *whatever the discard flag*
+        (EAGLE's kernel gives 0). Rows past ``num_reqs`` give 0 and 0.
         """
         sampled = jnp.asarray(sampled_token_ids, _I32)
         if sampled.ndim != 2 or sampled.shape[1] < 1:
@@ -119,12 +104,9 @@ class ExtractHiddenStatesProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
     def propose(self, params: dict, state: ExtractHiddenStatesState, inputs: ProposerInputs
                 ) -> tuple[DraftOutput, ExtractHiddenStatesState]:
-        """Store ``inputs.aux_hidden_states [T_pad, n_aux, H]`` at
-        ``attn_metadata.slot_mapping`` (slot -1 skipped) and draft ``next_token_ids``.
-
-        Returns ``(DraftOutput(token_ids [B_pad, 1] int32, num_drafts [B_pad] int32),
-        state)``; padding rows (past ``num_reqs``) hold -1 and 0. ``params`` is ``{}``.
-        """
+        """Store ``inputs.aux_hidden_states [T_pad, n_aux, H]`` at the slot mapping (-1
+        skipped) and draft ``next_token_ids``: ``(DraftOutput([B_pad, 1], [B_pad]), state)``,
+        padding rows -1 and 0. ``params`` is ``{}``."""
         aux = inputs.aux_hidden_states
         if aux is None:
             raise ValueError("method='extract_hidden_states' needs inputs.aux_hidden_states "

@@ -1,11 +1,6 @@
-"""``make_proposer``: the explicit method -> builder table (:data:`BUILDERS`; each builder
-imports its proposer module when called, so ``import specjax.proposers`` pulls in neither
-numba nor the models) and ``available_methods``.
-
-``make_proposer`` also takes a vLLM ``speculative_config`` dict
-(``SpeculativeConfig.from_vllm``): its ``model`` is loaded (a ``specjax-convert`` output
-or an original checkpoint directory) unless the caller passes ``draft=`` instead.
-"""
+"""``make_proposer`` (from a ``SpeculativeConfig`` or a vLLM ``speculative_config`` dict)
+and ``available_methods``; each builder of :data:`BUILDERS` imports its proposer module
+when called, so ``import specjax.proposers`` pulls in neither numba nor the models."""
 
 from __future__ import annotations
 
@@ -79,9 +74,8 @@ def _extract_cls():
 
 @dataclasses.dataclass(frozen=True)
 class ModelBuilder:
-    """A model-based method: its proposer class (imported when called) and whether that
-    class takes ``mesh`` / ``vocab_axis`` (vocabulary-parallel argmax) or only has its
-    params placed on a mesh."""
+    """A model-based method: its proposer class (imported when called) and whether it takes
+    ``mesh`` / ``vocab_axis``."""
 
     proposer_class: Callable[[], type]
     mesh_fields: bool
@@ -128,43 +122,24 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
     """Build the proposer of ``config.method``.
 
     Args:
-      config: the ``SpeculativeConfig`` (method, k, n-gram / suffix / tree options), or a
-        vLLM ``speculative_config`` dict (``SpeculativeConfig.from_vllm``; its ``model``
-        directory is loaded when ``draft=`` is not given: one call from a dict to a ready
-        proposer and its params). A ``model`` that is an existing directory and ``draft=``
-        together are refused (which one is meant?).
-      target: the target runner (``specjax.models.DecoderLM``), or a ``Pretrained`` from
-        ``specjax.load_pretrained`` (its params then are ``target_params``); used to check
-        the draft's vocabulary and for the EAGLE-3 default aux layers.
-      target_params: the target's params; heads without their own embedding / lm_head
-        get the target's (``share_target_weights``, as vLLM shares them).
-      draft: the draft runner (``EagleHead``, ``Eagle3Head``, ``DFlashHead``,
-        ``MedusaHeads``, a ``DecoderLM`` for ``draft_model``), its ``ModelConfig``, or a
-        ``Pretrained`` (its params then are ``draft_params``); model-free methods take none.
-      draft_params: the draft's params dict.
-      block_size: KV-cache block size the loop uses (draft caches share the target's
-        block table).
-      max_model_len: the loop's context cap, the target's (default ``config.max_model_len``;
-        required). A smaller ``config.max_model_len`` is the drafter's limit, as in vLLM:
-        requests past it decode without drafts (``Feed.drafter_max_model_len``); a larger
-        one is refused.
-      aux_layer_ids: target layers whose inputs the method reads (EAGLE-3, DFlash,
-        extract-hidden-states); default from the draft's config.
-      kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ``"pallas"``,
-        ``"triton"``).
-      options: further fields of the method's proposer class, passed through (e.g.
-        ``parallel_drafting_token_id=`` for ``eagle``, ``eagle3`` and ``draft_model``;
-        ``target_tensor_parallel_size=`` for ``draft_model``; ``mesh=`` / ``vocab_axis=``
-        for ``eagle``, ``eagle3``, ``dflash`` and ``draft_model``, the vocab-sharded mesh
-        ``config.use_local_argmax_reduction`` reduces over); a field the class lacks is a
-        ValueError. With ``config.parallel_drafting`` and no
-        ``parallel_drafting_token_id=``, the draft config's ``mask_token_id`` is used when
-        set (``specjax.load_pretrained`` fills it from the checkpoint config's
-        ``pard_token`` / ``ptd_token_id``, as vLLM reads the draft HF config).
+      config: a ``SpeculativeConfig``, or a vLLM ``speculative_config`` dict whose ``model``
+        directory is loaded when ``draft=`` is not given (both together: ``ValueError``).
+      target, target_params: the target ``DecoderLM`` runner (or a ``Pretrained``) and its
+        params, shared into heads without their own embedding / lm_head.
+      draft, draft_params: the draft runner, ``ModelConfig`` or ``Pretrained``, and its
+        params; none for model-free methods.
+      block_size: the loop's KV-cache block size.
+      max_model_len: the loop's context cap (default ``config.max_model_len``); a smaller
+        ``config.max_model_len`` is the drafter's limit, a larger one is refused.
+      aux_layer_ids: target layers the method reads (default: the draft config's).
+      kernel_backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"triton"``.
+      options: further fields of the method's proposer class (``parallel_drafting_token_id``
+        (default: the draft config's ``mask_token_id``), ``mesh``, ``vocab_axis``, ...); an
+        unknown field is a ``ValueError``.
 
     Raises:
-      ValueError: bad arguments (missing draft, vocabulary mismatch, ...), before anything
-        is built. NotImplementedError: the method's proposer module does not exist yet.
+      ValueError: bad arguments, before anything is built. NotImplementedError: a method
+        without a proposer module.
     """
     if isinstance(config, Mapping):
         config = SpeculativeConfig.from_vllm(config)
@@ -211,9 +186,7 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
 
 def _from_pretrained(name: str, model: Any, params: Any) -> tuple[Any, Any]:
     """``(runner or config, params)`` of a ``target=`` / ``draft=`` that may be a
-    ``specjax.models.Pretrained`` (``load_pretrained``'s result): the target as its
-    ``DecoderLM`` runner, a draft as its ``ModelConfig``. A Pretrained with ``*_params=``
-    too is refused (which params are meant?)."""
+    ``Pretrained``; a Pretrained with ``*_params=`` too is refused."""
     from specjax.models import Pretrained
     from specjax.models.config import DECODER_KINDS
 
@@ -342,10 +315,8 @@ def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params
 
 
 def _check_aux_layer_ids(method: str, ids: tuple[int, ...], source: str, dcfg, target_cfg) -> None:
-    """Aux layer ids (EAGLE-3 / DFlash / extract-hidden-states) are strictly increasing
-    target layers in ``[0, num_hidden_layers)`` (the target runs only those it has) and
-    as many as the head's ``fc`` reads, checked before anything is built (the target's
-    runner would refuse them only when the step is made)."""
+    """Aux layer ids must be strictly increasing target layers in ``[0, num_hidden_layers)``,
+    as many as the head's ``fc`` reads."""
     if target_cfg is not None:
         n = target_cfg.num_hidden_layers
         if not ids or any(not 0 <= i < n for i in ids) or list(ids) != sorted(set(ids)):
@@ -364,9 +335,7 @@ _DRAFT_KINDS = {"eagle": ("eagle",), "eagle3": ("eagle3",), "dflash": ("dflash",
 
 
 def _check_mtp_k(k: int, n_predict: int) -> None:
-    """vLLM's MTP rules on k (``SpeculativeConfig.__post_init__``): k above the checkpoint's
-    ``n_predict`` (``num_nextn_predict_layers``) must be a multiple of it; k > 1 runs the
-    one module k times, which vLLM warns may lower the acceptance rate."""
+    """vLLM's MTP rule on k: above the checkpoint's ``n_predict`` it must be a multiple of it."""
     n = max(int(n_predict), 1)
     if k > n and k % n:
         raise ValueError(f"num_speculative_tokens:{k} must be divisible by n_predict={n} (the MTP "
@@ -390,10 +359,7 @@ def _check_shared_entries(target_cfg, target_params) -> None:
 
 
 def _check_head_fits_target(method: str, dcfg, target_cfg) -> None:
-    """The draft's kind fits the method and its input width is the target's hidden size
-    (EAGLE-1 ``fc`` reads ``[embed, target hidden]``; EAGLE-3 / DFlash ``fc`` reads
-    ``num_aux`` target states of ``target_hidden_size``; Medusa reads the target's hidden
-    state)."""
+    """The draft's kind fits the method and its input width matches the target's hidden size."""
     kinds = _DRAFT_KINDS.get(method)
     if kinds is not None and dcfg.kind not in kinds:
         raise ValueError(f"method={method!r} needs a draft of kind {' / '.join(kinds)}, got a "

@@ -1,7 +1,6 @@
-"""The interface a decoding loop drives: ``Proposer`` (its ``feed`` is everything a loop
-reads), ``ModelProposer`` (device model proposers), ``TokenHistory`` (what token-history
-proposers see) and the padded-batch helpers; plus the base of the token-history adapters,
-which live with their methods (``ngram_cpu``, ``ngram_gpu``, ``suffix``)."""
+"""The interface a decoding loop drives: ``Proposer`` (its ``feed`` is all a loop reads),
+``ModelProposer`` (device model proposers), ``TokenHistory`` (what token-history proposers
+see), the padded-batch helpers and the base of the token-history adapters."""
 
 from __future__ import annotations
 
@@ -14,16 +13,14 @@ from specjax.proposers.types import DraftOutput, Feed, ProposerInputs  # noqa: F
 
 
 def lookahead(config: SpeculativeConfig) -> int:
-    """KV slots a request may use past its scheduled tokens while drafting (``Feed.lookahead``,
-    vLLM's ``num_lookahead_tokens``): the draft chain, the extra slots of draft-model /
-    parallel drafting, and one more."""
+    """``Feed.lookahead`` (vLLM's ``num_lookahead_tokens``): KV slots a request may use past
+    its scheduled tokens while drafting."""
     return config.num_speculative_tokens + config.max_num_new_slots_for_drafting() + 1
 
 
 def drafter_limit(config: SpeculativeConfig, max_model_len: int | None) -> int | None:
-    """``Feed.drafter_max_model_len``: ``config.max_model_len`` when it is shorter than the
-    loop's ``max_model_len`` (the drafter stops there, vLLM's draft ``max_model_len``),
-    else None. Longer is refused by ``make_proposer``."""
+    """``Feed.drafter_max_model_len``: ``config.max_model_len`` when shorter than the loop's
+    ``max_model_len``, else None."""
     limit = config.max_model_len
     if limit is None or max_model_len is None or limit >= max_model_len:
         return None
@@ -33,16 +30,11 @@ def drafter_limit(config: SpeculativeConfig, max_model_len: int | None) -> int |
 class TokenHistory(NamedTuple):
     """What a token-history proposer sees after a verification step (host arrays).
 
-    Attributes:
-      req_ids: ``B`` distinct hashable request ids (stable over a request's life).
-      token_ids: ``[B, W] int32``; row ``b`` holds request ``b``'s context (prompt and every
-        output token, this step's included) in its first ``num_tokens[b]`` columns.
-      num_tokens: ``[B] int32`` context lengths.
-      num_prompt_tokens: ``[B] int32``.
-      sampled_token_ids: ``B`` lists, the tokens each request gained this step (accepted
-        drafts plus the bonus / recovered token); empty -> no draft for that request.
-      rows_pad: the loop's padded batch size for this step (>= B) or None; device
-        proposers pad to it so they compile once per batch bucket, like the step.
+    ``req_ids``: ``B`` distinct hashable ids, stable over a request's life; ``token_ids
+    [B, W] int32``: row ``b``'s context (this step's tokens included) in its first
+    ``num_tokens[b]`` columns; ``num_tokens``, ``num_prompt_tokens``: ``[B] int32``;
+    ``sampled_token_ids``: ``B`` lists of this step's new tokens (empty: no draft);
+    ``rows_pad``: the loop's padded batch size (>= B) or None.
     """
 
     req_ids: Sequence[Hashable]
@@ -54,10 +46,9 @@ class TokenHistory(NamedTuple):
 
 
 class Proposer:
-    """A proposer as the decoding loop sees it: ``feed`` (a :class:`Feed`, the only thing a
-    loop reads), and either ``init_state`` / ``impl.propose(params, state, ProposerInputs)``
-    inside the jitted step (device model proposers) or ``propose_from_history`` after it
-    (token-history proposers)."""
+    """A proposer as the decoding loop sees it: ``feed``, and either ``init_state`` /
+    ``impl.propose(params, state, ProposerInputs)`` inside the jitted step or
+    ``propose_from_history`` after it."""
 
     config: SpeculativeConfig
     impl: Any = None
@@ -96,15 +87,13 @@ class Proposer:
         return self.feed.max_model_len
 
     def init_state(self, num_blocks: int, dtype=None) -> Any:
-        """Device state pytree (draft KV cache and buffers) for a pool of ``num_blocks``
-        KV blocks laid out by the target's block table; None when there is none."""
+        """Device state (draft KV cache, buffers) for ``num_blocks`` KV blocks, or None."""
         return None
 
     def warmup(self, buckets: Any, state: Any = None, *, num_blocks: int | None = None,
                dtype=None, hidden_dtype=None) -> tuple:
-        """Compile the device ``propose`` for every shape bucket ahead of time (see
-        ``ModelProposer.warmup``). Token-history proposers compile nothing here and
-        return ``()``."""
+        """Compile the device ``propose`` for every shape bucket; ``()`` for token-history
+        proposers."""
         return ()
 
     def propose_from_history(self, history: TokenHistory) -> DraftOutput:
@@ -114,9 +103,8 @@ class Proposer:
         """The loop calls this when requests leave for good (per-request host state)."""
 
     def on_mesh(self, mesh: Any, axis: str = "tp") -> "Proposer":
-        """This proposer for tensor parallelism over ``mesh[axis]`` (params and the
-        vocabulary-parallel argmax placed; see ``ModelProposer.on_mesh``). Token-history
-        proposers have nothing to place and return themselves."""
+        """This proposer for tensor parallelism over ``mesh[axis]`` (itself for
+        token-history proposers)."""
         return self
 
     def __repr__(self) -> str:
@@ -129,12 +117,8 @@ class Proposer:
 
 
 class ModelProposer(Proposer):
-    """A model-based device proposer (EAGLE / EAGLE-3 / DFlash / Medusa / draft model /
-    extract-hidden-states): ``impl`` is the method's frozen, hashable proposer whose
-    ``propose(params, state, ProposerInputs)`` the loop calls inside its jitted step. Every
-    such ``impl`` declares ``needs_hidden_states`` / ``needs_aux_hidden_states`` and has
-    the padded-batch helpers (``prepare_next_token_ids_padded``,
-    ``prepare_inputs_padded``)."""
+    """A model-based device proposer: ``impl`` is the method's frozen, hashable proposer
+    whose ``propose(params, state, ProposerInputs)`` runs inside the jitted step."""
 
     def __init__(self, config: SpeculativeConfig, impl: Any, params: Any, *, vocab_size: int | None,
                  aux_layer_ids: Sequence[int] = (), mesh_fields: bool = False) -> None:
@@ -167,17 +151,9 @@ class ModelProposer(Proposer):
 
     def warmup(self, buckets: Any, state: Any = None, *, num_blocks: int | None = None,
                dtype=None, hidden_dtype=None) -> tuple:
-        """Compile ``impl.propose(self.params, state, inputs)`` for every bucket ahead of
-        time, so calls whose real counts vary inside them never compile.
-
-        ``buckets``: ``ProposeBucket``s (``specjax.proposers.common``) or tuples
-        ``(num_reqs_pad, num_tokens_pad[, max_blocks_per_req[, max_query_len]])``;
-        ``state``: the state ``propose`` will get (only its shapes are used), else one is
-        derived abstractly from ``num_blocks`` / ``dtype`` (float32) as ``init_state``
-        builds it. Returns the resolved buckets; bad ones raise ValueError before anything
-        compiles. This compiles the standalone ``impl.propose``; ``specjax.runtime.step.Step``
-        fuses propose into its own step and ``Engine.warmup`` compiles that.
-        """
+        """Compile the standalone ``impl.propose(self.params, state, inputs)`` for every
+        bucket (``common.AheadOfTimeCompile.warmup``; ``state`` None: abstract from
+        ``num_blocks`` / ``dtype``). Returns the resolved buckets; ``ValueError`` first."""
         import jax.numpy as jnp
 
         return self.impl.warmup(buckets, self.params, state, num_blocks=num_blocks,
@@ -185,11 +161,9 @@ class ModelProposer(Proposer):
                                 hidden_dtype=hidden_dtype)
 
     def on_mesh(self, mesh: Any, axis: str = "tp") -> "ModelProposer":
-        """A copy for tensor parallelism over ``mesh[axis]``: EAGLE / EAGLE-3 / DFlash /
-        draft model through ``specjax.sharding.tensor_parallel`` (params sharded, ``impl``
-        given ``mesh`` / ``vocab_axis`` so ``config.use_local_argmax_reduction`` reduces over
-        the vocabulary shards); Medusa and extract-hidden-states get their params placed
-        by the same rules (replicated without a model config)."""
+        """A copy for tensor parallelism over ``mesh[axis]``: params placed by
+        ``specjax.sharding``'s rules, and ``impl`` given ``mesh`` / ``vocab_axis`` where it
+        has them (``specjax.sharding.tensor_parallel``)."""
         import copy
 
         import jax
@@ -214,9 +188,8 @@ class ModelProposer(Proposer):
 def prepare_next_token_ids_padded(impl: Any, sampled_token_ids, discard_request_mask,
                                   backup_next_token_ids, *, vocab_size: int, num_reqs=None,
                                   kernel_backend: str = "auto"):
-    """``(next_token_ids [B], valid_sampled_tokens_count [B])`` int32: the proposer's own
-    ``prepare_next_token_ids_padded`` when it has one (extract-hidden-states differs from
-    EAGLE), else the ``eagle_prepare_next_token_padded`` kernel. Traceable."""
+    """``(next_token_ids [B], valid_sampled_tokens_count [B])`` int32, from the proposer's
+    own helper or the ``eagle_prepare_next_token_padded`` kernel. Traceable."""
     fn = getattr(impl, "prepare_next_token_ids_padded", None)
     if fn is not None:
         return fn(sampled_token_ids, discard_request_mask, backup_next_token_ids,

@@ -1,15 +1,9 @@
 """Medusa drafting (vLLM ``medusa.py``): one forward of the heads on the target's hidden state.
 
 Head ``h`` reads the target's final post-norm hidden state of each request's last accepted
-token and proposes, by its own argmax, the token ``h + 2`` places after it (the target's
-own head gives the next one). The drafts of one request are the top-1 of its first ``k``
-heads, a chain. No KV cache, no autoregressive loop: the state is the empty tuple, kept
-only so every proposer has the same ``propose(params, state, inputs)`` signature.
-
-vLLM's runner gathers the hidden state of the last accepted token itself
-(``offset + len(sampled) - 1`` per request); here that is ``token_indices_to_sample``
-(``query_start_loc[1:] - 1 - num_rejected``, from ``prepare_inputs_padded``), defaulting
-to ``query_start_loc[1:] - 1`` when no token was rejected.
+token (at ``token_indices_to_sample``) and proposes by argmax the token ``h + 2`` places
+after it; a request's drafts are its first ``k`` heads' tokens, a chain. No KV cache and no
+loop: the state is the empty tuple.
 """
 
 from __future__ import annotations
@@ -39,16 +33,9 @@ class MedusaState(NamedTuple):
 class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     """Medusa chain proposer.
 
-    Attributes:
-      config: a ``SpeculativeConfig`` with ``method="medusa"``; ``num_speculative_tokens``
-        (k) at most the number of heads (vLLM drafts with every head; k < heads uses the
-        first k and never runs the others).
-      model: the ``MedusaHeads`` runner; its params are passed to ``propose``.
-      kernel_backend: backend of the padded-batch helper kernels.
-
-    ``warmup(buckets, params)`` compiles ``propose`` for every shape bucket ahead of time
-    (``common.AheadOfTimeCompile``; buckets must give ``max_blocks_per_req``, the width of
-    the block table the loop passes, since Medusa has no ``max_model_len`` to derive it).
+    ``config``: ``method="medusa"``, ``k`` at most the number of heads (the first ``k``
+    run); ``model``: the ``MedusaHeads`` runner; ``kernel_backend``: of the padded-batch
+    helpers. ``warmup`` buckets must give ``max_blocks_per_req``.
     """
 
     config: SpeculativeConfig
@@ -74,7 +61,7 @@ class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     # -- state -----------------------------------------------------------------------
 
     def init_state(self, num_blocks: int | None = None, dtype=None) -> MedusaState:
-        """The empty state (the arguments are accepted for a uniform interface)."""
+        """The empty state."""
         del num_blocks, dtype
         return MedusaState()
 
@@ -83,14 +70,9 @@ class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
     def propose(self, params: dict, state: MedusaState, inputs: ProposerInputs
                 ) -> tuple[DraftOutput, MedusaState]:
-        """Draft ``k`` tokens for every request.
-
-        Uses ``inputs.target_hidden_states [T_pad, H]`` (post-norm),
-        ``token_indices_to_sample`` (or ``query_start_loc[1:] - 1``) and ``attn_metadata``
-        (``query_start_loc``, ``num_reqs``); everything else is ignored.
-
-        Returns ``(DraftOutput(token_ids [B_pad, k] int32, num_drafts [B_pad] int32),
-        state)``; padding rows (past ``num_reqs``) hold -1 and 0.
+        """Draft ``k`` tokens for every request from ``inputs.target_hidden_states [T_pad,
+        H]`` at ``token_indices_to_sample``. Returns ``(DraftOutput(token_ids [B_pad, k]
+        int32, num_drafts [B_pad] int32), state)``; padding rows hold -1 and 0.
         """
         if inputs.target_hidden_states is None:
             raise ValueError("method='medusa' needs inputs.target_hidden_states [T, H]")
@@ -111,11 +93,8 @@ class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         return draft_output(drafts, cad.num_reqs), state
 
     def _first_heads(self, params: dict, k: int):
-        """The runner and params of heads ``0 .. k-1`` only, and the token map (or None).
-
-        The token map is taken out so that the argmax runs over the truncated logits and is
-        mapped afterwards, instead of scattering them into a full ``-inf`` vocabulary first
-        (the same token unless two logits tie exactly)."""
+        """The runner and params of heads ``0 .. k-1``, and the token map (or None), applied
+        after the argmax over the truncated logits."""
         p = mp.normalize_keys(params)
         token_map = p.get("token_map")
         p = {key: v for key, v in p.items() if key != "token_map"}

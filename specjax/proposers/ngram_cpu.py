@@ -1,27 +1,10 @@
 """N-gram (prompt lookup) proposer on the host CPU, compiled with numba.
 
-The choice rule is vLLM v0.20's ``NgramProposer`` (a KMP scan of the reversed context):
-
-* among the n-grams ``n in [prompt_lookup_min, prompt_lookup_max]`` that end the context and
-  also occur earlier in it (followed by at least one token), the longest ``n`` wins;
-* among the occurrences of that n-gram, the earliest (left-most) wins;
-* the draft is the tokens right after the occurrence: at most
-  ``min(k, max_model_len - num_tokens)`` of them, fewer when the context ends first;
-* a context shorter than ``prompt_lookup_min`` or at ``max_model_len`` gets no draft.
-
-The implementation scans forward instead of running KMP backwards. A match of length ``m``
-*ending* at position ``e`` is found by comparing backwards from ``e`` against the context's
-tail; ends are visited left to right, so the first end reaching the longest length is the
-earliest occurrence, and the scan stops as soon as an occurrence of the full
-``prompt_lookup_max``-gram is found (on repetitive text that is within the first period).
-Candidate ends are screened 64 at a time with a branch-free comparison of the last
-``min(max(prompt_lookup_min, best + 1), 3)`` tokens (only a longer match than the best so
-far matters), which LLVM turns into SIMD compares; only blocks with a hit are examined token
-by token. Cost: O(L) compares with early exit, O(L * prompt_lookup_max) in the worst case
-(long runs of near-matches), against KMP's O(L) without early exit.
-
-Threads: one numba thread below ``multithread_min_tokens`` context tokens in the batch
-(vLLM's 8192), else ``min(max_num_threads, requests)`` with ``prange`` over requests.
+vLLM's ``NgramProposer`` rule: the longest n-gram (``prompt_lookup_min <= n <=
+prompt_lookup_max``) that ends the context and occurs earlier in it wins, then its earliest
+occurrence; the draft is the up to ``min(k, max_model_len - num_tokens)`` tokens after it.
+A context shorter than ``prompt_lookup_min`` or at ``max_model_len`` gets no draft. One
+thread below ``multithread_min_tokens`` context tokens, else ``prange`` over requests.
 """
 
 from __future__ import annotations
@@ -33,11 +16,11 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from specjax.checks import check_int
 from specjax.config import SpeculativeConfig
 from specjax.proposers.types import (
     DRAFT_PADDING_ID,
     DraftOutput,
-    check_int,
     resolve_prompt_lookup,
 )
 from specjax.proposers.interface import (
@@ -101,16 +84,13 @@ def _next_block_3(row, e, end, t0, t1, t2):
 
 @njit(nogil=True, cache=True, boundscheck=False)
 def _longest_earliest_match(row, num_tokens, min_n, max_n):
-    """Longest suffix n-gram (``min_n <= n <= max_n``) with an earlier occurrence.
-
-    Args:
-      row: ``[T]`` int32, the context in ``row[:num_tokens]``.
-      num_tokens: context length ``L`` (``min_n <= L <= T``).
-
-    Returns:
-      ``(n, e)``: the match length and the end position of its earliest occurrence
-      (``e <= L - 2``), or ``(0, -1)`` when no n-gram of length >= ``min_n`` recurs.
-    """
+    """Longest suffix n-gram (``min_n <= n <= max_n``) of ``row[:num_tokens]`` (int32) with
+    an earlier occurrence: ``(n, e)``, ``e <= L - 2`` the end of its earliest occurrence,
+    or ``(0, -1)``."""
+    # Ends are scanned left to right, each compared backwards against the context's tail,
+    # stopping at the first full max_n match; candidate ends are screened 64 at a time with a
+    # branch-free compare of the last few tokens (SIMD). O(L) with early exit, O(L * max_n)
+    # worst case.
     last = num_tokens - 1
     end = last  # occurrence ends e range over [min_n - 1, L - 2]
     e = min_n - 1
@@ -189,8 +169,7 @@ def _propose_parallel(num_tokens, token_ids, valid, min_n, max_n, max_model_len,
 
 @njit(nogil=True, cache=True)
 def _scan_lengths(num_tokens, valid, width, max_model_len):
-    """(first index with a length outside [0, width] or -1, number of rows to propose for,
-    their total context tokens)."""
+    """(first index with a length outside [0, width] or -1, rows to propose for, their tokens)."""
     total = 0
     count = 0
     for i in range(num_tokens.shape[0]):
@@ -212,16 +191,10 @@ def _default_num_threads() -> int:
 class NgramProposer:
     """vLLM's CPU n-gram proposer (``method="ngram"``).
 
-    Args:
-      num_speculative_tokens: ``k``, the most draft tokens per request (>= 1).
-      prompt_lookup_min / prompt_lookup_max: n-gram sizes searched (>= 1, min <= max; both
-        None -> 5; one None -> copies the other), as in vLLM's ``SpeculativeConfig``.
-      max_model_len: the context cap; drafts never run past it (>= 1).
-      max_num_threads: numba threads used for a batch of at least ``multithread_min_tokens``
-        context tokens (vLLM uses 1; default: half the cores, at most 8). Smaller batches run
-        on one thread, without the parallel runtime.
-      multithread_min_tokens: the batch size in tokens at which threading starts (vLLM: 8192).
-      warmup: compile the numba kernels now so the first real call is fast.
+    ``num_speculative_tokens`` (k >= 1), ``prompt_lookup_min`` / ``_max``,
+    ``max_model_len`` as vLLM's; ``max_num_threads``: numba threads for batches of at least
+    ``multithread_min_tokens`` context tokens (default: half the cores, at most 8);
+    ``warmup``: compile the numba kernels now.
     """
 
     def __init__(
@@ -235,14 +208,14 @@ class NgramProposer:
         multithread_min_tokens: int = NUM_TOKENS_THRESHOLD,
         warmup: bool = True,
     ) -> None:
-        self.k = check_int("num_speculative_tokens", num_speculative_tokens, minimum=1)
+        self.k = check_int("num_speculative_tokens", num_speculative_tokens, 1)
         self.min_n, self.max_n = resolve_prompt_lookup(prompt_lookup_min, prompt_lookup_max)
-        self.max_model_len = check_int("max_model_len", max_model_len, minimum=1, maximum=2**31 - 1)
+        self.max_model_len = check_int("max_model_len", max_model_len, 1)
         limit = numba.config.NUMBA_NUM_THREADS
         if max_num_threads is None:
             max_num_threads = _default_num_threads()
-        self.max_num_threads = check_int("max_num_threads", max_num_threads, minimum=1, maximum=limit)
-        self.multithread_min_tokens = check_int("multithread_min_tokens", multithread_min_tokens, minimum=0)
+        self.max_num_threads = check_int("max_num_threads", max_num_threads, 1, limit)
+        self.multithread_min_tokens = check_int("multithread_min_tokens", multithread_min_tokens, 0)
         if warmup:
             self._warmup()
 
@@ -271,21 +244,12 @@ class NgramProposer:
         token_ids_cpu: np.ndarray,
         slot_mappings: object = None,
     ) -> list[list[int]]:
-        """Draft tokens for each request, vLLM's signature and filtering.
+        """Draft tokens for each request (vLLM's signature): ``B`` lists, each at most ``k``.
 
-        Args:
-          sampled_token_ids: ``B`` lists, the tokens sampled for each request this step. A
-            request with none (a partial prefill) gets no draft.
-          num_tokens_no_spec: ``[B]`` integers, each request's context length ``L`` (the
-            sampled tokens already written into ``token_ids_cpu``). A request at or past
-            ``max_model_len`` gets no draft.
-          token_ids_cpu: ``[B', T]`` integer array (``B' >= B``, ``T >= max L``); row ``b``
-            holds the context of request ``b`` in its first ``L`` columns. int32
-            C-contiguous is the zero-copy fast path.
-          slot_mappings: accepted for signature compatibility with vLLM and ignored.
-
-        Returns:
-          ``B`` lists of draft token ids, each at most ``k`` long.
+        ``sampled_token_ids``: ``B`` lists (none: no draft); ``num_tokens_no_spec [B]``:
+        context lengths ``L`` (at or past ``max_model_len``: no draft); ``token_ids_cpu
+        [B', T]`` integers, row ``b``'s context in its first ``L`` columns (int32
+        C-contiguous avoids a copy); ``slot_mappings`` is ignored.
         """
         del slot_mappings
         if isinstance(sampled_token_ids, (str, bytes)) or not hasattr(sampled_token_ids, "__len__"):
@@ -314,18 +278,8 @@ class NgramProposer:
         token_ids_cpu: np.ndarray,
         valid_mask: np.ndarray | None = None,
     ) -> DraftOutput:
-        """The array form of ``propose``.
-
-        Args:
-          num_tokens_no_spec: ``[B]`` integers, context lengths.
-          token_ids_cpu: ``[B', T]`` integer array, ``B' >= B``.
-          valid_mask: ``[B]`` bool, False for requests that must get no draft (vLLM: those
-            without sampled tokens). None means all True.
-
-        Returns:
-          ``DraftOutput`` of numpy arrays: ``token_ids [B, k]`` int32 (-1 padded) and
-          ``num_drafts [B]`` int32.
-        """
+        """The array form of ``propose``: ``num_tokens_no_spec [B]``, ``token_ids_cpu [B', T]``,
+        ``valid_mask [B]`` bool (None: all) -> ``DraftOutput`` of numpy arrays."""
         num_tokens, token_ids = self._check_inputs(num_tokens_no_spec, token_ids_cpu)
         batch = num_tokens.shape[0]
         if valid_mask is None:
@@ -354,8 +308,7 @@ class NgramProposer:
         return DraftOutput(out_tokens, out_counts)
 
     def num_threads_for(self, total_tokens: int, num_requests: int) -> int:
-        """The thread policy: 1 below ``multithread_min_tokens`` context tokens, else
-        ``min(max_num_threads, num_requests)``."""
+        """1 below ``multithread_min_tokens``, else ``min(max_num_threads, num_requests)``."""
         if total_tokens < self.multithread_min_tokens:
             return 1
         return max(1, min(self.max_num_threads, num_requests))

@@ -1,28 +1,8 @@
 """N-gram (prompt lookup) proposer on the accelerator: one jit-compiled XLA computation.
 
-The choice rule is that of the CPU proposer (``ngram_cpu``), including the cap at
-``max_model_len`` that vLLM v0.20's ``ngram_gpu`` omits:
-
-* the longest n-gram ``n in [prompt_lookup_min, prompt_lookup_max]`` that ends the context
-  and occurs earlier in it (followed by at least one token) wins, then its earliest
-  occurrence;
-* the draft is the ``min(k, max_model_len - L, L - start)`` tokens after that occurrence.
-
-Vectorised over a padded ``[B, T]`` token buffer. For each candidate end position ``e`` and
-each offset ``j < max_n`` the kernel compares ``tokens[b, e - j]`` with the context's j-th
-last token ``tokens[b, L - 1 - j]`` (a sliding window read as ``max_n`` shifted copies; the
-loop over ``j`` is unrolled at trace time). The running AND over ``j`` gives the match length
-``m(e)`` ending at ``e``; one max-reduction per row over the key ``m * (T + 1) + (T - e)``
-then picks the longest match and, among equals, the earliest end. XLA fuses the shifts,
-compares and the reduction into one pass over the buffer.
-
-The device token buffer lives in ``NgramGPUState``; ``propose`` scatters the newly sampled
-tokens into it and drafts in one step, and ``add_requests`` / ``remove_requests`` /
-``move_requests`` keep it in sync with a persistent batch. ``propose_rows`` /
-``propose_packed`` do the same for requests kept in fixed rows (a slot allocator instead of a
-condensed batch; what ``specjax.make_proposer``'s ``ngram_gpu`` adapter uses, uploading only
-each step's new tokens). All of them are pure functions of the state, jit-compiled with the
-state donated so XLA updates the buffer in place.
+The choice rule is the CPU proposer's (``ngram_cpu``), with the draft capped at
+``max_model_len``. The token buffer stays on the device (``NgramGPUState``); every call is a
+pure function of it, jit-compiled with the state donated so XLA updates it in place.
 """
 
 from __future__ import annotations
@@ -36,26 +16,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specjax.checks import check_int
 from specjax.config import SpeculativeConfig
 from specjax.constants import INT32_LIMIT, next_power_of_2
 from specjax.proposers.types import (
     DRAFT_PADDING_ID,
     DraftOutput,
-    check_int,
     resolve_prompt_lookup,
 )
 from specjax.proposers.interface import HistoryProposer, TokenHistory, history_feed
 
 
 class NgramGPUState(NamedTuple):
-    """Device token buffer of the persistent batch (a pytree; donate it to every step).
-
-    Attributes:
-      token_ids: ``[max_num_seqs, T]`` int32; row ``r`` holds request ``r``'s context in its
-        first ``num_tokens[r]`` columns (``T`` is usually ``max_model_len``).
-      num_tokens: ``[max_num_seqs]`` int32, each row's context length (vLLM's
-        ``num_tokens_no_spec``); 0 for an empty row.
-    """
+    """Device token buffer of the persistent batch (a pytree; donate it to every step):
+    ``token_ids [max_num_seqs, T]`` int32, row ``r``'s context in its first
+    ``num_tokens[r]`` columns; ``num_tokens [max_num_seqs]`` int32 (0: empty row)."""
 
     token_ids: jax.Array
     num_tokens: jax.Array
@@ -73,16 +48,14 @@ def ngram_search(
 ) -> DraftOutput:
     """Draft by n-gram lookup for every row of a padded batch (traceable; no host sync).
 
-    Args:
-      token_ids: ``[B, T]`` int32, row ``b``'s context in its first ``num_tokens[b]``
-        columns; later columns are ignored.
-      num_tokens: ``[B]`` int32 context lengths, ``0 <= L <= T``.
-      valid: ``[B]`` bool; rows where it is False get no draft.
-      k, min_n, max_n, max_model_len: static configuration (Python ints).
-
-    Returns:
-      ``DraftOutput(token_ids [B, k] int32 (-1 padded), num_drafts [B] int32)``.
+    ``token_ids [B, T]`` int32 (row ``b``'s context in its first ``num_tokens[b]`` columns),
+    ``num_tokens [B]`` int32 in ``[0, T]``, ``valid [B]`` bool (False: no draft); ``k``,
+    ``min_n``, ``max_n``, ``max_model_len`` static ints. Returns ``DraftOutput(token_ids
+    [B, k] int32 (-1 padded), num_drafts [B] int32)``.
     """
+    # For each end position e, match_len(e) = length of the run of e - j matching the
+    # context's j-th last token; one max over the key m * (T + 1) + (T - e) picks the
+    # longest match, then the earliest end.
     batch, width = token_ids.shape
     token_ids = token_ids.astype(jnp.int32)
     lengths = jnp.clip(num_tokens.astype(jnp.int32), 0, width)[:, None]  # [B, 1]
@@ -122,14 +95,9 @@ def ngram_search(
 
 @dataclasses.dataclass(frozen=True)
 class NgramGPUProposer:
-    """Static configuration of the device n-gram proposer (hashable; static under jit).
-
-    Args:
-      num_speculative_tokens: ``k``, the most draft tokens per request (>= 1).
-      max_model_len: the context cap; drafts never run past it (>= 1).
-      prompt_lookup_min / prompt_lookup_max: n-gram sizes searched (>= 1, min <= max; both
-        None -> 5; one None -> copies the other), as in vLLM's ``SpeculativeConfig``.
-    """
+    """Static configuration of the device n-gram proposer (hashable; static under jit):
+    ``num_speculative_tokens`` (k >= 1), ``max_model_len`` (>= 1, the draft cap) and
+    ``prompt_lookup_min`` / ``_max`` (resolved as in vLLM's ``SpeculativeConfig``)."""
 
     num_speculative_tokens: int
     max_model_len: int
@@ -137,8 +105,8 @@ class NgramGPUProposer:
     prompt_lookup_max: int | None = None
 
     def __post_init__(self) -> None:
-        k = check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
-        max_model_len = check_int("max_model_len", self.max_model_len, minimum=1)
+        k = check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        max_model_len = check_int("max_model_len", self.max_model_len, 1)
         min_n, max_n = resolve_prompt_lookup(self.prompt_lookup_min, self.prompt_lookup_max)
         # The selection key m * (T + 1) + (T - e) must fit int32 for every buffer width T up
         # to max_model_len.
@@ -159,10 +127,9 @@ class NgramGPUProposer:
     # ------------------------------------------------------------------ state
 
     def init_state(self, max_num_seqs: int, width: int | None = None) -> NgramGPUState:
-        """An empty buffer: ``token_ids [max_num_seqs, width]`` int32 zeros (``width``
-        defaults to ``max_model_len``), ``num_tokens [max_num_seqs]`` int32 zeros."""
-        rows = check_int("max_num_seqs", max_num_seqs, minimum=1)
-        width = self.max_model_len if width is None else check_int("width", width, minimum=1)
+        """An empty buffer ``[max_num_seqs, width]`` (``width`` default ``max_model_len``)."""
+        rows = check_int("max_num_seqs", max_num_seqs, 1)
+        width = self.max_model_len if width is None else check_int("width", width, 1)
         if width > self.max_model_len:
             raise ValueError(f"width must be in [1, max_model_len={self.max_model_len}], got {width}")
         if rows * width >= INT32_LIMIT:
@@ -177,24 +144,13 @@ class NgramGPUProposer:
         self, state: NgramGPUState, sampled_token_ids: jax.Array, num_sampled: jax.Array,
         *, rows: jax.Array | None = None,
     ) -> tuple[DraftOutput, NgramGPUState]:
-        """Append this step's sampled tokens and draft (``state`` is donated).
+        """Append this step's sampled tokens and draft; ``state`` is donated.
 
-        Args:
-          state: the buffer; its rows ``0 .. B-1`` are this step's requests (or the rows
-            ``rows`` names).
-          rows: None, or ``[B]`` int32 buffer rows, distinct: batch row ``b`` is buffer row
-            ``rows[b]``, so a loop that keeps each request in a fixed row (its own slot
-            allocator) needs no ``move_requests`` when others finish; -1
-            (``PADDING_SLOT_ID``) marks a padding row: nothing is written and it gets no
-            draft, and only the rows named are touched.
-          sampled_token_ids: ``[B, S]`` int32, row ``b``'s accepted tokens (plus the bonus
-            token) in its first ``num_sampled[b]`` columns; -1 entries are not written.
-          num_sampled: ``[B]`` int32. A row with 0 (a partial prefill or a padding row) keeps
-            its length and gets no draft.
-
-        Returns:
-          ``(DraftOutput [B, k] / [B], new state)``; lengths grow by ``num_sampled``. Rows
-          that reach ``max_model_len`` or are shorter than ``prompt_lookup_min`` get no draft.
+        ``sampled_token_ids [B, S]`` int32: row ``b``'s accepted tokens plus bonus in its
+        first ``num_sampled[b]`` columns (-1 not written); a row with ``num_sampled`` 0 gets
+        no draft. Batch row ``b`` is buffer row ``b``, or ``rows[b]`` (``[B]`` int32,
+        distinct; -1 a padding row). Returns ``(DraftOutput [B, k] / [B], new state)``; rows
+        at ``max_model_len`` or shorter than ``prompt_lookup_min`` get no draft.
         """
         _check_batch(state, sampled_token_ids, num_sampled)
         if rows is None:
@@ -205,21 +161,14 @@ class NgramGPUProposer:
         return _propose_rows_jit(self, state, rows, sampled_token_ids, num_sampled)
 
     def search(self, token_ids: jax.Array, num_tokens: jax.Array, valid: jax.Array) -> DraftOutput:
-        """The n-gram search itself, traceable (``ngram_search`` with this configuration):
-        what ``specjax.runtime.decode_loop`` calls inside its jitted loop."""
+        """``ngram_search`` with this configuration (traceable; the device loop's hook)."""
         return _search(self, token_ids, num_tokens, valid)
 
     def propose_arrays(
         self, num_tokens: jax.Array, token_ids: jax.Array, valid: jax.Array | None = None
     ) -> DraftOutput:
-        """Stateless drafting over a caller-owned padded buffer (nothing donated); the
-        argument order of the CPU proposer's ``propose_arrays`` and vLLM's n-gram proposers
-        (lengths, then tokens).
-
-        Args:
-          num_tokens: ``[B]`` int32 (``0 <= L <= T``); ``token_ids``: ``[B, T]`` int32;
-          valid: ``[B]`` bool (default all True).
-        """
+        """Stateless drafting over a caller-owned buffer (nothing donated): ``num_tokens
+        [B]``, ``token_ids [B, T]`` int32, ``valid [B]`` bool (default all True)."""
         _check_int_dtype("token_ids", token_ids)
         _check_int_dtype("num_tokens", num_tokens)
         if token_ids.ndim != 2 or num_tokens.shape != (token_ids.shape[0],):
@@ -235,16 +184,9 @@ class NgramGPUProposer:
         return _propose_arrays(self, token_ids, num_tokens, valid)
 
     def propose_packed(self, state: NgramGPUState, packed: jax.Array) -> tuple[jax.Array, NgramGPUState]:
-        """``propose(..., rows=)`` with one input and one output array, so that a step costs one
-        host->device and one device->host transfer (``state`` donated).
-
-        Args:
-          packed: ``[B, 2 + S]`` int32: column 0 the buffer row (-1: padding), column 1
-            ``num_sampled``, columns ``2 ..`` the sampled tokens.
-
-        Returns:
-          ``([B, k + 1] int32: the drafts (-1 padded) then the draft count, new state)``.
-        """
+        """``propose(..., rows=)`` as one transfer each way (``state`` donated): ``packed
+        [B, 2 + S]`` int32 (buffer row or -1, ``num_sampled``, sampled tokens) -> ``([B, k +
+        1]`` int32 drafts (-1 padded) then count, new state)."""
         _check_state(state)
         _check_int_dtype("packed", packed)
         if packed.ndim != 2 or packed.shape[1] < 3:
@@ -258,15 +200,8 @@ class NgramGPUProposer:
     def add_requests(
         self, state: NgramGPUState, rows: jax.Array, token_ids: jax.Array, num_tokens: jax.Array
     ) -> NgramGPUState:
-        """Write joining requests' contexts into their rows (``state`` donated).
-
-        Args:
-          rows: ``[R]`` int32 destination rows; -1 (``PADDING_SLOT_ID``) entries are skipped,
-            so ``R`` can be a bucket size.
-          token_ids: ``[R, W]`` int32 contexts (``W <= T``; columns past ``num_tokens`` are
-            written but never read).
-          num_tokens: ``[R]`` int32 context lengths (``<= W``).
-        """
+        """Write joining requests' contexts into their rows (``state`` donated): ``rows
+        [R]`` int32 (-1 skipped), ``token_ids [R, W]`` int32 (``W <= T``), ``num_tokens [R]``."""
         _check_state(state)
         for name, value in (("rows", rows), ("token_ids", token_ids), ("num_tokens", num_tokens)):
             _check_int_dtype(name, value)
@@ -288,12 +223,8 @@ class NgramGPUProposer:
         return _remove_requests(state, rows)
 
     def move_requests(self, state: NgramGPUState, src: jax.Array, dst: jax.Array) -> NgramGPUState:
-        """Copy rows ``src[i]`` to ``dst[i]`` all at once (swaps and condensing); donated.
-
-        Every source is read before any destination is written, so ``src=[a, b],
-        dst=[b, a]`` swaps. Pairs with a -1 entry are skipped. Sources are left as they were
-        (remove them separately when they should be emptied).
-        """
+        """Copy rows ``src[i]`` to ``dst[i]`` all at once (every source read first, so
+        swaps work; pairs with -1 skipped; sources kept); ``state`` donated."""
         _check_state(state)
         _check_int_dtype("src", src)
         _check_int_dtype("dst", dst)
@@ -302,11 +233,10 @@ class NgramGPUProposer:
         return _move_requests(state, src, dst)
 
     def grow_state(self, state: NgramGPUState, max_num_seqs: int) -> NgramGPUState:
-        """A buffer of ``max_num_seqs`` rows (at least the current count): ``state``'s rows
-        copied into the first ones, the new rows empty. Use it instead of ``state``."""
+        """``state`` grown to ``max_num_seqs`` (>= current) rows, the new ones empty."""
         _check_state(state)
         old = state.num_tokens.shape[0]
-        rows = check_int("max_num_seqs", max_num_seqs, minimum=old)
+        rows = check_int("max_num_seqs", max_num_seqs, old)
         if rows == old:
             return state
         if rows * state.token_ids.shape[1] >= INT32_LIMIT:
@@ -315,18 +245,13 @@ class NgramGPUProposer:
 
     def warmup(self, buckets: Sequence[Any], state: NgramGPUState, *,
                max_sampled: int | None = None) -> NgramGPUState:
-        """Compile ``propose`` for each batch bucket ahead of time (vLLM's dummy run); the
-        model proposers' order (``impl.warmup(buckets, params, state)``) less the params.
-
-        ``buckets``: batch sizes, or tuples whose first entry is the batch size (the
-        ``(B, T, ...)`` buckets the other proposers take). Runs each with
-        ``num_sampled = 0``, which leaves the buffer unchanged; returns the state.
-        ``max_sampled`` is the sampled-token width ``S`` (default ``k + 1``).
-        """
-        width = self.k + 1 if max_sampled is None else check_int("max_sampled", max_sampled, minimum=1)
+        """Compile ``propose`` for each bucket (batch sizes or ``(B, ...)`` tuples) with
+        ``num_sampled = 0``, leaving the buffer unchanged; ``max_sampled`` is ``S``
+        (default ``k + 1``). Returns the state."""
+        width = self.k + 1 if max_sampled is None else check_int("max_sampled", max_sampled, 1)
         batch_sizes = [b[0] if isinstance(b, (tuple, list)) else b for b in buckets]
         for size in batch_sizes:
-            size = check_int("batch size", size, minimum=1, maximum=state.num_tokens.shape[0])
+            size = check_int("batch size", size, 1, state.num_tokens.shape[0])
             sampled = jnp.full((size, width), DRAFT_PADDING_ID, dtype=jnp.int32)
             out, state = self.propose(state, sampled, jnp.zeros((size,), dtype=jnp.int32))
             jax.block_until_ready(out)
@@ -483,18 +408,11 @@ def _check_batch(state: NgramGPUState, sampled, num_sampled) -> None:
 
 
 class NgramGPUProposerAdapter(HistoryProposer):
-    """``method="ngram_gpu"``: the jit-compiled n-gram search on the accelerator, over a
-    token buffer that stays on the device (``NgramGPUState``).
+    """``method="ngram_gpu"``: the device n-gram search over a device token buffer.
 
-    Each request owns a buffer row for its life. Per call only this step's new tokens
-    (``sampled_token_ids``: accepted drafts + bonus) go up, packed with the row indices and
-    counts into one ``[rows_pad, 2 + S]`` int32 array, and the drafts come back as one
-    ``[rows_pad, k + 1]`` array: one transfer each way. A request seen for the first time
-    (or whose length is not its last length plus its new tokens: the history was not
-    appended to as the interface says) has its context uploaded into its row first.
-    Requests absent from a call have left (as for suffix decoding) and their rows are
-    reused. The batch is padded to ``history.rows_pad`` (else a power of two) and the
-    buffer grows by powers of two, so each batch bucket compiles once.
+    Each request owns a buffer row for its life; per call only its new tokens go up
+    (:meth:`NgramGPUProposer.propose_packed`), and a new or out-of-sync request has its whole
+    context uploaded first. Requests absent from a call have left; their rows are reused.
     """
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
@@ -511,9 +429,8 @@ class NgramGPUProposerAdapter(HistoryProposer):
 
     @property
     def device_drafter(self) -> NgramGPUProposer:
-        """The hook of the device decode loop (``specjax.runtime.decode_loop``): a hashable object
-        whose traceable ``search(token_ids, num_tokens, valid)`` drafts from a token history
-        the loop keeps on the device."""
+        """Hashable drafter with a traceable ``search(token_ids, num_tokens, valid)``, for
+        the device decode loop."""
         return self.impl
 
     def _ensure_rows(self, needed: int) -> None:

@@ -1,24 +1,9 @@
 """Suffix decoding (``method="suffix"``): drafts from suffix trees over the request's own
-prompt and response and over a cache of earlier responses, via Arctic Inference.
+prompt and response and over a cache of earlier responses, via Arctic Inference (host C++).
 
-Follows vLLM v0.20's ``SuffixDecodingProposer`` request lifecycle:
-
-1. a request with no sampled tokens this step (partial prefill), or at or past
-   ``max_model_len``, gets no draft;
-2. a request not yet active is started from its prompt, after evicting a stale cached
-   response stored under the same id (ids are reused);
-3. this step's sampled tokens are appended to its response;
-4. the draft is speculated from the last ``suffix_decoding_max_tree_depth`` context tokens
-   with ``max_spec_tokens = min(k, max_model_len - num_tokens - 1)``; draft lengths vary
-   per request;
-5. active requests that are no longer in the batch are stopped (their responses stay in
-   the global cache until FIFO eviction past ``suffix_decoding_max_cached_requests``).
-
-When ``max_model_len - num_tokens - 1 <= 0`` vLLM still calls ``speculate`` with
-``max_spec_tokens <= 0``, which returns an empty draft (Arctic Inference 0.3.0); the call is
-skipped here, with the same result (the sampled tokens are still recorded).
-
-The suffix trees are host-side C++ (Arctic Inference); this proposer runs on the CPU.
+Follows vLLM's ``SuffixDecodingProposer`` request lifecycle (start, append, speculate,
+stop; docs/integration.md, "How the device proposers draft"). A request with no sampled
+tokens, or with no room left below ``max_model_len``, gets no draft.
 """
 
 from __future__ import annotations
@@ -27,8 +12,9 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.config import SpeculativeConfig
-from specjax.proposers.types import DraftOutput, check_int
+from specjax.proposers.types import DraftOutput
 from specjax.proposers.interface import HistoryProposer, TokenHistory, history_feed
 
 _INSTALL_HINT = 'suffix decoding needs Arctic Inference: pip install "specjax[suffix]"'
@@ -58,21 +44,10 @@ def _interval(lo: float, hi: float | None) -> str:
 class SuffixDecodingProposer:
     """vLLM's suffix-decoding proposer over ``arctic_inference``'s ``SuffixDecodingCache``.
 
-    Args:
-      max_model_len: the context cap (>= 1).
-      num_speculative_tokens: ``k``, the most draft tokens per request (>= 1); defaults to
-        ``suffix_decoding_max_tree_depth`` as in vLLM.
-      suffix_decoding_max_tree_depth: depth of the suffix trees and the longest pattern
-        matched (>= 1; vLLM default 24).
-      suffix_decoding_max_cached_requests: responses kept in the global tree (>= 0; 0
-        disables it; vLLM default 10,000).
-      suffix_decoding_max_spec_factor: drafts are at most ``factor * match_length`` tokens
-        (>= 0; default 1.0).
-      suffix_decoding_min_token_prob: drafted tokens need at least this estimated
-        probability (in [0, 1]; default 0.1).
-
-    Raises:
-      ImportError naming ``pip install "specjax[suffix]"`` when Arctic Inference is missing.
+    ``num_speculative_tokens`` defaults to ``suffix_decoding_max_tree_depth``; the
+    ``suffix_decoding_*`` options are vLLM's (tree depth, cached responses, max spec factor,
+    min token probability). Raises ImportError naming ``pip install "specjax[suffix]"``
+    without Arctic Inference.
     """
 
     def __init__(
@@ -85,15 +60,15 @@ class SuffixDecodingProposer:
         suffix_decoding_max_spec_factor: float = 1.0,
         suffix_decoding_min_token_prob: float = 0.1,
     ) -> None:
-        self.max_model_len = check_int("max_model_len", max_model_len, minimum=1)
+        self.max_model_len = check_int("max_model_len", max_model_len, 1)
         self.max_tree_depth = check_int(
-            "suffix_decoding_max_tree_depth", suffix_decoding_max_tree_depth, minimum=1
+            "suffix_decoding_max_tree_depth", suffix_decoding_max_tree_depth, 1
         )
         if num_speculative_tokens is None:
             num_speculative_tokens = self.max_tree_depth
-        self.k = check_int("num_speculative_tokens", num_speculative_tokens, minimum=1)
+        self.k = check_int("num_speculative_tokens", num_speculative_tokens, 1)
         self.max_cached_requests = check_int(
-            "suffix_decoding_max_cached_requests", suffix_decoding_max_cached_requests, minimum=0, maximum=2**31 - 1
+            "suffix_decoding_max_cached_requests", suffix_decoding_max_cached_requests, 0
         )
         self.max_spec_factor = _check_float("suffix_decoding_max_spec_factor", suffix_decoding_max_spec_factor, 0.0, None)
         self.min_token_prob = _check_float("suffix_decoding_min_token_prob", suffix_decoding_min_token_prob, 0.0, 1.0)
@@ -114,19 +89,12 @@ class SuffixDecodingProposer:
         token_ids_cpu: np.ndarray,
         num_prompt_tokens: np.ndarray,
     ) -> list[list[int]]:
-        """One step of the request lifecycle for a batch; returns ragged drafts.
+        """One step of the request lifecycle: ``B`` lists of drafts, each at most ``k``.
 
-        Args:
-          req_ids: ``B`` hashable request ids; row ``b`` of every array belongs to
-            ``req_ids[b]``. Every id in the batch counts as present (active requests whose id
-            is absent are stopped).
-          sampled_token_ids: ``B`` sequences of this step's sampled tokens.
-          num_tokens_no_spec: ``[B]`` integers, context lengths (sampled tokens included).
-          token_ids_cpu: ``[B', T]`` integer array (``B' >= B``), the contexts.
-          num_prompt_tokens: ``[B]`` integers, prompt lengths (``<= num_tokens_no_spec``).
-
-        Returns:
-          ``B`` lists of draft token ids, each at most ``k`` long.
+        ``req_ids``: ``B`` hashable ids (active requests absent from them are stopped);
+        ``sampled_token_ids``: ``B`` sequences; ``num_tokens_no_spec [B]``: context lengths,
+        sampled tokens included; ``token_ids_cpu [B', T]``: the contexts;
+        ``num_prompt_tokens [B]``.
         """
         batch = len(req_ids)
         if len(sampled_token_ids) != batch:
@@ -228,9 +196,8 @@ def _token_list(tokens, index: int) -> list[int]:
 
 
 class SuffixProposerAdapter(HistoryProposer):
-    """``method="suffix"``: suffix decoding over Arctic Inference (host C++). The request
-    lifecycle (start, append, stop) follows the ids in the history; ``finish_requests``
-    stops requests so their responses join the global cache."""
+    """``method="suffix"`` on the token history; ``finish_requests`` stops requests so their
+    responses join the global cache."""
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
         self.config = config

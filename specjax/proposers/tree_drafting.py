@@ -1,29 +1,8 @@
-"""Tree drafting (vLLM ``SpecDecodeBaseProposer.propose_tree``), for EAGLE / EAGLE-3.
-
-After the first forward (shared with chain drafting), level 1 of the tree is the top
-``c_1`` tokens at each request's sampled position (argmax when ``c_1 == 1``). Then, for
-each further level, the head runs over **every node drafted so far** as one query block
-per request under tree attention (``CommonAttentionMetadata.tree_mask``: a node sees the
-request's context and its own ancestors), and the top ``c_{l+1}`` tokens of each node of
-the newest level become its children. As in vLLM:
-
-* node ``j`` (breadth-first order) has RoPE position ``p + depth(j)`` and its KV at
-  logical position ``p + 1 + j``, where ``p`` is the position of the request's last
-  sampled token (the tree's root);
-* a node's hidden-state input is its parent's output hidden state (the first pass's for
-  level 1);
-* a request whose next level would reach ``max_model_len`` (``p + nodes_so_far >=
-  max_model_len``) writes no KV (slot -1) and attends to its first context token only
-  (position 0, seq_len 1); its drafts are meaningless and a verifier caps them anyway.
-
-Unlike vLLM v0.20.0, the KV slot of node ``j`` is ``p + 1 + j`` at every level: vLLM
-takes the slots of level ``l`` from ``flattened_draft_positions[:, l : l + query_len]``,
-shifting them by ``l`` while its tree attention reads node ``j``'s key at ``p + 1 + j``;
-for trees of depth >= 3 that makes a node read its predecessor's key. Depth-2 trees are
-unaffected.
-
-The levels are unrolled at trace time (the tree is static configuration): one forward
-per level, no host round trip, one compilation per shape bucket.
+"""Tree drafting (vLLM ``SpecDecodeBaseProposer.propose_tree``), for EAGLE / EAGLE-3: one
+forward per level over every node so far under tree attention, the top ``c`` tokens of
+each newest node as its children; levels unrolled at trace time. Node ``j``'s KV sits at
+``p + 1 + j`` on every level (vLLM's differ; docs/integration.md, "How the device
+proposers draft").
 """
 
 from __future__ import annotations
@@ -51,20 +30,13 @@ def tree_drafts(tree: TokenTree, forward: ForwardFn, top: TopFn, params: Any,
                 logits_hidden: jax.Array, next_hidden: jax.Array, positions: jax.Array,
                 seq_lens: jax.Array, cad: CommonAttentionMetadata, caches: Any, *,
                 block_size: int, max_model_len: int) -> tuple[jax.Array, Any]:
-    """Draft every node of ``tree`` for each request.
+    """Draft every node of the static ``tree`` for each request.
 
-    Args:
-      tree: the static tree.
-      forward, top: the head's forward and top-k token selection.
-      logits_hidden, next_hidden: ``[B, H]`` first-pass outputs at each request's sampled
-        index (for the logits / fed to the next step).
-      positions: ``[B]`` position ``p`` of each request's sampled (root) token.
-      seq_lens: ``[B]`` context length up to and including the root (``p + 1`` on real rows).
-      cad: the first pass's metadata (block table, ``num_reqs``, ``max_seq_len``).
-      caches: the draft KV caches after the first pass.
-
-    Returns:
-      ``(drafts [B, num_nodes] int32 in tree order, caches)``.
+    ``forward`` / ``top``: the head's forward and top-k selection; ``logits_hidden`` /
+    ``next_hidden [B, H]``: first-pass outputs at each sampled index; ``positions [B]``: the
+    root's position ``p``; ``seq_lens [B]``: context length through the root; ``cad``: the
+    first pass's metadata; ``caches``: the draft KV caches after it. Returns ``(drafts [B,
+    num_nodes] int32 in tree order, caches)``.
     """
     b = positions.shape[0]
     n_reqs = cad.num_reqs

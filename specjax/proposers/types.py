@@ -8,6 +8,7 @@ from typing import Any, Literal, NamedTuple, Sequence
 
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.token_tree import TokenTree
 
 #: Value of an unused draft slot in ``DraftOutput.token_ids``.
@@ -15,16 +16,13 @@ DRAFT_PADDING_ID: int = -1
 
 
 class DraftOutput(NamedTuple):
-    """Draft tokens of one proposer step, padded to a rectangle.
-
-    A NamedTuple, hence a JAX pytree: it passes through ``jax.jit`` as is. The leaves are
-    ``jax.Array`` for device proposers and ``np.ndarray`` for host ones.
+    """Draft tokens of one proposer step, padded to a rectangle (a pytree; ``jax.Array``
+    leaves from device proposers, ``np.ndarray`` from host ones).
 
     Attributes:
-      token_ids: ``[B, k]`` int32. Row ``b`` holds its drafts in columns
-        ``0 .. num_drafts[b]-1``; every later column is -1.
-      num_drafts: ``[B]`` int32, the number of leading valid drafts of each row
-        (``0 <= num_drafts[b] <= k``).
+      token_ids: ``[B, k]`` int32, row ``b``'s drafts in its first ``num_drafts[b]``
+        columns, -1 after.
+      num_drafts: ``[B]`` int32 in ``[0, k]``.
     """
 
     token_ids: Any
@@ -32,16 +30,8 @@ class DraftOutput(NamedTuple):
 
     @classmethod
     def from_lists(cls, drafts: Sequence[Sequence[int]], k: int) -> "DraftOutput":
-        """Pad ragged per-request drafts (vLLM's ``list[list[int]]``) to host arrays.
-
-        Args:
-          drafts: ``B`` lists of token ids, each at most ``k`` long.
-          k: number of columns of the result (>= 1).
-
-        Returns:
-          ``DraftOutput`` of numpy arrays: ``token_ids [B, k]`` int32 (-1 padded),
-          ``num_drafts [B]`` int32.
-        """
+        """Pad ``B`` ragged draft lists (each at most ``k >= 1`` long) to numpy arrays
+        ``token_ids [B, k]`` int32 (-1 padded), ``num_drafts [B]`` int32."""
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
         token_ids = np.full((len(drafts), int(k)), DRAFT_PADDING_ID, dtype=np.int32)
@@ -62,43 +52,17 @@ class DraftOutput(NamedTuple):
         return [token_ids[b, : int(num_drafts[b])].tolist() for b in range(token_ids.shape[0])]
 
 
-def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """Validate an integer configuration field; raise ValueError naming it and its range.
-
-    ``bool`` is refused (``True`` is not a token count). Returns the value as ``int``.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer{_range_text(minimum, maximum)}, got {value!r}")
-    value = int(value)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be an integer{_range_text(minimum, maximum)}, got {value}")
-    return value
-
-
-def _range_text(minimum: int | None, maximum: int | None) -> str:
-    if minimum is not None and maximum is not None:
-        return f" in [{minimum}, {maximum}]"
-    if minimum is not None:
-        return f" >= {minimum}"
-    if maximum is not None:
-        return f" <= {maximum}"
-    return ""
-
-
 def resolve_prompt_lookup(prompt_lookup_min: int | None, prompt_lookup_max: int | None) -> tuple[int, int]:
-    """vLLM's n-gram size defaults and checks (``SpeculativeConfig``).
-
-    Both None -> both 5; one None -> it copies the other; each must be >= 1 and
-    ``prompt_lookup_min <= prompt_lookup_max``. Returns ``(min_n, max_n)``.
-    """
+    """vLLM's n-gram size defaults and checks: ``(min_n, max_n)``; both None -> 5, one None
+    copies the other; ``ValueError`` unless ``1 <= min <= max``."""
     if prompt_lookup_min is None and prompt_lookup_max is None:
         return 5, 5
     if prompt_lookup_min is None:
         prompt_lookup_min = prompt_lookup_max
     if prompt_lookup_max is None:
         prompt_lookup_max = prompt_lookup_min
-    min_n = check_int("prompt_lookup_min", prompt_lookup_min, minimum=1)
-    max_n = check_int("prompt_lookup_max", prompt_lookup_max, minimum=1)
+    min_n = check_int("prompt_lookup_min", prompt_lookup_min, 1)
+    max_n = check_int("prompt_lookup_max", prompt_lookup_max, 1)
     if min_n > max_n:
         raise ValueError(
             f"prompt_lookup_min ({min_n}) must be <= prompt_lookup_max ({max_n})"
@@ -108,23 +72,14 @@ def resolve_prompt_lookup(prompt_lookup_min: int | None, prompt_lookup_max: int 
 
 class ProposerInputs(NamedTuple):
     """What a device proposer receives after each target forward (vLLM ``propose``'s
-    arguments), as one pytree. Fields a method does not need may be None.
+    arguments), as one pytree; fields a method does not need may be None.
 
-    Attributes:
-      target_token_ids: ``[T_pad] int32``, the tokens the target just ran.
-      target_positions: ``[T_pad] int32``.
-      target_hidden_states: ``[T_pad, H]``, the target's final post-norm hidden states
-        (EAGLE, Medusa).
-      aux_hidden_states: ``[T_pad, n_aux, Ht]``, inputs of the target's aux layers
-        (EAGLE-3, DFlash, extract-hidden-states).
-      next_token_ids: ``[B_pad] int32``, the token each request sampled this step (the
-        bonus or recovered token; ``eagle_prepare_next_token_padded``).
-      token_indices_to_sample: ``[B_pad] int32`` or None (= ``query_start_loc[1:] - 1``),
-        the token of each request whose output is sampled (``eagle_prepare_inputs_padded``
-        in padded mode, ``prepare_inputs`` otherwise).
-      num_rejected_tokens: ``[B_pad] int32`` or None: padded-batch mode when given (the
-        rejected tokens stay in the batch as padding).
-      attn_metadata: the target step's ``CommonAttentionMetadata``.
+    ``target_token_ids`` / ``target_positions [T_pad] int32``: what the target just ran;
+    ``target_hidden_states [T_pad, H]`` (final, post-norm); ``aux_hidden_states [T_pad,
+    n_aux, Ht]``; ``next_token_ids [B_pad] int32``: each request's sampled token;
+    ``token_indices_to_sample [B_pad] int32`` (None: ``query_start_loc[1:] - 1``);
+    ``num_rejected_tokens [B_pad] int32`` (padded-batch mode) or None; ``attn_metadata``:
+    the target step's ``CommonAttentionMetadata``.
     """
 
     target_token_ids: Any
@@ -146,29 +101,19 @@ DraftsIn = Literal["step", "split", "history"]
 
 @dataclasses.dataclass(frozen=True)
 class Feed:
-    """Everything a decoding loop needs to know about a proposer: the one record it reads
-    (``Proposer.feed``), never the method name.
+    """Everything a decoding loop needs to know about a proposer (``Proposer.feed``);
+    loops read this, never the method name. Field by field: docs/integration.md, §2.
 
     Attributes:
       drafts_in: where it drafts (:data:`DraftsIn`).
       num_speculative_tokens: ``k``, the draft columns (a tree's node count).
       hidden_states: feed the target's final post-norm hidden states ``[T, H]``.
-      aux_layer_ids: feed the inputs of these target layers ``[T, n_aux, H]`` (build the
-        target with them); ``()``: none.
-      lookahead: KV slots past each request's scheduled tokens the proposer may write
-        (``k + max_num_new_slots_for_drafting + 1``, vLLM's ``num_lookahead_tokens``):
-        allocate blocks that far ahead.
-      token_tree: the draft tree (``specjax.token_tree.TokenTree``; a chain when it does not
-        branch) for proposers that draft trees (EAGLE / EAGLE-3), else None.
-      vocab_size: vocabulary the drafts are in (None: any, n-gram / suffix); must equal
-        the target's.
-      block_size / max_model_len: what the proposer was built for (None: unconstrained);
-        the loop must use the same.
-      drafter_max_model_len: the drafter's context limit when it is shorter than
-        ``max_model_len`` (``SpeculativeConfig.max_model_len``, vLLM's draft
-        ``max_model_len``), else None: a request drafts for its next step only while every
-        draft position stays below it (``num_tokens + depth <= drafter_max_model_len``;
-        ``depth``: k, a tree's depth); past it the request decodes without drafts.
+      aux_layer_ids: feed the inputs of these target layers ``[T, n_aux, H]``; ``()``: none.
+      lookahead: KV slots past each request's scheduled tokens the proposer may write.
+      token_tree: the draft ``TokenTree`` (EAGLE / EAGLE-3), else None.
+      vocab_size, block_size, max_model_len: what it was built for (None: any).
+      drafter_max_model_len: the drafter's shorter context limit, else None; a request
+        drafts only while ``num_tokens + depth <= drafter_max_model_len``.
     """
 
     drafts_in: DraftsIn
@@ -186,11 +131,11 @@ class Feed:
         if self.drafts_in not in ("step", "split", "history"):
             raise ValueError(f"Feed.drafts_in must be 'step', 'split' or 'history', got "
                              f"{self.drafts_in!r}")
-        check_int("Feed.num_speculative_tokens", self.num_speculative_tokens, minimum=1)
-        check_int("Feed.lookahead", self.lookahead, minimum=0)
+        check_int("Feed.num_speculative_tokens", self.num_speculative_tokens, 1)
+        check_int("Feed.lookahead", self.lookahead, 0)
         if self.drafter_max_model_len is not None:
-            check_int("Feed.drafter_max_model_len", self.drafter_max_model_len, minimum=1,
-                      maximum=self.max_model_len)
+            check_int("Feed.drafter_max_model_len", self.drafter_max_model_len, 1,
+                      self.max_model_len)
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
 
     @property

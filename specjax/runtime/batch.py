@@ -1,14 +1,10 @@
 """Host-side (NumPy) construction of a step's padded inputs: ``build_batch -> StepBatch``.
 
-A serving loop's scheduler decides, per running request, which tokens go into the step
-(its uncomputed tokens, then its drafts) and which KV blocks it owns; ``build_batch`` turns
-that into the padded, bucketed arrays ``specjax.runtime.step.Step`` takes. Every leaf is a NumPy
-array, so the jitted step uploads the whole batch in one go.
-
-Padding: rows ``n .. B-1`` are padding (no tokens, ``seq_len`` 0, block-table rows of the
-null block 0, greedy), token slots past the real ones hold token 0 at position 0 with KV
-slot -1 (nothing written), draft slots past the real drafts hold -1.
-"""
+The scheduler decides per request which tokens go into the step (its uncomputed tokens,
+then its drafts) and which KV blocks it owns; ``build_batch`` makes the padded, bucketed
+arrays ``specjax.runtime.step.Step`` takes (all NumPy: one upload). Padding rows have no
+tokens and null-block (0) table rows; padding token slots hold token 0 at position 0 with
+KV slot -1 (nothing written); padding draft slots hold -1."""
 
 from __future__ import annotations
 
@@ -66,36 +62,17 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
     """The padded inputs of one step (NumPy leaves).
 
     Args:
-      token_ids: per request (``n`` of them), the tokens scheduled this step: its
-        uncomputed tokens (the whole prompt at prefill, else the token sampled last step),
-        then its ``num_drafts[i]`` drafts. A tree batch (``tree`` given): the root (the
-        last committed token) then a breadth-first prefix of the tree's nodes.
-      num_computed: tokens of each request already in the KV cache (its positions start
-        there; ``seq_len = num_computed + len(token_ids[i])``).
-      num_drafts: trailing drafts of each ``token_ids[i]`` (``<= max_spec_len``).
-      block_ids: each request's KV block ids in order (lists, or an ``[n, *]`` int array),
-        covering at least ``seq_len`` positions; ids past ``blocks_per_req_pad`` are
-        dropped (lookahead the step does not read).
-      block_size: tokens per KV block.
-      num_reqs_pad, query_len_pad, blocks_per_req_pad: the bucket: ``B`` rows, ``Q`` tokens
-        per row (``T = B * Q``), ``C`` block-table columns.
-      max_spec_len: ``k``, the step's draft columns (``Step.k``).
+      token_ids: per request (``n``), its uncomputed tokens then its ``num_drafts[i]`` drafts;
+        a tree batch (``tree``: ``Step.tree``): the root then a breadth-first tree prefix.
+      num_computed: tokens in each KV cache (``seq_len = num_computed + len(token_ids[i])``).
+      block_ids: each request's KV blocks in order, covering ``seq_len`` (extra ids dropped).
+      num_reqs_pad, query_len_pad, blocks_per_req_pad: the bucket; max_spec_len: ``Step.k``.
       temperature, top_k, top_p, seeds, num_output_tokens: per-request sampling (defaults:
-        greedy, off, off, 0, 0); the key of a request is ``fold_in(key(seed),
-        num_output_tokens)``.
-      discard: per-request bool, sampled token ignored (a partial prefill chunk).
-      tree: the ``TokenTree`` of a tree-verification batch (``Step.tree``); every request
-        then schedules exactly one uncomputed token, the root.
-      procs: ``specjax.sampling.logits_processors.ProcessorState`` with ``num_reqs_pad`` rows
-        (``make_processor_state``), or None (no logits processing).
+        greedy, off, off, 0, 0; key ``fold_in(key(seed), num_output_tokens)``).
+      discard: sampled token ignored (a partial prefill). procs: a ``ProcessorState`` or None.
 
-    Returns:
-      ``StepBatch``; ``all_greedy`` when every real request has temperature 0.
-
-    Raises:
-      ValueError naming the argument: mismatched lengths, a request longer than the query
-      bucket, more drafts than ``max_spec_len``, too few blocks, too many requests.
-    """
+    Returns ``StepBatch``. Raises ValueError naming the argument: mismatched lengths, a
+    request longer than the query bucket, too many drafts, blocks or requests."""
     n = len(token_ids)
     b, q_pad, c = int(num_reqs_pad), int(query_len_pad), int(blocks_per_req_pad)
     for name, v in (("num_reqs_pad", b), ("query_len_pad", q_pad),
@@ -174,17 +151,12 @@ def trim_drafts(drafts: Sequence[int], *, max_new_tokens: int, kv_room: int, k: 
                 drafter_room: int | None = None) -> list[int]:
     """The drafts of a request worth verifying next step (the reference loop's rule).
 
-    ``max_new_tokens``: tokens the request may still emit (``min(max_model_len -
-    num_tokens, max_tokens - num_output)``; a step emits the accepted drafts plus one);
-    ``kv_room``: KV slots left before ``max_model_len`` (``max_model_len - num_tokens``).
-    A chain keeps its first ``min(k, max_new_tokens - 1)`` drafts; a tree (``tree``, the
-    step's) the breadth-first prefix of the levels ``<= max_new_tokens - 1``, at most
-    ``kv_room`` nodes (a prefix holds every ancestor of its nodes). Either is cut before
-    the first token outside ``[0, vocab_size)`` (a buggy proposer's: the target would
-    embed it as garbage). ``drafter_room``: positions left before the drafter's limit
-    (``Feed.drafter_max_model_len - num_tokens``) or None; below the draft depth (k, a
-    tree's depth) the request drafts nothing (its drafts would pass the drafter's limit).
-    """
+    ``max_new_tokens``: tokens it may still emit (``min(max_model_len - num_tokens, max_tokens -
+    num_output)``); ``kv_room``: ``max_model_len - num_tokens``. A chain keeps its first
+    ``min(k, max_new_tokens - 1)`` drafts; a tree the breadth-first prefix of levels
+    ``<= max_new_tokens - 1``, at most ``kv_room`` nodes. Cut before the first id outside
+    ``[0, vocab_size)`` (a buggy proposer's). ``drafter_room`` (``drafter_max_model_len -
+    num_tokens``, or None): below the draft depth, no drafts."""
     if drafter_room is not None and drafter_room < (k if tree is None else tree.depth):
         return []
     room = max_new_tokens - 1
@@ -202,12 +174,8 @@ def trim_drafts(drafts: Sequence[int], *, max_new_tokens: int, kv_room: int, k: 
 
 def attn_metadata_np(query_lens, seq_lens, block_table, *, block_size: int, num_tokens_pad: int,
                      max_query_len: int) -> CommonAttentionMetadata:
-    """``CommonAttentionMetadata.from_query_lens`` with NumPy leaves, vectorized.
-
-    ``query_lens``, ``seq_lens``: ``[n]``; ``block_table``: ``[B_pad, C]`` (rows past n
-    ignored and zeroed). Token slots: ``table[r, pos // block_size] * block_size + pos %
-    block_size`` for each request's last ``query_len`` positions, -1 on padding.
-    """
+    """``CommonAttentionMetadata.from_query_lens`` with NumPy leaves, vectorized: ``query_lens``,
+    ``seq_lens`` ``[n]``, ``block_table`` ``[B_pad, C]`` (rows past n zeroed); padding slots -1."""
     q = np.asarray(query_lens, np.int64)
     s = np.asarray(seq_lens, np.int64)
     n = q.shape[0]

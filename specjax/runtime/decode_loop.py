@@ -1,44 +1,10 @@
-"""The device-resident decode loop: ``N`` decoding iterations in ONE jitted program.
+"""The device-resident decode loop: up to ``N`` decoding iterations in ONE jitted program.
 
-The public step (``specjax.runtime.step``) runs one iteration per call, and a serving loop pays a
-host dispatch, an upload of the next batch and a device-to-host sync each time.
-``decode_loop(step, ...)`` keeps every request of a decoding batch on the device
-for up to ``steps_per_sync`` iterations of
-
-  build the batch (each request's last token, then its drafts, trimmed as the per-step
-  loop trims them) -> target forward + verification (+ device drafting) exactly as the
-  public step does -> commit: stop checks (stop / EOS token ids, ``max_tokens``,
-  ``max_model_len``: tokens after a stop are not emitted) -> the next iteration,
-
-inside a ``lax.while_loop`` over an explicit :class:`LoopState` (buffers donated), and
-returns every iteration's emitted tokens at once (:class:`LoopOutput`). The loop ends
-early when every request has finished, or (``stop_on_finish``) when one finishes, so a
-waiting request can join at the next sync.
-
-Requests must be decoding (one uncomputed token each: run prefills through the per-step
-path first, then ``make_loop_state`` from its results). Each request's block table must
-cover every KV slot the iterations can write: ``loop_blocks_needed`` gives the count
-(``steps_per_sync * (k + 1)`` tokens plus the proposer's lookahead ahead of the computed
-ones, capped at ``prompt + max_tokens + lookahead``).
-
-Which proposers run here: every device proposer whose drafts come out of the fused step
-(``feed.drafts_in == "step"``: EAGLE, EAGLE-3, DFlash, Medusa, draft model,
-extract-hidden-states) and the n-gram GPU matcher (a token-history proposer with a
-``device_drafter`` hook: the loop carries the token history and searches it on the device).
-Tree verification (a branching ``speculative_token_tree``) runs in the loop too: every
-iteration verifies each request's tree prefix and compacts the accepted path's KV, as the
-per-step tree step does. Refused by name: host token-history proposers (n-gram CPU,
-suffix) and the non-padded drafter batch (``disable_padded_drafter_batch``: vLLM's host
-``prepare_inputs``). Plain decoding (no proposer) runs the same way.
-
-Sampling: the per-request sampling state (``specjax.sampling.SamplingState``) rides in the
-loop state; each iteration a request's key is ``fold_in(key(seed), tokens generated so
-far)``, as in the per-step path, so seeded sampling emits the same tokens in both. The
-logits processors' state (``SamplingState.procs``: penalties, bad words, ..., with the token
-history they read) rides there too and is extended with each iteration's emitted tokens.
-Logprobs (``LoopState.num_logprobs`` set, ``specjax.sampling.logprobs``): each iteration's, as the
-step computes them, in ``LoopOutput.logprobs`` (slots cut by a stop are padding).
-"""
+``decode_loop`` runs build batch -> forward, verification, device drafting -> stop checks
+over a :class:`LoopState` on the device and returns every iteration's tokens at once
+(:class:`LoopOutput`): one host sync instead of ``N``. Requests must be decoding (prefill
+per step, then ``make_loop_state``); seeded sampling gives the per-step path's tokens.
+Host n-gram, suffix and the non-padded drafter batch are refused (``loop_support``)."""
 
 from __future__ import annotations
 
@@ -63,29 +29,16 @@ _I32 = np.int32
 
 @dataclasses.dataclass(frozen=True)
 class LoopState:
-    """Everything the device loop carries between iterations (a pytree; ``B`` rows, padding
-    included). Build it on the host with :func:`make_loop_state`.
+    """What the device loop carries between iterations (a pytree of ``B`` rows, padding
+    included; :func:`make_loop_state` builds it).
 
-    Attributes:
-      last_token: ``[B] int32``, each request's last committed token (not in the KV cache
-        yet: the next iteration's first query token).
-      num_computed: ``[B] int32``, tokens in the KV cache (``prompt + output - 1``).
-      drafts: ``[B, k] int32`` drafts to verify next (-1 padded); num_drafts ``[B]``.
-      max_tokens: ``[B] int32``, each request's ``max_tokens``.
-      stop_ids: ``[B, S] int32`` stop token ids (EOS included; -1 padded).
-      finished: ``[B] bool`` (padding rows True).
-      block_table: ``[B, C] int32`` (rows past ``num_reqs``: the null block 0).
-      sampling: ``specjax.sampling.SamplingState`` (its ``counters`` are the tokens each
-        request has generated so far).
-      history: ``[B, W] int32`` token histories (prompt + output) for a device
-        token-history proposer (n-gram GPU), else None.
-      num_reqs: 0-d int32, rows in use.
-      all_greedy, max_model_len, block_size, query_len_pad: static.
-      num_logprobs: static top-n bucket of ``LoopOutput.logprobs`` (None: off).
-      drafter_max_model_len: static, the drafter's context limit (``Feed.drafter_max_model_len``;
-        ``decode_loop`` sets it from the step's proposer) or None: a request whose drafts
-        would pass it verifies none (``nt + depth > drafter_max_model_len``).
-    """
+    Attributes: ``last_token [B]`` (the next query's first token), ``num_computed [B]``
+    (``prompt + output - 1``), ``drafts [B, k]`` (-1 padded) and ``num_drafts [B]``,
+    ``max_tokens [B]``, ``stop_ids [B, S]`` (EOS included, -1 padded), ``finished [B]``
+    (padding True), ``block_table [B, C]``, ``sampling`` (``SamplingState``; ``counters``:
+    tokens generated), ``history [B, W]`` (a device token-history proposer's) or None,
+    ``num_reqs`` (0-d); static: ``all_greedy``, ``max_model_len``, ``block_size``,
+    ``query_len_pad``, ``num_logprobs`` (top-n bucket or None), ``drafter_max_model_len``."""
 
     last_token: Any
     num_computed: Any
@@ -119,17 +72,13 @@ jax.tree_util.register_dataclass(
 
 
 class LoopOutput(NamedTuple):
-    """What one call of the loop returns (``N = steps_per_sync`` iterations; rows past
-    ``num_iters`` are empty).
+    """One call's results (``N = steps_per_sync`` iterations; rows past ``num_iters`` empty).
 
-    tokens: ``[N, B, k+1] int32``, the tokens each request emitted at each iteration (-1
-      padded; nothing after a stop). counts: ``[N, B] int32`` (0: the request did not run
-      that iteration). num_drafts: ``[N, B]``, drafts verified; num_accepted: ``[N, B]``,
-      drafts accepted (before any stop cut the emitted tokens, as the per-step loop counts
-      them). finished: ``[B] bool`` after the call. num_iters: 0-d, iterations run.
-      logprobs: ``specjax.sampling.logprobs.Logprobs`` of the emitted tokens with a leading ``[N]``
-      axis (slots not emitted are padding), or None without ``num_logprobs``.
-    """
+    tokens: ``[N, B, k+1] int32`` emitted per iteration (-1 padded; nothing after a stop).
+    counts: ``[N, B] int32`` (0: the request did not run). num_drafts, num_accepted: ``[N, B]``
+    (accepted before any stop cut the tokens, as the per-step loop counts them). finished:
+    ``[B] bool`` after the call. num_iters: 0-d. logprobs: ``Logprobs`` with a leading ``[N]``
+    axis (slots not emitted: padding), or None."""
 
     tokens: Any
     counts: Any
@@ -142,10 +91,9 @@ class LoopOutput(NamedTuple):
 
 def loop_blocks_needed(num_computed: int, *, steps_per_sync: int, k: int, lookahead: int,
                        block_size: int, limit: int) -> int:
-    """KV blocks a request needs before a call of ``steps_per_sync`` iterations: every
-    iteration computes at most ``k + 1`` tokens and the proposer writes ``lookahead``
-    slots past them; ``limit``: the request's last possible slot + 1 (``min(max_model_len,
-    prompt + max_tokens + lookahead)``)."""
+    """KV blocks a request needs before ``steps_per_sync`` iterations: each computes at most
+    ``k + 1`` tokens and the proposer writes ``lookahead`` slots past them; ``limit``: its last
+    possible slot + 1 (``min(max_model_len, prompt + max_tokens + lookahead)``)."""
     n = min(num_computed + steps_per_sync * (k + 1) + lookahead, limit)
     return -(-n // block_size)
 
@@ -160,18 +108,13 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
                     procs=None) -> LoopState:
     """The host (NumPy) :class:`LoopState` of ``n`` decoding requests.
 
-    ``last_token[i]``: request i's last committed token; ``num_computed[i]``: its tokens in
-    the KV cache (every token but the last); ``drafts[i]``: drafts to verify next (at most
-    ``k``); ``num_output[i]``: tokens generated so far (the sampling counter);
-    ``block_ids[i]``: its KV blocks (``loop_blocks_needed`` of them; ids past
-    ``blocks_per_req_pad`` dropped); ``stop_ids[i]``: its stop token ids (EOS included;
-    ``stop_pad`` columns at least); ``history[i]``: its prompt + output tokens (only for a
-    device token-history proposer). Sampling defaults: greedy, top-k / top-p off, seed 0.
-    ``procs``: the requests' ``specjax.sampling.logits_processors.ProcessorState`` (``num_reqs_pad``
-    rows, token histories of ``max_model_len`` columns: ``make_processor_state``), or None;
-    the loop appends each iteration's emitted tokens to its history.
-    Raises ValueError naming the argument on mismatched lengths or out-of-range values.
-    """
+    Per request ``i``: ``last_token``, ``num_computed`` (every token but the last), ``drafts``
+    (at most ``k``), ``num_output`` (the sampling counter), ``block_ids`` (ids past
+    ``blocks_per_req_pad`` dropped), ``stop_ids`` (EOS included, at least ``stop_pad``
+    columns), ``history`` (prompt + output; a device token-history proposer only). Sampling
+    defaults: greedy, top-k / top-p off, seed 0. ``procs``: a ``ProcessorState`` of
+    ``num_reqs_pad`` rows and ``max_model_len`` columns, or None. Raises ValueError naming the
+    argument on mismatched lengths or out-of-range values."""
     n = len(last_token)
     b, c, q = int(num_reqs_pad), int(blocks_per_req_pad), int(query_len_pad)
     if n > b:
@@ -261,15 +204,9 @@ def _row_of(cu, idx):
 
 def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[StepBatch, Any]:
     """The next iteration's :class:`StepBatch` from the loop state, on the device
-    (traceable): what ``specjax.runtime.batch.build_batch`` builds on the host for the same
-    requests (each request's last token then its drafts, trimmed by ``trim_drafts``' rule:
-    at most ``min(k, max_new_tokens - 1)``, cut before a token outside the vocabulary, none
-    once they would pass ``st.drafter_max_model_len``).
-    ``tree`` (the step's ``TokenTree``): a tree-verification batch (the root, then a
-    breadth-first prefix of the tree: the levels the request can still use, at most as many
-    nodes as KV slots remain). Finished rows stay in the batch with their last token and
-    no drafts, writing no target KV (slot -1); their results are ignored. Returns
-    ``(batch, num_drafts [B])``."""
+    (traceable): what ``build_batch`` builds on the host for the same requests, drafts trimmed
+    by ``trim_drafts``' rule. ``tree``: a tree-verification batch. Finished rows stay with
+    their last token, no drafts and no KV writes. Returns ``(batch, num_drafts [B])``."""
     b = st.last_token.shape[0]
     qp = st.query_len_pad
     t_pad = b * qp
@@ -477,20 +414,14 @@ def loop_support(step) -> str | None:
 def decode_loop(step, target_params, draft_params, target_kv, draft_state, state: LoopState, *,
                 steps_per_sync: int, stop_on_finish: bool = False, early_exit: bool = True
                 ) -> tuple[LoopOutput, Any, Any, LoopState]:
-    """Up to ``steps_per_sync`` decoding iterations of ``step`` (``specjax.make_step``) on
-    the device, in one jitted call (see the module docstring). ``target_kv``,
-    ``draft_state`` and ``state`` are donated. Returns ``(LoopOutput, target_kv,
-    draft_state, state)``; the returned state continues the loop (after the host gave the
-    requests enough blocks: ``loop_blocks_needed``).
-
-    ``early_exit``: True (default), a ``lax.while_loop`` that stops as soon as its
-    condition fails; False, a loop of exactly ``steps_per_sync`` iterations (a known trip
-    count: XLA's GPU loop then reads no predicate back per iteration) in which, once the
-    condition fails, every request sits the remaining iterations out (computed, masked:
-    no target KV written, nothing emitted). Same tokens either way.
-
-    Raises ValueError for a proposer the loop does not run (``loop_support``), a state
-    built for another ``k`` / block size, or a bad ``steps_per_sync``."""
+    """Up to ``steps_per_sync`` decoding iterations of ``step`` on the device in one call;
+    ``target_kv``, ``draft_state`` and ``state`` are donated. Returns ``(LoopOutput, target_kv,
+    draft_state, state)``; the state continues the loop once the requests hold
+    ``loop_blocks_needed`` blocks. ``stop_on_finish``: end once a request finishes.
+    ``early_exit``: True, a ``while_loop``; False, exactly ``steps_per_sync`` iterations (no
+    predicate read back), those after the end masked; same tokens. Raises ValueError for a
+    proposer the loop does not run, a state of another ``k`` / block size, or a bad
+    ``steps_per_sync``."""
     if isinstance(steps_per_sync, bool) or not isinstance(steps_per_sync, (int, np.integer)) \
             or steps_per_sync < 1:
         raise ValueError(f"steps_per_sync must be an int >= 1, got {steps_per_sync!r}")

@@ -1,17 +1,11 @@
 """One host-to-device transfer per step: a pytree of host arrays sent as one int32 buffer.
 
-The arrays are packed on the host and unpacked, bit for bit, inside the jitted program.
-
-A step's inputs (``specjax.runtime.step.StepBatch``: token ids, positions, the attention and
-speculative-decoding metadata, the sampling parameters) are some 25 small NumPy arrays.
-Passed as they are, JAX copies each to the device separately, and on the H200 the host
-side of those copies was a large part of the per-step host time (``benchmarks/RESULTS.md``,
-tenth session). :func:`pack` concatenates them (4-byte dtypes reinterpreted as int32,
-bools widened) into one array and returns a static, hashable :class:`Layout`;
-:func:`unpack`, traced inside the jit, slices and bit-casts them back. The layout depends
-only on the tree structure, shapes and dtypes, so a fixed set of padded buckets keeps a
-fixed set of compiled programs.
-"""
+A step's inputs (``StepBatch``) are some 25 small NumPy arrays; passed as they are, each is
+copied to the device separately, at a host cost per copy. :func:`pack` concatenates them
+(4-byte dtypes reinterpreted as int32, bools widened) into one array with a static,
+hashable :class:`Layout`; :func:`unpack`, traced in the jit, slices and bit-casts them back,
+exactly. The layout depends only on tree structure, shapes and dtypes: fixed buckets keep
+a fixed set of compiled programs."""
 
 from __future__ import annotations
 

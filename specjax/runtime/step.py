@@ -1,28 +1,10 @@
-"""The fused speculative step as public API: what a serving loop calls once per iteration.
+"""The fused speculative step, public API: one serving-loop iteration per call.
 
-``make_step(target, proposer)`` returns a :class:`Step`. Calling it,
-``step(target_params, draft_params, target_kv, draft_state, batch)``, runs one decoding
-iteration on a padded :class:`StepBatch` (``specjax.runtime.batch.build_batch`` makes one on the
-host) and returns ``(StepOutput, target_kv, draft_state)``:
-
-1. the target forward over the batch (its paged KV cache written through the slot
-   mapping), logits at every draft and bonus position;
-2. verification: ``specjax.sampling.rejection_sample`` (greedy, random with per-request
-   keys ``fold_in(key(seed), num_output_tokens)``, or synthetic), or, for a batch built with
-   a token tree (``batch.attn.tree_mask`` set), ``tree_rejection_sample``, moving the
-   accepted path's KV into place (:func:`compact_tree_kv`);
-3. drafting, as the proposer's :class:`specjax.proposers.Feed` says: ``"step"``, inside the
-   same compiled program (``prepare_next_token_ids_padded`` / ``prepare_inputs_padded`` on
-   the device); ``"split"`` (vLLM's non-padded mode), after the host's ``prepare_inputs``
-   in a second jitted call; ``"history"`` (n-gram, suffix), not here: the loop calls
-   ``proposer.propose_from_history`` after committing the tokens, and the step only
-   verifies.
-
-The target KV caches and the proposer state are donated (updated in place); the step
-compiles once per bucket (the padded shapes, ``all_greedy``, a tree batch or not) and
-never because real counts change inside one. Plain decoding is ``make_step(target, None)``
-with batches of one token per request.
-"""
+``make_step(target, proposer)`` returns a :class:`Step`; ``step(target_params, draft_params,
+target_kv, draft_state, batch)`` runs the target forward, verification (chain, or tree with
+:func:`compact_tree_kv`) and drafting as ``proposer.feed.drafts_in`` says on a padded
+:class:`StepBatch`, and returns ``(StepOutput, target_kv, draft_state)``, caches donated;
+it compiles once per bucket. docs/integration.md shows a loop around it."""
 
 from __future__ import annotations
 
@@ -53,30 +35,23 @@ __all__ = ["StepBatch", "StepOutput", "Step", "make_step", "compact_tree_kv",
 
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-    """The padded inputs of one step (a pytree; build it with
-    ``specjax.runtime.batch.build_batch``). ``B`` rows (requests, padding included), ``T = B * Q``
-    token slots.
+    """The padded inputs of one step (a pytree, from ``build_batch``): ``B`` rows (padding
+    included), ``T = B * Q`` token slots.
 
     Attributes:
-      input_ids: ``[T] int32``: each request's uncomputed tokens, then its drafts (a tree
-        batch: the root, then the tree's nodes in order), requests back to back, then 0.
-      positions: ``[T] int32`` (a tree node's: the root's plus its depth).
-      attn: ``CommonAttentionMetadata`` (``tree_mask`` set for a tree-verification batch).
-      sdm: ``SpecDecodeMetadata`` of the drafts (chain batches).
-      temperature: ``[B] float32`` (0: greedy); top_k ``[B] int32`` (0: off); top_p
-        ``[B] float32`` (1: off).
-      seeds: ``[B] uint32``; counters ``[B] int32`` (tokens generated so far, folded into
-        each request's key: a seeded request's tokens do not depend on the batch).
-      backup_next: ``[B] int32``, each request's last committed token.
-      discard: ``[B] bool``, requests whose sampled token is ignored (a partial prefill).
-      procs: ``specjax.sampling.logits_processors.ProcessorState`` (penalties, bad words, ...) or
-        None: no logits processing (the plain program; a separate compiled variant).
-      all_greedy: static; every real request has temperature 0 (skips the random path).
-      block_size: static; tokens per KV block of ``attn.block_table`` (tree batches move
-        KV through it).
-      num_logprobs: static top-n bucket of ``StepOutput.logprobs`` (``specjax.sampling.logprobs``);
-        None (default): no logprobs, the step compiles as without them.
-    """
+      input_ids, positions: ``[T] int32``, each request's uncomputed tokens then its drafts
+        (a tree batch: the root then its nodes, at the root's position plus their depth),
+        requests back to back, then 0.
+      attn: ``CommonAttentionMetadata`` (``tree_mask`` set: a tree batch);
+        sdm: ``SpecDecodeMetadata``.
+      temperature ``[B] float32`` (0: greedy), top_k ``[B] int32`` (0: off), top_p
+        ``[B] float32`` (1: off), seeds ``[B] uint32``, counters ``[B] int32`` (tokens
+        generated so far: a seeded request's key, whatever the batch).
+      backup_next: ``[B] int32`` last committed tokens; discard: ``[B] bool`` (sampled token
+        ignored: a partial prefill).
+      procs: ``specjax.sampling.logits_processors.ProcessorState`` or None (the plain program).
+      all_greedy, block_size, num_logprobs: static: every real row greedy; tokens per KV block;
+        the top-n bucket of ``StepOutput.logprobs`` (None: none, the program without them)."""
 
     input_ids: Any
     positions: Any
@@ -110,23 +85,15 @@ jax.tree_util.register_dataclass(
 
 
 class StepOutput:
-    """What one step returns: a pytree over ONE packed ``[B, 2k + 3] int32`` array (so
-    ``jax.device_get(out)`` is a single device-to-host copy; on the host the fields are
-    free NumPy views, on the device slices), plus ``logprobs``.
+    """One step's results: a pytree over ONE packed ``[B, 2k + 3] int32`` array (one
+    device-to-host copy; fields are views), plus ``logprobs``.
 
     Fields:
-      sampled: ``[B, k+1] int32``: the accepted drafts, then the recovered token at the
-        first rejection or the bonus token; -1 after (a tree batch: the accepted path's
-        tokens then the bonus, -1 padded). Padding rows are all -1.
-      drafts: ``[B, k] int32``, the next step's drafts (-1 padded; all -1 for a
-        ``"history"`` proposer, which drafts after the step, and ``[B, 0]`` for plain
-        decoding).
-      num_drafts: ``[B] int32``, valid leading columns of ``drafts``.
-      num_accepted: ``[B] int32``, accepted drafts per request (0 on padding rows).
-      logprobs: ``specjax.sampling.logprobs.Logprobs`` of the emitted tokens (``[B, k+1, n+1]`` ids
-        and values, ``[B, k+1]`` ranks) for a batch with ``num_logprobs`` set, else None.
-      packed: ``[sampled | drafts | num_drafts | num_accepted]`` along axis 1.
-    """
+      sampled: ``[B, k+1]``, the accepted drafts then the recovered / bonus token, -1 after
+        (padding rows all -1). drafts: ``[B, k]``, the next step's drafts (-1 padded; all -1
+        for a ``"history"`` proposer), ``num_drafts [B]`` of them valid. num_accepted: ``[B]``.
+      logprobs: ``specjax.sampling.logprobs.Logprobs`` (``[B, k+1, n+1]`` ids and values,
+        ``[B, k+1]`` ranks) when the batch set ``num_logprobs``, else None."""
 
     __slots__ = ("packed", "k", "logprobs")
     _fields = ("sampled", "num_accepted", "drafts", "num_drafts", "logprobs")
@@ -228,12 +195,9 @@ def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBa
 
 
 def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
-    """One tree-verification step (every request's query block is ``[root, node 0, ...,
-    node n_r - 1]``, ``n_r`` a breadth-first prefix of the tree; ``b.attn.tree_mask`` the
-    tree's ancestor mask with the root): target forward with tree attention; logits at
-    every slot; ``tree_rejection_sample``; :func:`compact_tree_kv`; then the proposer drafts
-    the next tree from the chain-shaped batch chain drafting would have given it
-    (:func:`tree_chain_inputs`)."""
+    """One tree-verification step: tree-attention forward over ``[root, nodes...]`` blocks,
+    ``tree_rejection_sample``, :func:`compact_tree_kv`, then drafting from the chain-shaped
+    batch (:func:`tree_chain_inputs`)."""
     tree = spec.tree
     n_nodes = tree.num_nodes
     cad = b.attn
@@ -289,8 +253,7 @@ _packed_step_jit = jax.jit(_packed_step, static_argnums=(0, 6), donate_argnums=(
 
 def _split_propose(impl, dparams, draft_state, out: StepOutput, input_ids, positions, hidden,
                    aux, token_indices, next_token_ids, attn):
-    """Non-padded mode, after the host's ``prepare_inputs``: keep the accepted tokens, draft,
-    and put the drafts into the step's packed output."""
+    """Non-padded mode: draft from the kept tokens into the step's packed output."""
     take = lambda x: None if x is None else x[token_indices]  # noqa: E731
     inputs = ProposerInputs(take(input_ids), take(positions), take(hidden), take(aux),
                             next_token_ids, None, None, attn)
@@ -324,15 +287,11 @@ def compact_tree_kv(kv_caches, block_table, root_pos, accepted_nodes, num_accept
                     block_size: int):
     """Move the accepted nodes' KV to where the accepted tokens now sit (traceable).
 
-    The verification pass wrote node ``j``'s K and V at logical position ``p + 1 + j``
-    (``p`` = ``root_pos``, the root's); after accepting nodes ``a_1..a_m`` (one per level)
-    the sequence continues ``p + 1 .. p + m``, so ``p + 1 + a_i`` is copied to ``p + i``
-    for every leaf array of ``kv_caches`` (``[num_blocks, block_size, ...]``: every layer's
-    K and V), through ``block_table``. All sources are gathered before anything is written
-    (``p + 1 + a_i >= p + i``: a later source may be an earlier destination); entries with
-    ``a_i + 1 == i`` (already in place), past ``num_accepted`` or on rows that are not
-    ``real`` write nothing.
-    """
+    Node ``j``'s K / V was written at logical position ``p + 1 + j`` (``p = root_pos``); after
+    accepting nodes ``a_1..a_m`` (one per level) position ``p + 1 + a_i`` is copied to ``p + i``
+    in every ``[num_blocks, block_size, ...]`` leaf of ``kv_caches``, through ``block_table``.
+    Sources are gathered before any write; entries already in place, past ``num_accepted`` or
+    on rows not ``real`` write nothing."""
     from specjax.kernels.paged_attention.kv_cache import scatter_slots
 
     b, depth = accepted_nodes.shape
@@ -346,9 +305,9 @@ def compact_tree_kv(kv_caches, block_table, root_pos, accepted_nodes, num_accept
 
     def copy(cache):
         flat = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
-        # The barrier keeps the gather out of the scatter's fusion: XLA:GPU fused it in,
-        # and a scatter whose updates read its own operand cannot run in place, so every
-        # K and V cache was copied whole each tree step (~1 ms at B = 8, 8B shapes).
+        # The barrier keeps the gather out of the scatter's fusion: a scatter whose updates
+        # read its own operand cannot run in place, and XLA:GPU would copy every K and V
+        # cache whole each tree step.
         return scatter_slots(cache, lax.optimization_barrier(flat[src]), dst)
 
     return jax.tree.map(copy, kv_caches)
@@ -358,24 +317,12 @@ def tree_chain_inputs(input_ids, cad: CommonAttentionMetadata, accepted_nodes, n
                       tree: TokenTree, block_size: int, padded: bool = True):
     """The proposer's chain-shaped batch after a tree verification (traceable).
 
-    Request ``r`` of the verified batch (block ``[root, node 0 .. node n_r-1]`` at
-    ``query_start_loc[r]``, root at logical position ``p = seq_len - query_len``) becomes
-    the block ``[root, a_1, .., a_m, rejected...]``: the root and its accepted nodes
-    (gathered), then, in padded mode, ``D_r - m`` rejected slots (``D_r`` = depth of the
-    request's deepest node, 0 without drafts) as the chain engine leaves rejected drafts in
-    the batch: they hold nodes of the request's block, are counted in
-    ``num_rejected_tokens`` and are overwritten later. Non-padded mode keeps the root and
-    the accepted nodes only (vLLM's ``prepare_inputs``).
-
-    Positions and KV slots are contiguous, ``p .. p + len - 1``: the accepted node ``a_i``
-    sits at level ``i`` (one per level on the path), so its position in the verification
-    pass, ``p + depth(a_i)``, is ``p + i`` already, and its target KV was moved to ``p + i``
-    (``compact_tree_kv``).
-
-    Returns ``(token_ids [T], positions [T], src [T], attn_metadata, token_indices_to_sample
-    [B], num_rejected_tokens [B])``: ``src`` indexes the verified batch (to gather hidden
-    states); the last two are None in non-padded mode.
-    """
+    Request ``r``'s block ``[root, node 0 .. node n_r-1]`` (root at ``p = seq_len - query_len``)
+    becomes ``[root, a_1, .., a_m]`` (its accepted nodes, their KV moved to ``p + i``), plus, in
+    padded mode, ``D_r - m`` rejected slots (``D_r``: its deepest node's depth) as chain
+    drafting leaves them. Returns ``(token_ids [T], positions [T], src [T], attn_metadata,
+    token_indices_to_sample [B], num_rejected_tokens [B])``; ``src`` indexes the verified
+    batch; the last two are None in non-padded mode."""
     depth = tree.depth
     t_pad = input_ids.shape[0]
     qsl = cad.query_start_loc
@@ -414,23 +361,13 @@ def tree_chain_inputs(input_ids, cad: CommonAttentionMetadata, accepted_nodes, n
 
 
 class Step:
-    """One decoding iteration of ``target`` with ``proposer`` (see the module docstring).
-    Build it with :func:`make_step`.
+    """One decoding iteration of ``target`` with ``proposer``; build it with :func:`make_step`.
 
-    Attributes:
-      target: the ``DecoderLM`` the step runs (rebuilt with the proposer's
-        ``feed.aux_layer_ids`` when it needs aux hidden states).
-      proposer: the proposer (on ``mesh``, a placed copy; on one device a copy with fused
-        projections unless ``fuse_projections=False``: pass ``step.draft_params``), or None
-        for plain decoding.
-      feed: ``proposer.feed`` (None for plain decoding).
-      k: draft columns (``feed.num_speculative_tokens``; 0 for plain decoding).
-      tree: the token tree a tree batch is verified on (the proposer's, when it drafts
-        trees and tree verification is on), else None.
-      mesh, tp_axis: tensor parallelism (None: one device).
-      logits_processors: the static tuple of user logits processors
-        (``specjax.sampling.logits_processors``; a batch's ``procs.selector`` picks one per request).
-    """
+    Attributes: ``target`` (the ``DecoderLM`` run, with the proposer's aux layers),
+    ``proposer`` (as the step runs it: placed, or with fused projections; pass
+    ``step.draft_params``) or None, ``feed`` (``proposer.feed`` or None), ``k`` (draft
+    columns), ``tree`` (verified on tree batches, or None), ``mesh`` / ``tp_axis``,
+    ``logits_processors``."""
 
     def __init__(self, target, proposer: Proposer | None, *, mesh: Any = None,
                  tp_axis: str = "tp", tree_verification: bool | None = None,
@@ -488,12 +425,9 @@ class Step:
     # -- placement -----------------------------------------------------------------
 
     def place_target_params(self, params):
-        """``params`` placed for this step: sharded by ``specjax.sharding``'s Megatron rules
-        over ``tp_axis`` on a mesh (indivisible sizes raise ValueError naming them); on one
-        device, with q/k/v and gate/up fused into one GEMM each
-        (``specjax.models.fuse_projections``: a new array per group unless ``params`` is
-        fused already, the rest as given) unless the step was made with
-        ``fuse_projections=False``."""
+        """``params`` placed for this step: sharded by ``specjax.sharding``'s rules over
+        ``tp_axis`` on a mesh (indivisible sizes: ValueError naming them); on one device with
+        q/k/v and gate/up fused (a new array per group) unless ``fuse_projections=False``."""
         if self.mesh is None:
             if self.fuse_projections:
                 from specjax.models import fuse_projections
@@ -506,13 +440,10 @@ class Step:
                                                          axis=self.tp_axis))
 
     def init_caches(self, num_blocks: int, block_size: int, kv_dtype=None, params=None):
-        """``(target_kv, draft_state)``: the target's paged KV caches and the proposer's
-        state for a pool of ``num_blocks`` blocks of ``block_size`` (sharded by kv head on a
-        mesh; ``draft_state`` None without a proposer), both in ``kv_dtype``.
-
-        ``kv_dtype`` None (default): the dtype of the target's ``params`` when given
-        (:func:`params_kv_dtype`), else float32 (the step holds no params). Raises
-        ValueError when the proposer was built for another ``block_size``."""
+        """``(target_kv, draft_state)`` for ``num_blocks`` blocks of ``block_size`` in
+        ``kv_dtype`` (None: :func:`params_kv_dtype` of ``params``), sharded by kv head on a mesh;
+        ``draft_state`` None without a proposer. ValueError for another ``block_size`` than the
+        proposer's."""
         if self.feed is not None and self.feed.block_size not in (None, block_size):
             raise ValueError(f"the proposer was built with block_size={self.feed.block_size}, "
                              f"got {block_size}")
@@ -569,9 +500,8 @@ class Step:
         return out, target_kv, draft_state
 
     def _split_propose(self, draft_params, draft_state, batch: StepBatch, out: StepOutput, extra):
-        """Non-padded mode (``drafts_in == "split"``): vLLM's host ``prepare_inputs`` drops
-        the rejected tokens, then the proposer drafts from the kept ones (second jitted
-        call; the step's packed output is donated and returned with the drafts in it)."""
+        """Non-padded mode: the host's ``prepare_inputs`` drops the rejected tokens, then the
+        proposer drafts from the kept ones (a second jitted call; the packed output is donated)."""
         from specjax.proposers.eagle import prepare_inputs
 
         attn = jax.tree.map(np.asarray, batch.attn)
@@ -600,10 +530,9 @@ class Step:
 
 
 def params_kv_dtype(params) -> Any:
-    """The KV-cache dtype that goes with a target's ``params``: the dtype of its embedding
-    (``params["embed_tokens"]["embedding"]``) when floating, else of its first floating
-    leaf; float32 when ``params`` is None or holds no floating leaf. Why: a cache wider than
-    the weights costs memory and bandwidth every step for precision the weights lack."""
+    """The KV-cache dtype for a target's ``params``: its embedding's dtype when floating,
+    else its first floating leaf's; float32 for None or no floating leaf (a cache wider than
+    the weights costs memory and bandwidth for precision they lack)."""
     if params is None:
         return jnp.dtype(jnp.float32)
     try:
@@ -620,24 +549,14 @@ def params_kv_dtype(params) -> Any:
 def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: str = "tp",
               tree_verification: bool | None = None, logits_processors: tuple = (),
               logprobs_mode: str = "raw_logprobs", fuse_projections: bool = True) -> Step:
-    """The fused speculative step of ``target`` (a ``specjax.models.DecoderLM``) with
-    ``proposer`` (``specjax.make_proposer``; None for plain decoding).
-
-    ``mesh`` / ``tp_axis``: tensor parallelism (the proposer placed with
-    ``Proposer.on_mesh``; place the target's params with ``step.place_target_params`` and
-    make the caches with ``step.init_caches``). ``tree_verification``: None (default)
-    verifies trees when the proposer's token tree branches; True forces the tree path for a
-    chain tree (needs an in-step proposer with a tree); False verifies chains.
-    ``logits_processors``: a tuple of pure JAX functions ``fn(logits [T, V], params [T, P],
-    (token_ids [T, L], num_tokens [T], position [T])) -> [T, V]`` (see
-    ``specjax.sampling.logits_processors``; docs/sampling.md has an example).
-    ``logprobs_mode``: vLLM's ``LogprobsMode`` of ``StepOutput.logprobs`` (batches with
-    ``num_logprobs`` set; ``specjax.sampling.logprobs``). ``fuse_projections``: whether
-    ``step.place_target_params`` fuses q/k/v and gate/up on one device, and the step the
-    proposer's (default True: the fast path; the step runs either layout).
-    Raises ValueError (vocabulary mismatch, a tree of the wrong size, synthetic acceptance
-    with trees, ...) before anything compiles.
-    """
+    """The fused speculative step of ``target`` (a ``DecoderLM``) with ``proposer`` (None:
+    plain decoding). ``mesh`` / ``tp_axis``: tensor parallelism. ``tree_verification``: None
+    verifies trees when the proposer's tree branches, True forces the tree path, False
+    chains. ``logits_processors``: pure JAX functions ``fn(logits [T, V], params [T, P],
+    (token_ids [T, L], num_tokens [T], position [T])) -> [T, V]`` (docs/sampling.md).
+    ``logprobs_mode``: vLLM's ``LogprobsMode``. ``fuse_projections``: fuse q/k/v and gate/up
+    on one device. Raises ValueError (vocabulary mismatch, a tree of the wrong size,
+    synthetic acceptance with trees, ...) before anything compiles."""
     from specjax.checks import check_type
 
     check_type("tp_axis", tp_axis, str, "a mesh axis name (str)")
@@ -647,8 +566,7 @@ def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: s
 
 
 def _with_fused_params(proposer):
-    """``proposer``, or a copy whose params have q/k/v and gate/up fused (a drafting
-    model's layers: EAGLE, EAGLE-3, DFlash, the draft model) when fusing changes them."""
+    """``proposer``, or a copy with q/k/v and gate/up fused in its params."""
     import copy
 
     from specjax.models import fuse_projections

@@ -1,36 +1,9 @@
-"""Per-request logits processors (vLLM v0.20's sampler semantics), at every verified position.
+"""Per-request logits processors (vLLM's sampler semantics), at every verified position.
 
-:class:`ProcessorState` holds every request's processing parameters and the token history
-they read, padded to fixed sizes (:class:`ProcessorLimits`) so one compiled program serves
-any mix of requests. :func:`apply_processors` applies, in vLLM v1's ``Sampler`` order:
-
-1. ``allowed_token_ids`` (every other token -> ``-inf``);
-2. ``bad_words``: the last token of a bad word is banned when its preceding tokens equal
-   the tail of the request's OUTPUT tokens (vLLM's ``apply_bad_words``: prompt tokens never
-   complete a bad word); a one-token bad word is always banned;
-3. ``min_tokens``: the stop token ids (EOS included) -> ``-inf`` while the request has
-   generated fewer than ``min_tokens`` tokens;
-4. ``logit_bias``: ``logits[tok] += bias``;
-5. user processors (a static tuple; each request selects one or none);
-6. penalties (vLLM ``apply_penalties``): repetition over prompt + output tokens (``l / r``
-   for ``l > 0``, else ``l * r``), then ``- frequency * count - presence * (count > 0)``
-   over output tokens only.
-
-The sampler then applies temperature, ``min_p`` (tokens with probability below
-``min_p * max_prob`` -> ``-inf``; vLLM's ``MinPLogitsProcessor``, after temperature) and
-top-k / top-p (``specjax.sampling.process_logits``).
-
-Speculation: a verified position is predicted from the committed tokens plus the draft
-tokens before it (its *prefix*: ``prefix_tokens [B, T, D]``, the first ``prefix_len [B, T]``
-of them), which count as output tokens for the penalties, bad words and min_tokens, as in
-vLLM v0.20's ``RejectionSampler.apply_logits_processors`` (``_combine_outputs_with_spec_tokens``).
-So greedy speculative decoding equals plain greedy decoding with the same processors.
-
-A user processor is a pure JAX function ``fn(logits [T, V], params [T, P], context) ->
-[T, V]`` applied to every (request, position) row at once; ``context = (token_ids [T, L]
-int32, num_tokens [T] int32, position [T] int32)``: each row's tokens (prompt, output, then
-its prefix drafts; 0 after), their count, and ``position`` the number of drafts among them.
-Rows whose request selected another processor (or none, -1) keep their logits.
+:class:`ProcessorState` holds every request's parameters and token history, padded to
+:class:`ProcessorLimits`; :func:`apply_processors` applies them in vLLM v1's ``Sampler``
+order, the drafts before a position counted as output, so greedy speculative decoding
+equals plain greedy decoding. Semantics and user processors: docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -52,8 +25,8 @@ _NEG = -jnp.inf
 
 
 class ProcessorLimits(NamedTuple):
-    """Fixed padded sizes of :class:`ProcessorState` (one compiled shape for every mix of
-    requests; a request beyond one is refused naming the field and the limit)."""
+    """Fixed padded sizes of :class:`ProcessorState`, so one compiled shape serves every
+    mix of requests."""
 
     max_logit_bias: int = 32          # entries of logit_bias per request
     max_bad_words: int = 8            # bad words per request
@@ -91,13 +64,12 @@ class RequestProcessing(NamedTuple):
 class ProcessorState:
     """Per-request processing parameters and token history, ``B`` rows (a pytree).
 
-    token_ids ``[B, L] int32`` (prompt then output, 0 after), num_tokens ``[B] int32``
-    (committed tokens), num_prompt ``[B] int32``; presence / frequency / repetition / min_p
-    ``[B] float32`` (0, 0, 1, 0: off); bias_ids ``[B, NB] int32`` (-1 pad), bias_vals
-    ``[B, NB] float32``; bad_words ``[B, NW, WL] int32`` (-1 pad), bad_lens ``[B, NW]``
-    (0: none); allowed ``[B, NA] int32`` (-1 pad), use_allowed ``[B] bool``; min_tokens
-    ``[B] int32``, stop_ids ``[B, S] int32`` (-1 pad); selector ``[B] int32`` (-1: no user
-    processor), params ``[B, P] float32``.
+    token_ids ``[B, L] int32`` (prompt then output, 0 after), num_tokens / num_prompt ``[B]
+    int32``; presence / frequency / repetition / min_p ``[B] float32`` (off: 0, 0, 1, 0);
+    bias_ids ``[B, NB] int32`` (-1 pad), bias_vals ``[B, NB] float32``; bad_words ``[B, NW,
+    WL] int32`` (-1 pad), bad_lens ``[B, NW]``; allowed ``[B, NA] int32`` (-1 pad),
+    use_allowed ``[B] bool``; min_tokens ``[B] int32``, stop_ids ``[B, S] int32`` (-1 pad);
+    selector ``[B] int32`` (-1: no user processor), params ``[B, P] float32``.
     """
 
     token_ids: Any
@@ -172,8 +144,8 @@ def make_processor_state(requests: Sequence[RequestProcessing], histories: Seque
                          num_prompt: Sequence[int], *, num_reqs_pad: int, max_len: int,
                          limits: ProcessorLimits = ProcessorLimits()) -> ProcessorState:
     """The host (NumPy) :class:`ProcessorState` of ``n`` requests padded to ``num_reqs_pad``
-    rows: ``histories[i]`` the request's committed tokens (prompt + output, at most
-    ``max_len``), ``num_prompt[i]`` its prompt length. Padding rows process nothing."""
+    rows, from each request's committed tokens (``histories[i]``, at most ``max_len``) and
+    prompt length."""
     n, b, lim = len(requests), int(num_reqs_pad), limits
     if n > b or len(histories) != n or len(num_prompt) != n:
         raise ValueError(f"requests ({n}), histories ({len(histories)}) and num_prompt "
@@ -267,9 +239,8 @@ def _context_tokens(st: ProcessorState, prefix: jax.Array, plen: jax.Array) -> j
 def apply_processors(logits: jax.Array, st: ProcessorState, prefix_tokens: jax.Array | None = None,
                      prefix_len: jax.Array | None = None,
                      processors: tuple[LogitsProcessor, ...] = ()) -> jax.Array:
-    """Steps 1-6 of the module docstring on ``logits [B, T, V]`` (float32). ``prefix_tokens
-    [B, T, D] int32`` / ``prefix_len [B, T] int32``: the drafts before each position (None:
-    none). Returns ``[B, T, V] float32``."""
+    """Steps 1-6 on ``logits [B, T, V]`` float32 -> ``[B, T, V] float32``; ``prefix_tokens
+    [B, T, D] int32`` / ``prefix_len [B, T] int32``: the drafts before each position."""
     logits = logits.astype(jnp.float32)
     b, t, v = logits.shape
     if prefix_tokens is None:
@@ -331,8 +302,8 @@ def apply_processors(logits: jax.Array, st: ProcessorState, prefix_tokens: jax.A
 
 
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
-    """vLLM's ``MinPLogitsProcessor`` on ``[..., V]`` logits (after temperature): tokens with
-    probability below ``min_p * max_prob`` -> ``-inf`` (``min_p [...]``; 0 keeps all)."""
+    """vLLM's ``MinPLogitsProcessor`` on ``[..., V]`` logits: probability below ``min_p *
+    max_prob`` -> ``-inf`` (``min_p [...]``; 0 keeps all)."""
     probs = jax.nn.softmax(logits, axis=-1)
     thr = min_p[..., None] * jnp.max(probs, axis=-1, keepdims=True)
     return jnp.where(probs < thr, _NEG, logits)

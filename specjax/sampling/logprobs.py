@@ -1,39 +1,12 @@
-"""Logprobs of the emitted tokens and the top-n, as vLLM v0.20's ``RejectionSampler`` returns them.
+"""Logprobs of the emitted tokens and the top-n, as vLLM's ``RejectionSampler`` returns them.
 
-What is returned (vLLM's ``_get_logprobs_tensors`` / ``Sampler.gather_logprobs``): for every
-emitted token of a step (the accepted drafts, the recovered token at the first rejection,
-the bonus token) the distribution at the position that token was verified or sampled at
-(draft position ``j`` for slot ``j``, the bonus position for the bonus token; a tree: the
-slot of the token's parent on the accepted path) gives
-
-* the emitted token's value and its rank, ``#{v : values[v] >= values[token]}`` (vLLM's
-  ``batched_count_greater_than``: 1 is the most likely; ties count against the token);
-* the top-``n`` values and their token ids (``lax.top_k``: descending, ties by lower id).
-
-Values, per ``logprobs_mode`` (vLLM's ``LogprobsMode``; static per step / engine):
-
-* ``raw_logprobs`` (vLLM's default): ``log_softmax`` of the target's raw fp32 logits;
-* ``raw_logits``: the raw logits;
-* ``processed_logprobs`` / ``processed_logits``: the same after the sampling processing the
-  verification used (``specjax.sampling.process_logits``): the logits processors (penalties,
-  bad words, ..., with the step's emitted tokens before the slot counted as output), then
-  temperature (greedy rows divided by 1), min_p, top-k / top-p (off for greedy rows, as
-  vLLM's ``SamplingParams`` resets them at temperature 0); tokens removed are ``-inf``.
-
-Layout (:class:`Logprobs`, vLLM's ``LogprobsTensors`` with a slot axis): ``S`` = the step's
-``sampled`` columns (``k + 1``), ``n`` = the step's top-n bucket:
+Each emitted token's distribution is the one it was verified or sampled at (a tree: its
+parent's slot on the accepted path); values per ``logprobs_mode`` (vLLM's four). Layout
+(:class:`Logprobs`, ``S`` sampled columns, ``n`` the static top-n bucket):
 ``logprob_token_ids [B, S, n + 1] int32`` (column 0 the emitted token, then the top-n),
-``logprobs [B, S, n + 1] float32``, ``selected_token_ranks [B, S] int32``. A slot with no
-emitted token (``sampled == -1``: after the emitted ones, padding rows, and in the device
-loop the slots cut by a stop) is padding: ids -1, values ``-inf``, rank -1. A real slot's
-rank is >= 1.
-
-Off by default at no cost: the top-n bucket (``None`` = off) is static (``StepBatch``'s
-``num_logprobs``, ``LoopState``'s ``num_logprobs``), so a step without logprobs traces and
-compiles exactly as before. Host side (:func:`request_logprobs`), each request keeps its own
-``n`` of the bucket's columns, as a list (one per generated token) of ``{token_id:
-Logprob(logprob, rank)}`` dicts, vLLM's ``SampleLogprobs`` (the emitted token plus its
-top-n: ``n`` or ``n + 1`` entries).
+``logprobs [B, S, n + 1] float32``, ``selected_token_ranks [B, S] int32`` (1: the most
+likely). A slot without an emitted token is padding: ids -1, values ``-inf``, rank -1.
+``num_logprobs=None`` (static) traces nothing. Details: docs/sampling.md, "Logprobs".
 """
 
 from __future__ import annotations
@@ -72,9 +45,8 @@ class Logprobs(NamedTuple):
 
 
 def check_num_logprobs(name: str, value: Any) -> int | None:
-    """A request's ``logprobs`` (vLLM's sampling parameter): None (off) or an int in
-    ``0..MAX_LOGPROBS``. vLLM's ``-1`` (the whole vocabulary) exceeds vLLM's default
-    ``max_logprobs`` (20) and is refused here too."""
+    """A request's ``logprobs``: None (off) or an int in ``0..MAX_LOGPROBS`` (vLLM's ``-1``
+    is refused, as vLLM refuses it above its default ``max_logprobs``)."""
     if value is None:
         return None
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value == -1:
@@ -100,13 +72,9 @@ def logprobs_bucket(ns: Sequence[int | None]) -> int | None:
 
 def _processed_for_logprobs(logits: jax.Array, sampling, emitted: jax.Array | None = None
                             ) -> jax.Array:
-    """The processed logits ``[B, S, V]`` verification samples from: the sampler's
-    ``process_logits`` (logits processors, temperature, min_p, top-k / top-p), with greedy
-    rows at temperature 1 and no top-k / top-p, as vLLM's ``SamplingParams`` resets them.
-
-    Slot ``i``'s token was drawn after the first ``i`` emitted tokens of the step (the
-    accepted drafts, chain or tree path), so those are the output tokens the processors
-    count before it: ``emitted [B, S]`` (-1 padded) is the prefix, ``i`` its length."""
+    """The processed logits ``[B, S, V]`` verification samples from (greedy rows at
+    temperature 1, no top-k / top-p); slot ``i``'s prefix is the first ``i`` tokens of
+    ``emitted [B, S]``."""
     import dataclasses
 
     from specjax.sampling import GREEDY_TEMPERATURE, process_logits
@@ -151,10 +119,8 @@ def gather_logprobs(values: jax.Array, tokens: jax.Array, num_logprobs: int) -> 
 
 def chain_logprobs(metadata, logits: jax.Array, sampling, sampled: jax.Array, *,
                    num_logprobs: int, mode: str) -> Logprobs:
-    """Logprobs of a chain step (traceable): ``logits [N_pad + B_pad, V]`` as
-    ``rejection_sample`` reads them (row ``cu_num_sampled_tokens[r] - n_r - 1 + j`` is
-    request ``r``'s draft position ``j``, the last its bonus position), ``sampled [B, k+1]``
-    its output."""
+    """Logprobs of a chain step (traceable): ``logits [N_pad + B_pad, V]`` laid out as
+    ``rejection_sample`` reads them, ``sampled [B, k+1]`` its output."""
     b, s = sampled.shape
     nd = metadata.num_draft_tokens
     start = metadata.cu_num_sampled_tokens - nd - 1
@@ -165,10 +131,9 @@ def chain_logprobs(metadata, logits: jax.Array, sampling, sampled: jax.Array, *,
 
 def tree_logprobs(target_logits: jax.Array, accepted_nodes: jax.Array, sampling,
                   sampled: jax.Array, *, num_logprobs: int, mode: str) -> Logprobs:
-    """Logprobs of a tree step (traceable): ``target_logits [B, 1 + N, V]`` (slot 0 the
-    root, ``1 + j`` node ``j``), ``accepted_nodes [B, depth]`` (-1 after the path),
-    ``sampled [B, S]``: emitted token ``i`` was drawn at path node ``i`` (the root, then the
-    accepted nodes)."""
+    """Logprobs of a tree step (traceable): ``target_logits [B, 1 + N, V]``,
+    ``accepted_nodes [B, depth]`` (-1 after the path), ``sampled [B, S]``; emitted token
+    ``i`` was drawn at path node ``i`` (the root first)."""
     b, s = sampled.shape
     depth = accepted_nodes.shape[1]
     slots = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
@@ -188,10 +153,9 @@ def mask_slots(lp: Logprobs, keep: jax.Array) -> Logprobs:
 
 def request_logprobs(lp, row: int, num_tokens: int, n: int, slot0: int = 0
                      ) -> list[dict[int, Logprob]]:
-    """Host: the dicts of request ``row``'s ``num_tokens`` emitted tokens from slot
-    ``slot0`` of a fetched :class:`Logprobs` (NumPy), keeping ``n`` top entries (vLLM's
-    ``LogprobsProcessor``: the emitted token with its rank, then the top-n with ranks
-    1..n; a token in both keeps its top-n entry)."""
+    """Host: ``{token_id: Logprob}`` dicts of request ``row``'s ``num_tokens`` emitted
+    tokens from slot ``slot0`` of a fetched :class:`Logprobs`, keeping ``n`` top entries
+    (the emitted token, then the top-n; a token in both keeps its top-n entry)."""
     out = []
     for j in range(slot0, slot0 + num_tokens):
         ids = lp.logprob_token_ids[row, j, : n + 1].tolist()

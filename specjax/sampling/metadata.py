@@ -1,14 +1,9 @@
-"""Sampling metadata and logits processing (vLLM ``sampling_metadata.py``, the
+"""Sampling metadata and logits processing (vLLM ``sampling_metadata.py`` and the
 ``rejection_sampler.py`` helpers): per-request temperature, top-k, top-p, min-p and PRNG
-keys, and :func:`process_logits`, the processed distribution every verified position is
-sampled from.
+keys, and :func:`process_logits`, the distribution every verified position samples from.
 
-Randomness is per request: row r uses only ``keys[r]`` (folded with a stream id and the
-draft position, :func:`_keys`), so a seeded request gives the same tokens whatever else is
-in the batch. Uniforms are float32 (vLLM draws float64; JAX would need ``jax_enable_x64``).
-Logits processing (``specjax.sampling.logits_processors``) runs when
-``SamplingMetadata.procs`` is set, before greedy and random verification; ``procs=None`` is
-the plain program.
+Row r draws only from ``keys[r]`` (folded with a stream id and the position), so a seeded
+request's tokens do not depend on the batch. Uniforms are float32 (vLLM: float64).
 """
 
 from __future__ import annotations
@@ -30,16 +25,10 @@ _STREAM_ACCEPT, _STREAM_RECOVER, _STREAM_BONUS = 0, 1, 2
 
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
-    """Per-request sampling parameters, ``[B_pad]`` each (a pytree).
-
-    temperature: float32; ``0`` means greedy.
-    top_k: int32; ``0`` (or >= vocab) disables top-k.
-    top_p: float32 in (0, 1]; ``1`` disables top-p.
-    keys: ``[B_pad, 2] uint32`` raw PRNG keys (``jax.random.key_data``), one per request.
-    procs: ``specjax.logits_processors.ProcessorState`` or None (no logits processing:
-      the plain program).
-    all_greedy: static; lets the jit skip the random path entirely.
-    processors: static tuple of user logits processors (``procs.selector`` picks one).
+    """Per-request sampling parameters, ``[B_pad]`` each (a pytree): temperature float32 (0:
+    greedy), top_k int32 (0 or >= vocab: off), top_p float32 in (0, 1] (1: off), keys
+    ``[B_pad, 2] uint32`` raw PRNG keys, procs a ``ProcessorState`` or None; static
+    ``all_greedy`` (skips the random path) and ``processors`` (user logits processors).
     """
 
     temperature: jax.Array
@@ -85,15 +74,10 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass(frozen=True)
 class SamplingState:
-    """Per-request sampling state the device decode loop carries (``specjax.decode_loop``),
-    ``[B_pad]`` each (a pytree owned by the sampler).
-
-    temperature / top_k / top_p: as in :class:`SamplingMetadata`; seeds: uint32;
-    counters: int32, tokens each request has generated so far. A request's key for a step
-    is ``fold_in(key(seed), counter)`` (the per-step path's rule), so the loop's keys
-    advance exactly as the per-step loop's do. procs: the logits processors' state
-    (``specjax.logits_processors.ProcessorState``: parameters and token history, which
-    :meth:`advance` extends with the emitted tokens), or None.
+    """Per-request sampling state the device decode loop carries, ``[B_pad]`` each (a
+    pytree): temperature / top_k / top_p as :class:`SamplingMetadata`'s, seeds uint32,
+    counters int32 (tokens generated; a step's key is ``fold_in(key(seed), counter)``, the
+    per-step rule) and procs (a ``ProcessorState`` or None).
     """
 
     temperature: jax.Array
@@ -112,8 +96,7 @@ class SamplingState:
 
     def advance(self, num_emitted: jax.Array, emitted: jax.Array | None = None
                 ) -> "SamplingState":
-        """After a step that emitted ``num_emitted [B]`` tokens per request
-        (``emitted [B, k+1]``, -1 padded: appended to ``procs``' token history)."""
+        """After a step that emitted ``emitted [B, k+1]`` (-1 padded), ``num_emitted [B]``."""
         n = num_emitted.astype(jnp.int32)
         procs = self.procs
         if procs is not None:
@@ -133,12 +116,8 @@ jax.tree_util.register_dataclass(
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask logits outside the top-k / top-p set to ``-inf``.
-
-    ``logits``: ``[..., V]`` float32; ``top_k``, ``top_p``: ``[...]``. Top-k keeps values
-    >= the k-th largest (ties kept); top-p keeps the smallest prefix of the sorted
-    distribution whose mass reaches p (at least one token).
-    """
+    """Mask ``logits [..., V]`` float32 outside the top-k (ties kept), then the smallest
+    top-p prefix (at least one token), to ``-inf``; ``top_k``, ``top_p``: ``[...]``."""
     v = logits.shape[-1]
     srt = jnp.sort(logits, axis=-1)[..., ::-1]                       # descending
     k = jnp.where((top_k <= 0) | (top_k >= v), v, top_k)
@@ -167,8 +146,7 @@ def _process(logits: jax.Array, temperature, top_k, top_p, min_p=None) -> jax.Ar
 
 def _pre(logits: jax.Array, sampling: SamplingMetadata, prefix_tokens=None, prefix_len=None
          ) -> jax.Array:
-    """``logits [B, T, V]`` through the logits processors (float32; unchanged without
-    ``sampling.procs``): what greedy verification takes the argmax of."""
+    """``logits [B, T, V]`` through the logits processors (float32): greedy's argmax input."""
     logits = logits.astype(jnp.float32)
     if sampling.procs is None:
         return logits
@@ -186,15 +164,10 @@ def _post(logits: jax.Array, sampling: SamplingMetadata) -> jax.Array:
 def process_logits(logits: jax.Array, sampling: SamplingMetadata,
                    prefix_tokens: jax.Array | None = None, prefix_len: jax.Array | None = None
                    ) -> jax.Array:
-    """The fully processed logits the rejection sampler and the bonus sampler draw from.
-
-    ``logits``: ``[B, V]`` or ``[B, T, V]`` (T positions per request); ``prefix_tokens
-    [B, T, D] int32`` / ``prefix_len [B, T] int32``: the drafts before each position,
-    counted as output by the processors (None: none; chain verification passes the
-    request's drafts with ``prefix_len = j`` at draft position j). Applies the logits
-    processors (``sampling.procs``), then temperature (greedy rows: 1), min_p, top-k /
-    top-p. Returns float32 of ``logits``' shape; ``softmax`` of it is the target
-    distribution, and its argmax is greedy's token.
+    """The fully processed logits the rejection and bonus samplers draw from: processors,
+    temperature (greedy rows: 1), min_p, top-k / top-p. ``logits [B, V]`` or ``[B, T, V]``;
+    ``prefix_tokens [B, T, D]`` / ``prefix_len [B, T]`` int32: the drafts before each
+    position (None: none). Returns float32 of ``logits``' shape.
     """
     squeeze = logits.ndim == 2
     x = logits[:, None] if squeeze else logits

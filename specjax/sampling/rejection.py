@@ -1,14 +1,9 @@
-"""Chain rejection sampling: verify drafts against the target (vLLM
-``rejection_sampler.py``).
+"""Chain rejection sampling: verify drafts against the target (vLLM ``rejection_sampler.py``).
 
-Greedy rows accept while the draft equals the target argmax and then emit the target's
-token; random rows accept a draft token x when ``p_target(x) / p_draft(x) >= u`` and, on
-rejection, sample from the normalized residual ``max(p_target - p_draft, 0)``. Greedy and
-random rows mix in one batch. Every proposer of specjax drafts greedily and passes no draft
-probabilities (a certain draft: ``p_draft(x) = 1``, and the residual is ``p_target`` with
-the draft token removed), as vLLM v0.20 does; the probability path is for sampled drafts.
-Logits are processed (:func:`specjax.sampling.metadata.process_logits`) at every verified
-position with the preceding drafts counted as output.
+Greedy rows accept while the draft equals the target argmax; random rows accept ``x`` when
+``p_target(x) / p_draft(x) >= u`` and on rejection sample the normalized residual
+``max(p_target - p_draft, 0)``. specjax's proposers draft greedily and pass no draft
+probabilities (``p_draft(x) = 1``), as vLLM's do.
 """
 
 from __future__ import annotations
@@ -31,12 +26,9 @@ def _chain_prefix(drafts: jax.Array, t: int):
 def sample_tokens(logits: jax.Array, sampling: SamplingMetadata,
                   prefix_tokens: jax.Array | None = None, prefix_len: jax.Array | None = None
                   ) -> jax.Array:
-    """The ordinary sampler for the bonus position: ``[B, V]`` -> ``[B] int32``.
-
-    Greedy rows take the argmax; random rows sample the processed distribution with the
-    exponential trick (``argmax p / q``, ``q ~ Exp(1)``), keyed per request. With logits
-    processors, ``prefix_tokens [B, D]`` / ``prefix_len [B]`` are the drafts before the
-    position (see :func:`process_logits`).
+    """The bonus-position sampler: ``[B, V]`` -> ``[B] int32``, argmax for greedy rows, else
+    the exponential trick (``argmax p / q``, ``q ~ Exp(1)``) keyed per request;
+    ``prefix_tokens [B, D]`` / ``prefix_len [B]``: the drafts before the position.
     """
     logits = logits.astype(jnp.float32)
     if sampling.procs is None:       # the plain program
@@ -67,22 +59,13 @@ def rejection_sample(
     sampling: SamplingMetadata,
     synthetic_conditional_rates: jax.Array | None = None,
 ) -> jax.Array:
-    """Verify the drafts of a batch.
+    """Verify the drafts of a batch: ``[B_pad, max_spec_len + 1] int32``, accepted drafts
+    then the recovered or bonus token, -1 after (padding rows all -1).
 
-    Args:
-      metadata: where the drafts are (``max_spec_len`` static, at most ``MAX_SPEC_LEN``).
-      draft_probs: ``[N_pad, V]`` float probabilities the drafts were sampled from, or None
-        for certain (greedy / n-gram) drafts.
-      logits: ``[N_pad + B_pad, V]`` target logits, rows as ``metadata.logits_indices``
-        (the draft positions and each request's bonus position).
-      sampling: per-request parameters.
-      synthetic_conditional_rates: ``[max_spec_len]`` float32 for vLLM's synthetic mode
-        (accept position j with probability ``rate[j]`` given j-1 accepted), or None.
-
-    Returns:
-      ``[B_pad, max_spec_len + 1] int32``: accepted drafts, then the recovered token at the
-      first rejection, or the bonus token when every draft was accepted; -1 after. Padding
-      rows (past ``num_reqs``) are all -1.
+    ``metadata``: where the drafts are (static ``max_spec_len <= MAX_SPEC_LEN``);
+    ``draft_probs [N_pad, V]`` or None (certain drafts); ``logits [N_pad + B_pad, V]`` rows
+    as ``metadata.logits_indices``; ``synthetic_conditional_rates [max_spec_len]`` float32
+    for vLLM's synthetic mode, or None.
     """
     k = metadata.max_spec_len
     if k > MAX_SPEC_LEN:

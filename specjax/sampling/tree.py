@@ -1,12 +1,6 @@
-"""Tree verification (EAGLE / EAGLE-3 ``speculative_token_tree``; specjax's own: vLLM
-v0.20 verifies every draft as a chain).
-
-``tree_greedy_verify`` walks the tree from the root on the target's argmax;
-``tree_rejection_sample`` verifies from logits, greedy rows as ``tree_greedy_verify`` and
-random rows (temperature > 0) by multi-draft rejection sampling of the certain drafts level
-by level (siblings tried in tree order against the residual left by the rejected ones;
-recovered token from the final residual, bonus token at a node without drafted children):
-lossless, and a chain tree is exactly the chain rule.
+"""Tree verification of EAGLE / EAGLE-3 ``speculative_token_tree`` drafts (vLLM verifies
+every draft as a chain): greedy (``tree_greedy_verify``) and lossless multi-draft rejection
+sampling (``tree_rejection_sample``); a chain tree is exactly the chain rule.
 """
 
 from __future__ import annotations
@@ -21,39 +15,15 @@ from specjax.sampling.metadata import (_STREAM_ACCEPT, _STREAM_BONUS, _STREAM_RE
 def tree_greedy_verify(target_token_ids: jax.Array, draft_token_ids: jax.Array,
                        num_drafts: jax.Array | None = None, *, tree, num_reqs=None
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Greedy verification of a token tree (traceable; the tree is static).
+    """Greedy verification of a static token ``tree`` (traceable): from the root, the first
+    child whose draft equals the target's argmax is accepted, until none does.
 
-    Walk from the root: at the current node (the root first) the target's argmax is
-    compared with the drafted tokens of the node's children, in tree order; the first
-    child that matches is accepted and the walk continues from it, otherwise it stops.
-    (Drafts of one level are distinct in a top-k tree, so at most one child matches;
-    otherwise the first in tree order wins.) The emitted tokens are the accepted drafts,
-    then the target's argmax at the last accepted node (the bonus / recovered token).
-
-    Args:
-      target_token_ids: ``[B, 1 + N] int32``, the target's argmax at every query slot of
-        the verification pass: slot 0 is the root (the last committed token), slot
-        ``1 + j`` is node ``j``.
-      draft_token_ids: ``[B, N] int32``, the drafted token of each node, in tree order
-        (``tree.choices``).
-      num_drafts: ``[B] int32`` or None (all ``N``): nodes ``j >= num_drafts[b]`` are
-        absent. A prefix of the breadth-first node order holds every ancestor of its
-        nodes, so any prefix is a valid (truncated) tree; 0 verifies the root only.
-      tree: a ``specjax.token_tree.TokenTree`` (static).
-      num_reqs: 0-d int or None (every row real): rows ``>= num_reqs`` are padding.
-
-    Returns:
-      ``(output, accepted_nodes, num_accepted)``:
-
-      * ``output [B, depth + 1] int32``: as ``rejection_sample`` (the chain version):
-        accepted drafts, then the target's argmax at the last accepted node; -1 after. A
-        real row without drafts gives just the root's argmax; padding rows are all -1.
-      * ``accepted_nodes [B, depth] int32``: the accepted node indices, level 1 first;
-        -1 after the last (and on padding rows).
-      * ``num_accepted [B] int32`` (0 on padding rows).
-
-    A chain tree (``TokenTree.chain(k)``) gives exactly ``rejection_sample``'s greedy
-    output.
+    ``target_token_ids [B, 1 + N]`` int32: the target argmax per slot (0: the root, ``1 +
+    j``: node ``j``); ``draft_token_ids [B, N]`` int32 in tree order; ``num_drafts [B]``
+    (None: all): nodes ``j >= num_drafts[b]`` absent; ``num_reqs``: rows past it are
+    padding. Returns int32 ``(output [B, depth + 1], accepted_nodes [B, depth],
+    num_accepted [B])``: accepted drafts then the bonus / recovered token, the accepted
+    node indices, their count; -1 / 0 after and on padding rows.
     """
     n, depth = tree.num_nodes, tree.depth
     tgt = jnp.asarray(target_token_ids).astype(jnp.int32)
@@ -95,9 +65,8 @@ def tree_greedy_verify(target_token_ids: jax.Array, draft_token_ids: jax.Array,
 
 
 def _tree_children(tree) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """Static: ``(kids, max_kids)``: ``kids[1 + i]`` the children of node ``i`` in tree
-    order (``kids[0]`` the root's), padded with -1 to the widest; ``max_kids[l]`` the most
-    children of any node of level ``l`` (the root is level 0)."""
+    """Static ``(kids, max_kids)``: ``kids[1 + i]`` node ``i``'s children (``kids[0]`` the
+    root's), -1 padded; ``max_kids[l]`` the most children of a level-``l`` node."""
     n = tree.num_nodes
     kids = [[] for _ in range(n + 1)]
     for j, p in enumerate(tree.parents):
@@ -130,32 +99,10 @@ def _tree_prefix(draft_token_ids: jax.Array, tree, v: int):
 def tree_rejection_sample(target_logits: jax.Array, draft_token_ids: jax.Array,
                           num_drafts: jax.Array | None, sampling: SamplingMetadata, *, tree,
                           num_reqs=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Verify tree drafts from the target's logits ``[B, 1 + N, V]`` (slot 0 the root,
-    slot ``1 + j`` node ``j``); same arguments (``draft_token_ids [B, N]``, ``num_drafts``,
-    ``tree``, ``num_reqs``) and outputs as ``tree_greedy_verify``.
-
-    Greedy rows (temperature 0) are ``tree_greedy_verify`` of the argmax. Random rows use
-    multi-draft rejection sampling for certain drafts (a tree proposer drafts point masses,
-    distinct among siblings): at the current node (the root first) let ``r = p``, the
-    target's processed distribution (``_process``: temperature, top-k, top-p) at the
-    node's slot; its present children ``c_1, c_2, ...`` (nodes ``< num_drafts``) are tried
-    in tree order: ``c_j`` is accepted when ``u_j * sum(r) < r(c_j)`` (``u_j`` uniform,
-    one per node; ``sum(r)`` is taken as 1 before any rejection) or when ``c_j`` holds all
-    of ``r``'s mass (float rounding), otherwise
-    ``r(c_j) = 0`` and the next child is tried. An accepted child becomes the current
-    node; when every child is rejected the walk emits a token sampled from the residual
-    ``r`` (the recovered token) and stops; at a node without present children it emits a
-    token sampled from ``p`` there (the bonus token). Each emitted token is then
-    distributed exactly as the target's ``p`` (lossless); a chain tree is vLLM's rule for
-    ``draft_probs=None``.
-
-    Randomness (per request, from ``sampling.keys[r]`` only, as ``rejection_sample``):
-    ``u_j`` is element ``j`` of ``uniform(_keys(keys, ACCEPT, 0), (N,))``; the recovered
-    token at a node of level ``l`` (root 0) uses ``exponential(_keys(keys, RECOVER, l),
-    (V,))`` and the bonus token ``exponential(_keys(keys, BONUS, 0), (V,))``, both with
-    the exponential trick (``argmax r / q``). These are the keys ``rejection_sample`` uses
-    for draft position / accepted count ``l``, so a chain tree of ``k`` nodes gives the
-    same tokens as chain verification with ``max_spec_len = k``.
+    """Verify tree drafts from the target's logits ``[B, 1 + N, V]``; other arguments and
+    outputs as ``tree_greedy_verify``. Greedy rows: its argmax walk; random rows: lossless
+    multi-draft rejection sampling with ``rejection_sample``'s keys, so a chain tree gives
+    chain verification's tokens (docs/sampling.md, "Tree verification").
     """
     n, depth = tree.num_nodes, tree.depth
     logits = target_logits.astype(jnp.float32)

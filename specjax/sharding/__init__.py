@@ -1,53 +1,13 @@
 """Multi-device proposers: tensor-parallel shardings of draft params / proposer state, and
 data parallelism over requests.
 
-**Tensor parallelism** (Megatron style, over one mesh axis, ``"tp"`` by default). Nothing in
-the models changes: put the params and the state on the mesh with the shardings below and
-call the proposer's jitted ``propose``; XLA's SPMD partitioner follows the input shardings
-and inserts the collectives (an all-reduce after each row-parallel product).
-
-=======================================  ==============================  ==================
-params entry (kernels are ``[in, out]``)  spec                            divisibility
-=======================================  ==============================  ==================
-``*.self_attn.q_proj.kernel`` / ``bias``  ``P(None, tp)`` / ``P(tp)``     num_key_value_heads
-``*.self_attn.{k,v}_proj.kernel``/bias    ``P(None, tp)`` / ``P(tp)``     (else all four
-``*.self_attn.o_proj.kernel``             ``P(tp, None)`` (bias ``P()``)  ``P()``, below)
-``*.mlp.{gate,up}_proj.kernel`` / bias    ``P(None, tp)`` / ``P(tp)``     intermediate_size
-``*.mlp.down_proj.kernel``                ``P(tp, None)`` (bias ``P()``)  intermediate_size
-``lm_head.kernel [H, V]`` / ``bias``      ``P(None, tp)`` / ``P(tp)``     V (the head's width)
-``lm_head.embedding [V, H]`` (tied)       ``P(tp, None)``                 V
-``lm_heads.<k>.kernel`` (Medusa)          ``P(None, tp)``                 V
-``embed_tokens.embedding [V, H]``         ``P()``; ``P(tp, None)`` with   V
-                                          ``shard_embedding=True``
-``fc``, norms, ``q_norm`` / ``k_norm``,   ``P()`` (replicated; ``fc`` as
-``d2t``, ``token_map``, ``mask_hidden``   vLLM's ``ReplicatedLinear``,
-(P-EAGLE), Medusa blocks, MTP's           ``input_proj`` as MiMo's plain
-``input_proj``                            ``nn.Linear``)
-=======================================  ==============================  ==================
-
-KV heads: when ``num_key_value_heads`` is divisible by the axis size, the attention is
-split by heads as above and every draft KV cache ``[num_blocks, block_size, n_kv,
-head_dim]`` is sharded over its kv-head dimension (``P(None, None, tp, None)``). Otherwise
-(GQA with fewer kv heads than shards) the whole attention block (q/k/v/o, q/k norms) and
-the caches are replicated and only the MLP and the vocabulary are split: splitting q/o
-alone makes XLA split each cache write by kv head and all-gather the whole cache after
-every draft step. Every other dimension that must be split and is not divisible raises
-``ValueError`` naming the parameter; so does a params entry no rule knows (nothing is
-replicated silently).
-
-The vocabulary-sharded ``lm_head`` gives vocabulary-sharded logits; with
-``config.use_local_argmax_reduction=True`` and the proposer's ``mesh=`` / ``vocab_axis=``
-set to the same mesh and axis, greedy drafting takes the argmax per shard and reduces only
-``(value, index)`` pairs (``specjax.sharding.vocab.greedy_argmax``).
-:func:`tensor_parallel` does all of it in one call.
-
-**Data parallelism** (:class:`DataParallel`): each device of a mesh axis (``"dp"``) runs
-the whole proposer on its own requests and its own KV cache, with the weights replicated:
-one ``jax.shard_map`` over per-shard batches stacked on a leading axis. On a ``("dp",
-"tp")`` mesh it runs a :func:`tensor_parallel` proposer in each data-parallel group (DP x
-TP).
-
-Shapes and dtypes are untouched everywhere: only placement changes.
+Tensor parallelism (Megatron style over a ``"tp"`` axis): :func:`param_shardings` /
+:func:`state_shardings` place params and state, or :func:`tensor_parallel` also sets the
+proposer's ``mesh`` / ``vocab_axis``; XLA inserts the collectives. With fewer kv heads than
+shards the attention block and its caches stay replicated (splitting q/o alone makes XLA
+all-gather the cache every step). An indivisible dimension or an unknown params entry
+raises ``ValueError`` naming it. :class:`DataParallel`: one proposer per device of a
+``"dp"`` axis. Rules table and usage: docs/multi_gpu.md.
 """
 
 from __future__ import annotations
@@ -106,7 +66,7 @@ def _dotted(path: tuple) -> str:
 
 
 class _Rules:
-    """The Megatron rules for one ``ModelConfig`` and axis size (see the module doc)."""
+    """The Megatron rules for one ``ModelConfig`` and axis size (docs/multi_gpu.md)."""
 
     def __init__(self, config: ModelConfig, n: int, axis: str, shard_embedding: bool):
         if not isinstance(config, ModelConfig):
@@ -197,22 +157,12 @@ class _Rules:
 
 def param_specs(params: Mapping, config: ModelConfig, axis_size: int, *, axis: str = TP_AXIS,
                 shard_embedding: bool = False) -> Any:
-    """``PartitionSpec`` of every params leaf (same tree as ``params``) for ``axis_size``
-    shards of mesh axis ``axis`` (rules: module docstring).
-
-    Args:
-      params: a head's params dict (``share_target_weights`` applied: ``embed_tokens`` /
-        ``lm_head`` may be the target's); leaves may be arrays or ``ShapeDtypeStruct``.
-      config: the model's ``ModelConfig`` (``proposer.model.config``): head counts and
-        sizes are checked against it.
-      axis_size: the number of devices along ``axis``.
-      shard_embedding: also shard ``embed_tokens`` over the vocabulary (default: replicated;
-        only the looked-up rows are read, so replication costs memory, not bandwidth).
-
-    Raises:
-      ValueError: naming the parameter, when a dimension that must be split is not
-        divisible by ``axis_size``, or for a params entry no rule knows.
-    """
+    """``PartitionSpec`` of every params leaf (same tree as ``params``, leaves arrays or
+    ``ShapeDtypeStruct``) for ``axis_size`` shards of mesh axis ``axis``; head counts and
+    sizes are checked against ``config`` (``proposer.model.config``). ``shard_embedding``
+    also splits ``embed_tokens`` over the vocabulary (default replicated: only looked-up
+    rows are read). Raises ``ValueError`` naming the parameter for an indivisible dimension
+    or an unknown params entry."""
     rules = _Rules(config, _check_size(axis_size), axis, shard_embedding)
     return jax.tree_util.tree_map_with_path(
         lambda p, x: rules.spec(tuple(_key(k) for k in p), tuple(x.shape)), params)
@@ -233,10 +183,9 @@ def _is_cache(x: Any) -> bool:
 
 
 def state_specs(state: Any, axis_size: int, *, axis: str = TP_AXIS) -> Any:
-    """``PartitionSpec`` of every leaf of a proposer state: each ``KVCache`` leaf ``[num_blocks,
-    block_size, n_kv, head_dim]`` over its kv heads when ``n_kv`` is divisible by
-    ``axis_size`` (else replicated, matching ``k_proj`` / ``v_proj``); everything else
-    replicated. ``state`` may be abstract (``jax.eval_shape(proposer.init_state, ...)``)."""
+    """``PartitionSpec`` of every leaf of a (possibly abstract) proposer state: ``KVCache``
+    leaves ``[num_blocks, block_size, n_kv, head_dim]`` over kv heads when ``n_kv`` divides
+    by ``axis_size``, everything else replicated."""
     n = _check_size(axis_size)
 
     def cache_spec(c: KVCache) -> KVCache:
@@ -259,16 +208,11 @@ def state_shardings(state: Any, mesh: Mesh, *, axis: str = TP_AXIS) -> Any:
 def tensor_parallel(proposer: Any, params: Mapping, state: Any, mesh: Mesh, *, axis: str = TP_AXIS,
                     local_argmax: bool = True, shard_embedding: bool = False
                     ) -> tuple[Any, dict, Any]:
-    """``(proposer, params, state)`` ready for tensor-parallel drafting over ``mesh[axis]``.
-
-    The params and the state are placed with :func:`param_shardings` /
-    :func:`state_shardings` (``jax.device_put``; the inputs are not donated, so the caller's
-    arrays stay valid); the proposer (EAGLE / EAGLE-3, DFlash, draft model: anything with
-    ``mesh`` / ``vocab_axis`` fields and a ``model.config``) gets ``mesh=mesh,
-    vocab_axis=axis`` and ``config.use_local_argmax_reduction=local_argmax``. Call
-    ``proposer.propose(params, state, inputs)`` as usual; inputs may stay on one device or be
-    replicated (``NamedSharding(mesh, P())``).
-    """
+    """``(proposer, params, state)`` ready for tensor-parallel drafting over ``mesh[axis]``:
+    params and state placed (not donated) with :func:`param_shardings` /
+    :func:`state_shardings`; a copy of the proposer (one with ``mesh`` / ``vocab_axis``
+    fields, else ``ValueError``) with ``mesh=mesh, vocab_axis=axis`` and
+    ``config.use_local_argmax_reduction=local_argmax``."""
     fields = {f.name for f in dataclasses.fields(proposer)} if dataclasses.is_dataclass(proposer) else set()
     if not {"mesh", "vocab_axis", "config", "model"} <= fields:
         raise ValueError(f"tensor_parallel needs a proposer with mesh / vocab_axis options (EAGLE, "
@@ -288,22 +232,12 @@ def tensor_parallel(proposer: Any, params: Mapping, state: Any, mesh: Mesh, *, a
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
     """Data-parallel drafting: the ``n = mesh.shape[axis]`` devices of ``axis`` each run
-    ``proposer.propose`` on their own batch and their own state; params are replicated.
+    ``proposer.propose`` on their own batch and state; params are replicated.
 
-    Per-shard pytrees (states, inputs) travel stacked on a new leading axis of size ``n``,
-    sharded over ``axis`` (:meth:`stack` / :meth:`unstack`): shard ``i`` is a full,
-    independent batch (its own ``attn_metadata`` with block ids into its own KV cache).
-    All shards must share one shape bucket.
-
-    ``propose(params, states, inputs) -> (outputs, states)``: one ``jax.jit`` (states
-    donated) around one ``jax.shard_map`` over ``axis`` only; every leaf in and out is
-    ``[n, ...]``.
-
-    DP x TP: on a mesh with a second axis (e.g. ``Mesh(devices.reshape(2, 2), ("dp",
-    "tp"))``), give a proposer from :func:`tensor_parallel` on that same mesh and its
-    params: each data-parallel group runs the tensor-parallel proposer (the ``tp`` axis
-    stays automatic inside the map; the local argmax reduction maps it itself), and
-    :meth:`stack` also splits the KV caches over ``tp`` as :func:`state_specs` says.
+    Per-shard states and inputs travel stacked as ``[n, ...]`` leaves (:meth:`stack` /
+    :meth:`unstack`), one shape bucket for all; ``propose(params, states, inputs) ->
+    (outputs, states)`` donates the states. DP x TP: a proposer from
+    :func:`tensor_parallel` on the same mesh (another mesh: ``ValueError``).
     """
 
     proposer: Any
@@ -333,8 +267,8 @@ class DataParallel:
         return int(self.mesh.shape[self.axis])
 
     def stack(self, trees: Sequence[Any]) -> Any:
-        """``n`` per-shard pytrees of one structure -> one pytree of ``[n, ...]`` leaves,
-        sharded over ``axis`` (the static parts, e.g. ``max_query_len``, must agree)."""
+        """``n`` per-shard pytrees of one structure (static fields equal) -> one pytree of
+        ``[n, ...]`` leaves sharded over ``axis``."""
         trees = list(trees)
         if len(trees) != self.size:
             raise ValueError(f"stack needs one pytree per shard of axis {self.axis!r} "

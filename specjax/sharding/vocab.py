@@ -1,11 +1,8 @@
 """Greedy draft selection over a vocabulary that may be sharded: argmax and top-k.
 
-With ``use_local_argmax_reduction`` and a mesh whose ``vocab_axis`` shards the logits,
-each device reduces its own shard to ``(value, index)`` pairs inside a ``jax.shard_map``
-and only those pairs are gathered (vLLM's local argmax reduction), instead of the
-whole ``[..., V]`` logits; the result is identical to ``jnp.argmax`` / ``lax.top_k``
-(ties to the lowest index). The proposers call :func:`proposer_argmax` /
-:func:`proposer_top_k`, which read the proposer's ``mesh`` / ``vocab_axis`` options.
+With ``use_local_argmax_reduction`` and a mesh whose ``vocab_axis`` shards the logits, each
+device reduces its shard to ``(value, index)`` pairs and only those are gathered (vLLM's
+local argmax reduction); results equal ``jnp.argmax`` / ``lax.top_k``.
 """
 
 from __future__ import annotations
@@ -25,13 +22,9 @@ _I32 = jnp.int32
 
 
 def check_vocab_sharding(proposer: Any, vocab_size: int, what: str = "vocab_size") -> None:
-    """Construction checks of the ``mesh`` / ``vocab_axis`` options.
-
-    ``mesh`` must be None or a ``jax.sharding.Mesh``. With
-    ``config.use_local_argmax_reduction`` and a mesh, ``vocab_axis`` must name one of its
-    axes and ``vocab_size`` (the width of the logits the argmax runs over, called ``what``
-    in the message) must be divisible by that axis' size.
-    """
+    """``ValueError`` unless ``mesh`` is None or a ``Mesh`` and, with
+    ``config.use_local_argmax_reduction``, ``vocab_axis`` is one of its axes whose size
+    divides ``vocab_size`` (the logits' width, named ``what`` in the message)."""
     mesh, axis = getattr(proposer, "mesh", None), getattr(proposer, "vocab_axis", None)
     if mesh is None:
         return
@@ -52,15 +45,9 @@ def check_vocab_sharding(proposer: Any, vocab_size: int, what: str = "vocab_size
 def greedy_argmax(logits: jax.Array, *, mesh: Mesh | None = None, vocab_axis: str | None = None,
                   local_reduction: bool = False) -> jax.Array:
     """``argmax(logits [..., V], axis=-1)`` as ``[...] int32``, identical to ``jnp.argmax``
-    (ties and NaN: the smallest index; all ``-inf``: 0).
-
-    With ``local_reduction`` and a ``mesh`` whose axis ``vocab_axis`` has more than one
-    device, the vocabulary dimension is split over that axis (``jax.shard_map``): each
-    shard takes its own argmax and only the ``(value, global index)`` pairs are reduced
-    across the axis (``pmax`` of the value, then ``pmin`` of the index among the shards
-    holding it) instead of gathering ``[..., V]`` logits: vLLM's
-    ``use_local_argmax_reduction`` / ``get_top_tokens``. Otherwise a plain ``jnp.argmax``.
-    ``V`` must be divisible by the axis size (ValueError).
+    (ties and NaN: the smallest index). With ``local_reduction`` and a multi-device
+    ``vocab_axis`` each shard takes its own argmax and only ``(value, index)`` pairs are
+    reduced (vLLM's ``get_top_tokens``). ``ValueError`` if the axis size does not divide V.
     """
     if _vocab_shards(logits.shape[-1], mesh, vocab_axis, local_reduction) == 1:
         return jnp.argmax(logits, axis=-1).astype(_I32)
@@ -82,9 +69,7 @@ def greedy_argmax(logits: jax.Array, *, mesh: Mesh | None = None, vocab_axis: st
 
 def _vocab_shards(vocab: int, mesh: Mesh | None, vocab_axis: str | None,
                   local_reduction: bool) -> int:
-    """Shards of the vocabulary the local reduction runs over: 1 without
-    ``local_reduction`` or a mesh (or with a one-device axis); ValueError for a
-    ``vocab_axis`` not on the mesh or a ``vocab`` it does not divide."""
+    """Shards of the vocabulary the local reduction runs over (1: no reduction)."""
     if not local_reduction or mesh is None:
         return 1
     if vocab_axis not in mesh.axis_names:
@@ -98,10 +83,8 @@ def _vocab_shards(vocab: int, mesh: Mesh | None, vocab_axis: str | None,
 
 
 def _vocab_shard_map(fn, mesh: Mesh, vocab_axis: str, spec: PartitionSpec, **kw):
-    """``jax.shard_map`` of ``fn`` over ``vocab_axis`` (inputs ``spec``, output replicated).
-    Inside an outer ``shard_map`` over other axes of the same mesh
-    (``specjax.sharding.DataParallel`` over ``dp`` with a tensor-parallel proposer), JAX
-    wants the context's (partly manual) mesh and only ``vocab_axis`` made manual."""
+    """``jax.shard_map`` of ``fn`` over ``vocab_axis`` (inputs ``spec``, output replicated);
+    inside an outer ``shard_map`` (``DataParallel``) it maps the context's mesh."""
     ctx = _compat.get_abstract_mesh()
     if getattr(ctx, "manual_axes", ()) and vocab_axis in ctx.axis_names:
         return _compat.shard_map(fn, mesh=ctx, in_specs=spec, out_specs=PartitionSpec(),
@@ -111,23 +94,11 @@ def _vocab_shard_map(fn, mesh: Mesh, vocab_axis: str, spec: PartitionSpec, **kw)
 
 def greedy_top_k(logits: jax.Array, c: int, *, mesh: Mesh | None = None,
                  vocab_axis: str | None = None, local_reduction: bool = False) -> jax.Array:
-    """``jax.lax.top_k(logits [..., V], c)[1]`` as ``[..., c] int32``: the indices of the
-    ``c`` largest, best first, identical to ``lax.top_k`` (equal values: the smaller index
-    first; NaN, +-inf and -0.0 ranked by ``lax.top_k``'s own order, on CPU ``-NaN < -inf <
-    ... < -0.0 < 0.0 < ... < inf < NaN``).
-
-    With ``local_reduction`` and a ``mesh`` whose axis ``vocab_axis`` has more than one
-    device, the vocabulary dimension is split over that axis (``jax.shard_map``): each
-    shard takes ``lax.top_k`` of its slice (``min(c, V / shards)`` candidates), turns the
-    local indices into global ones, and only those ``(value, global index)`` candidates
-    (``[..., shards * min(c, V / shards)]``) are all-gathered along the axis, instead of
-    the ``[..., V]`` logits. The final top-``c`` is ``lax.top_k`` of the gathered values,
-    laid out shard by shard and, within a shard, in its top-k order: equal values stand in
-    increasing global index order there, so ``lax.top_k``'s smaller-position-first tie
-    rule picks them as on the full row, and its value order (NaN included) is the same op's.
-    Every element of the global top-``c`` is in its shard's top-``min(c, V / shards)``,
-    so nothing is lost. ``V`` must be divisible by the axis size and ``1 <= c <= V``
-    (ValueError).
+    """``jax.lax.top_k(logits [..., V], c)[1]`` as ``[..., c] int32``, identical to
+    ``lax.top_k`` (ties: the smaller index first). With ``local_reduction`` and a
+    multi-device ``vocab_axis`` each shard takes its top-``min(c, V / shards)`` and only
+    those candidates are all-gathered and merged. ``ValueError`` unless the axis size
+    divides V and ``1 <= c <= V``.
     """
     vocab = logits.shape[-1]
     if not isinstance(c, (int, np.integer)) or isinstance(c, bool) or not 1 <= c <= vocab:
@@ -139,6 +110,8 @@ def greedy_top_k(logits: jax.Array, c: int, *, mesh: Mesh | None = None,
     k = min(c, vocab // shards)     # c > shard width: the whole shard is a candidate
 
     def local(x):
+        # candidates laid out shard by shard in increasing global index among equals, so the
+        # merging top_k breaks ties as it would on the full row
         val, idx = jax.lax.top_k(x, k)
         gidx = idx.astype(_I32) + jax.lax.axis_index(vocab_axis).astype(_I32) * x.shape[-1]
         vals = jax.lax.all_gather(val, vocab_axis, axis=val.ndim - 1, tiled=True)
@@ -153,16 +126,14 @@ def greedy_top_k(logits: jax.Array, c: int, *, mesh: Mesh | None = None,
 
 
 def proposer_argmax(proposer: Any, logits: jax.Array) -> jax.Array:
-    """``greedy_argmax`` with the proposer's ``mesh`` / ``vocab_axis`` options and its
-    config's ``use_local_argmax_reduction``."""
+    """``greedy_argmax`` with the proposer's ``mesh`` / ``vocab_axis`` / local reduction."""
     return greedy_argmax(logits, mesh=getattr(proposer, "mesh", None),
                          vocab_axis=getattr(proposer, "vocab_axis", None),
                          local_reduction=proposer.config.use_local_argmax_reduction)
 
 
 def proposer_top_k(proposer: Any, logits: jax.Array, c: int) -> jax.Array:
-    """``greedy_top_k`` with the proposer's ``mesh`` / ``vocab_axis`` options and its
-    config's ``use_local_argmax_reduction``."""
+    """``greedy_top_k`` with the proposer's ``mesh`` / ``vocab_axis`` / local reduction."""
     return greedy_top_k(logits, c, mesh=getattr(proposer, "mesh", None),
                         vocab_axis=getattr(proposer, "vocab_axis", None),
                         local_reduction=proposer.config.use_local_argmax_reduction)

@@ -1,20 +1,10 @@
 """Training data for the demo models: CPython's standard-library sources, byte-tokenized.
 
-Pipeline::
-
-    files = stdlib_py_files()                      # every stdlib *.py, sorted by relative path
-    train, heldout = split_files(files, stdlib_root())   # deterministic whole-file split
-    shard = build_shard(train)                     # BOS + bytes + EOS per file, concatenated
-    batch = sample_windows(shard.tokens, rng, 8, 512)    # host-side random windows
-    batch = device_windows(jnp.asarray(shard.tokens), key, batch=8, length=512)  # on device
-
-or all at once: ``train_shard, heldout_shard, train_files, heldout_files = corpus()``.
-
-Everything is a pure function of the stdlib layout and contents: the split hashes
-relative POSIX paths (not file order, not absolute paths), so two machines with the same
-Python version produce the same shards. Windows cross document boundaries (the BOS/EOS
-tokens tell the model where a file ends); ``TokenShard.doc_starts`` records the
-boundaries for anyone who wants per-document sampling.
+:func:`stdlib_py_files` -> :func:`split_files` (deterministic whole-file split) ->
+:func:`build_shard` (BOS + bytes + EOS per file) -> :func:`sample_windows` (host) or
+:func:`device_windows`; :func:`corpus` does it all. Everything is a pure function of the
+stdlib's relative paths and contents, so the same Python version gives the same shards.
+Windows cross document boundaries (``TokenShard.doc_starts`` records them).
 """
 
 from __future__ import annotations
@@ -120,18 +110,10 @@ def _is_test_path(rel_parts: tuple[str, ...]) -> bool:
 
 
 def stdlib_py_files(root: Path | str | None = None, *, include_tests: bool = True) -> list[Path]:
-    """Every ``*.py`` regular file under ``root`` (default :func:`stdlib_root`), as paths
-    ``root / rel``, sorted by the relative POSIX path ``rel``.
-
-    Always excluded: anything with a directory component (relative to ``root``) named
-    ``site-packages``, ``dist-packages`` or ``__pycache__``. Symlinked directories are not
-    followed; broken symlinks are not listed.
-
-    ``include_tests=False`` additionally drops every file that has a directory component
-    (relative to ``root``) named ``test``, ``tests`` or ``idle_test`` (this covers the
-    stdlib's ``test/`` package and ``idlelib/idle_test/``), and every file whose name starts
-    with ``test_`` wherever it is. Nothing else is dropped (``unittest/``, ``doctest.py``,
-    ``turtledemo/`` stay: they are library code, not tests).
+    """Every ``*.py`` regular file under ``root`` (default :func:`stdlib_root`), sorted by
+    relative POSIX path, outside ``site-packages``, ``dist-packages`` and ``__pycache__``
+    (symlinked directories not followed). ``include_tests=False`` also drops files under a
+    ``test`` / ``tests`` / ``idle_test`` directory and files named ``test_*``.
     """
     root = _check_root(root)
     include_tests = _check_bool("include_tests", include_tests)
@@ -167,15 +149,11 @@ def split_files(
     heldout_fraction: float = 0.05,
     salt: str = DEFAULT_SALT,
 ) -> tuple[list[Path], list[Path]]:
-    """Deterministic whole-file ``(train, heldout)`` split.
+    """Deterministic whole-file ``(train, heldout)`` split, both sorted by relative path.
 
-    A file is held out iff ``u < heldout_fraction``, where ``u`` is the first 8 bytes of
-    ``sha256((salt + rel).encode("utf-8"))`` read as a big-endian integer over ``2**64``
-    and ``rel`` is the file's path relative to ``root`` in POSIX form. The result depends
-    only on the set of relative paths (not on their order, the absolute location of
-    ``root`` or the OS); both lists are sorted by ``rel``. The held-out share is
-    ``heldout_fraction`` in expectation, so a tiny file list may put no file (or every
-    file) in one side. Every file must lie under ``root``; duplicates raise ValueError.
+    A file is held out iff the first 8 bytes of ``sha256(salt + rel)`` (big-endian, over
+    ``2**64``) are below ``heldout_fraction``, ``rel`` its POSIX path relative to ``root``.
+    ValueError for a file outside ``root`` or a duplicate.
     """
     files = _check_paths("files", files)
     if not isinstance(root, (str, os.PathLike)):
@@ -203,14 +181,9 @@ def split_files(
 
 @dataclass
 class TokenShard:
-    """A concatenation of tokenized documents.
-
-    ``tokens``: 1-D ``uint16``, each document laid out as ``BOS, bytes..., EOS``.
-    ``doc_starts``: 1-D ``int64``, the offset of each document's first token (its BOS);
-    strictly increasing, ``doc_starts[0] == 0`` whenever there are tokens.
-    ``skipped_files``: files :func:`build_shard` could not read (not in the shard).
-    ``truncated_files``: files cut to ``max_file_bytes`` by :func:`build_shard`.
-    """
+    """A concatenation of tokenized documents: ``tokens`` 1-D ``uint16`` (``BOS, bytes...,
+    EOS`` per document), ``doc_starts`` 1-D ``int64`` (each BOS's offset), and the
+    ``skipped_files`` / ``truncated_files`` counts of :func:`build_shard`."""
 
     tokens: np.ndarray
     doc_starts: np.ndarray
@@ -259,11 +232,7 @@ class TokenShard:
         return self.tokens[self.doc_starts[i] : end]
 
     def save(self, path: Path | str) -> Path:
-        """Write the shard to ``path`` as one ``.npz`` file (exactly that name; no suffix added).
-
-        Atomic: written to a temporary file in the same directory, fsynced, then
-        ``os.replace``d over ``path``; the temporary file is removed on failure.
-        """
+        """Write the shard to ``path`` (exactly that name) as one ``.npz`` file, atomically."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         path = Path(path)
@@ -315,12 +284,8 @@ def build_shard(
     *,
     max_file_bytes: int | None = None,
 ) -> TokenShard:
-    """Tokenize ``files`` in the given order: each file becomes ``BOS + bytes + EOS``.
-
-    Files that cannot be read (any ``OSError``) are skipped and counted in
-    ``TokenShard.skipped_files``. With ``max_file_bytes``, a longer file keeps only its
-    first ``max_file_bytes`` bytes (counted in ``truncated_files``); its EOS still follows.
-    """
+    """Tokenize ``files`` in order, each as ``BOS + bytes + EOS``; unreadable files are
+    skipped, longer than ``max_file_bytes`` truncated (both counted in the shard)."""
     files = _check_paths("files", files)
     if not isinstance(tokenizer, ByteTokenizer):
         raise TypeError(f"tokenizer must be a ByteTokenizer, got {type(tokenizer).__name__}")
@@ -366,14 +331,8 @@ def sample_windows(tokens: np.ndarray, rng: np.random.Generator, batch: int, len
 
 @functools.partial(jax.jit, static_argnames=("batch", "length"))
 def device_windows(tokens: jax.Array, key: jax.Array, batch: int, length: int) -> jax.Array:
-    """Device-side :func:`sample_windows`: ``[batch, length]`` int32 windows of ``tokens``.
-
-    Jitted with ``batch`` and ``length`` static (pass them as Python ints); ``tokens`` is
-    a 1-D integer array (keep it on device, e.g. ``jnp.asarray(shard.tokens)``, uint16),
-    ``key`` a ``jax.random`` key. Starts are ``jax.random.randint`` in
-    ``[0, len(tokens) - length]``; rows are ``jax.vmap(lax.dynamic_slice)``.
-    Composes with an outer ``jax.jit`` as long as batch/length stay static there.
-    """
+    """Device-side :func:`sample_windows`: ``[batch, length]`` int32 windows of the 1-D
+    ``tokens``, starts uniform from ``key``. ``batch`` and ``length`` are static ints."""
     batch = _check_int("batch", batch, minimum=1)
     length = _check_int("length", length, minimum=1)
     if tokens.ndim != 1:
@@ -401,14 +360,9 @@ def heldout_prompts(
     seed: int = 0,
     tokenizer: ByteTokenizer = BYTE_TOKENIZER,
 ) -> list[list[int]]:
-    """``num_prompts`` evaluation prompts ``[BOS] + prompt_bytes bytes`` (length ``prompt_bytes + 1``).
-
-    Candidates are every non-empty line start (offset 0 or right after ``\\n``, whose byte
-    is not ``\\n``/``\\r``) that leaves at least ``prompt_bytes`` bytes in its file, over all
-    readable ``files`` taken in sorted-path order (unreadable files are skipped). Prompts
-    are the first ``num_prompts`` candidates of ``np.random.default_rng(seed).permutation``,
-    so they are distinct, deterministic, and the prompts for ``k`` are a prefix of those
-    for ``k + 1``. Raises ValueError when there are fewer than ``num_prompts`` candidates.
+    """``num_prompts`` distinct prompts ``[BOS] + prompt_bytes bytes``, each from a
+    non-empty line start of ``files`` with ``prompt_bytes`` bytes left, drawn by a seeded
+    permutation (fewer prompts are a prefix of more). ValueError when too few candidates.
     """
     files = _check_paths("files", files)
     num_prompts = _check_int("num_prompts", num_prompts, minimum=0)
@@ -461,10 +415,7 @@ def corpus(
     salt: str = DEFAULT_SALT,
     max_file_bytes: int | None = None,
 ) -> tuple[TokenShard, TokenShard, list[Path], list[Path]]:
-    """``(train_shard, heldout_shard, train_files, heldout_files)`` for the stdlib at ``root``.
-
-    :func:`stdlib_py_files` -> :func:`split_files` -> :func:`build_shard` on each side.
-    """
+    """``(train_shard, heldout_shard, train_files, heldout_files)`` for the stdlib at ``root``."""
     root = _check_root(root)
     files = stdlib_py_files(root, include_tests=include_tests)
     train, heldout = split_files(files, root, heldout_fraction=heldout_fraction, salt=salt)

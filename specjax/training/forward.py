@@ -1,16 +1,9 @@
 """Training-time forward passes: dense, batched ``[B, T]``, with explicit attention masks.
 
-The inference models (:mod:`specjax.models`) run one ragged batch over a paged KV cache.
-Training needs what inference never does: whole sequences at once, teacher forcing, and
-the attention patterns of *training-time test* (EAGLE-3 / HASS: a draft step ``d`` sees
-the target-feature keys of the context and the keys of its own earlier steps) and of
-DFlash blocks (a block sees its context and itself). These functions compute exactly the
-inference models' math on the same params dicts (``tests/training/test_training_forward.py`` checks
-each against the paged inference forward), with a dense attention over a list of key
-groups, each with its own boolean mask.
-
-Shapes: ``ids``/``positions [B, T] int32``; hidden states ``[B, T, H]``. Params are the
-models' plain nested dicts (canonical structure, ``registry.abstract_params``).
+The inference models' math on the same params dicts, over whole teacher-forced sequences,
+with the attention patterns of training-time test (EAGLE-3 / HASS) and DFlash blocks: a
+dense attention over key groups, each with its own boolean mask. Shapes: ``ids`` /
+``positions [B, T] int32``, hidden states ``[B, T, H]``.
 """
 
 from __future__ import annotations
@@ -137,10 +130,9 @@ ONE_HOT_MAX_VOCAB = 4096
 
 
 def embed_rows(table: Array, ids: Array) -> Array:
-    """``table[ids]``. For small vocabularies (<= ``ONE_HOT_MAX_VOCAB``) computed as
-    ``one_hot(ids) @ table``: the same values (one non-zero term per row), but its
-    gradient is a matmul instead of a scatter-add, which serializes on a GPU when a few
-    rows (a byte vocabulary's space and newline) take most of a 65k-token batch."""
+    """``table[ids]``, as ``one_hot(ids) @ table`` for vocabularies up to
+    ``ONE_HOT_MAX_VOCAB``: the same values, but a matmul gradient instead of a scatter-add
+    that serializes on the most frequent rows."""
     if table.shape[0] <= ONE_HOT_MAX_VOCAB:
         return jnp.einsum("...v,vh->...h", jax.nn.one_hot(ids, table.shape[0], dtype=table.dtype), table)
     return jnp.take(table, ids, axis=0)
@@ -179,10 +171,9 @@ def decoder_logits(params: dict, hidden: Array) -> Array:
 
 
 def ttt_masks(t: int, depth: int) -> list[np.ndarray]:
-    """Visibility of the key groups for a query of unroll step ``depth`` (0-based) at
-    position ``t``: group 0 = depth-0 keys at positions ``s <= t - depth`` (the context
-    the chain started from); group ``e`` (1..depth) = the depth-``e`` key at ``s = t -
-    depth + e`` only (the chain's own earlier steps). Each ``[1, T, T]`` bool."""
+    """Key-group masks (each ``[1, T, T]`` bool) of unroll step ``depth`` at position ``t``:
+    group 0 sees depth-0 keys at ``s <= t - depth``; group ``e`` (1..depth) the depth-``e``
+    key at ``s = t - depth + e`` only."""
     q = np.arange(t)[:, None]
     s = np.arange(t)[None, :]
     out = [(s <= q - depth)[None]]
@@ -201,15 +192,10 @@ def eagle_ttt(kind: str, params: dict, cfg: ModelConfig, ids: Array, features: A
               depth: int) -> list[tuple[Array, Array]]:
     """Training-time test unroll of an EAGLE-1 (``kind="eagle"``) or EAGLE-3 head.
 
-    ``ids [B, T]``: the draft input tokens (position ``t`` holds token ``x_{t+1}``, the
-    EAGLE shift); ``features [B, T, Hf]``: target post-norm hidden (EAGLE-1) or stacked aux
-    states ``[B, T, n_aux * Ht]`` (EAGLE-3; ``fc`` applied here). Step 0 is the first
-    forward of a draft chain at every position; step ``d`` re-runs the head at every
-    position with the hidden input of step ``d-1`` one position back, attending as a real
-    chain does (``ttt_masks``). Returns per step ``(logits_hidden [B, T, H], prenorm [B, T, H])``:
-    EAGLE-1's output is both; EAGLE-3's first is ``norm(prenorm)``. EAGLE-3's v0.33 options
-    as the inference head: the pre-fc norms (``norm_before_fc``, ``fc_norm``), and the next
-    step's hidden is the normed output with ``norm_output``.
+    ``ids [B, T]``: position ``t`` holds ``x_{t+1}``; ``features``: target post-norm hidden
+    ``[B, T, H]`` (EAGLE-1) or aux states ``[B, T, n_aux * Ht]`` (EAGLE-3). Step ``d`` takes
+    step ``d-1``'s hidden one position back and attends as a draft chain does
+    (:func:`ttt_masks`). Returns per step ``(logits_hidden [B, T, H], prenorm [B, T, H])``.
     """
     if kind not in ("eagle", "eagle3"):
         raise ValueError(f"kind must be 'eagle' or 'eagle3', got {kind!r}")
@@ -267,19 +253,13 @@ def eagle_ttt(kind: str, params: dict, cfg: ModelConfig, ids: Array, features: A
 
 def dflash_blocks(params: dict, cfg: ModelConfig, aux: Array, anchors: Array,
                   anchor_ids: Array, block_lens: Array) -> Array:
-    """DFlash training forward: for each anchor ``p`` a query block ``[x_p, mask, ...]`` at
-    positions ``p .. p + K - 1`` (``K = cfg.block_size``) that sees the context K/V of
-    positions ``< p`` (from ``hidden_norm(fc(aux))``, every layer's k/v projection of it,
-    no input norm) and, non-causally, the first ``block_lens`` slots of its own block.
+    """DFlash training forward: per anchor ``p`` a block ``[x_p, mask, ...]`` at positions
+    ``p .. p + K - 1`` seeing the context K/V of positions ``< p`` and, non-causally, the
+    first ``block_lens`` slots of its own block.
 
-    Args:
-      aux: ``[B, T, n_aux * Ht]`` target aux states at every position.
-      anchors: ``[B, M] int32`` block start positions (``1 <= p <= T - K``).
-      anchor_ids: ``[B, M] int32`` the token at each anchor (the bonus token).
-      block_lens: ``[B, M] int32`` in ``[2, K]``: slots ``>= len`` are ignored (a shorter
-        block, as with ``k = len - 1`` drafts at inference).
-
-    Returns: ``hidden [B, M, K, H]`` post-norm (slot ``j >= 1`` predicts ``x_{p + j}``).
+    ``aux [B, T, n_aux * Ht]``; ``anchors``, ``anchor_ids`` (the bonus tokens),
+    ``block_lens`` (in ``[2, K]``): ``[B, M] int32``, ``1 <= p <= T - K``. Returns
+    ``hidden [B, M, K, H]`` post-norm (slot ``j >= 1`` predicts ``x_{p + j}``).
     """
     c = cfg
     kb = c.block_size

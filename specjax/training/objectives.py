@@ -1,21 +1,10 @@
 """Losses of every model kind: the target LM (next-token cross-entropy) and the draft heads
-(self-distillation: the frozen target's own next-token distributions are the labels,
-teacher-forced on the target's hidden states).
+(self-distillation on the frozen target's next-token distributions).
 
-Every objective has the signature ``loss(params, frozen, tokens, key) -> (loss, metrics)``:
-``params`` is what is trained, ``frozen`` a dict of everything fixed (the target's params
-and static arrays), ``tokens [B, T] int32`` a batch of corpus windows, ``key`` a PRNG key.
-``metrics`` are scalars; ``top1`` is the fraction of positions where the draft's argmax
-equals the target's (what greedy verification accepts, position by position).
-
-Alignment (``f_t`` = target hidden at position ``t``, which predicts ``x_{t+1}``; ``L_t`` =
-target logits at ``t``):
-
-* EAGLE-1 / EAGLE-3, unroll step ``d``: input token ``x_{t+1}`` and feature ``f_t`` (step
-  0) or the head's own output of step ``d-1`` at ``t-1``; label ``L_{t+1}``.
-* Medusa head ``k``: input ``f_t``; label ``L_{t+1+k}`` (it proposes ``x_{t+2+k}``).
-* Draft model: a causal LM on ``x``; label ``L_t``.
-* DFlash: block at anchor ``p`` = ``[x_p, mask, ...]``; slot ``j >= 1`` label ``L_{p+j-1}``.
+Every objective is ``loss(params, frozen, tokens [B, T] int32, key) -> (loss, metrics)``,
+``frozen`` holding everything fixed (the target's params, static arrays); ``metrics`` are
+scalars, ``top1`` the fraction of positions where the draft's argmax equals the target's.
+Each kind's inputs and labels: docs/training.md, "What each objective teaches".
 """
 
 from __future__ import annotations

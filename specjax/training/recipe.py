@@ -1,19 +1,14 @@
 """The demo-model recipe: reproduces every shipped demo weight from scratch.
 
-A byte-level Llama target (4 layers, width 256, 3.3M params) trained on CPython's
-standard-library sources (held-out split of whole files), then every kind of draft trained
-against it by self-distillation (:mod:`specjax.training.objectives`), each exported in its
-real upstream layout (:func:`specjax.converters.export.export_checkpoint`) in fp16::
+A byte-level Llama target (4 layers, width 256) trained on CPython's standard library, then
+every kind of draft distilled from it, each exported in its upstream layout in fp16::
 
-    python -m specjax.training.recipe --out DIR                 # everything (GPU: ~10 min)
-    python -m specjax.training.recipe --out DIR --stage target
+    python -m specjax.training.recipe --out DIR                 # everything
     python -m specjax.training.recipe --out DIR --stage heads --target DIR/target
-    python -m specjax.training.recipe --out DIR --scale smoke   # seconds on a CPU (tests)
+    python -m specjax.training.recipe --out DIR --scale smoke   # a CPU-sized run
 
-``DIR/<name>/`` gets one checkpoint per model (``target``, ``eagle``, ``eagle3``,
-``medusa``, ``draft_model``, ``dflash``) and ``DIR/report_<stage>.json`` the training
-history, held-out metrics and timings. The shipped copies live in
-``specjax/demo_models/`` (:mod:`specjax.demo_models`).
+``DIR/<name>/`` gets one checkpoint per model and ``DIR/report_<stage>.json`` the training
+history and held-out metrics (the shipped copies: :mod:`specjax.demo_models`).
 """
 
 from __future__ import annotations
@@ -74,7 +69,7 @@ HEADS_HF = {
 }
 HEAD_NAMES = tuple(HEADS_HF)
 
-#: Training schedules (``full``: the shipped weights, on one H200).
+#: Training schedules (``full``: the shipped weights, sized for one GPU).
 SCHEDULES = {
     "full": {
         "target": TrainConfig(steps=3000, batch_size=128, seq_len=512, lr=3e-3, warmup_steps=200,
@@ -225,10 +220,9 @@ def run(out: Path, *, stage: str = "all", target: Path | None = None, scale: str
         model_budget_s: float | None = None, log: Callable[[str], None] = print) -> dict:
     """Train and export; returns the report (also written to ``out/report_<stage>.json``).
 
-    ``deadline_s``: wall-clock budget for this call; a head is skipped (and listed in
-    ``report["skipped"]``) when the time left is under its estimate, so a later call
-    (``--stage heads --heads ...``) can train it. ``model_budget_s``: training-time
-    budget of each model (its schedule is shortened to fit, see ``trainer.train``).
+    ``deadline_s``: wall-clock budget of this call; a head that would not fit is skipped
+    and listed in ``report["skipped"]``. ``model_budget_s``: per-model training budget
+    (schedules shortened, ``trainer.train``).
     """
     if stage not in ("all", "target", "heads"):
         raise ValueError(f"stage must be 'all', 'target' or 'heads', got {stage!r}")

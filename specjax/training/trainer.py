@@ -1,9 +1,8 @@
 """The training loop: AdamW (optax) with warm-up + cosine decay and gradient clipping, one
-``jax.jit`` step with params and optimizer state donated, batches sampled on the device
-(no host transfer per step), metrics fetched only every ``log_every`` steps.
+``jax.jit`` step with params and optimizer state donated, batches sampled on the device.
 
-Also: parameter initialization for training (``init_params``) and params checkpoints as
-single safetensors files (``save_params`` / ``load_params``, written atomically).
+Also training initialization (``init_params``) and single-file safetensors params
+checkpoints (``save_params`` / ``load_params``).
 """
 
 from __future__ import annotations
@@ -29,15 +28,10 @@ from specjax.training.objectives import Objective
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Hyper-parameters of one training run.
-
-    steps: optimizer steps; batch_size x seq_len tokens per step (windows of the corpus).
-    lr: peak learning rate, reached after ``warmup_steps`` linear warm-up, then cosine decay
-    to ``lr * final_lr_fraction``. weight_decay: AdamW decay on matrices only (ndim >= 2).
-    grad_clip: global-norm clip. b2: Adam's second-moment decay. log_every: steps between
-    metric fetches (the only host syncs). seed: PRNG seed of the batches and of the
-    objective's randomness.
-    """
+    """Hyper-parameters of one training run: ``batch_size x seq_len`` tokens per step;
+    ``lr`` peak after ``warmup_steps``, cosine decay to ``lr * final_lr_fraction``;
+    ``weight_decay`` on matrices only; ``grad_clip`` global norm; ``log_every`` steps between
+    metric fetches (the only host syncs); ``seed`` of batches and objective randomness."""
 
     steps: int
     batch_size: int
@@ -76,8 +70,7 @@ def lr_at(tc: TrainConfig, step: jax.Array, total: jax.Array) -> jax.Array:
 
 
 def make_optimizer(tc: TrainConfig):
-    """Clip + AdamW at unit learning rate; :func:`train` scales the update by :func:`lr_at`
-    (so AdamW's decoupled weight decay is ``lr * weight_decay``, as in ``optax.adamw``)."""
+    """Clip + AdamW at unit learning rate; :func:`train` scales the update by :func:`lr_at`."""
     import optax
 
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
@@ -91,13 +84,10 @@ def train(objective: Objective, params: dict, frozen: dict, tokens: np.ndarray |
           name: str = "train", time_budget_s: float | None = None) -> tuple[dict, list[dict]]:
     """Train ``params`` on windows of ``tokens`` (1-D token ids) with ``objective``.
 
-    ``time_budget_s``: if, measured after the first steps, ``tc.steps`` would not finish
-    in this many seconds, the run is shortened to what fits and the learning-rate
-    schedule ends there (the history's rows then carry ``total_steps`` < ``tc.steps``).
-
-    Returns ``(params, history)``; ``history`` holds the logged metrics (every
-    ``log_every`` steps and the last step), each with ``step``, ``total_steps`` and
-    ``elapsed_s``.
+    ``time_budget_s``: when ``tc.steps`` would not fit (measured after the first steps),
+    the run and its schedule are shortened to fit. Returns ``(params, history)``: the
+    metrics of every ``log_every``-th and the last step, with ``step``, ``total_steps``
+    and ``elapsed_s``.
     """
     import optax
 
@@ -183,12 +173,9 @@ def evaluate(objective: Objective, params: dict, frozen: dict, tokens: np.ndarra
 
 def init_params(kind: str, config: ModelConfig, key: jax.Array, *, std: float = 0.02,
                 overrides: dict[str, Any] | None = None) -> dict:
-    """Training initialization of a model's params (the structure of
-    ``registry.abstract_params``): norm weights 1, biases 0, matrices N(0, std) with the
-    residual-output projections (``o_proj``, ``down_proj``) scaled by ``1/sqrt(2 L)``;
-    Medusa ResBlocks start at 0 (each head starts as the identity, as Medusa does).
-    ``overrides``: top-level entries replaced as given (e.g. an ``lm_head`` copied from the
-    target)."""
+    """Training initialization (``registry.abstract_params`` structure): norms 1, biases 0,
+    matrices N(0, std), ``o_proj`` / ``down_proj`` scaled by ``1/sqrt(2 L)``, Medusa
+    ResBlocks 0 (identity heads). ``overrides``: top-level entries replaced as given."""
     abstract = registry.abstract_params(kind, config, jnp.float32)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     keys = jax.random.split(key, len(flat))

@@ -67,7 +67,7 @@ def test_penalties_change_the_processed_logprobs_of_the_timed_step():
     for mode in ("raw_logprobs", "processed_logprobs"):
         eng = sampling.engine(models, "eagle3", 2, mml, 3, jnp.float32, mode)
         for name, sp in (("on", sampling.LOGPROBS), ("off", plain), ("again", sampling.LOGPROBS)):
-            batch, out = eng.decode_step_output(2, 24, sampling_params=sp)
+            batch, out = eng.diagnostics.decode_step_output(2, 24, sampling_params=sp)
             assert (batch.procs is not None) is (name != "off")
             top[mode, name] = np.asarray(out.logprobs.logprobs)[:2, 0, 1:]   # slot 0, the top 8
     assert np.isfinite(top["raw_logprobs", "on"]).all()
@@ -84,14 +84,14 @@ def test_bad_variant_is_refused_by_name():
 
 
 def test_bench_sampling_params_checked_before_work():
-    """``Engine.time_decode_step(sampling_params=...)``: one per request or one for all,
+    """``engine.diagnostics.time_decode_step(sampling_params=...)``: one per request or one for all,
     each within the engine's processor limits; refused naming the argument otherwise."""
     eng = sampling.engine(e2e.Models("tiny", jnp.float32), "plain", 2, e2e.max_model_len(24, 3), 3,
                           jnp.float32, "raw_logprobs")
-    free = len(eng.free_rows)
+    free = len(eng.scheduler.free_rows)
     with pytest.raises(ValueError, match=r"sampling_params must be None, a SamplingParams or 2"):
-        eng.time_decode_step(2, 24, sampling_params=[sampling.GREEDY])
+        eng.diagnostics.time_decode_step(2, 24, sampling_params=[sampling.GREEDY])
     with pytest.raises(ValueError, match=r"sampling_params\[1\]\.logit_bias has 40 entries.*max_logit_bias is 32"):
-        eng.time_decode_step(2, 24, sampling_params=[sampling.GREEDY, dataclasses.replace(
+        eng.diagnostics.time_decode_step(2, 24, sampling_params=[sampling.GREEDY, dataclasses.replace(
             sampling.GREEDY, logit_bias={t: 1.0 for t in range(40)})])
-    assert len(eng.free_rows) == free                   # nothing taken
+    assert len(eng.scheduler.free_rows) == free         # nothing taken

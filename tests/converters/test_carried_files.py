@@ -90,7 +90,7 @@ def test_carried_byte_for_byte_and_recorded(converted):
 ORBAX_PART = [r"_CHECKPOINT_METADATA", r"_METADATA", r"_sharding", r"array_metadatas/process_0",
               r"commit_success\.txt", r"manifest\.ocdbt", r"d/[0-9a-f]{32}",
               r"ocdbt\.process_0/manifest\.ocdbt", r"ocdbt\.process_0/d/[0-9a-f]{32}"]
-#: Files of a part that a restore may leave unread (store.py's docstring): orbax's
+#: Files of a part that a restore may leave unread (docs/converters.md ("The converted directory")): orbax's
 #: bookkeeping (_sharding and array_metadatas/ are read only when present), and the
 #: per-process OCDBT index (its manifest and b-tree nodes), which
 #: orbax's merge into the part's root manifest.ocdbt + d/ leaves unreferenced; the root

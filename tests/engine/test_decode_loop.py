@@ -1,4 +1,4 @@
-"""The device-resident decode loop (``specjax.runtime.decode_loop``, ``Engine(steps_per_sync=N)``).
+"""The device-resident decode loop (``specjax.runtime.decode_loop``, ``LoopOptions(steps_per_sync=N)``).
 
 The references are independent of the loop: the host batch builder (``build_batch``) for
 the batch the loop builds on the device; the per-step loop (``steps_per_sync=1``) and plain
@@ -18,25 +18,27 @@ import specjax
 from specjax.runtime.batch import build_batch, trim_drafts
 from specjax.runtime.decode_loop import (LoopState, decode_loop, device_batch, loop_blocks_needed,
                                  loop_cache_size, make_loop_state)
-from specjax.engine import Engine, SamplingParams, generate, step_cache_size
+from specjax.engine import Engine, LoopOptions, SamplingParams, generate, step_cache_size
 
 try:
     from test_engine import (BS, FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B,
-                             V, _fast_compiles, baseline, build, eos_b, target)  # noqa: F401
+                             V, _fast_compiles, baseline, build, eos_b, fixed, target)  # noqa: F401
 except ImportError:  # tests/ made a package
     from tests.test_engine import (BS, FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A,  # noqa: F401
-                                   PROMPTS_B, V, _fast_compiles, baseline, build, eos_b, target)
+                                   PROMPTS_B, V, _fast_compiles, baseline, build, eos_b, fixed,
+                                   target)
 
 DEVICE_METHODS = [m for m in ("eagle", "eagle3", "dflash", "medusa", "mtp", "draft_model", "ngram_gpu",
                               "extract_hidden_states") if m in METHODS]
 
 
-def run(proposer, which: str, n: int = 1, params=None, **kw):
+def run(proposer, which: str, n: int = 1, params=None, stat_loggers=(), **loop):
     if which == "A":
-        return generate(target(), proposer, PROMPTS_A, params or PARAMS_A, steps_per_sync=n,
-                        **dict(FIXED, **kw))
+        return generate(target(), proposer, PROMPTS_A, params or PARAMS_A,
+                        stat_loggers=stat_loggers, **fixed(steps_per_sync=n, **loop))
     return generate(target(), proposer, PROMPTS_B, params or PARAMS_B, max_num_seqs=3,
-                    eos_token_id=eos_b(), steps_per_sync=n, **dict(FIXED, **kw))
+                    eos_token_id=eos_b(), stat_loggers=stat_loggers,
+                    **fixed(steps_per_sync=n, **loop))
 
 
 # --- the batch the loop builds on the device -------------------------------------------
@@ -242,7 +244,7 @@ def test_joining_leaving_zero_recompiles(caplog, monkeypatch):
     import specjax.engine.device_loop as loop_mod
 
     prop = build("eagle3", 3)
-    eng = Engine(target(), prop, max_num_seqs=3, steps_per_sync=8, **FIXED)
+    eng = Engine(target(), prop, max_num_seqs=3, **fixed(steps_per_sync=8))
     calls = []
     real = loop_mod.decode_loop
     monkeypatch.setattr(loop_mod, "decode_loop", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -255,23 +257,26 @@ def test_joining_leaving_zero_recompiles(caplog, monkeypatch):
     assert again.token_ids == baseline("B").token_ids[::-1]
     assert (loop_cache_size(), step_cache_size()) == before
     assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")], [r.getMessage()[:300] for r in caplog.records if r.getMessage().startswith("Compiling")]
-    assert len(eng.free_blocks) == eng.num_blocks - 1 and len(eng.free_rows) == 3
+    assert len(eng.scheduler.free_blocks) == eng.num_blocks - 1
+    assert len(eng.scheduler.free_rows) == 3
 
 
 @pytest.mark.smoke
 def test_refused_by_name():
-    FIXED4 = dict(FIXED, max_num_seqs=4)   # FIXED's one batch bucket holds 4
+    def engine(prop, **loop):                # FIXED's one batch bucket holds 4
+        return Engine(target(), prop, max_num_seqs=4, **fixed(**loop))
+
     for method, extra, match in (("ngram", {}, "method='ngram'"), ("suffix", {}, "method='suffix'"),
                                  ("eagle3", dict(disable_padded_drafter_batch=True),
                                   "disable_padded_drafter_batch")):
         if method not in METHODS:
             continue
         with pytest.raises(ValueError, match=match):
-            Engine(target(), build(method, 3, **extra), steps_per_sync=4, **FIXED4)
-        Engine(target(), build(method, 3, **extra), steps_per_sync=1, **FIXED4)   # per-step: fine
+            engine(build(method, 3, **extra), steps_per_sync=4)
+        engine(build(method, 3, **extra), steps_per_sync=1)   # per-step: fine
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="steps_per_sync"):
-            Engine(target(), None, steps_per_sync=bad, **FIXED4)
+            LoopOptions(steps_per_sync=bad)
     step = specjax.make_step(target().model, None)
     st = make_loop_state(last_token=[1], num_computed=[3], drafts=[[]], max_tokens=[4],
                          num_output=[1], block_ids=[[1]], k=0, num_reqs_pad=2,
@@ -405,11 +410,11 @@ def test_fixed_trip_count_loop_equals_per_step(method):
            for i, sp in enumerate(PARAMS_B)]
     for params in (None, sps):
         step = run(prop, "B", 1, params=params)
-        fixed = run(prop, "B", 5, params=params, loop_early_exit=False)
-        assert fixed.token_ids == step.token_ids, method
-        assert fixed.spec_stats == step.spec_stats and fixed.num_steps == step.num_steps
-    with pytest.raises(ValueError, match="loop_early_exit"):
-        Engine(target(), prop, steps_per_sync=4, loop_early_exit="no", max_num_seqs=4, **FIXED)
+        trip = run(prop, "B", 5, params=params, early_exit=False)
+        assert trip.token_ids == step.token_ids, method
+        assert trip.spec_stats == step.spec_stats and trip.num_steps == step.num_steps
+    with pytest.raises(ValueError, match="early_exit"):
+        LoopOptions(steps_per_sync=4, early_exit="no")
 
 
 @pytest.mark.parametrize("on_cpu", [False, True])
@@ -422,16 +427,16 @@ def test_warmup_compiles_the_loop(caplog, monkeypatch, on_cpu):
     monkeypatch.setattr(dl, "_on_cpu", lambda params: on_cpu)
     rows = 3 if on_cpu else 2      # a bucket no other test (nor the other case) compiles
     want = generate(target(), None, PROMPTS_A, PARAMS_A, max_num_seqs=rows,
-                    **dict(FIXED, batch_buckets=(rows,))).token_ids   # compiled outside the window
+                    **fixed(batch_buckets=(rows,))).token_ids   # compiled outside the window
     for method in ("eagle3", "ngram_gpu"):
         if method not in METHODS:
             continue
-        eng = Engine(target(), build(method, 3), max_num_seqs=rows, steps_per_sync=4,
-                     **dict(FIXED, batch_buckets=(rows,)))
+        eng = Engine(target(), build(method, 3), max_num_seqs=rows,
+                     **fixed(steps_per_sync=4, batch_buckets=(rows,)))
         n = eng.warmup([rows], [16], all_greedy=(True, False), stop_pads=(1,))
-        # steps and loops, greedy and not; the loop in both forms (loop_early_exit=None),
+        # steps and loops, greedy and not; the loop in both forms (early_exit=None),
         # or the early-exit one on a CPU target
-        assert eng._loop_forms() == ((True,) if on_cpu else (False, True))
+        assert eng.driver.forms() == ((True,) if on_cpu else (False, True))
         assert n == 2 + 2 * (1 if on_cpu else 2), n
         before = (loop_cache_size(), step_cache_size())
         with jax.log_compiles(), caplog.at_level(logging.DEBUG, logger="jax"):
@@ -473,8 +478,8 @@ def _caches_in_place_body():
         if method is not None and method not in METHODS:
             continue
         eng = Engine(target(), None if method is None else build(method, 3), max_num_seqs=4,
-                     steps_per_sync=4, **FIXED)
-        _, q, _ = eng._buckets(4, eng.k + 1, 1)
+                     **fixed(steps_per_sync=4))
+        _, q, _ = eng.scheduler.buckets(4, eng.k + 1, 1)
         st = make_loop_state(last_token=[], num_computed=[], drafts=[], max_tokens=[],
                              num_output=[], block_ids=[], k=eng.k, num_reqs_pad=4,
                              blocks_per_req_pad=MML // BS, query_len_pad=q, max_model_len=MML,
@@ -487,4 +492,4 @@ def _caches_in_place_body():
             n_kv = len([x for x in jax.tree.leaves((eng.target_kv, eng.draft_state))
                         if getattr(x, "ndim", 0) == 4])
             assert low.as_text().count("tf.aliasing_output") >= n_kv, method
-            assert eng.kv_cache_copies(low.compile().as_text()) == 0, (method, early_exit)
+            assert eng.diagnostics.kv_cache_copies(low.compile().as_text()) == 0, (method, early_exit)

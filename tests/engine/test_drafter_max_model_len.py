@@ -55,11 +55,11 @@ def _record(monkeypatch):
     ``num_tokens`` the request's committed tokens when the step starts (its drafts sit at
     positions ``num_tokens ..``), read from the step's batch / the loop's output."""
     import specjax.engine.device_loop as device_loop_mod
-    import specjax.engine.loop as loop_mod
+    import specjax.engine.engine as engine_mod
 
     seen: list[list[tuple[int, int]]] = []
     shapes: set = set()
-    run, dl = loop_mod.Engine._run, device_loop_mod.decode_loop
+    run, dl = engine_mod.Engine._run, device_loop_mod.decode_loop
 
     def _run(self, batch):
         shapes.add(("step", np.shape(batch.input_ids), np.shape(batch.attn.block_table)))
@@ -85,7 +85,7 @@ def _record(monkeypatch):
             nt = nt + o.counts[it]
         return out, tkv, ds, state
 
-    monkeypatch.setattr(loop_mod.Engine, "_run", _run)
+    monkeypatch.setattr(engine_mod.Engine, "_run", _run)
     monkeypatch.setattr(device_loop_mod, "decode_loop", decode_loop)   # the engine's loop calls
     return seen, shapes
 
@@ -93,18 +93,18 @@ def _record(monkeypatch):
 @pytest.mark.parametrize("steps_per_sync", [1, 4])
 def test_drafting_stops_past_the_drafters_limit(monkeypatch, steps_per_sync):
     from specjax import generate
-    from specjax.engine import SamplingParams
+    from specjax.engine import LoopOptions, SamplingParams
 
     tgt, prompts, sp = _target(), _prompts(), SamplingParams(max_tokens=MAX_TOKENS)
     want = generate(tgt, None, prompts, sp, max_model_len=MAX_MODEL_LEN)
     free = generate(tgt, _proposer(None), prompts, sp, max_model_len=MAX_MODEL_LEN,
-                    steps_per_sync=steps_per_sync)
+                    options=LoopOptions(steps_per_sync=steps_per_sync))
     prop = _proposer(LIMIT)
     assert prop.feed.drafter_max_model_len == LIMIT and prop.feed.max_model_len == MAX_MODEL_LEN
     seen, shapes = _record(monkeypatch)
     c_step, c_loop = step_cache_size(), loop_cache_size()
     got = generate(tgt, prop, prompts, sp, max_model_len=MAX_MODEL_LEN,
-                   steps_per_sync=steps_per_sync)
+                   options=LoopOptions(steps_per_sync=steps_per_sync))
     grew = (step_cache_size() - c_step, loop_cache_size() - c_loop)
 
     # lossless
@@ -173,7 +173,7 @@ def test_tree_drafting_stops_past_the_drafters_limit(monkeypatch, steps_per_sync
     """Trees: a request verifies no node once its deepest level would pass the limit
     (``num_tokens + depth > limit``), in both loops; greedy output stays plain greedy's."""
     from specjax import generate, make_proposer
-    from specjax.engine import SamplingParams
+    from specjax.engine import LoopOptions, SamplingParams
 
     tgt, prompts, sp = _target(), _prompts(), SamplingParams(max_tokens=MAX_TOKENS)
     want = generate(tgt, None, prompts, sp, max_model_len=MAX_MODEL_LEN)
@@ -185,7 +185,7 @@ def test_tree_drafting_stops_past_the_drafters_limit(monkeypatch, steps_per_sync
     assert depth == 3 and prop.feed.drafter_max_model_len == LIMIT
     seen, _ = _record(monkeypatch)
     got = generate(tgt, prop, prompts, sp, max_model_len=MAX_MODEL_LEN,
-                   steps_per_sync=steps_per_sync)
+                   options=LoopOptions(steps_per_sync=steps_per_sync))
     assert got.token_ids == want.token_ids
     on = off = 0
     for rows in seen:

@@ -9,6 +9,7 @@ Everything runs on tiny fp32 models with fixed buckets, so each (method, k) comp
 step (the jit cache is keyed by value: equal configs built twice share it).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -20,7 +21,8 @@ from scipy import stats
 import specjax
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.config import SpeculativeConfig
-from specjax.engine import Engine, SamplingParams, TargetModel, generate, step_cache_size
+from specjax.engine import (Engine, LoopOptions, SamplingParams, TargetModel, generate,
+                            step_cache_size)
 from specjax.metrics import SpecDecodingLogging
 from specjax.models import registry
 from specjax.proposers import (DraftOutput, Feed, Proposer, TokenHistory, available_methods,
@@ -32,8 +34,14 @@ GEO = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_
 AUX = (0, 1)                  # target layers read by EAGLE-3 / DFlash / extract-hidden-states
 MML, BS = 48, 8
 # One bucket each: every (method, k) compiles exactly one step.
-FIXED = dict(max_model_len=MML, block_size=BS, batch_buckets=(4,), query_buckets=(16,),
-             context_buckets=(MML // BS,), num_blocks=1 + 4 * (MML // BS))
+LOOP = LoopOptions(batch_buckets=(4,), query_buckets=(16,), context_buckets=(MML // BS,))
+FIXED = dict(max_model_len=MML, block_size=BS, num_blocks=1 + 4 * (MML // BS), options=LOOP)
+
+
+def fixed(**loop) -> dict:
+    """``FIXED`` with these ``LoopOptions`` fields changed."""
+    return dict(FIXED, options=dataclasses.replace(LOOP, **loop))
+
 METHODS = available_methods()
 HEADS = {
     "eagle": ("eagle", dict(GEO, num_hidden_layers=1, bias=True)),
@@ -210,7 +218,7 @@ def test_default_buckets_and_no_recompile_inside_a_bucket():
     """Power-of-two buckets: the batch shrinks as requests finish; a second run whose batch
     compositions stay inside the same buckets compiles nothing new."""
     prop = build("ngram", 2)
-    kw = dict(max_model_len=MML, block_size=BS, context_buckets=(MML // BS,))
+    kw = dict(max_model_len=MML, block_size=BS, options=LoopOptions(context_buckets=(MML // BS,)))
     first = generate(target(), prop, PROMPTS_A, PARAMS_A, **kw)
     assert first.token_ids == baseline("A").token_ids
     before = step_cache_size()
@@ -227,7 +235,8 @@ def test_engine_warmup_then_no_compile():
     assert out.token_ids == baseline("A").token_ids
     assert step_cache_size() == before
     # the engine is reusable: blocks and rows came back
-    assert len(eng.free_blocks) == eng.num_blocks - 1 and len(eng.free_rows) == 4
+    assert len(eng.scheduler.free_blocks) == eng.num_blocks - 1
+    assert len(eng.scheduler.free_rows) == 4
 
 
 def test_one_token_steps_do_not_copy_the_kv_cache():
@@ -240,29 +249,30 @@ def test_one_token_steps_do_not_copy_the_kv_cache():
     pads them, for comparison.)"""
     tgt = target()
     n_layers = tgt.model.config.num_hidden_layers
-    kw = dict(max_model_len=MML, block_size=BS, max_num_seqs=1, batch_buckets=(1,),
-              context_buckets=(MML // BS,))
+    loop = LoopOptions(batch_buckets=(1,), context_buckets=(MML // BS,))
+    pad2 = dataclasses.replace(loop, min_tokens_per_step=2)
+    kw = dict(max_model_len=MML, block_size=BS, max_num_seqs=1)
     copies = {}
-    for name, prop, extra in (("plain T=1", None, {}), ("plain T=2", None, dict(min_tokens_per_step=2)),
-                              ("ngram k=3", build("ngram", 3), {}), ("eagle k=3", build("eagle", 3), {})):
-        eng = Engine(tgt, prop, **kw, **extra)
-        low = eng.lower_decode_step(1, 20)
+    for name, prop, opts in (("plain T=1", None, loop), ("plain T=2", None, pad2),
+                             ("ngram k=3", build("ngram", 3), loop), ("eagle k=3", build("eagle", 3), loop)):
+        eng = Engine(tgt, prop, **kw, options=opts)
+        low = eng.diagnostics.lower_decode_step(1, 20)
         # donated: every K and V cache aliases an output, whatever the step
         assert low.as_text().count("tf.aliasing_output") >= 2 * n_layers, name
         hlo = low.compile().as_text()
         assert "input_output_alias" in hlo
-        t_pad = eng.decode_step_tokens(1, 20)
-        copies[name] = (t_pad, eng.kv_cache_copies(hlo))
-        assert len(eng.free_rows) == 1 and len(eng.free_blocks) == eng.num_blocks - 1
+        t_pad = eng.diagnostics.decode_step_tokens(1, 20)
+        copies[name] = (t_pad, eng.diagnostics.kv_cache_copies(hlo))
+        assert len(eng.scheduler.free_rows) == 1
+        assert len(eng.scheduler.free_blocks) == eng.num_blocks - 1
     assert copies == {"plain T=1": (1, 0), "plain T=2": (2, 0), "ngram k=3": (4, 0),
                       "eagle k=3": (4, 0)}, copies
     # padding changes nothing but the shapes: same tokens, one request at a time
-    one = dict(kw, num_blocks=None)
-    a = generate(tgt, None, PROMPTS_A, PARAMS_A, **one)
-    b = generate(tgt, None, PROMPTS_A, PARAMS_A, **one, min_tokens_per_step=2)
+    a = generate(tgt, None, PROMPTS_A, PARAMS_A, **kw, options=loop)
+    b = generate(tgt, None, PROMPTS_A, PARAMS_A, **kw, options=pad2)
     assert a.token_ids == b.token_ids == baseline("A").token_ids
     with pytest.raises(ValueError, match="min_tokens_per_step"):
-        Engine(tgt, None, **kw, min_tokens_per_step=0)
+        LoopOptions(min_tokens_per_step=0)
 
 
 @pytest.mark.gpu
@@ -300,9 +310,11 @@ def test_gpu_tree_step_updates_the_caches_in_place(monkeypatch):
         prop = make_proposer(spec, draft=hcfg, draft_params=hparams, target=tgt.model,
                              target_params=tgt.params, max_model_len=mml, block_size=bs)
         eng = Engine(tgt, prop, max_model_len=mml, block_size=bs, max_num_seqs=batch,
-                     batch_buckets=(batch,), context_buckets=(mml // bs,), kv_dtype=jnp.bfloat16)
+                     kv_dtype=jnp.bfloat16, options=LoopOptions(batch_buckets=(batch,),
+                                                                context_buckets=(mml // bs,)))
         assert eng.tree is not None
-        return eng.kv_cache_copies(eng.lower_decode_step(batch, 1000).compile().as_text())
+        diag = eng.diagnostics
+        return diag.kv_cache_copies(diag.lower_decode_step(batch, 1000).compile().as_text())
 
     fixed = copies()
     monkeypatch.setattr(step_mod, "lax", type("NoBarrier", (), {
@@ -335,8 +347,8 @@ def test_time_decode_step_ngram_gpu_uploads_contexts_once():
     the untimed first call, each timed call sends one new token per request."""
     prop = build("ngram_gpu", 3)
     eng = Engine(target(), prop, max_model_len=MML, block_size=BS, max_num_seqs=2,
-                 batch_buckets=(2,), context_buckets=(MML // BS,))
-    t = eng.time_decode_step(2, 30, iters=5)
+                 options=LoopOptions(batch_buckets=(2,), context_buckets=(MML // BS,)))
+    t = eng.diagnostics.time_decode_step(2, 30, iters=5)
     assert t["step_s"] > 0 and t["host_propose_s"] > 0
     assert prop.num_context_uploads == 2
     assert not prop._slots                     # finished: the rows are free again
@@ -453,7 +465,7 @@ def _sample_run(prop):
     # max_tokens=3: the token after the prefill's is verified against one draft
     sps = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(N_SAMPLES)]
     return generate(tgt, prop, [SAMPLE_PROMPT] * N_SAMPLES, sps, max_model_len=16, block_size=BS,
-                    query_buckets=(8,), context_buckets=(2,))
+                    options=LoopOptions(query_buckets=(8,), context_buckets=(2,)))
 
 
 @pytest.mark.parametrize("method", [m for m in ("draft_model", "eagle") if m in METHODS])
@@ -477,8 +489,8 @@ def test_seeded_requests_reproducible_whatever_the_batch():
     tgt = target(4.0)
     prop = build("ngram", 3, tgt, max_model_len=16)
     sp = SamplingParams(max_tokens=6, temperature=0.8, seed=123)
-    kw = dict(max_model_len=16, block_size=BS, batch_buckets=(4,), query_buckets=(8,),
-              context_buckets=(2,), num_blocks=9)
+    kw = dict(max_model_len=16, block_size=BS, num_blocks=9, options=LoopOptions(
+        batch_buckets=(4,), query_buckets=(8,), context_buckets=(2,)))
     alone = generate(tgt, prop, [SAMPLE_PROMPT], [sp], **kw).token_ids[0]
     others = [SamplingParams(max_tokens=6, temperature=1.0, seed=s) for s in (1, 2, 3)]
     mixed = generate(tgt, prop, [[4, 4, 4], SAMPLE_PROMPT, [9]], [others[0], sp, others[1]], **kw)
@@ -543,7 +555,7 @@ def test_bad_input_raises_before_generation():
     with pytest.raises(ValueError, match="one per|entries"):
         generate(tgt, prop, [[1], [2]], [SamplingParams()], **FIXED)
     with pytest.raises(ValueError, match="max_model_len"):      # proposer built for another length
-        generate(tgt, prop, [[1]], **dict(FIXED, max_model_len=32, context_buckets=None))
+        generate(tgt, prop, [[1]], **dict(fixed(context_buckets=None), max_model_len=32))
     if "draft_model" in METHODS:
         other = registry.config_from_hf("llama", dict(GEO, vocab_size=V + 8, num_hidden_layers=1))
         with pytest.raises(ValueError, match="vocab"):

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from specjax.config import SpeculativeConfig
-from specjax.engine import Engine, SamplingParams
+from specjax.engine import Engine, LoopOptions, SamplingParams
 from specjax.proposers import DraftOutput, ModelProposer
 from specjax.proposers.common import PaddedBatchHelpers
 from specjax.runtime.step import compact_tree_kv, tree_chain_inputs
@@ -33,14 +33,15 @@ from specjax.token_tree import TokenTree
 from scipy import stats
 
 try:
-    from test_engine import (BS, FIXED, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B, PROMPTS_A,
+    from test_engine import (BS, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B, PROMPTS_A,
                              PROMPTS_B, SAMPLE_PROMPT, V, _chi2_first_verified, _target_probs,
-                             _fast_compiles, baseline, build, eos_b, target)  # noqa: F401 (autouse)
+                             _fast_compiles, baseline, build, eos_b, fixed,  # noqa: F401 (autouse)
+                             target)
 except ImportError:  # tests/ made a package
-    from tests.test_engine import (BS, FIXED, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B,
+    from tests.test_engine import (BS, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B,
                                    PROMPTS_A, PROMPTS_B, SAMPLE_PROMPT, V, _chi2_first_verified,
                                    _fast_compiles, _target_probs, baseline, build, eos_b,  # noqa: F401
-                                   target)
+                                   fixed, target)
 
 
 # --- the stub tree proposer -----------------------------------------------------------
@@ -184,8 +185,9 @@ def oracle_stats(tree: TokenTree, prompts, params, base_tokens):
     return per_req, per_pos
 
 
-def engine(prop, **kw):
-    return Engine(target(), prop, **dict(dict(FIXED, max_num_seqs=4), **kw))
+def engine(prop, max_num_seqs=4, **loop):
+    """An engine on ``FIXED`` with these ``LoopOptions`` fields changed."""
+    return Engine(target(), prop, max_num_seqs=max_num_seqs, **fixed(**loop))
 
 
 # --- tests ----------------------------------------------------------------------------
@@ -219,7 +221,7 @@ def test_tree_decoding_is_lossless_and_accepts_what_the_oracle_says(children):
     assert out_b.token_ids == base_b.token_ids
     assert [o.finish_reason for o in out_b.outputs] == [o.finish_reason for o in base_b.outputs]
     assert sum(o.num_accepted_tokens for o in out_b.outputs) == out_b.spec_stats.num_accepted_tokens > 0
-    assert len(eng_b.free_blocks) == eng_b.num_blocks - 1     # blocks came back
+    assert len(eng_b.scheduler.free_blocks) == eng_b.num_blocks - 1     # blocks came back
 
 
 @pytest.mark.parametrize("method", [m for m in ("eagle3",) if m in METHODS])
@@ -396,7 +398,8 @@ def table_stub():
     return ModelProposer(cfg, TableStub(tree), jnp.asarray(table), vocab_size=V)
 
 
-SAMPLE_KW = dict(max_model_len=16, block_size=BS, query_buckets=(16,), context_buckets=(2,))
+SAMPLE_KW = dict(max_model_len=16, block_size=BS,
+                 options=LoopOptions(query_buckets=(16,), context_buckets=(2,)))
 
 
 def _chi2_second_verified(result, tgt):
@@ -422,7 +425,8 @@ def test_random_tree_sampling_matches_target_distribution():
     drafts (the target's likeliest tokens) are accepted often, at both levels."""
     tgt, prop = target(4.0), table_stub()
     # every request in one batch: one prefill step, then tree-verification steps only
-    eng = Engine(tgt, prop, **dict(SAMPLE_KW, max_num_seqs=N_SAMPLES, batch_buckets=(N_SAMPLES,)))
+    eng = Engine(tgt, prop, **dict(SAMPLE_KW, max_num_seqs=N_SAMPLES, options=dataclasses.replace(
+        SAMPLE_KW["options"], batch_buckets=(N_SAMPLES,))))
     assert eng.tree == SAMPLE_TREE
     sps = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(N_SAMPLES)]
     out = eng.generate([SAMPLE_PROMPT] * N_SAMPLES, sps)

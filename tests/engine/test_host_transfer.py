@@ -57,13 +57,13 @@ def test_the_step_sends_one_buffer_and_gives_the_same_tokens():
     from test_engine import BS, MML, build, target
 
     import specjax.runtime.step as S
-    from specjax.engine import Engine
+    from specjax.engine import Engine, LoopOptions
 
     for prop in (None, build("ngram", 3), build("eagle3", 3)):
         eng = Engine(target(), prop, max_model_len=MML, block_size=BS, max_num_seqs=2,
-                     batch_buckets=(2,), context_buckets=(MML // BS,))
-        reqs = eng._bench_requests(2, 20, 0)
-        batch, _, _ = eng._build_batch(reqs, tree_verify=False)
+                     options=LoopOptions(batch_buckets=(2,), context_buckets=(MML // BS,)))
+        reqs = eng.diagnostics._bench_requests(2, 20, 0)
+        batch, _, _ = eng.scheduler.build_batch(reqs, tree_verify=False)
         assert ht.packable(batch)
         before = S._packed_step_jit._cache_size()
         kv = jax.tree.map(jnp.copy, eng.target_kv)
@@ -81,4 +81,4 @@ def test_the_step_sends_one_buffer_and_gives_the_same_tokens():
         dev = jax.tree.map(jnp.asarray, batch)
         assert not ht.packable(dev)
         for r in reqs:
-            eng._release(r)
+            eng.scheduler.release(r)

@@ -74,18 +74,18 @@ def test_generate_cli_bf16_uses_a_bf16_cache(tmp_path, monkeypatch, capsys):
     from test_hf_cli import make_checkpoint
 
     from specjax.cli.main import main
-    from specjax.engine import loop
+    from specjax.engine import engine
 
     d = tmp_path / "tiny-llama"
     make_checkpoint(d)
     seen = []
-    reset = loop.Engine._reset_cache
+    reset = engine.Engine._reset_cache
 
     def spy(self):
         reset(self)
         seen.append(dtypes(self.target_kv))
 
-    monkeypatch.setattr(loop.Engine, "_reset_cache", spy)
+    monkeypatch.setattr(engine.Engine, "_reset_cache", spy)
     rc = main(["generate", "--device", "cpu", "--target", str(d), "--prompt", "the cat",
                "--max-tokens", "3", "--dtype", "bf16"])
     out, err = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""Host/device overlap of the engine's decoding phase (``Engine(overlap=True)``,
+"""Host/device overlap of the engine's decoding phase (``LoopOptions(overlap=True)``,
 ``specjax.engine.device_loop``): the next device-loop call is dispatched from the previous
 call's device state before the host commits it.
 
@@ -14,22 +14,23 @@ import jax
 import pytest
 
 from specjax.runtime.decode_loop import loop_cache_size
-from specjax.engine import Engine, SamplingParams, generate, step_cache_size
+from specjax.engine import Engine, LoopOptions, SamplingParams, generate, step_cache_size
 
 try:
     from test_engine import (FIXED, METHODS, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B,
-                             _fast_compiles, baseline, build, eos_b, target)  # noqa: F401
+                             _fast_compiles, baseline, build, eos_b, fixed, target)  # noqa: F401
 except ImportError:  # tests/ made a package
     from tests.test_engine import (FIXED, METHODS, PARAMS_A, PARAMS_B, PROMPTS_A,  # noqa: F401
-                                   PROMPTS_B, _fast_compiles, baseline, build, eos_b, target)
+                                   PROMPTS_B, _fast_compiles, baseline, build, eos_b, fixed,
+                                   target)
 
 
 def run(proposer, which: str, n: int, overlap: bool, params=None):
     if which == "A":
-        return generate(target(), proposer, PROMPTS_A, params or PARAMS_A, steps_per_sync=n,
-                        overlap=overlap, **FIXED)
+        return generate(target(), proposer, PROMPTS_A, params or PARAMS_A,
+                        **fixed(steps_per_sync=n, overlap=overlap))
     return generate(target(), proposer, PROMPTS_B, params or PARAMS_B, max_num_seqs=3,
-                    eos_token_id=eos_b(), steps_per_sync=n, overlap=overlap, **FIXED)
+                    eos_token_id=eos_b(), **fixed(steps_per_sync=n, overlap=overlap))
 
 
 def _per_request(res):
@@ -76,19 +77,20 @@ def test_overlap_dispatches_ahead_and_frees_everything(monkeypatch):
     back, and a second run compiles nothing."""
     import specjax.engine.device_loop as dl
 
-    eng = Engine(target(), build("eagle3", 3), max_num_seqs=3, steps_per_sync=1, overlap=True,
-                 **FIXED)
+    eng = Engine(target(), build("eagle3", 3), max_num_seqs=3,
+                 **fixed(steps_per_sync=1, overlap=True))
     events = []
-    disp, comm = dl.DeviceLoop._dispatch, dl.DeviceLoop._commit_loop
-    monkeypatch.setattr(dl.DeviceLoop, "_dispatch",
+    disp, comm = dl.DeviceLoopDriver.dispatch, dl.DeviceLoopDriver.commit
+    monkeypatch.setattr(dl.DeviceLoopDriver, "dispatch",
                         lambda self, *a, **k: events.append("d") or disp(self, *a, **k))
-    monkeypatch.setattr(dl.DeviceLoop, "_commit_loop",
+    monkeypatch.setattr(dl.DeviceLoopDriver, "commit",
                         lambda self, *a, **k: events.append("c") or comm(self, *a, **k))
     out = eng.generate(PROMPTS_B, PARAMS_B, eos_token_id=eos_b())
     assert out.token_ids == baseline("B").token_ids
     seq = "".join(events)
     assert "ddc" in seq and seq.count("d") == seq.count("c")     # ahead by one; all committed
-    assert len(eng.free_blocks) == eng.num_blocks - 1 and len(eng.free_rows) == 3
+    assert len(eng.scheduler.free_blocks) == eng.num_blocks - 1
+    assert len(eng.scheduler.free_rows) == 3
     assert eng.host_s > 0 and eng.wait_s > 0
     before = (loop_cache_size(), step_cache_size())
     again = eng.generate(PROMPTS_B[::-1], PARAMS_B[::-1], eos_token_id=eos_b())
@@ -98,7 +100,6 @@ def test_overlap_dispatches_ahead_and_frees_everything(monkeypatch):
 
 @pytest.mark.smoke
 def test_overlap_refused_by_name():
-    FIXED4 = dict(FIXED, max_num_seqs=4)
     for method, extra, match in (("ngram", {}, "overlap=True: method='ngram'"),
                                  ("suffix", {}, "overlap=True: method='suffix'"),
                                  ("eagle3", dict(disable_padded_drafter_batch=True),
@@ -106,21 +107,21 @@ def test_overlap_refused_by_name():
         if method not in METHODS:
             continue
         with pytest.raises(ValueError, match=match):
-            Engine(target(), build(method, 3, **extra), overlap=True, **FIXED4)
+            Engine(target(), build(method, 3, **extra), **dict(fixed(overlap=True), max_num_seqs=4))
     for bad in (1, "yes", 0.0):
         with pytest.raises(ValueError, match="overlap must be True, False or None"):
-            Engine(target(), None, overlap=bad, **FIXED4)
-        with pytest.raises(ValueError, match="loop_early_exit must be True, False or None"):
-            Engine(target(), None, loop_early_exit=bad, **FIXED4)
+            LoopOptions(overlap=bad)
+        with pytest.raises(ValueError, match="early_exit must be True, False or None"):
+            LoopOptions(early_exit=bad)
 
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("on_cpu", [False, True])
 def test_defaults_overlap_the_device_loop_with_the_fixed_trip_form_unless_a_request_waits(
         monkeypatch, on_cpu):
-    """The defaults (overlap=None, loop_early_exit=None): overlap on where the device loop
+    """The defaults (overlap=None, early_exit=None): overlap on where the device loop
     runs the proposer, per-step (N = 1) too unless only the while form runs there (a CPU
-    target, or loop_early_exit=True), off for host proposers; each device-loop call uses the
+    target, or early_exit=True), off for host proposers; each device-loop call uses the
     fixed-trip form while no request waits and the early-exit form when one does, and on a
     CPU target the early-exit form for every call (``on_cpu``: what the engine finds the
     target's devices to be)."""
@@ -128,14 +129,16 @@ def test_defaults_overlap_the_device_loop_with_the_fixed_trip_form_unless_a_requ
 
     monkeypatch.setattr(dl, "_on_cpu", lambda params: on_cpu)
 
-    FIXED4 = dict(FIXED, max_num_seqs=2)
-    assert Engine(target(), None, **FIXED4).overlap is True
-    assert Engine(target(), None, steps_per_sync=1, **FIXED4).overlap is (not on_cpu)
-    assert Engine(target(), None, steps_per_sync=1, overlap=False, **FIXED4).overlap is False
-    assert Engine(target(), None, steps_per_sync=1, loop_early_exit=True, **FIXED4).overlap is False
-    assert Engine(target(), None, steps_per_sync=4, loop_early_exit=True, **FIXED4).overlap is True
+    def overlap(prop=None, **loop):
+        return Engine(target(), prop, max_num_seqs=2, **fixed(**loop)).options.overlap
+
+    assert overlap() is True
+    assert overlap(steps_per_sync=1) is (not on_cpu)
+    assert overlap(steps_per_sync=1, overlap=False) is False
+    assert overlap(steps_per_sync=1, early_exit=True) is False
+    assert overlap(steps_per_sync=4, early_exit=True) is True
     if "ngram" in METHODS:
-        assert Engine(target(), build("ngram", 3), **FIXED4).overlap is False
+        assert overlap(build("ngram", 3)) is False
     forms = []
     real = dl.decode_loop
 
@@ -144,10 +147,10 @@ def test_defaults_overlap_the_device_loop_with_the_fixed_trip_form_unless_a_requ
         return real(*a, **kw)
 
     monkeypatch.setattr(dl, "decode_loop", spy)
-    eng = Engine(target(), None, steps_per_sync=4, **FIXED4)
+    eng = Engine(target(), None, max_num_seqs=2, **fixed(steps_per_sync=4))
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]          # 3 requests, 2 at a time: one waits
     eng.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 12, 12)])
-    assert eng._loop_forms() == ((True,) if on_cpu else (False, True))
+    assert eng.driver.forms() == ((True,) if on_cpu else (False, True))
     if on_cpu:
         assert (True, True) in forms and (False, True) in forms
         assert all(ee for _, ee in forms)
@@ -164,7 +167,7 @@ def test_cpu_target_found_from_its_params():
 
     assert _on_cpu({"w": jax.device_put(np.ones(2), jax.devices("cpu")[0])}) is True
     assert _on_cpu({"w": np.ones(2)}) is (jax.default_backend() == "cpu")
-    assert Engine(target(), None, **dict(FIXED, max_num_seqs=2))._idle_early_exit is (
+    assert Engine(target(), None, **dict(FIXED, max_num_seqs=2)).driver.idle_early_exit is (
         jax.devices()[0].platform == "cpu")
 
 
@@ -199,9 +202,10 @@ def test_no_call_dispatched_ahead_once_every_request_surely_finishes(monkeypatch
     monkeypatch.setattr(dl, "decode_loop", spy)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     sps = SamplingParams(max_tokens=11, ignore_eos=True)
-    kw = dict(FIXED, max_num_seqs=2, steps_per_sync=4)
-    got = generate(target(), None, prompts, sps, overlap=True, **kw)
+    got = generate(target(), None, prompts, sps, max_num_seqs=2,
+                   **fixed(steps_per_sync=4, overlap=True))
     assert runs and all(n > 0 for n in runs), runs
     runs.clear()
-    want = generate(target(), None, prompts, sps, overlap=False, **kw)
+    want = generate(target(), None, prompts, sps, max_num_seqs=2,
+                    **fixed(steps_per_sync=4, overlap=False))
     assert got.token_ids == want.token_ids

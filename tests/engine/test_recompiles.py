@@ -13,9 +13,9 @@ import pytest
 from specjax.engine import Engine
 
 try:
-    from test_engine import FIXED, METHODS, MML, _fast_compiles, build, target  # noqa: F401
+    from test_engine import METHODS, MML, _fast_compiles, build, fixed, target  # noqa: F401
 except ImportError:  # tests/ made a package
-    from tests.test_engine import FIXED, METHODS, MML, _fast_compiles, build, target  # noqa: F401
+    from tests.test_engine import METHODS, MML, _fast_compiles, build, fixed, target  # noqa: F401
 
 import suite_paths  # noqa: E402  (tests/support)
 
@@ -29,7 +29,7 @@ WORK = dict(vocab=64, max_prompt=14, max_tokens=MML - 16)
 
 def _engine(method, n, overlap=False):
     prop = None if method is None else build(method, 3)
-    return Engine(target(), prop, max_num_seqs=4, steps_per_sync=n, overlap=overlap, **FIXED)
+    return Engine(target(), prop, max_num_seqs=4, **fixed(steps_per_sync=n, overlap=overlap))
 
 
 @pytest.mark.parametrize("method,n,overlap", [(None, 1, False), ("eagle3", 4, False),

@@ -1,6 +1,6 @@
 """The kernel backend choice: per call, the process default (context manager, setter,
-``SPECJAX_KERNEL_BACKEND``), the attention-scoped alias, their precedence, the jit cache
-key, and the deprecated import paths that re-export the moved modules."""
+``SPECJAX_KERNEL_BACKEND``) for the index ops and paged attention, their precedence, the
+jit cache key, and the deprecated import paths that re-export the moved modules."""
 
 from __future__ import annotations
 
@@ -59,17 +59,17 @@ def test_default_refused_when_it_cannot_run():
 
 
 def test_attention_precedence():
-    # per call > attention alias > process default > auto
+    # per call > process default > auto
     assert attn.resolve_attention_backend(*SHAPE) == "xla"              # CPU auto
     with K.default_backend("pallas"):
         assert attn.resolve_attention_backend(*SHAPE) == "pallas"
         assert attn.resolve_attention_backend(*SHAPE, "xla") == "xla"
-        with attn.attention_backend("xla"):
+        assert attn.resolve_attention_backend(*SHAPE, "auto") == "pallas"
+        with K.default_backend("xla"):
             assert attn.resolve_attention_backend(*SHAPE) == "xla"
             assert attn.resolve_attention_backend(*SHAPE, "pallas") == "pallas"
-    with attn.attention_backend("pallas"):
-        with K.default_backend("xla"):
-            assert attn.resolve_attention_backend(*SHAPE) == "pallas"
+    for gone in ("set_attention_backend", "get_attention_backend", "attention_backend"):
+        assert not hasattr(attn, gone), gone
 
 
 def test_default_is_part_of_the_jit_key():
@@ -102,6 +102,12 @@ def test_environment_variable():
     code = "import specjax.kernels as K; print(K.get_default_backend(), K.resolve_backend('auto'))"
     r = _run(code, SPECJAX_KERNEL_BACKEND="xla")
     assert r.returncode == 0 and r.stdout.split() == ["xla", "xla"], r.stderr[-2000:]
+    # paged attention follows it too
+    acode = ("import jax.numpy as jnp\nfrom specjax.kernels import paged_attention as a\n"
+             "class MD:\n    max_query_len = 1\n    tree_mask = None\n"
+             "print(a.resolve_attention_backend((4, 4, 16), (8, 4, 2, 16), MD(), jnp.float32))")
+    r = _run(acode, SPECJAX_KERNEL_BACKEND="pallas")
+    assert r.returncode == 0 and r.stdout.split()[-1] == "pallas", r.stderr[-2000:]
     r = _run(code, SPECJAX_KERNEL_BACKEND="cuda")
     assert r.returncode != 0 and "SPECJAX_KERNEL_BACKEND" in r.stderr, r.stderr[-2000:]
 

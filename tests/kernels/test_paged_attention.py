@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import specjax.kernels as K
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels.paged_attention import pallas as pk
 from specjax.kernels import paged_attention as attn
@@ -353,50 +354,47 @@ def test_fused_write_with_no_request_still_writes():
 
 @pytest.mark.smoke
 def test_fused_write_through_attend_and_errors(monkeypatch):
-    """With ``FUSED_KV_WRITE="1"``, ``attend`` on the pallas backend takes the fused kernel
-    (same caches and outputs as the xla backend); ``"0"``: the scatters; ``"auto"``: the
-    fused kernel exactly when ``fused_write_pays``. The kernel refuses mismatched shapes and
-    dtypes by name."""
-    monkeypatch.setattr(attn, "FUSED_KV_WRITE", "1")
+    """With ``fused_kv_write=True``, ``attend`` on the pallas backend takes the fused kernel
+    (same caches and outputs as the xla backend); False: the write kernel (or, with
+    ``kv_write_kernel=False``, the scatters); ``"auto"``: the fused kernel exactly when
+    ``fused_write_pays``. Bad values of either argument are refused by name; the kernel
+    refuses mismatched shapes and dtypes by name."""
     cfg = CPU_CFGS["f32-g4-causal-split3"]
     q, cache, md = make_case(cfg, 9)
     rng = np.random.default_rng(1)
     kn = jnp.asarray(rng.standard_normal((cfg.t_pad, cfg.nkv, cfg.hd)), jnp.float32)
     outs = {}
     for backend in ("xla", "pallas"):
-        with attn.attention_backend(backend):
-            outs[backend] = jax.jit(lambda q, k, c, m: attn.attend(q, k, -k, c, m, scale=0.3))(
-                q, kn, cache, md)
+        outs[backend] = jax.jit(lambda q, k, c, m: attn.attend(
+            q, k, -k, c, m, scale=0.3, backend=backend, fused_kv_write=True))(q, kn, cache, md)
     np.testing.assert_array_equal(np.asarray(outs["pallas"][1].k), np.asarray(outs["xla"][1].k))
     np.testing.assert_array_equal(np.asarray(outs["pallas"][1].v), np.asarray(outs["xla"][1].v))
     assert_close(outs["pallas"][0], outs["xla"][0], 1e-5, "attend fused vs xla")
-    with attn.attention_backend("pallas"):
-        text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(q, k, k, c, m, scale=0.3))(
-            q, kn, cache, md))
-    assert "paged_attention_write" in text and "scatter" not in text
 
-    def fused(mode, pays=None, write_kernel="1"):
-        monkeypatch.setattr(attn, "FUSED_KV_WRITE", mode)
-        monkeypatch.setattr(attn, "KV_WRITE_KERNEL", write_kernel)
+    def fused(mode, pays=None, write_kernel=True):
         if pays is not None:
             monkeypatch.setattr(attn, "fused_write_pays", lambda *a, **kw: pays)
-        with attn.attention_backend("pallas"):
-            text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(q, k, k, c, m, scale=0.3))(
-                q, kn, cache, md))
-        # unfused: one write kernel, or (KV_WRITE_KERNEL="0") two scatters
-        unfused = "scatter" if write_kernel == "0" else "paged_kv_write"
+        text = str(jax.make_jaxpr(lambda q, k, c, m: attn.attend(
+            q, k, k, c, m, scale=0.3, backend="pallas", fused_kv_write=mode,
+            kv_write_kernel=write_kernel))(q, kn, cache, md))
+        # unfused: one write kernel, or (kv_write_kernel=False) two scatters
+        unfused = "paged_kv_write" if write_kernel else "scatter"
         assert ("paged_attention_write" in text) != (unfused in text)
-        assert write_kernel == "0" or "scatter" not in text
+        assert not write_kernel or "scatter" not in text
         return "paged_attention_write" in text
 
-    assert not fused("0") and fused("auto", pays=True) and not fused("auto", pays=False)
-    assert not fused("0", write_kernel="0")
+    assert fused(True) and not fused(False)
+    assert fused("auto", pays=True) and not fused("auto", pays=False)
+    assert not fused(False, write_kernel=False)
+    for bad in ("1", "0", 1, None, "on"):
+        with pytest.raises(ValueError, match="fused_kv_write must be 'auto', True or False"):
+            attn.attend(q, kn, kn, cache, md, scale=0.3, fused_kv_write=bad)
+    for bad in ("1", 1, None, "auto"):
+        with pytest.raises(ValueError, match="kv_write_kernel must be True or False"):
+            attn.attend(q, kn, kn, cache, md, scale=0.3, kv_write_kernel=bad)
     # the unfused pallas path (the write kernel, then attention) == the xla backend
-    monkeypatch.setattr(attn, "FUSED_KV_WRITE", "0")
-    monkeypatch.setattr(attn, "KV_WRITE_KERNEL", "1")
-    with attn.attention_backend("pallas"):
-        out, wc = jax.jit(lambda q, k, c, m: attn.attend(q, k, -k, c, m, scale=0.3))(
-            q, kn, cache, md)
+    out, wc = jax.jit(lambda q, k, c, m: attn.attend(
+        q, k, -k, c, m, scale=0.3, backend="pallas", fused_kv_write=False))(q, kn, cache, md)
     np.testing.assert_array_equal(np.asarray(wc.k), np.asarray(outs["xla"][1].k))
     np.testing.assert_array_equal(np.asarray(wc.v), np.asarray(outs["xla"][1].v))
     assert_close(out, outs["xla"][0], 1e-5, "attend (write kernel) vs xla")
@@ -522,19 +520,18 @@ def test_triton_lowering_on_cpu(monkeypatch):
 def test_default_backend_on_cpu_is_xla():
     cfg = CPU_CFGS["f32-g1-causal"]
     q, cache, md = make_case(cfg, 2)
-    with attn.attention_backend("auto"):
-        assert attn.get_attention_backend() == "auto"
-        if not ON_GPU:
-            assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "xla"
-    with attn.attention_backend("pallas"):
+    assert K.get_default_backend() == "auto"
+    if not ON_GPU:
+        assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "xla"
+    with K.default_backend("pallas"):
         assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "pallas"
         # unsupported shapes fall back to the reference
         assert attn.resolve_attention_backend((4, 2, 8), (9, 4, 2, 8), md) == "xla"
         big = md.replace(max_query_len=200)
         assert attn.resolve_attention_backend(q.shape, cache.k.shape, big) == "xla"
-    with attn.attention_backend("xla"):
+    with K.default_backend("xla"):
         assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "xla"
-    with attn.attention_backend("triton"):
+    with K.default_backend("triton"):
         # unsupported shapes fall back to the reference here too; supported ones need a GPU
         assert attn.resolve_attention_backend((4, 2, 8), (9, 4, 2, 8), md) == "xla"
         if ON_GPU:
@@ -544,7 +541,7 @@ def test_default_backend_on_cpu_is_xla():
                                                  "no NVIDIA GPU"):
                 attn.resolve_attention_backend(q.shape, cache.k.shape, md)
     with pytest.raises(ValueError, match="attention backend must be one of"):
-        attn.set_attention_backend("mosaic")
+        attn.resolve_attention_backend(q.shape, cache.k.shape, md, backend="mosaic")
 
 
 def test_kernel_config_defaults_and_errors():
@@ -605,30 +602,14 @@ def test_switch_retraces_jitted_callers():
         traces.append(attn.resolve_attention_backend(q.shape, cache.k.shape, md))
         return attn.attend(q, k, v, cache, md, scale=0.25)
 
-    with attn.attention_backend("xla"):
+    with K.default_backend("xla"):
         want, c_want = step(q, k_new, k_new, cache, md)
-    with attn.attention_backend("pallas"):
+    with K.default_backend("pallas"):
         got, c_got = step(q, k_new, k_new, cache, md)
         step(q, k_new, k_new, cache, md)
     assert traces == ["xla", "pallas"]
     np.testing.assert_array_equal(np.asarray(c_got.k), np.asarray(c_want.k))
     assert_close(got, want, 1e-5, "attend pallas vs xla")
-
-
-def test_set_attention_backend_and_env_var():
-    prev = attn.get_attention_backend()
-    try:
-        attn.set_attention_backend("pallas")
-        assert attn.get_attention_backend() == "pallas"
-        attn.set_attention_backend("xla")
-        assert attn.get_attention_backend() == "xla"
-    finally:
-        attn.set_attention_backend(prev)
-    code = ("from specjax.kernels import paged_attention as a; print(a.get_attention_backend())")
-    env = dict(os.environ, SPECJAX_ATTENTION_BACKEND="pallas", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip().splitlines()[-1] == "pallas"
 
 
 def test_decoder_forward_pallas_equals_xla():
@@ -651,7 +632,7 @@ def test_decoder_forward_pallas_equals_xla():
     for backend in ("xla", "pallas"):
         caches = model.init_kv_caches(24, 4)
         hs = []
-        with attn.attention_backend(backend):
+        with K.default_backend(backend):
             for (qlens, seqs), ids_s in zip(steps, ids):
                 md = CommonAttentionMetadata.from_query_lens(
                     qlens, seqs, table, block_size=4, num_reqs_pad=4, num_tokens_pad=16,
@@ -806,15 +787,14 @@ def test_gpu_fused_write_equals_unfused(b, qlen, mask, dtype):
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("b", [1, 8, 64])
-@pytest.mark.parametrize("backend,fused", [("auto", "0"), ("auto", "1"), ("triton", "0")])
-def test_gpu_kernel_split_by_kv_heads_over_two_gpus(b, backend, fused, monkeypatch):
+@pytest.mark.parametrize("backend,fused", [("auto", False), ("auto", True), ("triton", False)])
+def test_gpu_kernel_split_by_kv_heads_over_two_gpus(b, backend, fused):
     """``attend`` under tensor parallelism on 2 GPUs (q heads and caches split by kv
     heads): no collective in the program, caches still split, and every device's output
     and cache shard bit-identical to the compiled kernel run on that device's heads alone
     (the same kernel configuration: splits follow the local kv-head count)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    monkeypatch.setattr(attn, "FUSED_KV_WRITE", fused)
     q, cache, md = _gpu_case(b, 1, 1024, seed=40 + b)
     nh, nkv = q.shape[1], cache.k.shape[2]
     kv = jax.random.normal(jax.random.key(b), (q.shape[0], 2 * nkv, q.shape[2])).astype(q.dtype)
@@ -822,7 +802,8 @@ def test_gpu_kernel_split_by_kv_heads_over_two_gpus(b, backend, fused, monkeypat
     scale = 128 ** -0.5
 
     def step(q, k, v, kc, vc, md):
-        out, c = attn.attend(q, k, v, KVCache(kc, vc), md, scale=scale)
+        out, c = attn.attend(q, k, v, KVCache(kc, vc), md, scale=scale, backend=backend,
+                             fused_kv_write=fused)
         return out, c.k, c.v
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
@@ -831,24 +812,23 @@ def test_gpu_kernel_split_by_kv_heads_over_two_gpus(b, backend, fused, monkeypat
     args = [jax.device_put(x, s) for x, s in
             zip((q, k, v, cache.k, cache.v), [heads] * 3 + [caches] * 2)]
     md2 = jax.device_put(md, NamedSharding(mesh, P()))
-    with attn.attention_backend(backend):
-        compiled = jax.jit(step).lower(*args, md2).compile()
-        got = compiled(*args, md2)
-        hlo = compiled.as_text()
-        assert ("triton_kernel_call" if backend == "triton" else "xla.gpu.triton") in hlo
-        for op in ("all-reduce", "all-gather", "collective-permute", "all-to-all"):
-            assert op not in hlo, op
-        assert got[1].sharding.is_equivalent_to(caches, 4)
-        one = jax.jit(step)
-        for i in range(2):
-            h, g = slice(i * nh // 2, (i + 1) * nh // 2), slice(i * nkv // 2, (i + 1) * nkv // 2)
-            want = one(q[:, h], k[:, g], v[:, g], cache.k[:, :, g], cache.v[:, :, g], md)
-            np.testing.assert_array_equal(np.asarray(got[0][:, h]), np.asarray(want[0]))
-            np.testing.assert_array_equal(np.asarray(got[1][:, :, g]), np.asarray(want[1]))
-            np.testing.assert_array_equal(np.asarray(got[2][:, :, g]), np.asarray(want[2]))
-        # and close to the whole attention on one device
-        whole = one(q, k, v, cache.k, cache.v, md)
-        assert_close(got[0], whole[0], 2e-2, f"B={b} fused={fused} vs one device")
+    compiled = jax.jit(step).lower(*args, md2).compile()
+    got = compiled(*args, md2)
+    hlo = compiled.as_text()
+    assert ("triton_kernel_call" if backend == "triton" else "xla.gpu.triton") in hlo
+    for op in ("all-reduce", "all-gather", "collective-permute", "all-to-all"):
+        assert op not in hlo, op
+    assert got[1].sharding.is_equivalent_to(caches, 4)
+    one = jax.jit(step)
+    for i in range(2):
+        h, g = slice(i * nh // 2, (i + 1) * nh // 2), slice(i * nkv // 2, (i + 1) * nkv // 2)
+        want = one(q[:, h], k[:, g], v[:, g], cache.k[:, :, g], cache.v[:, :, g], md)
+        np.testing.assert_array_equal(np.asarray(got[0][:, h]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1][:, :, g]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[2][:, :, g]), np.asarray(want[2]))
+    # and close to the whole attention on one device
+    whole = one(q, k, v, cache.k, cache.v, md)
+    assert_close(got[0], whole[0], 2e-2, f"B={b} fused={fused} vs one device")
 
 #: Llama-3.1-8B-shaped EAGLE-3 head (as benchmarks/proposers.py): H, I, heads, kv heads,
 #: head_dim, target vocab, draft vocab, block size.
@@ -910,7 +890,7 @@ def _eagle3_drafts(b, dtype, backend, k=3, ctx=1024, geo=EAGLE3_8B):
         token_indices_to_sample=jnp.asarray(np.arange(1, b + 1) * q - 1, jnp.int32),
         num_rejected_tokens=jnp.zeros(b, jnp.int32),
         attn_metadata=md)
-    with attn.attention_backend(backend):
+    with K.default_backend(backend):
         used = attn.resolve_attention_backend((b * q, NH, HD), (b * width, BS, NKV, HD), md, dtype)
         out, _ = prop.propose(params, state, inputs)
     return np.asarray(out.token_ids), used

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from specjax.engine import SamplingParams, TargetModel, generate
+from specjax.engine import LoopOptions, SamplingParams, TargetModel, generate
 from specjax.models import fuse_projections, registry, unfuse_projections
 from specjax.models.params import is_fused
 from specjax.sharding import param_specs
@@ -96,5 +96,6 @@ def test_step_and_engine_fuse_by_default_and_honour_false():
     sp = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=9)]
     kw = dict(max_model_len=32, block_size=4)
     a = generate(TargetModel(model, params), None, prompts, sp, **kw)
-    b = generate(TargetModel(model, params), None, prompts, sp, fuse_projections=False, **kw)
+    b = generate(TargetModel(model, params), None, prompts, sp,
+                 options=LoopOptions(fuse_projections=False), **kw)
     assert a.token_ids == b.token_ids and all(len(t) for t in a.token_ids)

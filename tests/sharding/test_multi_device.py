@@ -302,7 +302,7 @@ for method, n, flag in CASES:
     if eng.draft_state is not None:
         placed_as(eng.draft_state, n, mesh, what)
     # no KV-cache-shaped all-gather inside the step ([num_blocks, ...] or [slots, ...])
-    hlo = eng.lower_decode_step(3, 20).compile().as_text()
+    hlo = eng.diagnostics.lower_decode_step(3, 20).compile().as_text()
     nb = FIXED["num_blocks"]
     gathers = re.findall(r"= \\w+\\[([\\d,]*)\\][^ ]* all-gather(?:-start)?\\(", hlo)
     big = [g for g in gathers if g.split(",")[0] in (str(nb), str(nb * FIXED["block_size"]))]
@@ -340,7 +340,7 @@ print("engine tp errors ok", flush=True)
 #: Operand shardings other than the kv-head split run the call whole on every device.
 ATTN_BODY = """
 from specjax.attention_metadata import CommonAttentionMetadata
-from specjax.kernels import paged_attention as attn
+from specjax.kernels import default_backend, paged_attention as attn
 from jax.sharding import NamedSharding as NS
 
 rng = np.random.default_rng(5)
@@ -351,9 +351,12 @@ md = CommonAttentionMetadata.from_query_lens([1, 3, 0, 2], [5, 9, 0, 3],
                                              num_reqs_pad=4, num_tokens_pad=T, max_query_len=4)
 f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
-def step(q, k, v, kc, vc, md):
-    out, c = attn.attend(jnp.sin(q), k, v, attn.KVCache(kc, vc), md, scale=0.25)
-    return 2 * out, c.k, c.v
+def make_step(fused):
+    def step(q, k, v, kc, vc, md):
+        out, c = attn.attend(jnp.sin(q), k, v, attn.KVCache(kc, vc), md, scale=0.25,
+                             fused_kv_write=fused)
+        return 2 * out, c.k, c.v
+    return step
 
 def same(got, want, what):
     for a, b in zip(got, want, strict=True):
@@ -366,9 +369,9 @@ def no_collectives(compiled, what):
 
 for nh, nkv in ((4, 2), (4, 4)):
     args = (f32(T, nh, HD), f32(T, nkv, HD), f32(T, nkv, HD), f32(NB, BS, nkv, HD), f32(NB, BS, nkv, HD))
-    for fused in ("0", "1"):
-        attn.FUSED_KV_WRITE = fused
-        with attn.attention_backend("pallas"):
+    for fused in (False, True):
+        step = make_step(fused)
+        with default_backend("pallas"):
             want = jax.jit(step)(*args, md)
             for n, axis in ((2, "tp"), (4, "tp"), (2, None)):
                 if axis and nkv % n:
@@ -413,9 +416,9 @@ mesh = Mesh(DEV[:2], ("tp",))
 heads, caches = NS(mesh, P(None, "tp", None)), NS(mesh, P(None, None, "tp", None))
 placed = [jax.device_put(x, s) for x, s in zip(args, [heads] * 3 + [caches] * 2)]
 for name, mdv in (("noncausal", md.replace(causal=False)), ("tree", md.replace(tree_mask=TREE))):
-    for fused in ("0", "1"):
-        attn.FUSED_KV_WRITE = fused
-        with attn.attention_backend("pallas"):
+    for fused in (False, True):
+        step = make_step(fused)
+        with default_backend("pallas"):
             want = jax.jit(step)(*args, mdv)
             compiled = jax.jit(step).lower(*placed, jax.device_put(mdv, NS(mesh, P()))).compile()
             what = f"{name} fused={fused} tp=2"
@@ -450,7 +453,8 @@ TP_PALLAS_BODY = """
 from specjax.kernels import paged_attention as _attn
 import test_proposers_warmup as _warmup
 _warmup.GEO["head_dim"] = 16
-_attn.set_attention_backend("pallas")
+import specjax.kernels as _K
+_K.set_default_backend("pallas")     # the proposers' index ops stay on kernel_backend="xla"
 _used = []
 _resolve = _attn.resolve_attention_backend
 _attn.resolve_attention_backend = lambda *a, **k: _used.append(_resolve(*a, **k)) or _used[-1]

@@ -1,0 +1,404 @@
+"""The reference decoding loop: ``Engine`` (a target, a proposer, a paged KV cache; its
+``Scheduler``, ``CommitRule`` and ``DeviceLoopDriver``) and ``generate``."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import itertools
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+
+from specjax.checks import ArgumentTypeError, check_int, check_opt_int, check_type, show
+from specjax.engine.checks import check_engine_args
+from specjax.engine.commit import CommitRule
+from specjax.engine.device_loop import DeviceLoopDriver, _InFlight
+from specjax.engine.diagnostics import Diagnostics
+from specjax.engine.options import DEFAULT_STEPS_PER_SYNC, LoopOptions
+from specjax.engine.scheduler import Scheduler, _pick, _Request
+from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
+from specjax.metrics import SpecDecodingStats
+from specjax.proposers import Proposer, TokenHistory
+from specjax.runtime.batch import trim_drafts
+from specjax.runtime.decode_loop import decode_loop, loop_cache_size, loop_support, make_loop_state
+from specjax.runtime.step import StepBatch, StepOutput, make_step, params_kv_dtype, step_cache_size
+from specjax.sampling.logits_processors import check_request
+from specjax.sampling.logprobs import check_logprobs_mode, check_num_logprobs, logprobs_bucket
+
+_I32 = np.int32
+_req_counter = itertools.count()
+
+
+class Engine:
+    """A target, a proposer (None: plain decoding), a paged KV cache and the decoding loop:
+    ``scheduler`` (admission, blocks, batches), the public step or the device loop
+    (``driver``), one commit rule (``commit_rule``). Greedy output is plain greedy's.
+
+    Args:
+      target: ``TargetModel(model, params)``, a ``(model, params)`` pair or a decoder's
+        ``Pretrained``; proposer: ``specjax.make_proposer``'s or None.
+      max_model_len: prompt + output cap; block_size: tokens per KV block; max_num_seqs:
+        running requests at most; num_blocks: the KV pool (default: ``max_num_seqs``
+        requests at ``max_model_len`` plus the null block).
+      kv_dtype: None: the params' (``params_kv_dtype``); mesh, tp_axis: tensor parallelism.
+      logits_processors, logprobs_mode: docs/sampling.md.
+      options: ``LoopOptions``; ``self.options`` holds them with ``steps_per_sync`` and
+        ``overlap`` resolved.
+
+    Raises ValueError / TypeError naming the argument before anything is allocated."""
+
+    def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
+                 block_size: int = 16, max_num_seqs: int = 8, num_blocks: int | None = None,
+                 kv_dtype=None, mesh: Any = None, tp_axis: str = "tp",
+                 logits_processors: tuple = (), logprobs_mode: str = "raw_logprobs",
+                 options: LoopOptions | None = None) -> None:
+        from specjax.models import DecoderLM, Pretrained
+        from specjax.models.config import DECODER_KINDS
+
+        opts = LoopOptions() if options is None else \
+            check_type("options", options, LoopOptions, "a specjax.engine.LoopOptions or None")
+        check_logprobs_mode(logprobs_mode)
+        if isinstance(target, Pretrained):
+            if target.kind not in DECODER_KINDS:
+                raise ValueError(f"target is a {target.kind!r} checkpoint, not a decoder LM (one "
+                                 f"of {sorted(DECODER_KINDS)})")
+            target = TargetModel(target.model, target.params)
+        if isinstance(target, tuple) and not isinstance(target, TargetModel):
+            if len(target) != 2:
+                raise ValueError("target must be TargetModel(model, params) or a (model, params) pair")
+            target = TargetModel(*target)
+        if not isinstance(target, TargetModel) or not isinstance(target.model, DecoderLM):
+            raise ValueError("target must be TargetModel(model, params) with a specjax.models.DecoderLM "
+                             f"model, got {type(getattr(target, 'model', target)).__name__}")
+        if proposer is not None and not isinstance(proposer, Proposer):
+            raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be None, "
+                             f"got {type(proposer).__name__}")
+        check_engine_args(target.model, max_model_len=max_model_len, block_size=block_size,
+                          max_num_seqs=max_num_seqs, num_blocks=num_blocks, kv_dtype=kv_dtype,
+                          buckets=(opts.batch_buckets, opts.query_buckets, opts.context_buckets),
+                          k=0 if proposer is None else proposer.num_speculative_tokens,
+                          params=target.params)
+        feed = None if proposer is None else proposer.feed
+        if feed is not None:
+            for name, got, want in (("block_size", feed.block_size, block_size),
+                                    ("max_model_len", feed.max_model_len, max_model_len)):
+                if got is not None and got != want:
+                    raise ValueError(f"the proposer was built with {name}={got}, the engine uses {want}")
+        # The public step: the proposer's Feed decides everything below.
+        self.step = make_step(target.model, proposer, mesh=mesh, tp_axis=tp_axis,
+                              tree_verification=opts.tree_verification,
+                              logits_processors=logits_processors, logprobs_mode=logprobs_mode,
+                              fuse_projections=opts.fuse_projections)
+        self.feed = feed
+        self.proposer = self.step.proposer
+        self.k = self.step.k
+        self.mesh, self.tp_axis = mesh, tp_axis
+        self.target = TargetModel(self.step.target, self.step.place_target_params(target.params))
+        self.vocab_size = self.step.vocab_size
+        self.max_model_len = int(max_model_len)
+        self.block_size = int(block_size)
+        self.max_num_seqs = int(max_num_seqs)
+        self.num_blocks = 1 + self.max_num_seqs * -(-self.max_model_len // self.block_size) \
+            if num_blocks is None else int(num_blocks)
+        self.kv_dtype = params_kv_dtype(target.params) if kv_dtype is None else kv_dtype
+        self.drafts_in = "none" if feed is None else feed.drafts_in
+        #: KV slots the proposer writes past the verified tokens (vLLM's num_lookahead_tokens)
+        self.lookahead = 0 if feed is None else feed.lookahead
+        #: the drafter's context limit when shorter than max_model_len (else None)
+        self.drafter_max_model_len = None if feed is None else feed.drafter_max_model_len
+        self.tree = self.step.tree
+        #: length of the per-position acceptance counts: k, or the tree's depth
+        self.num_spec_positions = self.k if self.tree is None else self.tree.depth
+        self.scheduler = Scheduler(max_model_len=self.max_model_len, block_size=self.block_size,
+                                   max_num_seqs=self.max_num_seqs, num_blocks=self.num_blocks,
+                                   k=self.k, lookahead=self.lookahead, tree=self.tree,
+                                   options=opts)
+        self.commit_rule = CommitRule(self.max_model_len, self.tree,
+                                      None if self.proposer is None else self.num_spec_positions)
+        self.driver = DeviceLoopDriver(self)
+        why = loop_support(self.step)
+        n = opts.steps_per_sync or (DEFAULT_STEPS_PER_SYNC if why is None else 1)
+        self.options = dataclasses.replace(opts, steps_per_sync=n)
+        if opts.overlap is None:
+            overlap = why is None and (n > 1 or False in self.driver.forms())
+        else:
+            overlap = opts.overlap
+        self.options = dataclasses.replace(self.options, overlap=overlap)
+        #: device-to-host round trips so far (one per step, or per device-loop call)
+        self.num_syncs = 0
+        #: seconds the host spent building / dispatching / committing steps (host_s) and
+        #: blocked waiting for the device's results (wait_s), over every generate call
+        self.host_s = self.wait_s = 0.0
+        if n > 1 and why is not None:
+            raise ValueError(f"steps_per_sync={n}: {why}")
+        if overlap and why is not None:
+            raise ValueError(f"overlap=True: {why}; its next step's drafts come from this "
+                             "step's tokens on the host, so it cannot be dispatched earlier")
+        self._reset_cache()
+
+    @property
+    def diagnostics(self) -> Diagnostics:
+        """Benchmark probes of this engine's step (``time_decode_step``, ...)."""
+        return Diagnostics(self)
+
+    def _reset_cache(self) -> None:
+        self.target_kv, self.draft_state = self.step.init_caches(self.num_blocks, self.block_size,
+                                                                 self.kv_dtype)
+        self.scheduler.reset()
+
+    def _check_inputs(self, prompts, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+            prompts = list(prompts)
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        out = []
+        for i, p in enumerate(prompts):
+            arr = np.asarray(p)
+            if arr.ndim != 1 or arr.size == 0 or not (np.issubdtype(arr.dtype, np.integer)):
+                raise ValueError(f"prompts[{i}] must be a non-empty list of int token ids")
+            if arr.min() < 0 or arr.max() >= self.vocab_size:
+                bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
+                raise ValueError(f"prompts[{i}] holds token id {bad}, outside the target's vocabulary "
+                                 f"[0, {self.vocab_size})")
+            if arr.size >= self.max_model_len:
+                raise ValueError(f"prompts[{i}] has {arr.size} tokens; max_model_len={self.max_model_len} "
+                                 "leaves no room to generate")
+            out.append([int(t) for t in arr])
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sps = [sampling_params] * len(out)
+        else:
+            sps = list(sampling_params)
+            if len(sps) != len(out):
+                raise ValueError(f"sampling_params has {len(sps)} entries for {len(out)} prompts")
+            if not all(isinstance(s, SamplingParams) for s in sps):
+                raise ValueError("sampling_params must be a SamplingParams or a list of them")
+        self.scheduler.check_fits(out, sps)
+        return out, sps
+
+    # -- public --------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 eos_token_id: int | None = None, seed: int = 0,
+                 stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
+                 progress: Callable[[int, int, int], None] | None = None) -> GenerateResult:
+        """Generate for every prompt; see :func:`generate`."""
+        prompts, sps = self._check_inputs(prompts, sampling_params)
+        check_opt_int("eos_token_id", eos_token_id, 0, self.vocab_size - 1,
+                      why="a token id of the target's vocabulary")
+        check_int("seed", seed, 0, 2**63 - 1)
+        stat_loggers = list(stat_loggers)
+        sched, opts = self.scheduler, self.options
+        rng = np.random.default_rng(seed)
+        waiting = collections.deque()
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            stops = set(sp.stop_token_ids)
+            if eos_token_id is not None and not sp.ignore_eos:
+                stops.add(int(eos_token_id))
+            r = _Request(index=i, req_id=f"req-{next(_req_counter)}", prompt=p, params=sp,
+                         seed=int(sp.seed if sp.seed is not None else rng.integers(0, 2**31 - 1)) % 2**32,
+                         stop_ids=frozenset(stops))
+            r.proc = sp.processing(stops)
+            check_request(f"sampling_params[{i}]", r.proc, sched.processor_limits,
+                          self.vocab_size, len(self.step.logits_processors))
+            r.reserve = sched.worst_blocks(len(p), sp.max_tokens)
+            reqs.append(r)
+            waiting.append(r)
+        running: list[_Request] = []
+        total = SpecDecodingStats.new(self.num_spec_positions)
+        steps, done = 0, 0
+        t0 = time.perf_counter()
+        inflight: _InFlight | None = None       # overlap: a device-loop call not committed yet
+        try:
+            while waiting or running:
+                if inflight is None:     # (none can join before a request in flight finishes)
+                    sched.admit(waiting, running)
+                if inflight is not None or ((opts.steps_per_sync > 1 or opts.overlap) and all(
+                        r.num_tokens - r.num_computed == 1 for r in running)):
+                    if opts.overlap and not waiting:     # (waiting only ever shrinks)
+                        results, inflight = self.driver.sync_overlapped(running, inflight,
+                                                                        stop_on_finish=False)
+                    else:
+                        results = self.driver.sync(running, stop_on_finish=bool(waiting))
+                else:
+                    results = [self._step(running)]
+                self.num_syncs += 1
+                for stats, finished in results:     # one entry per iteration
+                    steps += 1
+                    if stats is not None:
+                        for f in stat_loggers:
+                            f(stats)
+                        _accumulate(total, stats)
+                    for r in finished:
+                        running.remove(r)
+                        sched.release(r)
+                    done += len(finished)
+                    if progress is not None:
+                        progress(done, len(reqs), sum(len(r.output) for r in reqs))
+        finally:
+            if self.proposer is not None:
+                self.proposer.finish_requests([r.req_id for r in reqs])
+            for r in running:
+                sched.release(r)
+        elapsed = time.perf_counter() - t0
+        outs = [RequestOutput(r.prompt, r.output, r.finish_reason, r.num_drafted, r.num_accepted,
+                              None if r.params.logprobs is None else r.logprobs) for r in reqs]
+        return GenerateResult(outs, total, steps, elapsed)
+
+    def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
+               context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
+               stop_pads: Sequence[int] = (1, 2), logits_processing: Sequence[bool] = (False,),
+               num_logprobs: Sequence[int | None] = (None,)) -> int:
+        """Compile the step for every combination of the given buckets (dummy batches that
+        write nothing; ``context_blocks`` None: the widest) and, where the device loop runs, the
+        loop for every batch size, width, ``all_greedy``, ``stop_pads`` (stop-id columns: a power
+        of two) and form. ``logits_processing``: plain (False) and / or processing (True)
+        variants; ``num_logprobs``: each largest ``SamplingParams.logprobs`` a batch can hold
+        (None: none asks). Returns the number of variants compiled."""
+        sched, opts = self.scheduler, self.options
+        lps = sorted({logprobs_bucket([check_num_logprobs("num_logprobs", n)]) for n in num_logprobs},
+                     key=lambda n: -1 if n is None else n)
+        if context_blocks is None:
+            context_blocks = [sched.max_blocks_per_req]
+        before = step_cache_size() + loop_cache_size()
+        phases = (False,) if self.tree is None else (False, True)
+        for b, q, c, g, tv, pr, lp in itertools.product(batch_sizes, query_lens, context_blocks,
+                                                        all_greedy, phases, logits_processing, lps):
+            if int(b) * int(q) < opts.min_tokens_per_step:      # as Scheduler.buckets pads it
+                q = _pick(opts.query_buckets, -(-opts.min_tokens_per_step // int(b)))
+            batch = sched.dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g))
+            if pr:
+                batch = dataclasses.replace(batch, procs=sched.empty_procs(int(b)))
+            jax.block_until_ready(self._run(dataclasses.replace(batch, num_logprobs=lp)))
+        if opts.steps_per_sync > 1 or opts.overlap:   # the device loop runs
+            for b, c, g, s, pr, lp, ee in itertools.product(batch_sizes, context_blocks, all_greedy,
+                                                            stop_pads, logits_processing, lps,
+                                                            self.driver.forms()):
+                _, q, _ = sched.buckets(int(b), self.k + 1, 1)
+                state = make_loop_state(
+                    last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
+                    block_ids=[], k=self.k, num_reqs_pad=int(b), blocks_per_req_pad=int(c),
+                    query_len_pad=q, max_model_len=self.max_model_len, block_size=self.block_size,
+                    stop_pad=int(s), history=[] if self.drafts_in == "history" else None,
+                    procs=sched.empty_procs(int(b)) if pr else None)
+                out, self.target_kv, self.draft_state, _ = decode_loop(
+                    self.step, self.target.params, self.step.draft_params, self.target_kv,
+                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g), num_logprobs=lp),
+                    steps_per_sync=opts.steps_per_sync, early_exit=ee)
+                jax.block_until_ready(out)
+        return step_cache_size() + loop_cache_size() - before
+
+    # -- one step ------------------------------------------------------------------
+
+    def _run(self, batch: StepBatch) -> StepOutput:
+        """Run the public step on ``batch`` (caches and state donated and replaced)."""
+        out, self.target_kv, self.draft_state = self.step(
+            self.target.params, self.step.draft_params, self.target_kv, self.draft_state, batch)
+        return out
+
+    def _trim(self, r: _Request, drafts: list[int]) -> list[int]:
+        """``drafts`` cut to what ``r`` can verify next (``trim_drafts``: never past
+        ``max_model_len``, ``max_tokens`` or the drafter's limit; a token outside the
+        vocabulary, from a buggy proposer, ends them)."""
+        kv_room = self.max_model_len - r.num_tokens
+        lim = self.drafter_max_model_len
+        return trim_drafts(drafts, max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
+                           kv_room=kv_room, k=self.k, vocab_size=self.vocab_size, tree=self.tree,
+                           drafter_room=None if lim is None else lim - r.num_tokens)
+
+    def _step(self, running: list[_Request]) -> tuple[SpecDecodingStats | None, list[_Request]]:
+        # Tree mode: the tree mask is static for the whole batch and a prompt needs causal
+        # attention, so a step with a prompt to prefill is a chain step in which nobody
+        # verifies drafts (decoding requests verify just their root and get redrafted);
+        # every other step is a tree-verification step.
+        tree_verify = self.tree is not None and all(
+            r.num_tokens - r.num_computed == 1 for r in running)
+        if self.tree is not None and not tree_verify:
+            for r in running:
+                r.drafts = []
+        t0 = time.perf_counter()
+        batch, qlens, b_pad = self.scheduler.build_batch(running, tree_verify=tree_verify)
+        dev = self._run(batch)
+        t1 = time.perf_counter()
+        out = jax.device_get(dev)       # one fetch of the step's results
+        t2 = time.perf_counter()
+        self.wait_s += t2 - t1
+        tok_buf = self.scheduler.tok_buf
+        stats, finished, gained = self.commit_rule.step(running, out, qlens, tok_buf)
+        alive = [i for i, r in enumerate(running) if not r.finish_reason]
+        if self.drafts_in in ("step", "split"):
+            for i in alive:
+                running[i].drafts = out.drafts[i, : int(out.num_drafts[i])].tolist()
+        elif self.drafts_in == "history" and alive:
+            rows = [running[i].row for i in alive]
+            hist = TokenHistory(
+                req_ids=[running[i].req_id for i in alive],
+                token_ids=tok_buf[rows],
+                num_tokens=np.array([running[i].num_tokens for i in alive], _I32),
+                num_prompt_tokens=np.array([len(running[i].prompt) for i in alive], _I32),
+                sampled_token_ids=[gained[i] for i in alive], rows_pad=b_pad)
+            drafted = self.proposer.propose_from_history(hist)
+            tok, cnt = np.asarray(drafted.token_ids), np.asarray(drafted.num_drafts)
+            for j, i in enumerate(alive):
+                running[i].drafts = tok[j, : int(cnt[j])].tolist()
+        for i in alive:
+            running[i].drafts = self._trim(running[i], running[i].drafts)
+        self.host_s += (t1 - t0) + (time.perf_counter() - t2)
+        return stats, finished
+
+
+def _accumulate(total: SpecDecodingStats, s: SpecDecodingStats) -> None:
+    total.num_drafts += s.num_drafts
+    total.num_draft_tokens += s.num_draft_tokens
+    total.num_accepted_tokens += s.num_accepted_tokens
+    for p, a in enumerate(s.num_accepted_tokens_per_pos):
+        total.num_accepted_tokens_per_pos[p] += a
+
+
+#: Engine's keyword parameters: the options ``generate`` passes on.
+_ENGINE_OPTIONS = tuple(n for n, p in inspect.signature(Engine.__init__).parameters.items()
+                        if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             eos_token_id: int | None = None, seed: int = 0,
+             stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
+             progress: Callable[[int, int, int], None] | None = None,
+             **engine_options) -> GenerateResult:
+    """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
+
+    ``target``, ``proposer``: as :class:`Engine`'s. ``prompts``: non-empty token-id lists.
+    ``sampling_params``: one ``SamplingParams`` for all or one per prompt. ``eos_token_id``:
+    a stop token of every request without ``ignore_eos``. ``seed``: draws the seeds of
+    unseeded requests. ``stat_loggers``: called with each iteration's ``SpecDecodingStats``.
+    ``progress``: called after each iteration with ``(finished, total, generated_tokens)``.
+    ``engine_options``: :class:`Engine`'s keyword arguments (``max_model_len`` and
+    ``block_size`` default to the proposer's, else 2048 and 16; ``max_num_seqs`` to every
+    prompt at once, at most 256). Returns ``GenerateResult``. Raises TypeError for an unknown
+    option (listing the allowed ones), ValueError / TypeError naming a bad argument."""
+    bad = sorted(set(engine_options) - set(_ENGINE_OPTIONS))
+    if bad:
+        fields = {f.name for f in dataclasses.fields(LoopOptions)}
+        hint = "".join(f"; {b} is a LoopOptions field: options=LoopOptions({b}=...)"
+                       for b in bad if b in fields)
+        raise ArgumentTypeError(f"generate() got unknown option(s) {show(bad)}; allowed: "
+                                f"{show(sorted(_ENGINE_OPTIONS), 600)}{hint}")
+    feed = proposer.feed if isinstance(proposer, Proposer) else None
+    kw = dict(engine_options)
+    if kw.get("max_model_len") is None:
+        kw["max_model_len"] = (feed and feed.max_model_len) or 2048
+    if kw.get("block_size") is None:
+        kw["block_size"] = (feed and feed.block_size) or 16
+    if kw.get("max_num_seqs") is None:   # all at once, up to 256
+        kw["max_num_seqs"] = min(256, max(1, len(prompts))) if hasattr(prompts, "__len__") else 1
+    engine = Engine(target, proposer, **kw)
+    return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
+                           stat_loggers=stat_loggers, progress=progress)
