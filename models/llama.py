@@ -17,6 +17,7 @@ from flax import nnx
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import params as mp, rope
 from specjax.kernels.paged_attention import KVCache
+from specjax.kernels.paged_attention.kv_cache import move_slots
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, PagedCache, RMSNorm
 from specjax.models.tensors import Entry, layer_entries
@@ -51,6 +52,39 @@ class DecoderLM(PagedCache):
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids",
                            check_aux_ids(self.aux_layer_ids, self.config.num_hidden_layers))
+
+    # -- the specjax.Target protocol (specjax/target.py) ----------------------------
+    recurrent = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def with_aux_layers(self, ids) -> "DecoderLM":
+        return dataclasses.replace(self, aux_layer_ids=tuple(ids))
+
+    def kv_bytes_per_block(self, block_size: int, dtype) -> int:
+        """K and V of every layer for one block of ``block_size`` tokens."""
+        c = self.config
+        return (2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim
+                * jnp.dtype(dtype).itemsize)
+
+    def shared_weights(self, params: dict) -> dict:
+        """``embed_tokens`` and ``lm_head`` of ``params`` (a tied head: the embedding)."""
+        emb = params.get("embed_tokens") or {}
+        head = params.get("lm_head") or ({"embedding": emb["embedding"]} if emb else {})
+        return {"embed_tokens": emb, "lm_head": head}
+
+    def move_kv(self, kv_caches: list[KVCache], src_slots: jax.Array, dst_slots: jax.Array):
+        return move_slots(kv_caches, src_slots, dst_slots)
 
     def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
                 kv_caches: list[KVCache], attn_metadata: CommonAttentionMetadata):

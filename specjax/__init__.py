@@ -31,6 +31,7 @@ _LAZY = {
     "LoopOptions": ("specjax.engine", "LoopOptions"),
     "SamplingParams": ("specjax.engine", "SamplingParams"),
     "TargetModel": ("specjax.engine", "TargetModel"),
+    "Target": ("specjax.target", "Target"),
     # the serving step (docs/integration.md)
     "make_step": ("specjax.runtime.step", "make_step"),
     "Step": ("specjax.runtime.step", "Step"),

@@ -33,3 +33,17 @@ def scatter_slots(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) 
         idx = jnp.concatenate([idx, jnp.full((1,), nb * bs, idx.dtype)])
     flat = flat.at[idx].set(values.astype(cache.dtype), mode="drop")
     return flat.reshape(cache.shape)
+
+
+def move_slots(caches, src_slots: jax.Array, dst_slots: jax.Array):
+    """Copy flat slot ``src_slots[i]`` to ``dst_slots[i]`` (< 0: nothing) in every
+    ``[num_blocks, block_size, ...]`` leaf of ``caches``, all sources gathered first."""
+
+    def copy(cache):
+        flat = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
+        # The barrier keeps the gather out of the scatter's fusion: a scatter whose updates
+        # read its own operand cannot run in place, and XLA:GPU would copy every K and V
+        # cache whole each tree step.
+        return scatter_slots(cache, jax.lax.optimization_barrier(flat[src_slots]), dst_slots)
+
+    return jax.tree.map(copy, caches)

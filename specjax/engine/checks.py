@@ -1,6 +1,6 @@
 """Checks of ``Engine`` / ``generate`` that need the machine or the models: the KV cache
 against the memory it would take (naming ``max_model_len`` and ``num_blocks``), bucket
-lists, the target's params against its config. Generic argument checks:
+lists, a ``DecoderLM`` target's params against its config. Generic argument checks:
 :mod:`specjax.checks`."""
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ def memory_limit_bytes() -> tuple[int, str] | None:
         return None
 
 
-def check_kv_cache_fits(*, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                        head_dim: int, itemsize: int, max_model_len: int, max_num_seqs: int,
-                        num_blocks_given: bool) -> None:
-    """ValueError naming ``max_model_len`` and ``num_blocks`` when the target's paged KV
-    cache (k and v, ``[num_blocks, block_size, kv_heads, head_dim]`` per layer) would not
-    fit in :func:`memory_limit_bytes`, before anything is allocated."""
-    need = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * itemsize
+def check_kv_cache_fits(*, num_blocks: int, bytes_per_block: int, block_size: int,
+                        max_model_len: int, max_num_seqs: int, num_blocks_given: bool) -> None:
+    """ValueError naming ``max_model_len`` and ``num_blocks`` when the target's KV cache
+    (``num_blocks`` blocks of ``bytes_per_block``, the target's ``kv_bytes_per_block``)
+    would not fit in :func:`memory_limit_bytes`, before anything is allocated."""
+    need = num_blocks * bytes_per_block
     limit = memory_limit_bytes()
     if limit is None or need <= limit[0]:
         return
@@ -71,7 +70,8 @@ def check_engine_args(model: Any, *, max_model_len: Any, block_size: Any, max_nu
                       num_blocks: Any, kv_dtype: Any, buckets: tuple[Any, Any, Any], k: int,
                       params: Any = None) -> None:
     """The checks of ``Engine`` / ``generate``: every integer bounded, each bucket list able
-    to hold its size, the KV cache within memory (:func:`check_kv_cache_fits`)."""
+    to hold its size, the KV cache within memory (:func:`check_kv_cache_fits`); ``model``
+    a checked ``specjax.Target``."""
     mml = check_int("max_model_len", max_model_len, 2)
     bs = check_int("block_size", block_size, 1, 1 << 16)
     seqs = check_int("max_num_seqs", max_num_seqs, 1, 1 << 16)
@@ -85,25 +85,24 @@ def check_engine_args(model: Any, *, max_model_len: Any, block_size: Any, max_nu
     check_buckets("batch_buckets", bb, seqs, "max_num_seqs")
     check_buckets("query_buckets", qb, k + 1, "num_speculative_tokens + 1 tokens per request")
     check_buckets("context_buckets", cb, -(-mml // bs), "ceil(max_model_len / block_size) blocks")
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return
-    if params is not None:
+    from specjax.models import DecoderLM
+
+    if params is not None and isinstance(model, DecoderLM):
         from specjax.models import registry
 
+        cfg = model.config
         registry.check_params(cfg.kind, cfg, params, name="target params")
     if kv_dtype is None:            # the default: the params' dtype (float32 without params)
         from specjax.runtime.step import params_kv_dtype
 
         kv_dtype = params_kv_dtype(params)
     try:
-        itemsize = np.dtype(kv_dtype).itemsize
+        np.dtype(kv_dtype)
     except TypeError:
         raise ArgumentTypeError(f"kv_dtype must be a dtype (e.g. jnp.bfloat16), got "
                                 f"{show(kv_dtype)}") from None
-    check_kv_cache_fits(num_blocks=nb, block_size=bs, num_layers=cfg.num_hidden_layers,
-                        num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                        itemsize=itemsize, max_model_len=mml, max_num_seqs=seqs,
+    check_kv_cache_fits(num_blocks=nb, bytes_per_block=int(model.kv_bytes_per_block(bs, kv_dtype)),
+                        block_size=bs, max_model_len=mml, max_num_seqs=seqs,
                         num_blocks_given=nb_given)
     # host token buffer [max_num_seqs, max_model_len] int32
     limit = memory_limit_bytes()

@@ -28,6 +28,7 @@ from specjax.runtime.decode_loop import decode_loop, loop_cache_size, loop_suppo
 from specjax.runtime.step import StepBatch, StepOutput, make_step, params_kv_dtype, step_cache_size
 from specjax.sampling.logits_processors import check_request
 from specjax.sampling.logprobs import check_logprobs_mode, check_num_logprobs, logprobs_bucket
+from specjax.target import check_target
 
 _I32 = np.int32
 _req_counter = itertools.count()
@@ -39,8 +40,8 @@ class Engine:
     (``driver``), one commit rule (``commit_rule``). Greedy output is plain greedy's.
 
     Args:
-      target: ``TargetModel(model, params)``, a ``(model, params)`` pair or a decoder's
-        ``Pretrained``; proposer: ``specjax.make_proposer``'s or None.
+      target: ``TargetModel(model, params)``, a ``(model, params)`` pair (``model`` a
+        ``specjax.Target``) or a decoder's ``Pretrained``; proposer: ``specjax.make_proposer``'s or None.
       max_model_len: prompt + output cap; block_size: tokens per KV block; max_num_seqs:
         running requests at most; num_blocks: the KV pool (default: ``max_num_seqs``
         requests at ``max_model_len`` plus the null block).
@@ -71,9 +72,14 @@ class Engine:
             if len(target) != 2:
                 raise ValueError("target must be TargetModel(model, params) or a (model, params) pair")
             target = TargetModel(*target)
-        if not isinstance(target, TargetModel) or not isinstance(target.model, DecoderLM):
-            raise ValueError("target must be TargetModel(model, params) with a specjax.models.DecoderLM "
-                             f"model, got {type(getattr(target, 'model', target)).__name__}")
+        if not isinstance(target, TargetModel):
+            raise ValueError("target must be TargetModel(model, params) with a specjax.Target "
+                             f"model (e.g. a specjax.models.DecoderLM), got {type(target).__name__}")
+        check_target(target.model, "target.model")
+        if mesh is not None and not isinstance(target.model, DecoderLM):
+            raise ValueError(f"mesh= needs a specjax.models.DecoderLM target; a "
+                             f"{type(target.model).__name__} target (specjax.Target) runs on one "
+                             "device (sharding of a foreign target is not supported yet)")
         if proposer is not None and not isinstance(proposer, Proposer):
             raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be None, "
                              f"got {type(proposer).__name__}")

@@ -192,7 +192,8 @@ class GenerateResult:
 
 
 class TargetModel(NamedTuple):
-    """The target: a ``specjax.models.DecoderLM`` runner and its params dict."""
+    """The target: a ``specjax.Target`` (e.g. a ``specjax.models.DecoderLM`` runner) and its
+    params (a dict for a ``DecoderLM``; any pytree the target's ``forward`` takes)."""
 
     model: Any
-    params: dict
+    params: Any

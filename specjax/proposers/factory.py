@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
 from specjax.checks import (ArgumentTypeError, check_choice, check_int, check_int_sequence,
@@ -124,8 +125,9 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
     Args:
       config: a ``SpeculativeConfig``, or a vLLM ``speculative_config`` dict whose ``model``
         directory is loaded when ``draft=`` is not given (both together: ``ValueError``).
-      target, target_params: the target ``DecoderLM`` runner (or a ``Pretrained``) and its
-        params, shared into heads without their own embedding / lm_head.
+      target, target_params: the target (a ``specjax.Target``, e.g. a ``DecoderLM`` runner,
+        or a ``Pretrained``) and its params; ``target.shared_weights(target_params)`` go into
+        heads without their own embedding / lm_head.
       draft, draft_params: the draft runner, ``ModelConfig`` or ``Pretrained``, and its
         params; none for model-free methods.
       block_size: the loop's KV-cache block size.
@@ -242,17 +244,22 @@ def _draft_from_model(config: SpeculativeConfig, draft: Any, draft_params: Any) 
 def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params, draft,
                          draft_params, block_size, max_model_len, aux_layer_ids, kernel_backend,
                          options) -> ModelProposer:
-    from specjax.models import DecoderLM, ModelConfig, registry, share_target_weights
+    from specjax.models import ModelConfig, registry, share_target_weights
     from specjax.models.config import eagle3_default_aux_layer_ids
+    from specjax.target import check_target
 
     method = config.method
     cls = _proposer_class(builder, method)
-    if target is not None and not isinstance(target, DecoderLM):
-        raise ArgumentTypeError(f"target must be a specjax.models.DecoderLM or None, got "
-                                f"{type(target).__name__}")
-    target_cfg = getattr(target, "config", None)
-    if target_params is not None and target_cfg is not None:
-        _check_shared_entries(target_cfg, target_params)
+    target_cfg = None
+    if target is not None:
+        check_target(target)
+        # what the checks below read of the target, from the protocol (not its config)
+        target_cfg = SimpleNamespace(vocab_size=int(target.vocab_size),
+                                     hidden_size=int(target.hidden_size),
+                                     num_hidden_layers=int(target.num_layers))
+        if target_params is not None:
+            target_params = target.shared_weights(target_params)
+            _check_shared_entries(target_cfg, target_params)
     if method == "extract_hidden_states":
         from specjax.models import ExtractHiddenStates
 

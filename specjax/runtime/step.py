@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 # Defines the attention-backend jit option and imports the kernels before the step is first
 # traced (config states in the trace context; see the end of kernels/paged_attention/__init__.py).
@@ -132,7 +131,7 @@ jax.tree_util.register_pytree_node(
 class _Spec(NamedTuple):
     """Static part of a step (hashable; the jit cache key besides the batch's shapes)."""
 
-    target: Any                 # DecoderLM (with the proposer's aux layers)
+    target: Any                 # a specjax.Target (with the proposer's aux layers)
     impl: Any                   # the in-step proposer (static) or None
     k: int                      # draft columns (0: plain decoding)
     vocab_size: int
@@ -217,7 +216,7 @@ def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBat
                                                   sampling, tree=tree, num_reqs=cad.num_reqs)
     root_pos = jnp.where(real, cad.seq_lens - qlen, 0)          # logical position p of the root
     target_kv = compact_tree_kv(target_kv, cad.block_table, root_pos, acc_nodes, n_acc, real,
-                                block_size=b.block_size)
+                                block_size=b.block_size, move_kv=spec.target.move_kv)
     sampled = jnp.concatenate(
         [out, jnp.full((bp, n_nodes - tree.depth), PLACEHOLDER_TOKEN_ID, jnp.int32)], axis=1)
     impl = spec.impl
@@ -284,15 +283,16 @@ def _slots(block_table, rows, pos, block_size: int):
 
 
 def compact_tree_kv(kv_caches, block_table, root_pos, accepted_nodes, num_accepted, real, *,
-                    block_size: int):
+                    block_size: int, move_kv=None):
     """Move the accepted nodes' KV to where the accepted tokens now sit (traceable).
 
     Node ``j``'s K / V was written at logical position ``p + 1 + j`` (``p = root_pos``); after
     accepting nodes ``a_1..a_m`` (one per level) position ``p + 1 + a_i`` is copied to ``p + i``
     in every ``[num_blocks, block_size, ...]`` leaf of ``kv_caches``, through ``block_table``.
     Sources are gathered before any write; entries already in place, past ``num_accepted`` or
-    on rows not ``real`` write nothing."""
-    from specjax.kernels.paged_attention.kv_cache import scatter_slots
+    on rows not ``real`` write nothing. ``move_kv``: the target's (default: specjax's
+    paged layout, ``kv_cache.move_slots``)."""
+    from specjax.kernels.paged_attention.kv_cache import move_slots
 
     b, depth = accepted_nodes.shape
     i = jnp.arange(1, depth + 1, dtype=jnp.int32)[None, :]
@@ -302,15 +302,7 @@ def compact_tree_kv(kv_caches, block_table, root_pos, accepted_nodes, num_accept
     dst = _slots(block_table, rows, root_pos[:, None] + i, block_size)
     src = jnp.where(move, src, 0).reshape(-1)
     dst = jnp.where(move, dst, -1).reshape(-1)
-
-    def copy(cache):
-        flat = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
-        # The barrier keeps the gather out of the scatter's fusion: a scatter whose updates
-        # read its own operand cannot run in place, and XLA:GPU would copy every K and V
-        # cache whole each tree step.
-        return scatter_slots(cache, lax.optimization_barrier(flat[src]), dst)
-
-    return jax.tree.map(copy, kv_caches)
+    return (move_kv or move_slots)(kv_caches, src, dst)
 
 
 def tree_chain_inputs(input_ids, cad: CommonAttentionMetadata, accepted_nodes, num_accepted, *,
@@ -363,7 +355,7 @@ def tree_chain_inputs(input_ids, cad: CommonAttentionMetadata, accepted_nodes, n
 class Step:
     """One decoding iteration of ``target`` with ``proposer``; build it with :func:`make_step`.
 
-    Attributes: ``target`` (the ``DecoderLM`` run, with the proposer's aux layers),
+    Attributes: ``target`` (the ``specjax.Target`` run, with the proposer's aux layers),
     ``proposer`` (as the step runs it: placed, or with fused projections; pass
     ``step.draft_params``) or None, ``feed`` (``proposer.feed`` or None), ``k`` (draft
     columns), ``tree`` (verified on tree batches, or None), ``mesh`` / ``tp_axis``,
@@ -375,25 +367,30 @@ class Step:
                  fuse_projections: bool = True) -> None:
         from specjax.checks import check_type
         from specjax.models import DecoderLM
+        from specjax.target import check_target, has_move_kv
 
         check_logprobs_mode(logprobs_mode)
         check_type("fuse_projections", fuse_projections, bool, "True or False")
         self.fuse_projections = fuse_projections
 
-        if not isinstance(target, DecoderLM):
-            raise ValueError(f"target must be a specjax.models.DecoderLM, got {type(target).__name__}")
+        check_target(target)
         if proposer is not None and not isinstance(proposer, Proposer):
             raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be "
                              f"None, got {type(proposer).__name__}")
         feed = None if proposer is None else proposer.feed
-        vocab = target.config.vocab_size
+        vocab = int(target.vocab_size)
         if feed is not None:
             if feed.vocab_size is not None and feed.vocab_size != vocab:
                 raise ValueError(f"the proposer's vocabulary ({feed.vocab_size}) does not match "
                                  f"the target's ({vocab})")
             if feed.aux_layer_ids and tuple(target.aux_layer_ids) != feed.aux_layer_ids:
-                target = dataclasses.replace(target, aux_layer_ids=feed.aux_layer_ids)
+                target = target.with_aux_layers(feed.aux_layer_ids)
         self.mesh, self.tp_axis = mesh, tp_axis
+        self._own = isinstance(target, DecoderLM)   # fused projections and mesh placement
+        if mesh is not None and not self._own:
+            raise ValueError(f"mesh= needs a specjax.models.DecoderLM target; a "
+                             f"{type(target).__name__} target (specjax.Target) runs on one "
+                             "device (sharding of a foreign target is not supported yet)")
         if mesh is not None:
             from jax.sharding import Mesh
 
@@ -411,6 +408,10 @@ class Step:
         self.k = 0 if feed is None else feed.num_speculative_tokens
         self.vocab_size = vocab
         self.tree = _resolve_tree(proposer, tree_verification)
+        if self.tree is not None and not has_move_kv(target):
+            raise ValueError(f"tree verification needs the target's move_kv (specjax.Target); "
+                             f"the {type(target).__name__} target has none: use a chain "
+                             "proposer or tree_verification=False")
         self.synthetic_rates = _synthetic_rates(proposer, self.tree)
         in_step = feed is not None and feed.in_step
         self.logits_processors = _check_processors(logits_processors)
@@ -428,6 +429,8 @@ class Step:
         """``params`` placed for this step: sharded by ``specjax.sharding``'s rules over
         ``tp_axis`` on a mesh (indivisible sizes: ValueError naming them); on one device with
         q/k/v and gate/up fused (a new array per group) unless ``fuse_projections=False``."""
+        if not self._own:       # a foreign target's params are used as given
+            return params
         if self.mesh is None:
             if self.fuse_projections:
                 from specjax.models import fuse_projections
@@ -549,10 +552,10 @@ def params_kv_dtype(params) -> Any:
 def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: str = "tp",
               tree_verification: bool | None = None, logits_processors: tuple = (),
               logprobs_mode: str = "raw_logprobs", fuse_projections: bool = True) -> Step:
-    """The fused speculative step of ``target`` (a ``DecoderLM``) with ``proposer`` (None:
-    plain decoding). ``mesh`` / ``tp_axis``: tensor parallelism. ``tree_verification``: None
-    verifies trees when the proposer's tree branches, True forces the tree path, False
-    chains. ``logits_processors``: pure JAX functions ``fn(logits [T, V], params [T, P],
+    """The fused speculative step of ``target`` (a ``specjax.Target``, e.g. a ``DecoderLM``)
+    with ``proposer`` (None: plain decoding). ``mesh`` / ``tp_axis``: tensor parallelism.
+    ``tree_verification``: None verifies trees when the proposer's tree branches, True forces
+    the tree path, False chains. ``logits_processors``: pure JAX functions ``fn(logits [T, V], params [T, P],
     (token_ids [T, L], num_tokens [T], position [T])) -> [T, V]`` (docs/sampling.md).
     ``logprobs_mode``: vLLM's ``LogprobsMode``. ``fuse_projections``: fuse q/k/v and gate/up
     on one device. Raises ValueError (vocabulary mismatch, a tree of the wrong size,
