@@ -6,19 +6,13 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import pytest
 
 from specjax.cli import demo, main as cli
 from test_demo import demo_table
+from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    old = bool(jax.config.values.get("jax_disable_most_optimizations", False))
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
 
 
 @pytest.mark.smoke

@@ -12,17 +12,12 @@ import jax
 import pytest
 
 from specjax.cli import demo, main as cli
+from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 HEAD = ("method", "check", "tokens/fwd", "k", "per-position acceptance", "tokens/s", "spread",
         "sync", "speed-up")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    old = bool(jax.config.values.get("jax_disable_most_optimizations", False))
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
 
 
 def demo_table(out: str) -> dict[str, dict[str, str]]:

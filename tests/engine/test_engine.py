@@ -28,6 +28,8 @@ from specjax.models import registry
 from specjax.proposers import (DraftOutput, Feed, Proposer, TokenHistory, available_methods,
                                make_proposer)
 
+from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
+
 V = 64
 GEO = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
            rms_norm_eps=1e-5, vocab_size=V)
@@ -54,14 +56,6 @@ HEADS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    """XLA's cheap compilation mode for this module (compilation dominates its run time;
-    both sides of every comparison are compiled the same way)."""
-    old = bool(jax.config.values.get("jax_disable_most_optimizations", False))
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
 
 
 @functools.lru_cache(maxsize=None)

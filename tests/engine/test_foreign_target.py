@@ -17,6 +17,7 @@ from specjax import LoopOptions, SamplingParams, SpeculativeConfig, TargetModel,
 from specjax.models import registry
 
 from foreign_target import ForeignGPT, full_recompute_greedy, greedy_margin, init_params
+from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 BS, MML, N = 8, 64, 20
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]]
@@ -25,12 +26,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
 LOOPS = {"per_step": LoopOptions(steps_per_sync=1), "device_loop": None}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    old = bool(jax.config.values.get("jax_disable_most_optimizations", False))
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
 
 
 @functools.lru_cache(maxsize=None)

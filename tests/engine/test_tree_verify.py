@@ -17,6 +17,7 @@ from specjax.metadata import SpecDecodeMetadata
 from specjax.sampling import (SamplingMetadata, rejection_sample, tree_greedy_verify,
                              tree_rejection_sample)
 from specjax.token_tree import TokenTree
+from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 
 def random_tree(rng, max_depth=4, max_children=3, max_nodes=40) -> TokenTree:
@@ -84,13 +85,6 @@ def engineered_batch(rng, tree, b, vocab=6):
     return tgt, drafts, nd
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    """XLA's cheap compilation mode (each tree compiles its own verifier)."""
-    old = bool(jax.config.values.get("jax_disable_most_optimizations", False))
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
 
 
 @functools.lru_cache(maxsize=None)
