@@ -78,19 +78,31 @@ def main(argv=None) -> list[dict]:
             except Exception as e:  # one bad knob must not end the sweep
                 print(f"B={b} q={ql} {json.dumps(kn)}: FAILED {type(e).__name__}: {e}")
                 continue
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                out = None
-                for _ in range(10):
-                    out = f(*a)
-                jax.block_until_ready(out)
-                best = min(best, (time.perf_counter() - t0) / 10)
-            r = dict(batch=b, q_len=ql, layers=args.layers, knobs=kn or "default", ms=best * 1e3,
-                     floor_ms=floor * 1e3)
-            rows.append(r)
-            print(f"B={b:3d} q={ql} {json.dumps(r['knobs']):40s} {r['ms']:7.3f} ms  floor "
-                  f"{r['floor_ms']:.3f} ({best / floor:.2f}x)", flush=True)
+            rows.append(_record(args, b, ql, kn or "default", _best_of(lambda: f(*a)), floor))
+    return _write(args, rows)
+
+
+def _best_of(call) -> float:
+    """Seconds per ``call()`` (which returns what to wait for): the best of 3 rounds of 10."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            out = call()
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return best
+
+
+def _record(args, b: int, ql: int, knobs, best: float, floor: float) -> dict:
+    r = dict(batch=b, q_len=ql, layers=args.layers, knobs=knobs, ms=best * 1e3,
+             floor_ms=floor * 1e3)
+    print(f"B={b:3d} q={ql} {json.dumps(knobs):50s} {r['ms']:7.3f} ms  floor "
+          f"{r['floor_ms']:.3f} ({best / floor:.2f}x)", flush=True)
+    return r
+
+
+def _write(args, rows: list[dict]) -> list[dict]:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
@@ -124,22 +136,13 @@ def kv_write_sweep(args) -> list[dict]:
             except Exception as e:  # one failing variant must not end the sweep
                 print(f"B={b} q={ql} {json.dumps(kn)}: FAILED {type(e).__name__}: {e}")
                 continue
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    out, ks, vs = f(q, ks, vs, md)
-                jax.block_until_ready(out)
-                best = min(best, (time.perf_counter() - t0) / 10)
-            r = dict(batch=b, q_len=ql, layers=args.layers, knobs=kn, ms=best * 1e3,
-                     floor_ms=floor * 1e3)
-            rows.append(r)
-            print(f"B={b:3d} q={ql} {json.dumps(kn):50s} {r['ms']:7.3f} ms  floor "
-                  f"{r['floor_ms']:.3f} ({best / floor:.2f}x)", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    return rows
+            carried = [ks, vs]
+
+            def call(f=f, carried=carried):      # the caches donated and carried
+                out, carried[0], carried[1] = f(q, carried[0], carried[1], md)
+                return out
+            rows.append(_record(args, b, ql, kn, _best_of(call), floor))
+    return _write(args, rows)
 
 
 if __name__ == "__main__":
