@@ -38,6 +38,8 @@ _LAZY = {
     "StepBatch": ("specjax.runtime.step", "StepBatch"),
     "StepOutput": ("specjax.runtime.step", "StepOutput"),
     "build_batch": ("specjax.runtime.batch", "build_batch"),
+    "make_verify_step": ("specjax.runtime.verify", "make_verify_step"),
+    "VerifyStep": ("specjax.runtime.verify", "VerifyStep"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,5 +1,7 @@
 """The runtime a serving loop calls: the fused verify + propose step
-(:mod:`~specjax.runtime.step`, tree verification's KV compaction included), the host batch
+(:mod:`~specjax.runtime.step`), the same without the forward for a stack that runs its own
+model (:mod:`~specjax.runtime.verify`), tree verification's KV compaction
+(:mod:`~specjax.runtime.tree`), the host batch
 builders (:mod:`~specjax.runtime.batch`), the device-resident decode loop
 (:mod:`~specjax.runtime.decode_loop`) and the packed host-to-device transfer
 (:mod:`~specjax.runtime.host_transfer`). docs/integration.md shows the loop around them."""
@@ -8,6 +10,8 @@ from specjax.runtime.batch import build_batch
 from specjax.runtime.decode_loop import (LoopOutput, LoopState, decode_loop, loop_blocks_needed,
                                          make_loop_state)
 from specjax.runtime.step import Step, StepBatch, StepOutput, make_step
+from specjax.runtime.verify import VerifyStep, make_verify_step
 
 __all__ = ["build_batch", "LoopOutput", "LoopState", "decode_loop", "loop_blocks_needed",
-           "make_loop_state", "Step", "StepBatch", "StepOutput", "make_step"]
+           "make_loop_state", "Step", "StepBatch", "StepOutput", "make_step", "VerifyStep",
+           "make_verify_step"]

@@ -26,10 +26,10 @@ from specjax.sampling import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_
                              tree_rejection_sample, unconditional_to_conditional_rates)
 from specjax.sampling.logprobs import (chain_logprobs, check_logprobs_mode, check_num_logprobs,
                               tree_logprobs)
+from specjax.runtime.tree import compact_tree_kv, tree_chain_inputs
 from specjax.token_tree import TokenTree
 
-__all__ = ["StepBatch", "StepOutput", "Step", "make_step", "compact_tree_kv",
-           "tree_chain_inputs", "step_cache_size"]
+__all__ = ["StepBatch", "StepOutput", "Step", "make_step", "step_cache_size"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +92,17 @@ class StepOutput:
         (padding rows all -1). drafts: ``[B, k]``, the next step's drafts (-1 padded; all -1
         for a ``"history"`` proposer), ``num_drafts [B]`` of them valid. num_accepted: ``[B]``.
       logprobs: ``specjax.sampling.logprobs.Logprobs`` (``[B, k+1, n+1]`` ids and values,
-        ``[B, k+1]`` ranks) when the batch set ``num_logprobs``, else None."""
+        ``[B, k+1]`` ranks) when the batch set ``num_logprobs``, else None.
+      accepted_nodes: ``[B, depth] int32`` the accepted path's node indices (-1 past
+        ``num_accepted``) from ``VerifyStep`` on a tree batch (a stack compacts its KV with
+        them), else None."""
 
-    __slots__ = ("packed", "k", "logprobs")
-    _fields = ("sampled", "num_accepted", "drafts", "num_drafts", "logprobs")
+    __slots__ = ("packed", "k", "logprobs", "accepted_nodes")
+    _fields = ("sampled", "num_accepted", "drafts", "num_drafts", "logprobs", "accepted_nodes")
 
-    def __init__(self, packed, k: int, logprobs=None):
+    def __init__(self, packed, k: int, logprobs=None, accepted_nodes=None):
         self.packed, self.k, self.logprobs = packed, int(k), logprobs
+        self.accepted_nodes = accepted_nodes
 
     @property
     def sampled(self):
@@ -124,8 +128,8 @@ class StepOutput:
 
 
 jax.tree_util.register_pytree_node(
-    StepOutput, lambda o: ((o.packed, o.logprobs), o.k),
-    lambda k, leaves: StepOutput(leaves[0], k, leaves[1]))
+    StepOutput, lambda o: ((o.packed, o.logprobs, o.accepted_nodes), o.k),
+    lambda k, leaves: StepOutput(leaves[0], k, leaves[1], leaves[2]))
 
 
 class _Spec(NamedTuple):
@@ -142,6 +146,7 @@ class _Spec(NamedTuple):
     tree: Any                   # TokenTree verified on tree batches, else None
     processors: tuple = ()      # user logits processors (static)
     logprobs_mode: str = "raw_logprobs"   # specjax.sampling.logprobs.LOGPROBS_MODES
+    accept: bool = False        # call target.accept(kv, num_kept, attn) after verification
 
 
 def _sampling(b: StepBatch, processors: tuple = ()) -> SamplingMetadata:
@@ -179,6 +184,27 @@ def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBa
     hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv,
                                                  b.attn)
     logits = spec.target.compute_logits(tparams, hidden[b.sdm.logits_indices])
+    out, draft_state, extra = verify_chain(spec, dparams, draft_state, b, logits, hidden, aux)
+    if spec.accept:
+        target_kv = spec.target.accept(target_kv, num_kept(b, out), b.attn)
+    return out, target_kv, draft_state, extra
+
+
+def num_kept(b: StepBatch, out: StepOutput):
+    """``[B] int32``: each row's scheduled tokens that stay after verification (its query
+    length less its rejected drafts; 0 on padding rows), what a recurrent target's ``accept``
+    keeps."""
+    cad = b.attn
+    qlen = cad.query_start_loc[1:] - cad.query_start_loc[:-1]
+    real = jnp.arange(qlen.shape[0], dtype=jnp.int32) < cad.num_reqs
+    return jnp.where(real, qlen - b.sdm.num_draft_tokens + out.num_accepted, 0).astype(jnp.int32)
+
+
+def verify_chain(spec: _Spec, dparams, draft_state, b: StepBatch, logits, hidden, aux):
+    """Chain verification, logprobs and (in-step) drafting from the target's ``logits`` at
+    ``b.sdm.logits_indices`` and its ``hidden`` / ``aux`` of every scheduled token (traceable).
+    Returns ``(StepOutput, draft_state, extra)``; ``extra`` the states a split proposer drafts
+    from on the host's kept tokens, else None."""
     rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates,
                                                                   jnp.float32)
     sampling = _sampling(b, spec.processors)
@@ -187,36 +213,57 @@ def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBa
         b.sdm, logits, sampling, sampled, num_logprobs=b.num_logprobs, mode=spec.logprobs_mode)
     if spec.drafts_in == "step":
         drafts, draft_state = _propose_padded(spec, dparams, draft_state, sampled, b, hidden, aux)
-        return _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp), target_kv, draft_state, None
+        return _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp), draft_state, None
     extra = (hidden if spec.hidden else None, aux if spec.aux else None) \
         if spec.drafts_in == "split" else None
-    return _output(sampled, k=spec.k, lp=lp), target_kv, draft_state, extra
+    return _output(sampled, k=spec.k, lp=lp), draft_state, extra
 
 
-def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
-    """One tree-verification step: tree-attention forward over ``[root, nodes...]`` blocks,
-    ``tree_rejection_sample``, :func:`compact_tree_kv`, then drafting from the chain-shaped
-    batch (:func:`tree_chain_inputs`)."""
-    tree = spec.tree
-    n_nodes = tree.num_nodes
+def tree_logits_indices(b: StepBatch, num_nodes: int):
+    """``(indices [B * (1 + num_nodes)] int32, real [B] bool)``: the token rows whose target
+    logits tree verification reads, ``[root, node 0 .. node n-1]`` of each request (clipped
+    into the batch past a request's block; masked by its draft count)."""
     cad = b.attn
-    hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv, cad)
     bp = cad.query_start_loc.shape[0] - 1
     t_pad = b.input_ids.shape[0]
     qsl = cad.query_start_loc
     qlen = qsl[1:] - qsl[:-1]
     real = jnp.arange(bp, dtype=jnp.int32) < cad.num_reqs
-    # slot 0 = root, slot 1 + j = node j (rows past a request's block are masked out by
-    # num_drafts below)
-    idx = jnp.clip(qsl[:-1, None] + jnp.arange(n_nodes + 1, dtype=jnp.int32)[None, :], 0, t_pad - 1)
-    logits = spec.target.compute_logits(tparams, hidden[idx.reshape(-1)]).reshape(bp, n_nodes + 1, -1)
+    idx = jnp.clip(qsl[:-1, None] + jnp.arange(num_nodes + 1, dtype=jnp.int32)[None, :], 0, t_pad - 1)
+    return idx, qlen, real
+
+
+def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
+    hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv,
+                                                 b.attn)
+    idx, qlen, real = tree_logits_indices(b, spec.tree.num_nodes)
+    logits = spec.target.compute_logits(tparams, hidden[idx.reshape(-1)])
+    out, target_kv, draft_state = verify_tree(spec, dparams, draft_state, b, logits, hidden, aux,
+                                              target_kv, spec.target.move_kv, (idx, qlen, real))
+    return StepOutput(out.packed, out.k, out.logprobs), target_kv, draft_state, None
+
+
+def verify_tree(spec: _Spec, dparams, draft_state, b: StepBatch, logits, hidden, aux, kv,
+                move_kv, geometry=None):
+    """Tree verification (traceable): ``tree_rejection_sample`` over the target's ``logits
+    [B * (1 + n), V']`` at :func:`tree_logits_indices`, the accepted nodes' KV compacted in
+    ``kv`` by ``move_kv`` (:func:`compact_tree_kv`; both None: left to the caller), then
+    drafting from the chain-shaped batch (:func:`tree_chain_inputs`). Returns ``(StepOutput
+    with accepted_nodes, kv, draft_state)``."""
+    tree = spec.tree
+    n_nodes = tree.num_nodes
+    cad = b.attn
+    idx, qlen, real = tree_logits_indices(b, n_nodes) if geometry is None else geometry
+    bp = idx.shape[0]
+    logits = logits.reshape(bp, n_nodes + 1, -1)
     num_drafts = jnp.where(real, qlen - 1, 0)
     sampling = _sampling(b, spec.processors)
     out, acc_nodes, n_acc = tree_rejection_sample(logits, b.input_ids[idx[:, 1:]], num_drafts,
                                                   sampling, tree=tree, num_reqs=cad.num_reqs)
-    root_pos = jnp.where(real, cad.seq_lens - qlen, 0)          # logical position p of the root
-    target_kv = compact_tree_kv(target_kv, cad.block_table, root_pos, acc_nodes, n_acc, real,
-                                block_size=b.block_size, move_kv=spec.target.move_kv)
+    if kv is not None and move_kv is not None:
+        root_pos = jnp.where(real, cad.seq_lens - qlen, 0)      # logical position p of the root
+        kv = compact_tree_kv(kv, cad.block_table, root_pos, acc_nodes, n_acc, real,
+                             block_size=b.block_size, move_kv=move_kv)
     sampled = jnp.concatenate(
         [out, jnp.full((bp, n_nodes - tree.depth), PLACEHOLDER_TOKEN_ID, jnp.int32)], axis=1)
     impl = spec.impl
@@ -230,7 +277,8 @@ def _tree_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBat
     drafts, draft_state = impl.propose(dparams, draft_state, inputs)
     lp = None if b.num_logprobs is None else tree_logprobs(
         logits, acc_nodes, sampling, sampled, num_logprobs=b.num_logprobs, mode=spec.logprobs_mode)
-    return _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp), target_kv, draft_state, None
+    o = _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp)
+    return StepOutput(o.packed, o.k, o.logprobs, acc_nodes), kv, draft_state
 
 
 def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
@@ -272,87 +320,26 @@ def step_cache_size() -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# tree verification pieces (traceable)
-
-
-def _slots(block_table, rows, pos, block_size: int):
-    """Flat KV slot of logical position ``pos`` of request ``rows`` (same shapes)."""
-    c = block_table.shape[1]
-    blk = block_table[rows, jnp.clip(pos // block_size, 0, c - 1)]
-    return blk * block_size + pos % block_size
-
-
-def compact_tree_kv(kv_caches, block_table, root_pos, accepted_nodes, num_accepted, real, *,
-                    block_size: int, move_kv=None):
-    """Move the accepted nodes' KV to where the accepted tokens now sit (traceable).
-
-    Node ``j``'s K / V was written at logical position ``p + 1 + j`` (``p = root_pos``); after
-    accepting nodes ``a_1..a_m`` (one per level) position ``p + 1 + a_i`` is copied to ``p + i``
-    in every ``[num_blocks, block_size, ...]`` leaf of ``kv_caches``, through ``block_table``.
-    Sources are gathered before any write; entries already in place, past ``num_accepted`` or
-    on rows not ``real`` write nothing. ``move_kv``: the target's (default: specjax's
-    paged layout, ``kv_cache.move_slots``)."""
-    from specjax.kernels.paged_attention.kv_cache import move_slots
-
-    b, depth = accepted_nodes.shape
-    i = jnp.arange(1, depth + 1, dtype=jnp.int32)[None, :]
-    move = real[:, None] & (i <= num_accepted[:, None]) & (accepted_nodes + 1 != i)
-    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, depth))
-    src = _slots(block_table, rows, root_pos[:, None] + 1 + jnp.maximum(accepted_nodes, 0), block_size)
-    dst = _slots(block_table, rows, root_pos[:, None] + i, block_size)
-    src = jnp.where(move, src, 0).reshape(-1)
-    dst = jnp.where(move, dst, -1).reshape(-1)
-    return (move_kv or move_slots)(kv_caches, src, dst)
-
-
-def tree_chain_inputs(input_ids, cad: CommonAttentionMetadata, accepted_nodes, num_accepted, *,
-                      tree: TokenTree, block_size: int, padded: bool = True):
-    """The proposer's chain-shaped batch after a tree verification (traceable).
-
-    Request ``r``'s block ``[root, node 0 .. node n_r-1]`` (root at ``p = seq_len - query_len``)
-    becomes ``[root, a_1, .., a_m]`` (its accepted nodes, their KV moved to ``p + i``), plus, in
-    padded mode, ``D_r - m`` rejected slots (``D_r``: its deepest node's depth) as chain
-    drafting leaves them. Returns ``(token_ids [T], positions [T], src [T], attn_metadata,
-    token_indices_to_sample [B], num_rejected_tokens [B])``; ``src`` indexes the verified
-    batch; the last two are None in non-padded mode."""
-    depth = tree.depth
-    t_pad = input_ids.shape[0]
-    qsl = cad.query_start_loc
-    bp = qsl.shape[0] - 1
-    qlen = qsl[1:] - qsl[:-1]
-    real = jnp.arange(bp, dtype=jnp.int32) < cad.num_reqs
-    n_nodes = jnp.where(real, qlen - 1, 0)
-    d_r = jnp.asarray((0,) + tree.depths, jnp.int32)[n_nodes]   # a prefix's last node is deepest
-    m = jnp.where(real, num_accepted, 0)
-    length = jnp.where(real, 1 + (d_r if padded else m), 0)
-    qsl_c = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(length).astype(jnp.int32)])
-    p = jnp.where(real, cad.seq_lens - qlen, 0)
-    t = jnp.arange(t_pad, dtype=jnp.int32)
-    r_t = jnp.minimum(jnp.sum(qsl_c[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32), bp - 1)
-    i_t = t - qsl_c[r_t]
-    valid = t < qsl_c[-1]
-    node = accepted_nodes[r_t, jnp.clip(i_t - 1, 0, depth - 1)]
-    off = jnp.where(i_t == 0, 0, jnp.where(i_t <= m[r_t], node + 1, i_t))
-    src = jnp.clip(jnp.where(valid, qsl[r_t] + off, 0), 0, t_pad - 1)
-    pos = jnp.where(valid, p[r_t] + i_t, 0)
-    slots = jnp.where(valid, _slots(cad.block_table, r_t, pos, block_size), -1)
-    seq = jnp.where(real, p + length, 0)
-    md = cad.replace(query_start_loc=qsl_c, seq_lens=seq, slot_mapping=slots.astype(jnp.int32),
-                     num_actual_tokens=qsl_c[-1], max_seq_len=jnp.max(seq).astype(jnp.int32),
-                     causal=True, tree_mask=None)
-    ids = jnp.where(valid, input_ids[src], 0)
-    if not padded:
-        return ids, pos, src, md, None, None
-    tis = jnp.where(real, qsl_c[:-1] + m, 0)
-    nrej = jnp.where(real, d_r - m, 0)
-    return ids, pos, src, md, tis, nrej
-
-
-# ---------------------------------------------------------------------------------------
 # the public step
 
 
-class Step:
+class _Verifier:
+    """What ``Step`` and ``VerifyStep`` share, set by :func:`configure`."""
+
+    proposer: Proposer | None
+    feed: Any
+    k: int
+    vocab_size: int
+    tree: TokenTree | None
+    synthetic_rates: tuple[float, ...] | None
+    logits_processors: tuple
+    logprobs_mode: str
+    mesh: Any
+    tp_axis: str
+    fuse_projections: bool
+
+
+class Step(_Verifier):
     """One decoding iteration of ``target`` with ``proposer``; build it with :func:`make_step`.
 
     Attributes: ``target`` (the ``specjax.Target`` run, with the proposer's aux layers),
@@ -365,71 +352,38 @@ class Step:
                  tp_axis: str = "tp", tree_verification: bool | None = None,
                  logits_processors: tuple = (), logprobs_mode: str = "raw_logprobs",
                  fuse_projections: bool = True) -> None:
-        from specjax.checks import check_type
         from specjax.models import DecoderLM
-        from specjax.target import check_target, has_move_kv
-
-        check_logprobs_mode(logprobs_mode)
-        check_type("fuse_projections", fuse_projections, bool, "True or False")
-        self.fuse_projections = fuse_projections
+        from specjax.target import check_target, has_accept, has_move_kv
 
         check_target(target)
-        if proposer is not None and not isinstance(proposer, Proposer):
-            raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be "
-                             f"None, got {type(proposer).__name__}")
-        feed = None if proposer is None else proposer.feed
-        vocab = int(target.vocab_size)
-        if feed is not None:
-            if feed.vocab_size is not None and feed.vocab_size != vocab:
-                raise ValueError(f"the proposer's vocabulary ({feed.vocab_size}) does not match "
-                                 f"the target's ({vocab})")
-            if feed.aux_layer_ids and tuple(target.aux_layer_ids) != feed.aux_layer_ids:
-                target = target.with_aux_layers(feed.aux_layer_ids)
-        self.mesh, self.tp_axis = mesh, tp_axis
+        configure(self, proposer, int(target.vocab_size), mesh=mesh, tp_axis=tp_axis,
+                  tree_verification=tree_verification, logits_processors=logits_processors,
+                  logprobs_mode=logprobs_mode, fuse_projections=fuse_projections)
+        feed = self.feed
+        if feed is not None and feed.aux_layer_ids and \
+                tuple(target.aux_layer_ids) != feed.aux_layer_ids:
+            target = target.with_aux_layers(feed.aux_layer_ids)
         self._own = isinstance(target, DecoderLM)   # fused projections and mesh placement
-        if mesh is not None and not self._own:
-            raise ValueError(f"mesh= needs a specjax.models.DecoderLM target; a "
-                             f"{type(target).__name__} target (specjax.Target) runs on one "
-                             "device (sharding of a foreign target is not supported yet)")
-        if mesh is not None:
-            from jax.sharding import Mesh
-
-            if not isinstance(mesh, Mesh):
-                raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got "
-                                 f"{type(mesh).__name__}")
-            if tp_axis not in mesh.axis_names:
-                raise ValueError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: "
-                                 f"{mesh.axis_names})")
-            if proposer is not None:
-                proposer = proposer.on_mesh(mesh, tp_axis)
-        elif fuse_projections and getattr(proposer, "params", None) is not None:
-            proposer = _with_fused_params(proposer)
-        self.target, self.proposer, self.feed = target, proposer, feed
-        self.k = 0 if feed is None else feed.num_speculative_tokens
-        self.vocab_size = vocab
-        self.tree = _resolve_tree(proposer, tree_verification)
+        accept = has_accept(target)      # a recurrent target's rollback
+        if self.tree is not None and accept:
+            raise ValueError(f"tree verification is not supported for a recurrent target (the "
+                             f"{type(target).__name__} target has accept, a rollback of chain "
+                             "steps): use a chain proposer or tree_verification=False")
         if self.tree is not None and not has_move_kv(target):
             raise ValueError(f"tree verification needs the target's move_kv (specjax.Target); "
                              f"the {type(target).__name__} target has none: use a chain "
                              "proposer or tree_verification=False")
-        self.synthetic_rates = _synthetic_rates(proposer, self.tree)
-        in_step = feed is not None and feed.in_step
-        self.logits_processors = _check_processors(logits_processors)
-        self._spec = _Spec(
-            target=target, impl=proposer.impl if in_step else None, k=self.k, vocab_size=vocab,
-            synthetic_rates=self.synthetic_rates,
-            drafts_in="none" if feed is None else feed.drafts_in,
-            hidden=in_step and feed.hidden_states, aux=in_step and feed.aux_hidden_states,
-            tree=self.tree, processors=self.logits_processors, logprobs_mode=logprobs_mode)
-        self.logprobs_mode = logprobs_mode
+        self.target = target
+        self._spec = make_spec(self, target, accept=accept)
 
     # -- placement -----------------------------------------------------------------
 
     def place_target_params(self, params):
         """``params`` placed for this step: sharded by ``specjax.sharding``'s rules over
         ``tp_axis`` on a mesh (indivisible sizes: ValueError naming them); on one device with
-        q/k/v and gate/up fused (a new array per group) unless ``fuse_projections=False``."""
-        if not self._own:       # a foreign target's params are used as given
+        q/k/v and gate/up fused (a new array per group) unless ``fuse_projections=False``. A
+        foreign target's params as given (placed by its stack; never resharded)."""
+        if not self._own:
             return params
         if self.mesh is None:
             if self.fuse_projections:
@@ -444,9 +398,9 @@ class Step:
 
     def init_caches(self, num_blocks: int, block_size: int, kv_dtype=None, params=None):
         """``(target_kv, draft_state)`` for ``num_blocks`` blocks of ``block_size`` in
-        ``kv_dtype`` (None: :func:`params_kv_dtype` of ``params``), sharded by kv head on a mesh;
-        ``draft_state`` None without a proposer. ValueError for another ``block_size`` than the
-        proposer's."""
+        ``kv_dtype`` (None: :func:`params_kv_dtype` of ``params``), sharded by kv head on a mesh
+        (a foreign target's KV as its ``init_kv_caches`` places it); ``draft_state`` None
+        without a proposer. ValueError for another ``block_size`` than the proposer's."""
         if self.feed is not None and self.feed.block_size not in (None, block_size):
             raise ValueError(f"the proposer was built with block_size={self.feed.block_size}, "
                              f"got {block_size}")
@@ -457,8 +411,9 @@ class Step:
         if self.mesh is not None:
             from specjax.sharding import state_shardings
 
-            kv, state = (jax.device_put(x, state_shardings(x, self.mesh, axis=self.tp_axis))
-                         for x in (kv, state))
+            state = jax.device_put(state, state_shardings(state, self.mesh, axis=self.tp_axis))
+            if self._own:
+                kv = jax.device_put(kv, state_shardings(kv, self.mesh, axis=self.tp_axis))
         return kv, state
 
     @property
@@ -468,27 +423,11 @@ class Step:
 
     # -- the call ------------------------------------------------------------------
 
-    def _check(self, batch: StepBatch) -> None:
-        if not isinstance(batch, StepBatch):
-            raise ValueError(f"batch must be a StepBatch (specjax.runtime.batch.build_batch), got "
-                             f"{type(batch).__name__}")
-        if batch.is_tree and self.tree is None:
-            raise ValueError("batch is a tree-verification batch (attn.tree_mask set) but this "
-                             "step verifies chains (no branching token tree, or "
-                             "tree_verification=False)")
-        if self.feed is not None and self.feed.block_size not in (None, batch.block_size):
-            raise ValueError(f"batch was built with block_size={batch.block_size}; the proposer "
-                             f"uses {self.feed.block_size}")
-        check_num_logprobs("batch.num_logprobs", batch.num_logprobs)
-        if batch.sdm.max_spec_len != self.k:
-            raise ValueError(f"batch was built for max_spec_len={batch.sdm.max_spec_len}; this "
-                             f"step verifies k={self.k} drafts")
-
     def __call__(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch
                  ) -> tuple[StepOutput, Any, Any]:
         """One step; ``target_kv`` and ``draft_state`` are donated (do not reuse the ones
         passed in). Returns ``(StepOutput, target_kv, draft_state)``."""
-        self._check(batch)
+        check_batch(self, batch)
         spec = self._spec
         dparams = draft_params if spec.impl is not None else None
         if host_transfer.packable(batch):      # a host batch: one transfer, not ~25
@@ -499,30 +438,14 @@ class Step:
             out, target_kv, draft_state, extra = _step_jit(spec, target_params, dparams,
                                                            target_kv, draft_state, batch)
         if extra is not None and not batch.is_tree:
-            out, draft_state = self._split_propose(draft_params, draft_state, batch, out, extra)
+            out, draft_state = split_propose(self.proposer, draft_params, draft_state, batch, out,
+                                             extra)
         return out, target_kv, draft_state
-
-    def _split_propose(self, draft_params, draft_state, batch: StepBatch, out: StepOutput, extra):
-        """Non-padded mode: the host's ``prepare_inputs`` drops the rejected tokens, then the
-        proposer drafts from the kept ones (a second jitted call; the packed output is donated)."""
-        from specjax.proposers.eagle import prepare_inputs
-
-        attn = jax.tree.map(np.asarray, batch.attn)
-        n = int(attn.num_reqs)
-        sampled = np.asarray(out.sampled)
-        lists = [[int(t) for t in sampled[i] if t != PLACEHOLDER_TOKEN_ID] for i in range(n)]
-        num_drafts = np.asarray(batch.sdm.num_draft_tokens)[:n].tolist()
-        md, idx = prepare_inputs(attn, lists, num_drafts)
-        nxt = np.zeros(batch.num_reqs_pad, np.int32)
-        nxt[:n] = [lst[-1] for lst in lists]
-        hidden, aux = extra
-        return _split_propose_jit(self.proposer.impl, draft_params, draft_state, out,
-                                  batch.input_ids, batch.positions, hidden, aux, idx, nxt, md)
 
     def lower(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch):
         """The ``jax.stages.Lowered`` of the fused step on ``batch`` (for inspection:
         ``.as_text()``, ``.compile().as_text()``)."""
-        self._check(batch)
+        check_batch(self, batch)
         spec = self._spec
         dparams = draft_params if spec.impl is not None else None
         if host_transfer.packable(batch):      # the program __call__ runs
@@ -530,6 +453,44 @@ class Step:
             return _packed_step_jit.lower(spec, target_params, dparams, target_kv, draft_state,
                                           words, layout)
         return _step_jit.lower(spec, target_params, dparams, target_kv, draft_state, batch)
+
+
+def check_batch(step, batch: StepBatch) -> None:
+    """ValueError unless ``batch`` fits ``step`` (a ``Step`` or ``VerifyStep``): a
+    ``StepBatch`` of its tree or chain kind, block size, logprobs bucket and draft count."""
+    if not isinstance(batch, StepBatch):
+        raise ValueError(f"batch must be a StepBatch (specjax.runtime.batch.build_batch), got "
+                         f"{type(batch).__name__}")
+    if batch.is_tree and step.tree is None:
+        raise ValueError("batch is a tree-verification batch (attn.tree_mask set) but this "
+                         "step verifies chains (no branching token tree, or "
+                         "tree_verification=False)")
+    if step.feed is not None and step.feed.block_size not in (None, batch.block_size):
+        raise ValueError(f"batch was built with block_size={batch.block_size}; the proposer "
+                         f"uses {step.feed.block_size}")
+    check_num_logprobs("batch.num_logprobs", batch.num_logprobs)
+    if batch.sdm.max_spec_len != step.k:
+        raise ValueError(f"batch was built for max_spec_len={batch.sdm.max_spec_len}; this "
+                         f"step verifies k={step.k} drafts")
+
+
+def split_propose(proposer, draft_params, draft_state, batch: StepBatch, out: StepOutput, extra):
+    """Non-padded mode: the host's ``prepare_inputs`` drops the rejected tokens, then the
+    proposer drafts from the kept ones (a second jitted call; the packed output is donated).
+    ``extra``: the ``(hidden, aux)`` the verification returned. Returns ``(out, draft_state)``."""
+    from specjax.proposers.eagle import prepare_inputs
+
+    attn = jax.tree.map(np.asarray, batch.attn)
+    n = int(attn.num_reqs)
+    sampled = np.asarray(out.sampled)
+    lists = [[int(t) for t in sampled[i] if t != PLACEHOLDER_TOKEN_ID] for i in range(n)]
+    num_drafts = np.asarray(batch.sdm.num_draft_tokens)[:n].tolist()
+    md, idx = prepare_inputs(attn, lists, num_drafts)
+    nxt = np.zeros(batch.num_reqs_pad, np.int32)
+    nxt[:n] = [lst[-1] for lst in lists]
+    hidden, aux = extra
+    return _split_propose_jit(proposer.impl, draft_params, draft_state, out,
+                              batch.input_ids, batch.positions, hidden, aux, idx, nxt, md)
 
 
 def params_kv_dtype(params) -> Any:
@@ -568,12 +529,70 @@ def make_step(target, proposer: Proposer | None, *, mesh: Any = None, tp_axis: s
                 fuse_projections=fuse_projections)
 
 
+def configure(obj, proposer, vocab: int, *, mesh, tp_axis, tree_verification,
+              logits_processors, logprobs_mode, fuse_projections) -> None:
+    """Check the arguments shared by ``Step`` and ``VerifyStep`` and set on ``obj``:
+    ``proposer`` (placed on ``mesh`` or with fused projections), ``feed``, ``k``,
+    ``vocab_size``, ``tree``, ``synthetic_rates``, ``logits_processors``, ``logprobs_mode``,
+    ``mesh`` / ``tp_axis``, ``fuse_projections``. ValueError naming the argument."""
+    from specjax.checks import check_type
+
+    check_logprobs_mode(logprobs_mode)
+    check_type("fuse_projections", fuse_projections, bool, "True or False")
+    if proposer is not None and not isinstance(proposer, Proposer):
+        raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be "
+                         f"None, got {type(proposer).__name__}")
+    feed = None if proposer is None else proposer.feed
+    if feed is not None and feed.vocab_size is not None and feed.vocab_size != vocab:
+        raise ValueError(f"the proposer's vocabulary ({feed.vocab_size}) does not match "
+                         f"the target's ({vocab})")
+    if mesh is not None:
+        from jax.sharding import Mesh
+
+        if not isinstance(mesh, Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got "
+                             f"{type(mesh).__name__}")
+        if tp_axis not in mesh.axis_names:
+            raise ValueError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: "
+                             f"{mesh.axis_names})")
+        if proposer is not None:
+            proposer = proposer.on_mesh(mesh, tp_axis)
+    elif fuse_projections and getattr(proposer, "params", None) is not None:
+        proposer = _with_fused_params(proposer)
+    obj.mesh, obj.tp_axis, obj.fuse_projections = mesh, tp_axis, fuse_projections
+    obj.proposer, obj.feed, obj.vocab_size = proposer, feed, vocab
+    obj.k = 0 if feed is None else feed.num_speculative_tokens
+    obj.tree = _resolve_tree(proposer, tree_verification)
+    obj.synthetic_rates = _synthetic_rates(proposer, obj.tree)
+    obj.logits_processors = _check_processors(logits_processors)
+    obj.logprobs_mode = logprobs_mode
+
+
+def make_spec(obj, target, *, accept: bool = False) -> _Spec:
+    """The static ``_Spec`` of a configured ``Step`` / ``VerifyStep`` (``target`` None: no
+    forward)."""
+    feed = obj.feed
+    in_step = feed is not None and feed.in_step
+    return _Spec(
+        target=target, impl=obj.proposer.impl if in_step else None, k=obj.k,
+        vocab_size=obj.vocab_size, synthetic_rates=obj.synthetic_rates,
+        drafts_in="none" if feed is None else feed.drafts_in,
+        hidden=in_step and feed.hidden_states, aux=in_step and feed.aux_hidden_states,
+        tree=obj.tree, processors=obj.logits_processors, logprobs_mode=obj.logprobs_mode,
+        accept=accept)
+
+
 def _with_fused_params(proposer):
-    """``proposer``, or a copy with q/k/v and gate/up fused in its params."""
+    """``proposer``, or a copy with q/k/v and gate/up fused in its params (specjax's own
+    layers only: a foreign draft model's params are its own)."""
     import copy
 
-    from specjax.models import fuse_projections
+    from specjax.models import DecoderLM, fuse_projections
+    from specjax.proposers.draft_model import DraftModelProposer
 
+    if isinstance(proposer.impl, DraftModelProposer) and \
+            not isinstance(proposer.impl.model, DecoderLM):
+        return proposer
     fused = fuse_projections(proposer.params)
     if fused is proposer.params:
         return proposer

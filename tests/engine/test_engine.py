@@ -271,7 +271,7 @@ def test_one_token_steps_do_not_copy_the_kv_cache():
 
 @pytest.mark.gpu
 def test_gpu_tree_step_updates_the_caches_in_place(monkeypatch):
-    """The tree step's KV compaction (``specjax.runtime.step.compact_tree_kv``: gather the accepted
+    """The tree step's KV compaction (``specjax.runtime.tree.compact_tree_kv``: gather the accepted
     nodes' K / V, scatter them into place) compiles on XLA:GPU with no whole-cache copy
     (Llama-3.1-8B widths, 4 layers, bf16, B = 8, a 1k context: 529 blocks). A control shows
     the check can see them: without the optimization barrier between the gather and the

@@ -27,7 +27,7 @@ from specjax.config import SpeculativeConfig
 from specjax.engine import Engine, LoopOptions, SamplingParams
 from specjax.proposers import DraftOutput, ModelProposer
 from specjax.proposers.common import PaddedBatchHelpers
-from specjax.runtime.step import compact_tree_kv, tree_chain_inputs
+from specjax.runtime.tree import compact_tree_kv, tree_chain_inputs
 from specjax.token_tree import TokenTree
 
 from scipy import stats
