@@ -11,7 +11,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from specjax.checks import ArgumentTypeError
 
-__all__ = ["Target", "TARGET_MEMBERS", "check_target", "has_move_kv"]
+__all__ = ["Target", "TARGET_MEMBERS", "check_target", "has_accept", "has_move_kv"]
 
 
 @runtime_checkable
@@ -35,9 +35,12 @@ class Target(Protocol):
       shared_weights(params) -> {"embed_tokens": {"embedding": [V, H]}, "lm_head": {"kernel":
         [H, V]} or {"embedding": [V, H]}}: the target's own arrays, shared into drafters
         (EAGLE, EAGLE-3, DFlash, MTP) without their own.
-      recurrent: True for state that cannot roll back (refused by name).
+      recurrent: True for state carried across steps (linear attention, SSMs): needs accept.
       Optional move_kv(kv, src_slots [N], dst_slots [N]) -> kv: copy the KV of each source
-        slot to its destination (-1: none); tree verification's compaction, refused without it."""
+        slot to its destination (-1: none); tree verification's compaction, refused without it.
+      Optional accept(kv, num_kept [B] int32, attn) -> kv: after a chain step's verification,
+        each request's recurrent state as after its first num_kept scheduled tokens (0: padding
+        row); a token at slot_mapping -1 must not advance it. Tree verification is refused."""
 
     vocab_size: int
     hidden_size: int
@@ -66,19 +69,25 @@ TARGET_MEMBERS = ("vocab_size", "hidden_size", "num_layers", "aux_layer_ids", "r
 
 
 def check_target(target: Any, name: str = "target") -> Any:
-    """``target`` when it has every member of :class:`Target` and is not recurrent; else
-    ``ArgumentTypeError`` (a TypeError and a ValueError) naming the missing members."""
+    """``target`` when it has every member of :class:`Target` and, if recurrent, ``accept``;
+    else ``ArgumentTypeError`` (a TypeError and a ValueError) naming what is missing."""
     missing = [m for m in TARGET_MEMBERS if not hasattr(target, m)]
     if missing:
         raise ArgumentTypeError(
             f"{name} must implement specjax.Target (e.g. a specjax.models.DecoderLM); "
             f"{type(target).__name__} lacks {', '.join(missing)}")
-    if target.recurrent:
-        raise ArgumentTypeError(f"{name} is recurrent (recurrent=True): targets with recurrent "
-                                "state are not supported (no rollback hook)")
+    if target.recurrent and not has_accept(target):
+        raise ArgumentTypeError(f"{name} is recurrent (recurrent=True) but has no accept hook: "
+                                "a recurrent target needs accept(kv, num_kept, attn) -> kv, the "
+                                "rollback of its state to the kept tokens (specjax.Target)")
     return target
 
 
 def has_move_kv(target: Any) -> bool:
     """Whether ``target`` offers the optional ``move_kv`` (tree verification needs it)."""
     return callable(getattr(target, "move_kv", None))
+
+
+def has_accept(target: Any) -> bool:
+    """Whether ``target`` offers the optional ``accept`` (a recurrent target needs it)."""
+    return callable(getattr(target, "accept", None))
