@@ -96,7 +96,8 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache,
-                 md: CommonAttentionMetadata) -> tuple[jax.Array, KVCache]:
+                 md: CommonAttentionMetadata, attention=None) -> tuple[jax.Array, KVCache]:
+        """``attention``: an ``attn_lib.AttentionFn`` (None: ``attn_lib.attend``)."""
         t, hd = x.shape[0], self.head_dim
         if is_fused_kernel(self.k_proj):             # qkv_proj (params.fuse_projections)
             q, k, v = split_fused(self.q_proj(x), (self.num_heads * hd, self.num_kv_heads * hd,
@@ -111,7 +112,8 @@ class Attention(nnx.Module):
             k = self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        o, cache = attn_lib.attend(q, k, v, cache, md, scale=self.head_dim ** -0.5)
+        attend = attn_lib.attend if attention is None else attention
+        o, cache = attend(q, k, v, cache, md, scale=self.head_dim ** -0.5)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), cache
 
 
@@ -125,11 +127,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias, rngs)
 
-    def __call__(self, h: jax.Array, cos, sin, cache: KVCache,
-                 md: CommonAttentionMetadata) -> tuple[jax.Array, KVCache]:
-        """``h [T, H]``: the residual stream in; returns the stream out."""
+    def __call__(self, h: jax.Array, cos, sin, cache: KVCache, md: CommonAttentionMetadata,
+                 attention=None) -> tuple[jax.Array, KVCache]:
+        """``h [T, H]``: the residual stream in; returns the stream out. ``attention``: as
+        :class:`Attention`'s."""
         x = h if self.input_layernorm is None else self.input_layernorm(h)
-        a, cache = self.self_attn(x, cos, sin, cache, md)
+        a, cache = self.self_attn(x, cos, sin, cache, md, attention)
         h = h + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, cache

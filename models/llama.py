@@ -9,6 +9,7 @@ state at layer id ``k`` is ``h_k``, the *input* of layer k (vLLM's meaning).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import params as mp, rope
-from specjax.kernels.paged_attention import KVCache
+from specjax.kernels.paged_attention import KVCache, check_attention
 from specjax.kernels.paged_attention.kv_cache import move_slots
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, PagedCache, RMSNorm
@@ -44,14 +45,19 @@ def check_aux_ids(aux_layer_ids, num_layers: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class DecoderLM(PagedCache):
     """Static runner of a ``llama`` / ``qwen2`` / ``qwen3`` decoder LM (hashable).
-    ``aux_layer_ids``: layers whose *input* ``forward`` also returns (empty: ``aux`` None)."""
+    ``aux_layer_ids``: layers whose *input* ``forward`` also returns (empty: ``aux`` None).
+    ``attention``: every layer's attention, a hashable
+    ``specjax.kernels.paged_attention.AttentionFn`` (a stack's own kernel); None:
+    specjax's backends (``attend``)."""
 
     config: ModelConfig
     aux_layer_ids: tuple[int, ...] = ()
+    attention: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids",
                            check_aux_ids(self.aux_layer_ids, self.config.num_hidden_layers))
+        check_attention(self.attention)
 
     # -- the specjax.Target protocol (specjax/target.py) ----------------------------
     recurrent = False
@@ -99,7 +105,7 @@ class DecoderLM(PagedCache):
         for i, layer in enumerate(body.layers):
             if i in self.aux_layer_ids:
                 aux.append(h)
-            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata)
+            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata, self.attention)
             caches.append(c)
         hidden = body.norm(h)
         return hidden, (jnp.stack(aux, axis=1) if aux else None), caches

@@ -21,12 +21,15 @@ On several devices the kernels run through ``partition.py``, split by kv heads.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax import _compat
 from specjax.attention_metadata import CommonAttentionMetadata
+from specjax.checks import ArgumentTypeError
 from specjax.kernels import backend as _backend
 from specjax.kernels.paged_attention import partition as _part
 from specjax.kernels.paged_attention.kv_cache import KVCache, scatter_slots
@@ -165,6 +168,41 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     cache = (KVCache(*_pallas.write_kv(cache.k, cache.v, k, v, md.slot_mapping)) if one_kernel
              else write_kv(cache, k, v, md.slot_mapping))
     return paged_attention(q, cache, md, scale=scale, backend=backend), cache
+
+
+class AttentionFn(Protocol):
+    """The attention a model layer calls; :func:`attend` is the default, a stack may pass its
+    own kernel (``attention=`` of ``DecoderLM`` / the draft-model proposer).
+
+    ``fn(q, k, v, cache, md, *, scale) -> (out, cache)``: ``q [T, num_heads, head_dim]``,
+    ``k``, ``v [T, num_kv_heads, head_dim]`` (RoPE applied), ``cache`` the layer's
+    ``KVCache`` (``k``, ``v`` each ``[num_blocks, block_size, num_kv_heads, head_dim]``),
+    ``md`` a ``CommonAttentionMetadata``, ``scale`` the scores' factor. Write ``k``, ``v`` at
+    ``md.slot_mapping`` (-1 dropped), then attend as the module docstring says (causal,
+    non-causal or ``md.tree_mask``); ``out [T, num_heads, head_dim]`` in ``q.dtype`` and the
+    updated cache. Traced inside the jitted step; it must be hashable (a static field of the
+    model, so a module-level function or a frozen object, not a fresh lambda per call)."""
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
+                 md: CommonAttentionMetadata, *, scale: float) -> tuple[jax.Array, KVCache]: ...
+
+
+def check_attention(attention: Any, name: str = "attention") -> Any:
+    """``attention`` when None or a hashable callable (:class:`AttentionFn`); else
+    ``ArgumentTypeError`` naming ``name``."""
+    if attention is None:
+        return None
+    try:
+        hash(attention)
+        ok = callable(attention)
+    except TypeError:       # unhashable
+        ok = False
+    if not ok:
+        raise ArgumentTypeError(
+            f"{name} must be None (specjax's attention backends) or a hashable callable "
+            f"fn(q, k, v, cache, md, *, scale) -> (out, cache) "
+            f"(specjax.kernels.paged_attention.AttentionFn), got {type(attention).__name__}")
+    return attention
 
 
 def _check_write_options(fused_kv_write, kv_write_kernel) -> tuple[bool | str, bool]:

@@ -37,11 +37,13 @@ def memory_limit_bytes() -> tuple[int, str] | None:
 
 
 def check_kv_cache_fits(*, num_blocks: int, bytes_per_block: int, block_size: int,
-                        max_model_len: int, max_num_seqs: int, num_blocks_given: bool) -> None:
-    """ValueError naming ``max_model_len`` and ``num_blocks`` when the target's KV cache
-    (``num_blocks`` blocks of ``bytes_per_block``, the target's ``kv_bytes_per_block``)
-    would not fit in :func:`memory_limit_bytes`, before anything is allocated."""
-    need = num_blocks * bytes_per_block
+                        max_model_len: int, max_num_seqs: int, num_blocks_given: bool,
+                        drafter_bytes_per_block: int = 0) -> None:
+    """ValueError naming ``max_model_len`` and ``num_blocks`` when the KV caches (``num_blocks``
+    blocks of ``bytes_per_block``, the target's ``kv_bytes_per_block``, plus
+    ``drafter_bytes_per_block``, the proposer's) would not fit in :func:`memory_limit_bytes`,
+    before anything is allocated."""
+    need = num_blocks * (bytes_per_block + drafter_bytes_per_block)
     limit = memory_limit_bytes()
     if limit is None or need <= limit[0]:
         return
@@ -49,8 +51,10 @@ def check_kv_cache_fits(*, num_blocks: int, bytes_per_block: int, block_size: in
     src = ("num_blocks (given)" if num_blocks_given else
            f"num_blocks (default 1 + max_num_seqs={max_num_seqs} x ceil(max_model_len / "
            f"block_size={block_size}))")
+    what = "target KV cache" if not drafter_bytes_per_block else (
+        f"target and drafter KV cache ({gib(num_blocks * drafter_bytes_per_block)} the drafter's)")
     raise ArgumentError(
-        f"max_model_len={max_model_len} and num_blocks={num_blocks} need a target KV cache of "
+        f"max_model_len={max_model_len} and num_blocks={num_blocks} need a {what} of "
         f"{gib(need)} ({src}), more than {limit[1]} ({gib(limit[0])}): lower max_model_len or "
         "max_num_seqs, or pass a smaller num_blocks")
 
@@ -68,10 +72,10 @@ def check_buckets(name: str, buckets: Any, need: int, what: str) -> tuple[int, .
 
 def check_engine_args(model: Any, *, max_model_len: Any, block_size: Any, max_num_seqs: Any,
                       num_blocks: Any, kv_dtype: Any, buckets: tuple[Any, Any, Any], k: int,
-                      params: Any = None) -> None:
+                      params: Any = None, proposer: Any = None) -> None:
     """The checks of ``Engine`` / ``generate``: every integer bounded, each bucket list able
-    to hold its size, the KV cache within memory (:func:`check_kv_cache_fits`); ``model``
-    a checked ``specjax.Target``."""
+    to hold its size, the target's and the ``proposer``'s KV within memory
+    (:func:`check_kv_cache_fits`); ``model`` a checked ``specjax.Target``."""
     mml = check_int("max_model_len", max_model_len, 2)
     bs = check_int("block_size", block_size, 1, 1 << 16)
     seqs = check_int("max_num_seqs", max_num_seqs, 1, 1 << 16)
@@ -101,9 +105,10 @@ def check_engine_args(model: Any, *, max_model_len: Any, block_size: Any, max_nu
     except TypeError:
         raise ArgumentTypeError(f"kv_dtype must be a dtype (e.g. jnp.bfloat16), got "
                                 f"{show(kv_dtype)}") from None
+    drafter = 0 if proposer is None else int(proposer.kv_bytes_per_block(bs, kv_dtype))
     check_kv_cache_fits(num_blocks=nb, bytes_per_block=int(model.kv_bytes_per_block(bs, kv_dtype)),
                         block_size=bs, max_model_len=mml, max_num_seqs=seqs,
-                        num_blocks_given=nb_given)
+                        num_blocks_given=nb_given, drafter_bytes_per_block=drafter)
     # host token buffer [max_num_seqs, max_model_len] int32
     limit = memory_limit_bytes()
     if limit is not None and seqs * mml * 4 > limit[0]:

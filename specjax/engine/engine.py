@@ -57,7 +57,7 @@ class Engine:
                  kv_dtype=None, mesh: Any = None, tp_axis: str = "tp",
                  logits_processors: tuple = (), logprobs_mode: str = "raw_logprobs",
                  options: LoopOptions | None = None) -> None:
-        from specjax.models import DecoderLM, Pretrained
+        from specjax.models import Pretrained
         from specjax.models.config import DECODER_KINDS
 
         opts = LoopOptions() if options is None else \
@@ -76,10 +76,6 @@ class Engine:
             raise ValueError("target must be TargetModel(model, params) with a specjax.Target "
                              f"model (e.g. a specjax.models.DecoderLM), got {type(target).__name__}")
         check_target(target.model, "target.model")
-        if mesh is not None and not isinstance(target.model, DecoderLM):
-            raise ValueError(f"mesh= needs a specjax.models.DecoderLM target; a "
-                             f"{type(target.model).__name__} target (specjax.Target) runs on one "
-                             "device (sharding of a foreign target is not supported yet)")
         if proposer is not None and not isinstance(proposer, Proposer):
             raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be None, "
                              f"got {type(proposer).__name__}")
@@ -87,7 +83,7 @@ class Engine:
                           max_num_seqs=max_num_seqs, num_blocks=num_blocks, kv_dtype=kv_dtype,
                           buckets=(opts.batch_buckets, opts.query_buckets, opts.context_buckets),
                           k=0 if proposer is None else proposer.num_speculative_tokens,
-                          params=target.params)
+                          params=target.params, proposer=proposer)
         feed = None if proposer is None else proposer.feed
         if feed is not None:
             for name, got, want in (("block_size", feed.block_size, block_size),

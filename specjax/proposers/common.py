@@ -23,17 +23,18 @@ from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, ProposerInput
 _I32 = jnp.int32
 
 
-def check_proposer(proposer: Any, method: str, model_type: type | tuple[type, ...],
+def check_proposer(proposer: Any, method: str, model_type: type | tuple[type, ...] | None,
                    positive: tuple[str, ...] = ("block_size", "max_model_len")) -> SpeculativeConfig:
     """The checks every device proposer makes at construction: the config and its method,
-    the model runner's type, positive int sizes, and a known kernel backend."""
+    the model runner's type (None: checked by the caller), positive int sizes, and a known
+    kernel backend."""
     cfg = proposer.config
     name = type(proposer).__name__
     if not isinstance(cfg, SpeculativeConfig):
         raise ValueError(f"config must be a SpeculativeConfig, got {type(cfg).__name__}")
     if cfg.method != method:
         raise ValueError(f"{name} needs method {method!r}, got {cfg.method!r}")
-    if not isinstance(proposer.model, model_type):
+    if model_type is not None and not isinstance(proposer.model, model_type):
         want = model_type.__name__ if isinstance(model_type, type) else \
             " or ".join(t.__name__ for t in model_type)
         raise ValueError(f"model must be a {want} for method={method!r}, "

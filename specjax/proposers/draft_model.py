@@ -1,21 +1,24 @@
 """Draft-model drafting (vLLM ``draft_model.py`` on ``llm_base_proposer.py``): an
-independent LM of the target's vocabulary, with its own embedding, lm_head and paged KV
-cache, drafts from token ids alone (vLLM's ``pass_hidden_states_to_model=False`` path;
-docs/integration.md, "How the device proposers draft").
+independent LM of the target's vocabulary, with its own embedding, lm_head and KV cache,
+drafts from token ids alone (vLLM's ``pass_hidden_states_to_model=False`` path;
+docs/integration.md, "How the device proposers draft"). The draft is any ``specjax.Target``
+(a ``DecoderLM`` or a stack's own model): only the protocol's members are read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import specjax.kernels as K
+from specjax.checks import ArgumentTypeError
 from specjax.config import SpeculativeConfig
+from specjax.kernels.paged_attention import check_attention
 from specjax.models.llama import DecoderLM
 from specjax.proposers.types import DraftOutput, ProposerInputs
 from specjax.proposers.common import (
@@ -34,7 +37,12 @@ _I32 = jnp.int32
 
 
 class DraftModelState(NamedTuple):
-    """The draft LM's paged KV cache: one ``KVCache`` per draft layer (target's block table)."""
+    """The draft's KV cache in its own layout (``model.init_kv_caches``; a ``DecoderLM``: one
+    ``KVCache`` per layer) over the target's block ids: the target's block table and slot
+    mapping address it, so it holds ``num_blocks`` blocks of the target's ``block_size``.
+    Block 0 is the null block (the block table's padding points at it; no request's tokens
+    live there): a stack without one allocates ``num_blocks + 1`` blocks and passes its block
+    ids plus 1 (or reserves one of its blocks as id 0)."""
 
     kv_caches: Any
 
@@ -46,14 +54,17 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     Attributes:
       config, block_size, max_model_len, parallel_drafting_token_id, kernel_backend, mesh,
         vocab_axis: as EAGLE's (``method="draft_model"``).
-      model: the draft's ``DecoderLM`` runner (its own params).
+      model: the draft, any ``specjax.Target`` (e.g. a ``DecoderLM``; its own params);
+        recurrent drafts are refused (drafts are rolled back by the block table alone).
+      attention: a hashable ``specjax.kernels.paged_attention.AttentionFn`` for a
+        ``DecoderLM`` draft's layers (a stack's kernel); None: specjax's backends.
       target_vocab_size: the target's vocabulary size; must equal the draft's.
       target_tensor_parallel_size: the target's TP degree when known; a differing
         ``config.draft_tensor_parallel_size`` is refused (vLLM).
     """
 
     config: SpeculativeConfig
-    model: DecoderLM
+    model: Any
     target_vocab_size: int
     block_size: int
     max_model_len: int
@@ -62,15 +73,17 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     kernel_backend: str = "auto"
     mesh: Mesh | None = None
     vocab_axis: str = "tp"
+    attention: Callable | None = None
 
     #: What a serving loop must feed (see ``ProposerInputs``): token ids only.
     needs_hidden_states = False
     needs_aux_hidden_states = False
 
     def __post_init__(self) -> None:
-        cfg = check_proposer(self, "draft_model", DecoderLM,
+        _check_draft(self)
+        cfg = check_proposer(self, "draft_model", None,
                              ("target_vocab_size", "block_size", "max_model_len"))
-        draft_vocab = self.model.config.vocab_size
+        draft_vocab = int(self.model.vocab_size)
         if draft_vocab != self.target_vocab_size:
             raise ValueError(
                 f"the draft model's vocab_size ({draft_vocab}) must equal the target model's "
@@ -101,6 +114,10 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     def init_state(self, num_blocks: int, dtype=jnp.float32) -> DraftModelState:
         """Zero draft KV cache with ``num_blocks`` blocks (the target's block pool size)."""
         return DraftModelState(init_kv_caches(self.model, num_blocks, self.block_size, dtype))
+
+    def kv_bytes_per_block(self, block_size: int, dtype=jnp.float32) -> int:
+        """Bytes of one block of :meth:`init_state` (the draft's ``kv_bytes_per_block``)."""
+        return int(self.model.kv_bytes_per_block(block_size, dtype))
 
     # -- propose ---------------------------------------------------------------------
 
@@ -156,5 +173,33 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         return self._greedy(params, h), hidden, caches
 
     def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """Argmax token of each row of ``hidden [N, H]`` (the draft's own lm_head)."""
-        return proposer_argmax(self, self.model.compute_logits(params, hidden))
+        """Argmax token of each row of ``hidden [N, H]`` (the draft's own lm_head; columns
+        past its ``vocab_size`` are padding)."""
+        logits = self.model.compute_logits(params, hidden)
+        v = self.target_vocab_size
+        return proposer_argmax(self, logits if logits.shape[-1] == v else logits[:, :v])
+
+
+def _check_draft(prop: DraftModelProposer) -> None:
+    """The draft is a non-recurrent ``specjax.Target``; ``attention=`` goes into a
+    ``DecoderLM`` draft (a copy with it); a mesh needs a ``DecoderLM`` draft. Errors name
+    the argument."""
+    from specjax.target import check_target
+
+    model = prop.model
+    if getattr(model, "recurrent", False):
+        raise ArgumentTypeError(
+            f"model: the draft {type(model).__name__} is recurrent (recurrent=True): a draft "
+            "model's state is rolled back through the block table alone, so recurrent drafts "
+            "are not supported for method='draft_model'")
+    check_target(model, "model (the draft)")
+    attention = check_attention(prop.attention)
+    if attention is not None:
+        if not isinstance(model, DecoderLM):
+            raise ArgumentTypeError(
+                f"attention= applies to a specjax.models.DecoderLM draft; a "
+                f"{type(model).__name__} draft runs its own attention inside its forward")
+        object.__setattr__(prop, "model", dataclasses.replace(model, attention=attention))
+    if prop.mesh is not None and not isinstance(model, DecoderLM):
+        raise ValueError(f"mesh= needs a specjax.models.DecoderLM draft; a {type(model).__name__} "
+                         "draft (specjax.Target) runs on one device")

@@ -129,14 +129,16 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
         or a ``Pretrained``) and its params; ``target.shared_weights(target_params)`` go into
         heads without their own embedding / lm_head.
       draft, draft_params: the draft runner, ``ModelConfig`` or ``Pretrained``, and its
-        params; none for model-free methods.
+        params; none for model-free methods. ``method="draft_model"``: any ``specjax.Target``
+        (its own KV layout; recurrent ones refused).
       block_size: the loop's KV-cache block size.
       max_model_len: the loop's context cap (default ``config.max_model_len``); a smaller
         ``config.max_model_len`` is the drafter's limit, a larger one is refused.
       aux_layer_ids: target layers the method reads (default: the draft config's).
       kernel_backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"triton"``.
       options: further fields of the method's proposer class (``parallel_drafting_token_id``
-        (default: the draft config's ``mask_token_id``), ``mesh``, ``vocab_axis``, ...); an
+        (default: the draft config's ``mask_token_id``), ``mesh``, ``vocab_axis``,
+        ``attention`` (draft_model: the draft ``DecoderLM``'s attention kernel), ...); an
         unknown field is a ``ValueError``.
 
     Raises:
@@ -169,8 +171,12 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
                          "settings live in the SpeculativeConfig)")
     target, target_params = _from_pretrained("target", target, target_params)
     draft, draft_params = _from_pretrained("draft", draft, draft_params)
-    for name, v in (("target_params", target_params), ("draft_params", draft_params)):
-        if v is not None and not isinstance(v, Mapping):
+    from specjax.models import DecoderLM
+
+    for name, model, v in (("target_params", target, target_params),
+                           ("draft_params", draft, draft_params)):
+        own = model is None or isinstance(model, (DecoderLM, str))   # a foreign Target: any pytree
+        if v is not None and own and not isinstance(v, Mapping):
             raise ArgumentTypeError(f"{name} must be a params dict, got {type(v).__name__}")
     builder = _MODEL_METHODS.get(method) or _HISTORY_METHODS.get(method)
     if builder is None:
@@ -291,6 +297,8 @@ def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params
         if target_params is not None and method in ("eagle", "eagle3", "dflash", "mtp"):
             params = share_target_weights(params, target_params, kind=method)
     vocab = getattr(dcfg, "vocab_size", None)
+    if vocab is None and method == "draft_model" and hasattr(model, "vocab_size"):
+        vocab = int(model.vocab_size)       # a draft that is a specjax.Target without config
     if target_cfg is not None and vocab is not None and vocab != target_cfg.vocab_size:
         raise ValueError(f"method={method!r}: the draft's vocabulary ({vocab}) does not match the "
                          f"target's ({target_cfg.vocab_size})")

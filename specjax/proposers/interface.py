@@ -8,6 +8,7 @@ from typing import Any, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.config import SpeculativeConfig
 from specjax.proposers.types import DraftOutput, Feed, ProposerInputs  # noqa: F401
 
@@ -90,6 +91,12 @@ class Proposer:
         """Device state (draft KV cache, buffers) for ``num_blocks`` KV blocks, or None."""
         return None
 
+    def kv_bytes_per_block(self, block_size: int, dtype=None) -> int:
+        """Bytes one KV block adds to :meth:`init_state`'s state (what a stack budgets on
+        top of the target's ``kv_bytes_per_block``); 0 for proposers without KV."""
+        check_int("block_size", block_size, 1)
+        return 0
+
     def warmup(self, buckets: Any, state: Any = None, *, num_blocks: int | None = None,
                dtype=None, hidden_dtype=None) -> tuple:
         """Compile the device ``propose`` for every shape bucket; ``()`` for token-history
@@ -148,6 +155,29 @@ class ModelProposer(Proposer):
         import jax.numpy as jnp
 
         return self.impl.init_state(num_blocks, jnp.float32 if dtype is None else dtype)
+
+    def kv_bytes_per_block(self, block_size: int, dtype=None) -> int:
+        """Bytes one KV block adds to the drafter's state (``dtype`` None: float32): the
+        impl's ``kv_bytes_per_block``, else measured from :meth:`init_state`'s shapes at 1
+        and 2 blocks (nothing allocated), which needs ``block_size`` equal to the
+        proposer's (else ValueError)."""
+        import jax
+        import jax.numpy as jnp
+
+        block_size = check_int("block_size", block_size, 1)
+        dtype = jnp.float32 if dtype is None else dtype
+        own = getattr(self.impl, "kv_bytes_per_block", None)
+        if own is not None:
+            return int(own(block_size, dtype))
+        if self.block_size is not None and block_size != self.block_size:
+            raise ValueError(f"block_size={block_size}: the proposer was built with "
+                             f"block_size={self.block_size}")
+
+        def nbytes(n: int) -> int:
+            state = jax.eval_shape(lambda: self.init_state(n, dtype))
+            return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+        return nbytes(2) - nbytes(1)
 
     def warmup(self, buckets: Any, state: Any = None, *, num_blocks: int | None = None,
                dtype=None, hidden_dtype=None) -> tuple:
