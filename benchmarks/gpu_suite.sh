@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -15,7 +15,9 @@
 # log of command-buffer re-records; sampling: the engine step with the sampling features on
 # (benchmarks/sampling.py: greedy, top-k/top-p, + penalties and min_p, + logprobs, processed
 # logprobs, a mixed batch) against none, 8B target (128k vocab) at B = 1, 8 (SAMPLING_BATCH,
-# SAMPLING_METHODS, default plain ngram eagle3);
+# SAMPLING_METHODS, default plain ngram eagle3); verify: the verify-and-propose entry plus the
+# stack's own forward against the fused step (benchmarks/verify_entry.py, issue 48: <= 1.03x),
+# 8B target, B = 1, 8, 32 (VERIFY_BATCH, VERIFY_METHODS, default plain ngram eagle3), 3 rounds;
 # none of these is part of `all`, each needs several minutes). `tests` runs every GPU test
 # but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
@@ -113,6 +115,12 @@ if [ "$what" = sampling ]; then
   timeout "${SAMPLING_S:-560}" python benchmarks/sampling.py --target 8b --batch "${SAMPLING_BATCH:-1,8}" \
     --context 1024 --k 3 --methods ${SAMPLING_METHODS:-plain ngram eagle3} --rounds 3 --iters 20 \
     --json "$OUT/sampling.json" 2>&1 | grep -v Warning | tee "$OUT/sampling.log" | tail -45
+fi
+if [ "$what" = verify ]; then
+  # interleaved rounds in one process; the JSON is rewritten after each (method, B)
+  timeout "${VERIFY_S:-540}" python benchmarks/verify_entry.py --target 8b --batch "${VERIFY_BATCH:-1,8,32}" \
+    --context 1024 --k 3 --methods ${VERIFY_METHODS:-plain ngram eagle3} --rounds 3 --iters 20 \
+    --json "$OUT/verify.json" 2>&1 | grep -v Warning | tee "$OUT/verify.log" | tail -25
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-500}" python -m pytest -m gpu -q -p no:cacheprovider tests \
