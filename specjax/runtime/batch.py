@@ -13,7 +13,9 @@ from typing import Sequence
 import numpy as np
 
 from specjax.attention_metadata import CommonAttentionMetadata
+from specjax.checks import ArgumentError, check_int, check_opt_int
 from specjax.metadata import SpecDecodeMetadata
+from specjax.runtime.checks import check_table, check_token_ids, row_seeds
 from specjax.runtime.step import StepBatch
 from specjax.token_tree import TokenTree
 
@@ -58,21 +60,36 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
                 query_len_pad: int, blocks_per_req_pad: int, max_spec_len: int,
                 temperature=None, top_k=None, top_p=None, seeds=None,
                 num_output_tokens=None, discard=None, tree: TokenTree | None = None,
-                procs=None) -> StepBatch:
+                procs=None, num_blocks: int | None = None,
+                vocab_size: int | None = None, lookahead: int | None = None,
+                max_model_len: int | None = None) -> StepBatch:
     """The padded inputs of one step (NumPy leaves).
 
     Args:
       token_ids: per request (``n``), its uncomputed tokens then its ``num_drafts[i]`` drafts;
         a tree batch (``tree``: ``Step.tree``): the root then a breadth-first tree prefix.
       num_computed: tokens in each KV cache (``seq_len = num_computed + len(token_ids[i])``).
-      block_ids: each request's KV blocks in order, covering ``seq_len`` (extra ids dropped).
+      block_ids: each request's KV blocks in order, covering ``seq_len`` (ids past
+        ``blocks_per_req_pad`` dropped); ids >= 1 (0 is the null block), < ``num_blocks``.
       num_reqs_pad, query_len_pad, blocks_per_req_pad: the bucket; max_spec_len: ``Step.k``.
-      temperature, top_k, top_p, seeds, num_output_tokens: per-request sampling (defaults:
-        greedy, off, off, 0, 0; key ``fold_in(key(seed), num_output_tokens)``).
+      temperature, top_k, top_p, num_output_tokens: per-request sampling (defaults: greedy,
+        off, off, 0; key ``fold_in(key(seed), num_output_tokens)``).
+      seeds: None or per request an int in ``[0, 2**32 - 1]`` or None. A request at
+        ``temperature > 0`` without one draws a fresh random seed each call: not
+        reproducible (vLLM's unseeded requests); greedy ones are unaffected.
       discard: sampled token ignored (a partial prefill). procs: a ``ProcessorState`` or None.
+      num_blocks: the KV pool's size (``init_caches``), or None: block ids not bounded above.
+      vocab_size: ``step.vocab_size``, or None: token ids only checked ``>= 0``.
+      lookahead: ``step.feed.lookahead`` (0 without a proposer), or None: unchecked. Given,
+        ValueError unless each ``block_ids[i]`` covers ``seq_len + lookahead`` positions
+        (capped at ``max_model_len``, when given) and no block a request writes (from
+        ``num_computed`` on) is listed by another request: the proposer writes its drafts'
+        KV there (docs/integration.md, §3).
 
     Returns ``StepBatch``. Raises ValueError naming the argument: mismatched lengths, a
-    request longer than the query bucket, too many drafts, blocks or requests."""
+    request longer than the query bucket, too many drafts, blocks or requests, block id 0,
+    a negative one or one past ``num_blocks``, a token id outside the vocabulary, a seed
+    outside uint32."""
     n = len(token_ids)
     b, q_pad, c = int(num_reqs_pad), int(query_len_pad), int(blocks_per_req_pad)
     for name, v in (("num_reqs_pad", b), ("query_len_pad", q_pad),
@@ -81,6 +98,8 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
             raise ValueError(f"{name} must be >= 1, got {v}")
     if n > b:
         raise ValueError(f"{n} requests do not fit num_reqs_pad={b}")
+    num_blocks = check_opt_int("num_blocks", num_blocks, 2, why="block 0 is the null block")
+    vocab_size = check_opt_int("vocab_size", vocab_size, 1)
     q = np.fromiter((len(t) for t in token_ids), np.int64, count=n)
     computed = _ints("num_computed", num_computed, n, lo=0)
     nd = _ints("num_drafts", num_drafts, n, lo=0)
@@ -108,16 +127,24 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
         raise ValueError(f"request {i} reaches position {int(seq[i]) - 1}: it needs "
                          f"{int(need[i])} blocks, more than blocks_per_req_pad={c}")
     table = np.full((b, c), NULL_BLOCK, _I32)
+    filled = np.zeros(n, np.int64)
+    if len(block_ids) != n:
+        raise ValueError(f"block_ids must have one list per request ({n}), got {len(block_ids)}")
     for i, (ids, w) in enumerate(zip(block_ids, need.tolist())):
-        m = min(len(ids), c)
+        m = filled[i] = min(len(ids), c)
         if m < w:
             raise ValueError(f"block_ids[{i}] has {len(ids)} blocks; request {i} needs "
                              f"{w} for {int(seq[i])} positions")
         table[i, :m] = ids[:m]
+    check_table(table, filled, num_blocks)
+    if lookahead is not None:
+        _check_writes(table, filled, computed, seq, check_int("lookahead", lookahead, 0),
+                      check_opt_int("max_model_len", max_model_len, 1), block_size)
     attn = attn_metadata_np(q, seq, table, block_size=block_size, num_tokens_pad=b * q_pad,
                             max_query_len=q_pad)
     t = int(q.sum())
     flat = np.array([x for toks in token_ids for x in toks], np.int64).reshape(t)
+    check_token_ids(flat, q, vocab_size)
     ids = np.zeros(b * q_pad, _I32)
     ids[:t] = flat
     offs = _ragged_arange(q)
@@ -140,10 +167,53 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
         input_ids=ids, positions=pos, attn=attn, sdm=sdm, temperature=temp,
         top_k=_padded("top_k", top_k, n, b, _I32, 0),
         top_p=_padded("top_p", top_p, n, b, np.float32, 1.0),
-        seeds=_padded("seeds", seeds, n, b, np.uint32, 0),
+        seeds=row_seeds(seeds, temp, n, b),
         counters=_padded("num_output_tokens", num_output_tokens, n, b, _I32, 0),
         backup_next=backup, discard=_padded("discard", discard, n, b, np.bool_, False), procs=procs,
         all_greedy=bool((temp[:n] == 0).all()), block_size=int(block_size))
+
+
+def _check_writes(table: np.ndarray, lens: np.ndarray, computed: np.ndarray, seq: np.ndarray,
+                  lookahead: int, max_model_len: int | None, block_size: int) -> None:
+    """ArgumentError unless each request ``i`` (``table [B, C]``, its first ``lens[i]``
+    columns filled) lists blocks through position ``seq[i] + lookahead - 1`` (at most
+    ``max_model_len - 1``) and no block it writes (columns from ``computed[i] //
+    block_size`` through that position) is in another request's row. Why: a model proposer
+    writes its drafts' KV ``lookahead`` positions past the scheduled tokens through the
+    table; a missing block sends those writes to the null block or (past column ``C - 1``,
+    clipped to it) over the request's own earlier positions, and another request's block
+    over that request's drafter KV."""
+    n, c = lens.shape[0], table.shape[1]
+    if not n:
+        return
+    end = seq + lookahead
+    if max_model_len is not None:
+        end = np.maximum(np.minimum(end, max_model_len), seq)
+    need = -(-end // block_size)
+    if (need > lens).any():
+        i = int(np.argmax(need > lens))
+        raise ArgumentError(
+            f"block_ids[{i}] gives {int(lens[i])} blocks (blocks_per_req_pad={c}) but request "
+            f"{i} writes KV through position {int(end[i]) - 1} ({int(seq[i])} tokens, then the "
+            f"proposer's lookahead={lookahead}): it needs {int(need[i])}; allocate blocks for "
+            f"num_computed + len(token_ids[{i}]) + lookahead positions (capped at max_model_len)")
+    col = np.arange(c)[None, :]
+    cells = table[:n].astype(np.int64)
+    listed = col < lens[:, None]
+    written = listed & (col >= (computed // block_size)[:, None]) & (col < need[:, None])
+    pairs = np.unique(cells[listed] * n + np.nonzero(listed)[0])    # (block, row) once each
+    blocks, rows = np.unique(pairs // n, return_counts=True)
+    bad = written & np.isin(cells, blocks[rows > 1])
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        v = int(cells[i, j])
+        other = next(r for r in range(n) if r != i and (cells[r, : lens[r]] == v).any())
+        lo, hi = max(j * block_size, int(computed[i])), min((j + 1) * block_size, int(end[i]))
+        raise ArgumentError(
+            f"block_ids[{i}][{j}] = {v} is also in block_ids[{other}], and request {i} writes it "
+            f"(positions {lo}..{hi - 1}: its tokens or the proposer's lookahead={lookahead}): give "
+            f"each request only blocks it owns, and share only full blocks of a computed prefix "
+            f"(docs/integration.md, §3)")
 
 
 def trim_drafts(drafts: Sequence[int], *, max_new_tokens: int, kv_room: int, k: int,

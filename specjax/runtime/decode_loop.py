@@ -3,7 +3,8 @@
 ``decode_loop`` runs build batch -> forward, verification, device drafting -> stop checks
 over a :class:`LoopState` on the device and returns every iteration's tokens at once
 (:class:`LoopOutput`): one host sync instead of ``N``. Requests must be decoding (prefill
-per step, then ``make_loop_state``); seeded sampling gives the per-step path's tokens.
+per step, then ``make_loop_state``, or ``specjax.runtime.loop_rows.admit`` into a kept
+state); seeded sampling gives the per-step path's tokens.
 Host n-gram, suffix and the non-padded drafter batch are refused (``loop_support``)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
 from specjax.sampling.logprobs import Logprobs, check_num_logprobs, mask_slots
 from specjax.sampling import PLACEHOLDER_TOKEN_ID, SamplingState
+from specjax.runtime.checks import check_loop_call, check_table, row_seeds
 from specjax.runtime.step import StepBatch, _step
 
 __all__ = ["LoopState", "LoopOutput", "make_loop_state", "decode_loop", "device_batch",
@@ -105,22 +107,29 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
                     block_size: int, stop_ids: Sequence[Sequence[int]] | None = None,
                     stop_pad: int = 1, temperature=None, top_k=None, top_p=None, seeds=None,
                     history: Sequence[Sequence[int]] | None = None, finished=None,
-                    procs=None) -> LoopState:
+                    procs=None, num_blocks: int | None = None) -> LoopState:
     """The host (NumPy) :class:`LoopState` of ``n`` decoding requests.
 
     Per request ``i``: ``last_token``, ``num_computed`` (every token but the last), ``drafts``
     (at most ``k``), ``num_output`` (the sampling counter), ``block_ids`` (ids past
-    ``blocks_per_req_pad`` dropped), ``stop_ids`` (EOS included, at least ``stop_pad``
-    columns), ``history`` (prompt + output; a device token-history proposer only). Sampling
-    defaults: greedy, top-k / top-p off, seed 0. ``procs``: a ``ProcessorState`` of
-    ``num_reqs_pad`` rows and ``max_model_len`` columns, or None. Raises ValueError naming the
-    argument on mismatched lengths or out-of-range values."""
+    ``blocks_per_req_pad`` dropped; ids >= 1, 0 being the null block, and below
+    ``num_blocks``, the KV pool's size, when given), ``stop_ids`` (EOS included, at least
+    ``stop_pad`` columns), ``history`` (prompt + output; a device token-history proposer
+    only). Sampling defaults: greedy, top-k / top-p off. ``seeds``: None or per request an int
+    in ``[0, 2**32 - 1]`` or None; a request at ``temperature > 0`` without one draws a fresh
+    random seed (not reproducible, as vLLM's unseeded requests; the state keeps it across
+    calls). ``procs``: a ``ProcessorState`` of ``num_reqs_pad`` rows and ``max_model_len``
+    columns, or None. Raises ValueError naming the argument on mismatched lengths or
+    out-of-range values (block 0, a block id past ``num_blocks``, a seed outside uint32)."""
     n = len(last_token)
     b, c, q = int(num_reqs_pad), int(blocks_per_req_pad), int(query_len_pad)
     if n > b:
         raise ValueError(f"{n} requests do not fit num_reqs_pad={b}")
     if q < k + 1:
         raise ValueError(f"query_len_pad={q} is below k + 1 = {k + 1}")
+    from specjax.checks import check_opt_int
+
+    num_blocks = check_opt_int("num_blocks", num_blocks, 2, why="block 0 is the null block")
 
     def ints(name, v, fill, dtype=_I32):
         out = np.full(b, fill, dtype)
@@ -157,13 +166,15 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
     table = np.zeros((b, c), _I32)
     if len(block_ids) != n:
         raise ValueError(f"block_ids must have one list per request ({n}), got {len(block_ids)}")
+    filled = np.zeros(n, np.int64)
     for i, ids in enumerate(block_ids):
-        m = min(len(ids), c)
+        m = filled[i] = min(len(ids), c)
         upto = min(int(nc[i]) + 1 + int(nd[i]), int(max_model_len))
         if -(-upto // block_size) > m:
             raise ValueError(f"block_ids[{i}] ({len(ids)} blocks, {c} columns) does not cover "
                              f"the request's {upto} next positions")
         table[i, :m] = np.asarray(ids[:m])
+    check_table(table, filled, num_blocks)
     fin = np.ones(b, np.bool_)
     fin[:n] = False if finished is None else np.asarray(finished, np.bool_)
     temp = ints("temperature", temperature, 0.0, np.float32)
@@ -176,7 +187,7 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
         if n and (np.asarray(procs.num_tokens)[:n] != nc[:n] + 1).any():
             raise ValueError("procs.num_tokens must be each request's num_computed + 1")
     sampling = SamplingState(temp, ints("top_k", top_k, 0), ints("top_p", top_p, 1.0, np.float32),
-                             ints("seeds", seeds, 0, np.uint32), ints("num_output", num_output, 0),
+                             row_seeds(seeds, temp, n, b), ints("num_output", num_output, 0),
                              procs)
     hist = None
     if history is not None:
@@ -419,9 +430,11 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
     draft_state, state)``; the state continues the loop once the requests hold
     ``loop_blocks_needed`` blocks. ``stop_on_finish``: end once a request finishes.
     ``early_exit``: True, a ``while_loop``; False, exactly ``steps_per_sync`` iterations (no
-    predicate read back), those after the end masked; same tokens. Raises ValueError for a
-    proposer the loop does not run, a state of another ``k`` / block size, or a bad
-    ``steps_per_sync``."""
+    predicate read back), those after the end masked; same tokens. Raises ValueError, before
+    anything runs, for a proposer the loop does not run, a state of another ``k`` / block
+    size, a bad ``steps_per_sync``, and ``Step.__call__``'s argument checks: caches or state
+    donated to an earlier call, params missing or not the step's, a host state's block id past
+    the KV pool or last token outside the vocabulary."""
     if isinstance(steps_per_sync, bool) or not isinstance(steps_per_sync, (int, np.integer)) \
             or steps_per_sync < 1:
         raise ValueError(f"steps_per_sync must be an int >= 1, got {steps_per_sync!r}")
@@ -448,6 +461,7 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
             raise ValueError("this proposer drafts from the token history: build the state with "
                              "make_loop_state(history=...)")
     check_num_logprobs("state.num_logprobs", state.num_logprobs)
+    check_loop_call(step, target_params, draft_params, target_kv, draft_state, state)
     limit = None if feed is None else feed.drafter_max_model_len
     if state.drafter_max_model_len != limit:
         state = dataclasses.replace(state, drafter_max_model_len=limit)

@@ -19,6 +19,7 @@ import numpy as np
 # traced (config states in the trace context; see the end of kernels/paged_attention/__init__.py).
 import specjax.kernels.paged_attention  # noqa: F401
 from specjax.runtime import host_transfer
+from specjax.runtime.checks import check_call, check_input_ids, record_pool
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
 from specjax.proposers import Proposer, ProposerInputs
@@ -400,7 +401,8 @@ class Step(_Verifier):
         """``(target_kv, draft_state)`` for ``num_blocks`` blocks of ``block_size`` in
         ``kv_dtype`` (None: :func:`params_kv_dtype` of ``params``), sharded by kv head on a mesh
         (a foreign target's KV as its ``init_kv_caches`` places it); ``draft_state`` None
-        without a proposer. ValueError for another ``block_size`` than the proposer's."""
+        without a proposer. ValueError for another ``block_size`` than the proposer's. The
+        pool size is remembered: a call checks a host batch's block ids against it."""
         if self.feed is not None and self.feed.block_size not in (None, block_size):
             raise ValueError(f"the proposer was built with block_size={self.feed.block_size}, "
                              f"got {block_size}")
@@ -414,6 +416,7 @@ class Step(_Verifier):
             state = jax.device_put(state, state_shardings(state, self.mesh, axis=self.tp_axis))
             if self._own:
                 kv = jax.device_put(kv, state_shardings(kv, self.mesh, axis=self.tp_axis))
+        record_pool(self, kv, int(num_blocks))
         return kv, state
 
     @property
@@ -426,8 +429,14 @@ class Step(_Verifier):
     def __call__(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch
                  ) -> tuple[StepOutput, Any, Any]:
         """One step; ``target_kv`` and ``draft_state`` are donated (do not reuse the ones
-        passed in). Returns ``(StepOutput, target_kv, draft_state)``."""
+        passed in). Returns ``(StepOutput, target_kv, draft_state)``. Before anything runs,
+        ValueError naming the argument (``specjax.runtime.checks``): a batch that does not fit
+        (:func:`check_batch`), caches donated to an earlier call, ``target_params`` None (or
+        not the ``DecoderLM`` target's config), ``draft_params`` None or not shaped as
+        ``step.draft_params``, a host batch's block id past the KV pool (its size from the
+        KV's leaves or ``init_caches``)."""
         check_batch(self, batch)
+        check_call(self, target_params, draft_params, target_kv, draft_state, batch)
         spec = self._spec
         dparams = draft_params if spec.impl is not None else None
         if host_transfer.packable(batch):      # a host batch: one transfer, not ~25
@@ -454,10 +463,33 @@ class Step(_Verifier):
                                           words, layout)
         return _step_jit.lower(spec, target_params, dparams, target_kv, draft_state, batch)
 
+    def warmup(self, target_params, draft_params, target_kv, draft_state, buckets, *,
+               block_size: int, all_greedy=(True, False), tree_verify=None,
+               num_logprobs=(None,), procs=(None,), max_model_len: int | None = None):
+        """Compile the step for every bucket ahead of time, so that no later call compiles:
+        a padding batch (no request: nothing written, nothing emitted) per bucket and variant,
+        run through ``__call__`` (the packed host program a ``build_batch`` batch of that
+        bucket runs). ``buckets``: ``specjax.runtime.warmup.Bucket(requests, tokens, blocks)``
+        or 3-tuples; variants: ``all_greedy``, ``tree_verify`` (None: chain, and tree when
+        ``self.tree`` is set), ``num_logprobs`` (request ``logprobs``), ``procs`` (None or a
+        ``ProcessorLimits``; with ``max_model_len``). The caches are donated: returns
+        ``(target_kv, draft_state)``. ValueError / TypeError naming a bad argument first."""
+        from specjax.runtime.warmup import padding_batches
+
+        for fields in padding_batches(self, buckets, block_size=block_size,
+                                      all_greedy=all_greedy, tree_verify=tree_verify,
+                                      num_logprobs=num_logprobs, procs=procs,
+                                      max_model_len=max_model_len):
+            out, target_kv, draft_state = self(target_params, draft_params, target_kv,
+                                               draft_state, StepBatch(**fields))
+            jax.block_until_ready(out)
+        return target_kv, draft_state
+
 
 def check_batch(step, batch: StepBatch) -> None:
     """ValueError unless ``batch`` fits ``step`` (a ``Step`` or ``VerifyStep``): a
-    ``StepBatch`` of its tree or chain kind, block size, logprobs bucket and draft count."""
+    ``StepBatch`` of its tree or chain kind, block size, logprobs bucket and draft count; a
+    host batch's token ids within ``step.vocab_size`` (a device batch is not read)."""
     if not isinstance(batch, StepBatch):
         raise ValueError(f"batch must be a StepBatch (specjax.runtime.batch.build_batch), got "
                          f"{type(batch).__name__}")
@@ -472,6 +504,7 @@ def check_batch(step, batch: StepBatch) -> None:
     if batch.sdm.max_spec_len != step.k:
         raise ValueError(f"batch was built for max_spec_len={batch.sdm.max_spec_len}; this "
                          f"step verifies k={step.k} drafts")
+    check_input_ids(batch, step.vocab_size)
 
 
 def split_propose(proposer, draft_params, draft_state, batch: StepBatch, out: StepOutput, extra):

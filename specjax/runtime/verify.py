@@ -16,6 +16,7 @@ import numpy as np
 
 from specjax.proposers import Proposer
 from specjax.runtime import host_transfer
+from specjax.runtime.checks import check_draft_params, check_not_donated
 from specjax.runtime.step import (StepBatch, StepOutput, _Verifier, check_batch, configure,
                                   make_spec, split_propose, tree_logits_indices, verify_chain,
                                   verify_tree)
@@ -91,8 +92,12 @@ class VerifyStep(_Verifier):
         ``kv``: the target's KV, compacted by ``move_kv`` on a tree batch (None: the caller
         compacts it from ``StepOutput.accepted_nodes``). ``draft_state`` and ``kv`` are
         donated. Returns ``(StepOutput, draft_state, kv)``; ValueError naming a wrong or
-        missing argument before anything runs."""
+        missing argument before anything runs (``draft_state`` / ``kv`` donated to an earlier
+        call, ``draft_params`` None or not shaped as ``vs.draft_params``, a host batch's token
+        id outside ``vocab_size``)."""
         check_batch(self, batch)
+        check_not_donated(draft_state=draft_state, kv=kv)
+        check_draft_params(self, draft_params)
         spec = self._spec
         n = int(np.shape(self.logits_indices(batch))[0])
         if np.ndim(logits) != 2 or np.shape(logits)[0] != n or np.shape(logits)[1] < self.vocab_size:
