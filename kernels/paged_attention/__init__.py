@@ -11,8 +11,9 @@ block and the key of query ``j`` of the block iff ``tree_mask[i][j]``. Tokens pa
 ``query_start_loc[-1]`` get zeros. The block table's width and ``md.max_query_len`` are static.
 
 Backends, one function: ``"xla"`` (``reference.py``: the specification, the CPU path),
-``"pallas"`` (``pallas.py``; interpret mode off the GPU) and ``"triton"`` (``triton.py``,
-GPU only), the kernels equal to the reference up to float rounding; shapes they cannot take
+``"pallas"`` (``pallas.py``; interpret mode off the GPU; past its ``MAX_ROWS`` query rows,
+``flash.py``'s kernel for queries of any length) and ``"triton"`` (``triton.py``, GPU only),
+the kernels equal to the reference up to float rounding; shapes they cannot take
 (``limits.py``) run ``"xla"``. ``"auto"``: a kernel on the GPU for ``max_query_len <=
 AUTO_MAX_QUERY_LEN`` (:func:`auto_kernel_backend`), else ``"xla"``. Chosen per call
 (``backend=``), else by :mod:`specjax.kernels.backend`'s process default, at trace time.
@@ -62,7 +63,8 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
     reason = unsupported_reason(num_heads=nh, num_kv_heads=cache_shape[2], head_dim=hd,
                                 max_query_len=md.max_query_len, tree_mask=md.tree_mask,
                                 dtype=dtype)
-    if reason is not None:
+    if reason is not None and not (backend == "pallas"
+                                   and _flash_takes(q_shape, cache_shape, md, dtype)):
         return "xla"
     if backend == "triton":
         ok, why = _compat.jax_triton_available()
@@ -83,6 +85,18 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
 
 def _platform() -> str:
     return jax.default_backend()
+
+
+def _flash_takes(q_shape, cache_shape, md: CommonAttentionMetadata, dtype) -> bool:
+    """Whether ``"pallas"`` runs ``flash.py``'s kernel: the decode kernel's tile would
+    exceed ``MAX_ROWS`` rows and the flash kernel takes the shapes."""
+    from specjax.kernels.paged_attention import flash
+
+    _, nh, hd = q_shape
+    return (flash.takes_over(nh, cache_shape[2], md.max_query_len)
+            and flash.unsupported_reason(num_heads=nh, num_kv_heads=cache_shape[2],
+                                         head_dim=hd, tree_mask=md.tree_mask,
+                                         dtype=dtype) is None)
 
 
 #: What ``"auto"`` gives up on the GPU without a kernel (named in its warning).
@@ -156,6 +170,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
         k, v = jax.lax.optimization_barrier((k, v))
     pallas = resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype, backend) == "pallas"
     if (fused_kv_write is not False and pallas
+            and not _flash_takes(q.shape, cache.k.shape, md, q.dtype)
             and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype):
         _, bs, nkv, _ = cache.k.shape
         if fused_kv_write is True or fused_write_pays(
@@ -233,5 +248,6 @@ def _attend_fused(q, k, v, cache: KVCache, md: CommonAttentionMetadata, scale: f
 try:
     import specjax.kernels._pallas  # noqa: E402,F401
     import specjax.kernels.paged_attention.pallas  # noqa: E402,F401
+    import specjax.kernels.paged_attention.flash  # noqa: E402,F401
 except ImportError:   # a JAX without Mosaic GPU: the kernels fall back to XLA
     pass

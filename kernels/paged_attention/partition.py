@@ -24,10 +24,15 @@ def static(backend: str, md: CommonAttentionMetadata, scale) -> tuple:
 
 
 def kernel_attention(static, q, k_cache, v_cache, qsl, seq_lens, block_table):
-    """The attention kernel of backend ``static[0]`` (``"pallas"`` or ``"triton"``)."""
+    """The attention kernel of backend ``static[0]`` (``"pallas"`` or ``"triton"``; on
+    ``"pallas"`` past the decode kernel's rows, ``flash.py``'s)."""
     backend, kw = static
+    from specjax.kernels.paged_attention.flash import takes_over
+
     if backend == "triton":
         from specjax.kernels.paged_attention.triton import paged_attention as kernel
+    elif takes_over(q.shape[1], k_cache.shape[2], dict(kw)["max_query_len"]):
+        from specjax.kernels.paged_attention.flash import paged_attention as kernel
     else:
         from specjax.kernels.paged_attention.pallas import paged_attention as kernel
     return kernel(q, k_cache, v_cache, qsl, seq_lens, block_table, **dict(kw))

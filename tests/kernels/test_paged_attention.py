@@ -527,8 +527,10 @@ def test_default_backend_on_cpu_is_xla():
         assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "pallas"
         # unsupported shapes fall back to the reference
         assert attn.resolve_attention_backend((4, 2, 8), (9, 4, 2, 8), md) == "xla"
+        # past the decode kernel's rows: flash.py's kernel (tests/kernels/test_flash_attention.py)
         big = md.replace(max_query_len=200)
-        assert attn.resolve_attention_backend(q.shape, cache.k.shape, big) == "xla"
+        assert attn.resolve_attention_backend(q.shape, cache.k.shape, big) == "pallas"
+        assert attn.resolve_attention_backend((14, 2, 48), (9, 4, 2, 48), big) == "xla"
     with K.default_backend("xla"):
         assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "xla"
     with K.default_backend("triton"):
