@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -18,11 +18,17 @@
 # SAMPLING_METHODS, default plain ngram eagle3); verify: the verify-and-propose entry plus the
 # stack's own forward against the fused step (benchmarks/verify_entry.py, issue 48: <= 1.03x),
 # 8B target, B = 1, 8, 32 (VERIFY_BATCH, VERIFY_METHODS, default plain ngram eagle3), 3 rounds;
+# prefill: time to first token at 1k, 8k, 32k prompt tokens (benchmarks/prefill.py, issue 50):
+# the engine's TTFT and the bare jitted prefill beside PyTorch's same forward (SDPA flash, eager
+# and torch.compile, same process), the bf16 GEMM rate, and the attention alone per option
+# (specjax's backends, jax.nn.dot_product_attention cuDNN, the Mosaic GPU example, torch SDPA);
+# PREFILL_ARGS adds flags: "--prompts 131072" (the 128k prompt), "--batch-prefill" (B = 256
+# requests of 1k tokens, plain and EAGLE-3, tokens/s), "--parts engine,forward,torch" (fewer);
 # none of these is part of `all`, each needs several minutes). `tests` runs every GPU test
 # but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
 # one part per device call (10 minutes at most each).
-# Each part runs under its own time limit (BENCH_S, NGRAM_S, TESTS_S seconds) so one slow
+# Each part runs under its own time limit (BENCH_S, NGRAM_S, TESTS_S, PREFILL_S seconds) so one slow
 # part cannot starve the others inside a device lease. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -121,6 +127,11 @@ if [ "$what" = verify ]; then
   timeout "${VERIFY_S:-540}" python benchmarks/verify_entry.py --target 8b --batch "${VERIFY_BATCH:-1,8,32}" \
     --context 1024 --k 3 --methods ${VERIFY_METHODS:-plain ngram eagle3} --rounds 3 --iters 20 \
     --json "$OUT/verify.json" 2>&1 | grep -v Warning | tee "$OUT/verify.log" | tail -25
+fi
+if [ "$what" = prefill ]; then
+  # one process: JAX gets half the GPU, PyTorch the rest; the JSON is rewritten after every row
+  timeout "${PREFILL_S:-540}" python benchmarks/prefill.py ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
+    2>&1 | grep -v Warning | tee "$OUT/prefill.log" | tail -70
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-500}" python -m pytest -m gpu -q -p no:cacheprovider tests \
