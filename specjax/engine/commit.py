@@ -70,11 +70,16 @@ class CommitRule:
     def step(self, running: list[_Request], out, qlens: Sequence[int], tok_buf: np.ndarray
              ) -> tuple[SpecDecodingStats | None, list[_Request], list[list[int]]]:
         """Commit a host ``StepOutput`` (row ``i``: ``running[i]``, ``qlens[i]`` tokens
-        scheduled, ``len(r.drafts)`` of them drafts). Returns ``(stats, finished, kept
-        tokens per request)``."""
+        scheduled, ``len(r.drafts)`` of them drafts; fewer than its uncomputed tokens: a
+        partial prefill, computed and its sampled token discarded). Returns ``(stats,
+        finished, kept tokens per request)``."""
         stats = self.new_stats()
         finished, gained = [], []
         for i, r in enumerate(running):
+            if qlens[i] < r.num_tokens - r.num_computed:      # a partial prefill
+                r.num_computed += qlens[i]
+                gained.append([])
+                continue
             new = [int(t) for t in out.sampled[i] if t != PLACEHOLDER_TOKEN_ID]
             kept = self.request(r, new, num_scheduled=qlens[i], num_drafts=len(r.drafts),
                                 num_accepted=len(new) - 1, tok_buf=tok_buf, stats=stats,

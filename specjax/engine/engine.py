@@ -16,9 +16,9 @@ import numpy as np
 from specjax.checks import ArgumentTypeError, check_int, check_opt_int, check_type, show
 from specjax.engine.checks import check_engine_args
 from specjax.engine.commit import CommitRule
-from specjax.engine.device_loop import DeviceLoopDriver, _InFlight
+from specjax.engine.device_loop import DeviceLoopDriver, _InFlight, _on_cpu
 from specjax.engine.diagnostics import Diagnostics
-from specjax.engine.options import DEFAULT_STEPS_PER_SYNC, LoopOptions
+from specjax.engine.options import DEFAULT_CPU_PREFILL_CHUNK, DEFAULT_STEPS_PER_SYNC, LoopOptions
 from specjax.engine.scheduler import Scheduler, _pick, _Request
 from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
 from specjax.metrics import SpecDecodingStats
@@ -47,8 +47,8 @@ class Engine:
         requests at ``max_model_len`` plus the null block).
       kv_dtype: None: the params' (``params_kv_dtype``); mesh, tp_axis: tensor parallelism.
       logits_processors, logprobs_mode: docs/sampling.md.
-      options: ``LoopOptions``; ``self.options`` holds them with ``steps_per_sync`` and
-        ``overlap`` resolved.
+      options: ``LoopOptions``; ``self.options`` holds them with ``steps_per_sync``,
+        ``overlap`` and ``prefill_chunk`` resolved.
 
     Raises ValueError / TypeError naming the argument before anything is allocated."""
 
@@ -100,6 +100,9 @@ class Engine:
         self.k = self.step.k
         self.mesh, self.tp_axis = mesh, tp_axis
         self.target = TargetModel(self.step.target, self.step.place_target_params(target.params))
+        if opts.prefill_chunk is None:
+            opts = dataclasses.replace(opts, prefill_chunk=DEFAULT_CPU_PREFILL_CHUNK if _on_cpu(
+                self.target.params) else 0)
         self.vocab_size = self.step.vocab_size
         self.max_model_len = int(max_model_len)
         self.block_size = int(block_size)
@@ -327,6 +330,7 @@ class Engine:
                 r.drafts = []
         t0 = time.perf_counter()
         batch, qlens, b_pad = self.scheduler.build_batch(running, tree_verify=tree_verify)
+        partial = [q < r.num_tokens - r.num_computed for q, r in zip(qlens, running)]
         dev = self._run(batch)
         t1 = time.perf_counter()
         out = jax.device_get(dev)       # one fetch of the step's results
@@ -334,7 +338,8 @@ class Engine:
         self.wait_s += t2 - t1
         tok_buf = self.scheduler.tok_buf
         stats, finished, gained = self.commit_rule.step(running, out, qlens, tok_buf)
-        alive = [i for i, r in enumerate(running) if not r.finish_reason]
+        # a partial prefill drafts nothing (its drafter only wrote the chunk's KV)
+        alive = [i for i, r in enumerate(running) if not r.finish_reason and not partial[i]]
         if self.drafts_in in ("step", "split"):
             for i in alive:
                 running[i].drafts = out.drafts[i, : int(out.num_drafts[i])].tolist()

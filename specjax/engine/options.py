@@ -12,10 +12,13 @@ import numpy as np
 
 from specjax.checks import ArgumentTypeError, check_bool, check_int, check_int_sequence, show
 
-__all__ = ["LoopOptions", "DEFAULT_STEPS_PER_SYNC"]
+__all__ = ["LoopOptions", "DEFAULT_STEPS_PER_SYNC", "DEFAULT_CPU_PREFILL_CHUNK"]
 
 #: Iterations per host sync of the device loop when ``steps_per_sync`` is None.
 DEFAULT_STEPS_PER_SYNC = 8
+#: Prompt tokens a request prefills per step on a CPU target when ``prefill_chunk`` is None:
+#: a step's activations grow with its tokens, so a long prompt's peak memory stays bounded.
+DEFAULT_CPU_PREFILL_CHUNK = 2048
 
 
 def _opt_bool(name: str, value: Any) -> bool | None:
@@ -48,7 +51,10 @@ class LoopOptions:
       min_tokens_per_step: pad each step to at least this many tokens (writes nothing).
       processor_limits: ``ProcessorLimits`` (padded logits-processing sizes); None: defaults.
       tree_verification: None: trees when the proposer's tree branches; True: forced; False.
-      fuse_projections: fuse q/k/v and gate/up on one device (a fused copy of the weights)."""
+      fuse_projections: fuse q/k/v and gate/up on one device (a fused copy of the weights).
+      prefill_chunk: prompt tokens a request prefills per step at most (chunked prefill: the
+        tokens sampled before its last chunk are discarded); 0: the whole prompt; None:
+        ``DEFAULT_CPU_PREFILL_CHUNK`` on a CPU target, else 0."""
 
     steps_per_sync: int | None = None
     early_exit: bool | None = None
@@ -60,6 +66,7 @@ class LoopOptions:
     processor_limits: Any = None
     tree_verification: bool | None = None
     fuse_projections: bool = True
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         from specjax.sampling.logits_processors import check_limits
@@ -77,3 +84,5 @@ class LoopOptions:
                                              1, 1 << 20))
         put("processor_limits", check_limits(self.processor_limits))
         put("fuse_projections", check_bool("fuse_projections", self.fuse_projections))
+        if self.prefill_chunk is not None:
+            put("prefill_chunk", check_int("prefill_chunk", self.prefill_chunk, 0, 1 << 30))

@@ -76,6 +76,7 @@ class Scheduler:
         self.context_buckets = options.context_buckets
         self.min_tokens_per_step = options.min_tokens_per_step
         self.processor_limits = options.processor_limits
+        self.prefill_chunk = options.prefill_chunk or 0     # 0: whole prompts
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.reset()
 
@@ -144,28 +145,49 @@ class Scheduler:
         c = _pick(self.context_buckets, max_blocks, cap=self.max_blocks_per_req)
         return b, q, c
 
+    def scheduled(self, r: _Request) -> int:
+        """Uncomputed tokens of ``r`` the next step schedules (its drafts aside): all, or
+        ``prefill_chunk`` of a longer prompt (a partial prefill)."""
+        n = r.num_tokens - r.num_computed
+        return min(n, self.prefill_chunk) if self.prefill_chunk else n
+
     def build_batch(self, running: list[_Request], tree_verify: bool = False
                     ) -> tuple[StepBatch, list[int], int]:
-        """``(batch, query lengths, rows)``: each request's uncomputed tokens, then its drafts
-        (``tree_verify``: every request has one uncomputed token, the root, and verifies its
-        tree prefix); blocks are handed out for them and the proposer's lookahead."""
-        sched, computed, nd = [], [], []
+        """``(batch, query lengths, rows)``: each request's uncomputed tokens (at most
+        ``prefill_chunk``: a partial prefill, its sampled token discarded and its drafter fed
+        the next prompt token), then its drafts (``tree_verify``: every request has one
+        uncomputed token, the root, and verifies its tree prefix); blocks are handed out for
+        them and the proposer's lookahead."""
+        sched, computed, nd, partial = [], [], [], []
         for r in running:
-            sched.append([r.token(i) for i in range(r.num_computed, r.num_tokens)] + r.drafts)
+            n = self.scheduled(r)
+            partial.append(r.num_computed + n < r.num_tokens)
+            drafts = [] if partial[-1] else r.drafts
+            sched.append([r.token(i) for i in range(r.num_computed, r.num_computed + n)] + drafts)
             computed.append(r.num_computed)
-            nd.append(len(r.drafts))
+            nd.append(len(drafts))
             self.ensure_blocks(r, r.num_computed + len(sched[-1]) + self.lookahead)
         qlens = [len(t) for t in sched]
-        B, Q, C = self.buckets(len(running), max(qlens), max(len(r.blocks) for r in running))
+        # a partial prefill takes the width its whole prompt needs: one program for its chunks
+        width = max(-(-r.num_tokens // self.block_size) if p else len(r.blocks)
+                    for r, p in zip(running, partial))
+        B, Q, C = self.buckets(len(running), max(qlens), width)
         batch = build_batch(
             sched, num_computed=computed, num_drafts=nd, block_ids=[r.blocks for r in running],
             block_size=self.block_size, num_reqs_pad=B, query_len_pad=Q, blocks_per_req_pad=C,
             max_spec_len=self.k, temperature=[r.params.temperature for r in running],
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
             seeds=[r.seed for r in running], num_output_tokens=[len(r.output) for r in running],
-            tree=self.tree if tree_verify else None, procs=self.procs(running, B))
+            tree=self.tree if tree_verify else None, procs=self.procs(running, B),
+            discard=partial if any(partial) else None)
         batch = dataclasses.replace(batch, num_logprobs=logprobs_bucket(
             [r.params.logprobs for r in running]))
+        if any(partial):      # a partial prefill's drafter reads the next prompt token
+            backup = np.array(batch.backup_next, copy=True)
+            for i, (r, p) in enumerate(zip(running, partial)):
+                if p:
+                    backup[i] = r.token(r.num_computed + qlens[i])
+            batch = dataclasses.replace(batch, backup_next=backup)
         return batch, qlens, B
 
     def empty_procs(self, B: int):

@@ -509,8 +509,9 @@ def check_batch(step, batch: StepBatch) -> None:
 
 def split_propose(proposer, draft_params, draft_state, batch: StepBatch, out: StepOutput, extra):
     """Non-padded mode: the host's ``prepare_inputs`` drops the rejected tokens, then the
-    proposer drafts from the kept ones (a second jitted call; the packed output is donated).
-    ``extra``: the ``(hidden, aux)`` the verification returned. Returns ``(out, draft_state)``."""
+    proposer drafts from the kept ones (a second jitted call; the packed output is donated),
+    a discarded row (a partial prefill) from ``backup_next``. ``extra``: the ``(hidden,
+    aux)`` the verification returned. Returns ``(out, draft_state)``."""
     from specjax.proposers.eagle import prepare_inputs
 
     attn = jax.tree.map(np.asarray, batch.attn)
@@ -520,7 +521,8 @@ def split_propose(proposer, draft_params, draft_state, batch: StepBatch, out: St
     num_drafts = np.asarray(batch.sdm.num_draft_tokens)[:n].tolist()
     md, idx = prepare_inputs(attn, lists, num_drafts)
     nxt = np.zeros(batch.num_reqs_pad, np.int32)
-    nxt[:n] = [lst[-1] for lst in lists]
+    discard, backup = np.asarray(batch.discard)[:n], np.asarray(batch.backup_next)[:n]
+    nxt[:n] = [int(b) if d else lst[-1] for lst, d, b in zip(lists, discard, backup)]
     hidden, aux = extra
     return _split_propose_jit(proposer.impl, draft_params, draft_state, out,
                               batch.input_ids, batch.positions, hidden, aux, idx, nxt, md)
