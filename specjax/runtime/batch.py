@@ -62,7 +62,7 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
                 num_output_tokens=None, discard=None, tree: TokenTree | None = None,
                 procs=None, num_blocks: int | None = None,
                 vocab_size: int | None = None, lookahead: int | None = None,
-                max_model_len: int | None = None) -> StepBatch:
+                max_model_len: int | None = None, num_tokens_pad: int | None = None) -> StepBatch:
     """The padded inputs of one step (NumPy leaves).
 
     Args:
@@ -71,7 +71,12 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
       num_computed: tokens in each KV cache (``seq_len = num_computed + len(token_ids[i])``).
       block_ids: each request's KV blocks in order, covering ``seq_len`` (ids past
         ``blocks_per_req_pad`` dropped); ids >= 1 (0 is the null block), < ``num_blocks``.
-      num_reqs_pad, query_len_pad, blocks_per_req_pad: the bucket; max_spec_len: ``Step.k``.
+      num_reqs_pad, query_len_pad, blocks_per_req_pad: the bucket (``query_len_pad``: the
+        static bound of one request's tokens, ``attn.max_query_len``); max_spec_len: ``Step.k``.
+      num_tokens_pad: ``T``, the token slots of the ``[T]`` arrays (``input_ids``,
+        ``positions``, ``attn.slot_mapping``), at least the scheduled tokens; None:
+        ``num_reqs_pad * query_len_pad``. Why: a long prefill chunk beside decoding rows
+        needs ``T`` near their sum, not ``num_reqs_pad`` times the longest.
       temperature, top_k, top_p, num_output_tokens: per-request sampling (defaults: greedy,
         off, off, 0; key ``fold_in(key(seed), num_output_tokens)``).
       seeds: None or per request an int in ``[0, 2**32 - 1]`` or None. A request at
@@ -87,9 +92,9 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
         KV there (docs/integration.md, §3).
 
     Returns ``StepBatch``. Raises ValueError naming the argument: mismatched lengths, a
-    request longer than the query bucket, too many drafts, blocks or requests, block id 0,
-    a negative one or one past ``num_blocks``, a token id outside the vocabulary, a seed
-    outside uint32."""
+    request longer than the query bucket, more tokens than ``num_tokens_pad``, too many
+    drafts, blocks or requests, block id 0, a negative one or one past ``num_blocks``, a
+    token id outside the vocabulary, a seed outside uint32."""
     n = len(token_ids)
     b, q_pad, c = int(num_reqs_pad), int(query_len_pad), int(blocks_per_req_pad)
     for name, v in (("num_reqs_pad", b), ("query_len_pad", q_pad),
@@ -110,6 +115,11 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
         i = int(np.argmax(q))
         raise ValueError(f"token_ids[{i}] has {int(q[i])} tokens, more than "
                          f"query_len_pad={q_pad}")
+    t = int(q.sum())
+    t_pad = b * q_pad if num_tokens_pad is None else check_int("num_tokens_pad", num_tokens_pad, 1)
+    if t > t_pad:
+        raise ValueError(f"num_tokens_pad={t_pad} is below the {t} tokens scheduled over {n} "
+                         "requests")
     limit = max_spec_len if tree is None else tree.num_nodes
     if n and ((nd > limit) | (nd > q - 1)).any():
         i = int(np.argmax((nd > limit) | (nd > q - 1)))
@@ -140,18 +150,17 @@ def build_batch(token_ids: Sequence[Sequence[int]], *, num_computed: Sequence[in
     if lookahead is not None:
         _check_writes(table, filled, computed, seq, check_int("lookahead", lookahead, 0),
                       check_opt_int("max_model_len", max_model_len, 1), block_size)
-    attn = attn_metadata_np(q, seq, table, block_size=block_size, num_tokens_pad=b * q_pad,
+    attn = attn_metadata_np(q, seq, table, block_size=block_size, num_tokens_pad=t_pad,
                             max_query_len=q_pad)
-    t = int(q.sum())
     flat = np.array([x for toks in token_ids for x in toks], np.int64).reshape(t)
     check_token_ids(flat, q, vocab_size)
-    ids = np.zeros(b * q_pad, _I32)
+    ids = np.zeros(t_pad, _I32)
     ids[:t] = flat
     offs = _ragged_arange(q)
     if tree is not None:
         offs = np.array((0,) + tree.depths, np.int64)[offs]   # slot 0 the root, 1 + j node j
         attn = attn.replace(tree_mask=tree.ancestor_mask(with_root=True))
-    pos = np.zeros(b * q_pad, _I32)
+    pos = np.zeros(t_pad, _I32)
     pos[:t] = np.repeat(computed, q) + offs
     starts = np.cumsum(q) - q
     is_draft = _ragged_arange(q) >= np.repeat(q - nd, q)      # each request's last nd tokens

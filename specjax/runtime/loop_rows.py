@@ -50,9 +50,15 @@ def empty_loop_state(step, bucket: Bucket, *, max_model_len: int, block_size: in
     ``num_logprobs``: the largest request ``logprobs`` (None: off); ``procs``: None, or the
     ``ProcessorLimits`` of a logits-processing state (``admit(procs=...)`` then fills rows).
     The token history is carried when ``step``'s proposer drafts from it (n-gram GPU).
-    Raises ValueError / TypeError naming the argument (query slots below ``step.k + 1``)."""
+    Raises ValueError / TypeError naming the argument (query slots below ``step.k + 1``, a
+    ragged bucket: the loop runs decode steps of ``requests * query_len`` token slots)."""
     bk = as_bucket(bucket)
     q = bk.query_len_pad
+    if bk.is_ragged:
+        raise ArgumentError(f"bucket.tokens={bk.tokens} is not requests * query_len = "
+                            f"{bk.requests} * {q}: the device loop runs decode steps of "
+                            f"requests * query_len token slots (use Bucket.of(requests, "
+                            f"query_len, blocks))")
     if q < step.k + 1:
         raise ArgumentError(f"bucket.tokens={bk.tokens} gives {q} query slots per row, below "
                             f"k + 1 = {step.k + 1} (a decoding row verifies k drafts): use "

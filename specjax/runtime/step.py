@@ -36,7 +36,8 @@ __all__ = ["StepBatch", "StepOutput", "Step", "make_step", "step_cache_size"]
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """The padded inputs of one step (a pytree, from ``build_batch``): ``B`` rows (padding
-    included), ``T = B * Q`` token slots.
+    included), ``T`` token slots (``num_tokens_pad``; by default ``B * Q``, ``Q =
+    attn.max_query_len`` each request's bound).
 
     Attributes:
       input_ids, positions: ``[T] int32``, each request's uncomputed tokens then its drafts
@@ -469,11 +470,12 @@ class Step(_Verifier):
         """Compile the step for every bucket ahead of time, so that no later call compiles:
         a padding batch (no request: nothing written, nothing emitted) per bucket and variant,
         run through ``__call__`` (the packed host program a ``build_batch`` batch of that
-        bucket runs). ``buckets``: ``specjax.runtime.warmup.Bucket(requests, tokens, blocks)``
-        or 3-tuples; variants: ``all_greedy``, ``tree_verify`` (None: chain, and tree when
-        ``self.tree`` is set), ``num_logprobs`` (request ``logprobs``), ``procs`` (None or a
-        ``ProcessorLimits``; with ``max_model_len``). The caches are donated: returns
-        ``(target_kv, draft_state)``. ValueError / TypeError naming a bad argument first."""
+        bucket runs). ``buckets``: ``specjax.runtime.warmup.Bucket(requests, tokens, blocks[,
+        query_len])`` or 3- / 4-tuples; variants: ``all_greedy``, ``tree_verify`` (None:
+        chain, and tree when ``self.tree`` is set), ``num_logprobs`` (request ``logprobs``),
+        ``procs`` (None or a ``ProcessorLimits``; with ``max_model_len``). The caches are
+        donated: returns ``(target_kv, draft_state)``. ValueError / TypeError naming a bad
+        argument first."""
         from specjax.runtime.warmup import padding_batches
 
         for fields in padding_batches(self, buckets, block_size=block_size,

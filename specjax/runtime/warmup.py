@@ -1,13 +1,14 @@
 """Compiling ahead of time: the shape buckets a loop runs (:class:`Bucket`: requests,
-tokens, blocks) and the padding batches ``Step.warmup`` runs through the step, one per
-bucket and variant, so that no real call compiles.
+tokens, blocks, query_len) and the padding batches ``Step.warmup`` runs through the step,
+one per bucket and variant, so that no real call compiles.
 
-A bucket names the three sizes a compiled step is specialised on: ``requests`` rows
-(``num_reqs_pad``), a flat budget of ``tokens`` token slots (``T``; today ``requests *
-query_len_pad``, so a multiple of ``requests``) and ``blocks`` block-table columns per row
-(``blocks_per_req_pad``). The padding batch of a bucket is ``build_batch``'s with no
-request (nothing written, nothing emitted), built here without it so that ``step.py`` can
-call this module (``batch.py`` imports ``step.py``)."""
+A bucket names the sizes a compiled step is specialised on: ``requests`` rows
+(``num_reqs_pad``), a flat budget of ``tokens`` token slots (``T``, ``num_tokens_pad``),
+``blocks`` block-table columns per row (``blocks_per_req_pad``) and ``query_len``, the
+static bound of one request's tokens (``query_len_pad``; 0: ``tokens // requests``). The
+padding batch of a bucket is ``build_batch``'s with no request (nothing written, nothing
+emitted), built here without it so that ``step.py`` can call this module (``batch.py``
+imports ``step.py``)."""
 
 from __future__ import annotations
 
@@ -29,48 +30,70 @@ _I32 = np.int32
 
 class Bucket(NamedTuple):
     """One compiled shape: ``requests`` rows (``num_reqs_pad``), ``tokens`` token slots in
-    all (the flat budget ``T = requests * query_len_pad``) and ``blocks`` block-table
-    columns per row (``blocks_per_req_pad``). ``Bucket.of(B, Q, C)`` from the per-row form."""
+    all (the flat budget ``T``, ``num_tokens_pad``), ``blocks`` block-table columns per row
+    (``blocks_per_req_pad``) and ``query_len``, the static bound of one request's tokens
+    (``query_len_pad``). ``query_len`` 0 (the default, and :func:`as_bucket`'s form of a
+    bucket with ``tokens == requests * query_len``): ``tokens // requests``, a uniform
+    bucket; set, ``tokens`` need not be a multiple of ``requests`` (a ragged bucket: one
+    long prefill chunk beside decoding rows in ``T`` slots, not ``requests * query_len``).
+    ``Bucket.of(B, Q, C)`` from the per-row form."""
 
     requests: int
     tokens: int
     blocks: int
+    query_len: int = 0
 
     @property
     def query_len_pad(self) -> int:
-        """Token slots per row (``tokens // requests``)."""
-        return self.tokens // self.requests
+        """The static bound of one request's tokens (``query_len``, or ``tokens // requests``)."""
+        return self.query_len or self.tokens // self.requests
+
+    @property
+    def is_ragged(self) -> bool:
+        """Whether ``tokens`` differs from ``requests * query_len_pad``."""
+        return self.tokens != self.requests * self.query_len_pad
 
     @classmethod
     def of(cls, num_reqs_pad: int, query_len_pad: int, blocks_per_req_pad: int) -> "Bucket":
-        """The bucket of ``build_batch``'s ``(num_reqs_pad, query_len_pad, blocks_per_req_pad)``."""
+        """The uniform bucket of ``build_batch``'s ``(num_reqs_pad, query_len_pad,
+        blocks_per_req_pad)`` (``tokens = num_reqs_pad * query_len_pad``)."""
         return cls(int(num_reqs_pad), int(num_reqs_pad) * int(query_len_pad),
                    int(blocks_per_req_pad))
 
 
 def as_bucket(value: Any, name: str = "bucket") -> Bucket:
-    """``value`` (a ``Bucket`` or a ``(requests, tokens, blocks)`` tuple) checked: ints >= 1,
-    ``tokens`` a multiple of ``requests``. Raises ValueError / TypeError naming ``name.field``."""
-    if not isinstance(value, (tuple, list)) or len(value) != 3:
-        raise ArgumentTypeError(f"{name} must be a Bucket(requests, tokens, blocks) or a 3-tuple, "
-                                f"got {show(value)}")
-    r, t, c = (check_int(f"{name}.{f}", v, 1) for f, v in zip(Bucket._fields, value))
-    if t % r:
-        raise ArgumentError(f"{name}.tokens={t} is not a multiple of requests={r}: the step's "
-                            f"batch holds requests * query_len_pad token slots (use "
-                            f"Bucket.of(num_reqs_pad, query_len_pad, blocks_per_req_pad))")
-    return Bucket(r, t, c)
+    """``value`` (a ``Bucket``, a ``(requests, tokens, blocks)`` or a ``(requests, tokens,
+    blocks, query_len)`` tuple) checked: ints >= 1 (``query_len`` >= 0, 0: ``tokens //
+    requests``, then ``tokens`` a multiple of ``requests``), ``query_len <= tokens``.
+    Returns a ``Bucket`` with ``query_len`` 0 when ``tokens == requests * query_len`` (one
+    form per shape). Raises ValueError / TypeError naming ``name.field``."""
+    if not isinstance(value, (tuple, list)) or len(value) not in (3, 4):
+        raise ArgumentTypeError(f"{name} must be a Bucket(requests, tokens, blocks[, query_len]) "
+                                f"or a 3- or 4-tuple, got {show(value)}")
+    r, t, c = (check_int(f"{name}.{f}", v, 1) for f, v in zip(Bucket._fields, value[:3]))
+    q = check_int(f"{name}.query_len", value[3], 0, why="0: tokens // requests") \
+        if len(value) == 4 else 0
+    if not q and t % r:
+        raise ArgumentError(f"{name}.tokens={t} is not a multiple of requests={r}: give "
+                            f"query_len (Bucket(requests, tokens, blocks, query_len), the bound "
+                            f"of one request's tokens) for a ragged bucket, or use "
+                            f"Bucket.of(num_reqs_pad, query_len_pad, blocks_per_req_pad)")
+    if q > t:
+        raise ArgumentError(f"{name}.query_len={q} is above tokens={t}: one request's tokens "
+                            f"fit the batch's token slots")
+    return Bucket(r, t, c, 0 if q * r == t else q)
 
 
 def as_buckets(buckets: Iterable[Any], name: str = "buckets") -> tuple[Bucket, ...]:
     """:func:`as_bucket` of each of ``buckets`` (naming ``buckets[i].field``); at least one."""
     if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable) or (
             isinstance(buckets, Bucket)):
-        raise ArgumentTypeError(f"{name} must be a list of Bucket(requests, tokens, blocks), got "
-                                f"{show(buckets)}")
+        raise ArgumentTypeError(f"{name} must be a list of Bucket(requests, tokens, blocks[, "
+                                f"query_len]), got {show(buckets)}")
     out = tuple(as_bucket(b, f"{name}[{i}]") for i, b in enumerate(buckets))
     if not out:
-        raise ArgumentError(f"{name} is empty: give at least one Bucket(requests, tokens, blocks)")
+        raise ArgumentError(f"{name} is empty: give at least one Bucket(requests, tokens, "
+                            f"blocks[, query_len])")
     return out
 
 
@@ -121,7 +144,7 @@ def empty_procs(b: int, limits: ProcessorLimits | None, max_model_len: int | Non
 def padding_fields(bucket: Bucket, *, k: int, block_size: int, tree=None) -> dict[str, Any]:
     """The ``StepBatch`` fields (NumPy) of ``bucket`` with no request: ``build_batch([], ...)``'s,
     leaf for leaf (``tree``: a tree batch's mask)."""
-    b, t, c = bucket
+    b, t, c = bucket.requests, bucket.tokens, bucket.blocks
     zeros = lambda n, dt=_I32: np.zeros(n, dt)  # noqa: E731
     attn = CommonAttentionMetadata(
         query_start_loc=zeros(b + 1), seq_lens=zeros(b), block_table=zeros((b, c)),
