@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.lax import optimization_barrier
 
 
 class KVCache(NamedTuple):
@@ -44,6 +45,6 @@ def move_slots(caches, src_slots: jax.Array, dst_slots: jax.Array):
         # The barrier keeps the gather out of the scatter's fusion: a scatter whose updates
         # read its own operand cannot run in place, and XLA:GPU would copy every K and V
         # cache whole each tree step.
-        return scatter_slots(cache, jax.lax.optimization_barrier(flat[src_slots]), dst_slots)
+        return scatter_slots(cache, optimization_barrier(flat[src_slots]), dst_slots)
 
     return jax.tree.map(copy, caches)
