@@ -53,7 +53,7 @@ def child(method: str, length: int, new: int, k: int) -> dict:
     rise = mb() - base
     bound = weights + kv + ALLOWANCE_MB
     return dict(method=method, max_model_len=length, prompt_tokens=len(prompt),
-                prefill_chunk=eng.options.prefill_chunk, weights_mb=round(weights, 1),
+                max_num_batched_tokens=eng.options.max_num_batched_tokens, weights_mb=round(weights, 1),
                 kv_mb=round(kv, 1), rss_rise_mb=round(rise, 1), bound_mb=round(bound, 1),
                 ok=rise <= bound, generate_s=round(wall, 1), steps=out.num_steps,
                 tokens=out.outputs[0].token_ids)

@@ -343,8 +343,9 @@ def test_plain_program_unchanged_without_features():
     from specjax.engine.scheduler import _Request
     r = _Request(index=0, req_id="x", prompt=[1, 2, 3], params=SamplingParams(), seed=0,
                  stop_ids=frozenset(), proc=SamplingParams().processing())
-    r.row = 0
+    r.row, r.sched = 0, 3
     eng.scheduler.tok_buf[0, :3] = [1, 2, 3]
+    assert eng.scheduler.grow(r, 3)
     batch, _, _ = eng.scheduler.build_batch([r])
     assert batch.procs is None
     args = (eng.target.params, None, eng.target_kv, eng.draft_state, batch)

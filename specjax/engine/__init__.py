@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from specjax.engine.engine import Engine, generate
 from specjax.engine.options import LoopOptions
-from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
+from specjax.engine.types import (GenerateResult, RequestMetrics, RequestOutput, SamplingParams,
+                                  TargetModel)
 from specjax.runtime.step import step_cache_size
 
-__all__ = ["SamplingParams", "RequestOutput", "GenerateResult", "TargetModel", "Engine",
+__all__ = ["SamplingParams", "RequestOutput", "RequestMetrics", "GenerateResult", "TargetModel", "Engine",
            "LoopOptions", "generate", "step_cache_size"]

@@ -72,7 +72,9 @@ class DeviceLoopDriver:
         """Blocks for ``ahead`` calls, then the device loop's state (NumPy)."""
         e, sched = self._e, self._e.scheduler
         for r in running:
-            sched.loop_blocks(r, ahead * e.options.steps_per_sync)
+            if not sched.loop_blocks(r, ahead * e.options.steps_per_sync):
+                raise RuntimeError("the KV pool cannot hold this device-loop call: the engine "
+                                   "reserves its blocks first (Scheduler.reserve_loop)")
         B, Q, C = sched.buckets(len(running), e.k + 1, max(len(r.blocks) for r in running))
         hist = ([sched.tok_buf[r.row, : r.num_tokens] for r in running]
                 if e.drafts_in == "history" else None)
@@ -101,9 +103,6 @@ class DeviceLoopDriver:
         if state is None:
             state = self.loop_state(rows)
         else:
-            for r in rows:
-                if not r.finish_reason:
-                    sched.loop_blocks(r, 2 * n)
             _, _, C = sched.buckets(len(rows), e.k + 1, max(len(r.blocks) for r in rows))
             table = np.zeros((state.num_reqs_pad, C), _I32)
             for i, r in enumerate(rows):
@@ -146,6 +145,12 @@ class DeviceLoopDriver:
         left = min(r.params.max_tokens - len(r.output), self._e.max_model_len - r.num_tokens)
         return bool(r.finish_reason) or left <= self._e.options.steps_per_sync
 
+    def blocks_ahead(self, rows: list[_Request]) -> bool:
+        """Give each unfinished row the blocks for two calls ahead (a call continuing from
+        one in flight); False when the pool is short."""
+        n = 2 * self._e.options.steps_per_sync
+        return all(self._e.scheduler.loop_blocks(r, n) for r in rows if not r.finish_reason)
+
     def sync(self, running: list[_Request], stop_on_finish: bool) -> Results:
         """One call (every running request decodes), then its commit (no overlap)."""
         return self.commit(self.dispatch(running, None, stop_on_finish))
@@ -157,8 +162,9 @@ class DeviceLoopDriver:
         (drain). Returns ``(results, the call left in flight or None)``."""
         if inflight is None:
             inflight = self.dispatch(running, None, stop_on_finish)
-        if all(self.done_after(r) for r in inflight.rows):
-            # a call dispatched after this one would only run masked iterations
+        if all(self.done_after(r) for r in inflight.rows) or not self.blocks_ahead(inflight.rows):
+            # a call dispatched after this one would only run masked iterations, or the pool
+            # cannot give it blocks: drain (the next sync point may preempt)
             return self.commit(inflight), None
         nxt = self.dispatch(inflight.rows, inflight.state, stop_on_finish)
         results = self.commit(inflight, last=False)

@@ -171,6 +171,12 @@ class Diagnostics:
             r.row = e.scheduler.free_rows.pop()
             e.scheduler.tok_buf[r.row, :context_len] = toks
             reqs.append(r)
+            r.sched = 1
+            if not e.scheduler.grow(r, context_len + len(r.drafts) + e.lookahead):
+                for x in reqs:
+                    e.scheduler.release(x)
+                raise ValueError(f"the KV pool (num_blocks={e.num_blocks}) cannot hold "
+                                 f"{num_reqs} requests of context_len={context_len}")
         return reqs
 
     def _bench_params(self, num_reqs: int, sampling_params) -> list[SamplingParams]:

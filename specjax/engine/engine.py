@@ -13,14 +13,18 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from specjax.checks import ArgumentTypeError, check_int, check_opt_int, check_type, show
+from specjax.checks import (ArgumentError, ArgumentTypeError, check_int, check_opt_int, check_type,
+                            show)
 from specjax.engine.checks import check_engine_args
 from specjax.engine.commit import CommitRule
 from specjax.engine.device_loop import DeviceLoopDriver, _InFlight, _on_cpu
 from specjax.engine.diagnostics import Diagnostics
-from specjax.engine.options import DEFAULT_CPU_PREFILL_CHUNK, DEFAULT_STEPS_PER_SYNC, LoopOptions
+from specjax.engine.options import (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS,
+                                    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_STEPS_PER_SYNC,
+                                    LoopOptions)
 from specjax.engine.scheduler import Scheduler, _pick, _Request
-from specjax.engine.types import GenerateResult, RequestOutput, SamplingParams, TargetModel
+from specjax.engine.types import (GenerateResult, RequestMetrics, RequestOutput, SamplingParams,
+                                  TargetModel)
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
 from specjax.runtime.batch import trim_drafts
@@ -44,17 +48,19 @@ class Engine:
         ``specjax.Target``) or a decoder's ``Pretrained``; proposer: ``specjax.make_proposer``'s or None.
       max_model_len: prompt + output cap; block_size: tokens per KV block; max_num_seqs:
         running requests at most; num_blocks: the KV pool (default: ``max_num_seqs``
-        requests at ``max_model_len`` plus the null block).
+        requests at ``max_model_len`` plus the null block: never preempts);
+        gpu_memory_utilization: instead, the pool from this fraction of the device's memory
+        (vLLM's meaning; ``specjax.engine.memory``; may preempt).
       kv_dtype: None: the params' (``params_kv_dtype``); mesh, tp_axis: tensor parallelism.
       logits_processors, logprobs_mode: docs/sampling.md.
       options: ``LoopOptions``; ``self.options`` holds them with ``steps_per_sync``,
-        ``overlap`` and ``prefill_chunk`` resolved.
+        ``overlap`` and ``max_num_batched_tokens`` resolved.
 
     Raises ValueError / TypeError naming the argument before anything is allocated."""
 
     def __init__(self, target, proposer: Proposer | None = None, *, max_model_len: int,
                  block_size: int = 16, max_num_seqs: int = 8, num_blocks: int | None = None,
-                 kv_dtype=None, mesh: Any = None, tp_axis: str = "tp",
+                 gpu_memory_utilization: float | None = None, kv_dtype=None, mesh: Any = None, tp_axis: str = "tp",
                  logits_processors: tuple = (), logprobs_mode: str = "raw_logprobs",
                  options: LoopOptions | None = None) -> None:
         from specjax.models import Pretrained
@@ -80,10 +86,15 @@ class Engine:
             raise ValueError(f"proposer must come from specjax.make_proposer (a Proposer) or be None, "
                              f"got {type(proposer).__name__}")
         check_engine_args(target.model, max_model_len=max_model_len, block_size=block_size,
-                          max_num_seqs=max_num_seqs, num_blocks=num_blocks, kv_dtype=kv_dtype,
+                          max_num_seqs=max_num_seqs, kv_dtype=kv_dtype,
+                          num_blocks=num_blocks if gpu_memory_utilization is None else 2,
                           buckets=(opts.batch_buckets, opts.query_buckets, opts.context_buckets),
                           k=0 if proposer is None else proposer.num_speculative_tokens,
                           params=target.params, proposer=proposer)
+        if gpu_memory_utilization is not None:
+            from specjax.engine.memory import _check_fraction
+
+            _check_fraction(gpu_memory_utilization)
         feed = None if proposer is None else proposer.feed
         if feed is not None:
             for name, got, want in (("block_size", feed.block_size, block_size),
@@ -100,16 +111,29 @@ class Engine:
         self.k = self.step.k
         self.mesh, self.tp_axis = mesh, tp_axis
         self.target = TargetModel(self.step.target, self.step.place_target_params(target.params))
-        if opts.prefill_chunk is None:
-            opts = dataclasses.replace(opts, prefill_chunk=DEFAULT_CPU_PREFILL_CHUNK if _on_cpu(
-                self.target.params) else 0)
+        if opts.max_num_batched_tokens is None:
+            opts = dataclasses.replace(opts, max_num_batched_tokens=(
+                DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS if _on_cpu(self.target.params)
+                else DEFAULT_MAX_NUM_BATCHED_TOKENS))
+        _check_budget(opts, int(max_model_len), int(block_size))
         self.vocab_size = self.step.vocab_size
         self.max_model_len = int(max_model_len)
         self.block_size = int(block_size)
         self.max_num_seqs = int(max_num_seqs)
+        self.kv_dtype = params_kv_dtype(target.params) if kv_dtype is None else kv_dtype
+        if gpu_memory_utilization is not None:
+            from specjax.engine.memory import num_blocks_from_memory
+
+            if num_blocks is not None:
+                raise ArgumentError(f"num_blocks={num_blocks} and gpu_memory_utilization="
+                                    f"{gpu_memory_utilization}: give one (the pool's size)")
+            num_blocks = num_blocks_from_memory(
+                self.step, self.target.params, fraction=gpu_memory_utilization,
+                block_size=self.block_size, kv_dtype=self.kv_dtype,
+                max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=opts.max_num_batched_tokens)
         self.num_blocks = 1 + self.max_num_seqs * -(-self.max_model_len // self.block_size) \
             if num_blocks is None else int(num_blocks)
-        self.kv_dtype = params_kv_dtype(target.params) if kv_dtype is None else kv_dtype
         self.drafts_in = "none" if feed is None else feed.drafts_in
         #: KV slots the proposer writes past the verified tokens (vLLM's num_lookahead_tokens)
         self.lookahead = 0 if feed is None else feed.lookahead
@@ -192,16 +216,17 @@ class Engine:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  eos_token_id: int | None = None, seed: int = 0,
                  stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
-                 progress: Callable[[int, int, int], None] | None = None) -> GenerateResult:
+                 progress: Callable[[int, int, int], None] | None = None,
+                 arrival_times: Sequence[float] | None = None) -> GenerateResult:
         """Generate for every prompt; see :func:`generate`."""
         prompts, sps = self._check_inputs(prompts, sampling_params)
         check_opt_int("eos_token_id", eos_token_id, 0, self.vocab_size - 1,
                       why="a token id of the target's vocabulary")
         check_int("seed", seed, 0, 2**63 - 1)
+        arrivals = _check_arrivals(arrival_times, len(prompts))
         stat_loggers = list(stat_loggers)
         sched, opts = self.scheduler, self.options
         rng = np.random.default_rng(seed)
-        waiting = collections.deque()
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             stops = set(sp.stop_token_ids)
@@ -209,32 +234,43 @@ class Engine:
                 stops.add(int(eos_token_id))
             r = _Request(index=i, req_id=f"req-{next(_req_counter)}", prompt=p, params=sp,
                          seed=int(sp.seed if sp.seed is not None else rng.integers(0, 2**31 - 1)) % 2**32,
-                         stop_ids=frozenset(stops))
+                         stop_ids=frozenset(stops), arrival=arrivals[i])
             r.proc = sp.processing(stops)
             check_request(f"sampling_params[{i}]", r.proc, sched.processor_limits,
                           self.vocab_size, len(self.step.logits_processors))
-            r.reserve = sched.worst_blocks(len(p), sp.max_tokens)
             reqs.append(r)
-            waiting.append(r)
+        waiting = collections.deque(sorted(reqs, key=lambda r: r.arrival))   # FCFS by arrival
         running: list[_Request] = []
         total = SpecDecodingStats.new(self.num_spec_positions)
-        steps, done = 0, 0
+        steps, done, preemptions0 = 0, 0, sched.num_preemptions
         t0 = time.perf_counter()
+        now = lambda: time.perf_counter() - t0  # noqa: E731
         inflight: _InFlight | None = None       # overlap: a device-loop call not committed yet
         try:
             while waiting or running:
+                batch_reqs = running
                 if inflight is None:     # (none can join before a request in flight finishes)
-                    sched.admit(waiting, running)
-                if inflight is not None or ((opts.steps_per_sync > 1 or opts.overlap) and all(
-                        r.num_tokens - r.num_computed == 1 for r in running)):
-                    if opts.overlap and not waiting:     # (waiting only ever shrinks)
+                    if not running and waiting[0].arrival > now():
+                        time.sleep(waiting[0].arrival - now())
+                    batch_reqs = sched.schedule(waiting, running, now())
+                    t = now()
+                    for r in batch_reqs:
+                        if r.first_scheduled < 0:
+                            r.first_scheduled = t
+                if inflight is not None or self._decode_only(batch_reqs, running):
+                    if inflight is None:    # a sync point: blocks for the call, or preempt
+                        sched.reserve_loop(running, waiting, opts.steps_per_sync)
+                    if opts.overlap and not waiting:     # (none waits until this drains)
                         results, inflight = self.driver.sync_overlapped(running, inflight,
                                                                         stop_on_finish=False)
                     else:
                         results = self.driver.sync(running, stop_on_finish=bool(waiting))
                 else:
-                    results = [self._step(running)]
+                    results = [self._step(batch_reqs, running)]
                 self.num_syncs += 1
+                t = now()
+                for r in running:
+                    r.token_times += [t] * (len(r.output) - len(r.token_times))
                 for stats, finished in results:     # one entry per iteration
                     steps += 1
                     if stats is not None:
@@ -242,6 +278,8 @@ class Engine:
                             f(stats)
                         _accumulate(total, stats)
                     for r in finished:
+                        r.token_times += [t] * (len(r.output) - len(r.token_times))
+                        r.finished_time = t
                         running.remove(r)
                         sched.release(r)
                     done += len(finished)
@@ -255,7 +293,17 @@ class Engine:
         elapsed = time.perf_counter() - t0
         outs = [RequestOutput(r.prompt, r.output, r.finish_reason, r.num_drafted, r.num_accepted,
                               None if r.params.logprobs is None else r.logprobs) for r in reqs]
-        return GenerateResult(outs, total, steps, elapsed)
+        return GenerateResult(outs, total, steps, elapsed, sched.num_preemptions - preemptions0,
+                              [_metrics(r) for r in reqs])
+
+    def _decode_only(self, batch_reqs: list[_Request], running: list[_Request]) -> bool:
+        """Whether the device loop takes the next iterations: it runs (``steps_per_sync > 1``
+        or ``overlap``), every running request was scheduled and decodes (one uncomputed
+        token) and ``k + 1`` tokens each fit the budget."""
+        opts = self.options
+        return (opts.steps_per_sync > 1 or opts.overlap) and len(batch_reqs) == len(running) \
+            and len(running) * (self.k + 1) <= opts.max_num_batched_tokens \
+            and all(r.num_tokens - r.num_computed == 1 for r in running)
 
     def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
                context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
@@ -318,16 +366,19 @@ class Engine:
                            kv_room=kv_room, k=self.k, vocab_size=self.vocab_size, tree=self.tree,
                            drafter_room=None if lim is None else lim - r.num_tokens)
 
-    def _step(self, running: list[_Request]) -> tuple[SpecDecodingStats | None, list[_Request]]:
+    def _step(self, reqs: list[_Request], running: list[_Request]
+              ) -> tuple[SpecDecodingStats | None, list[_Request]]:
+        """One step of the scheduled ``reqs`` (of ``running``) and its commit."""
         # Tree mode: the tree mask is static for the whole batch and a prompt needs causal
         # attention, so a step with a prompt to prefill is a chain step in which nobody
         # verifies drafts (decoding requests verify just their root and get redrafted);
         # every other step is a tree-verification step.
         tree_verify = self.tree is not None and all(
-            r.num_tokens - r.num_computed == 1 for r in running)
+            r.num_tokens - r.num_computed == 1 for r in reqs)
         if self.tree is not None and not tree_verify:
             for r in running:
                 r.drafts = []
+        running = reqs
         t0 = time.perf_counter()
         batch, qlens, b_pad = self.scheduler.build_batch(running, tree_verify=tree_verify)
         partial = [q < r.num_tokens - r.num_computed for q, r in zip(qlens, running)]
@@ -361,6 +412,43 @@ class Engine:
         return stats, finished
 
 
+def _check_budget(opts: LoopOptions, max_model_len: int, block_size: int) -> None:
+    """ValueError naming the field: a token budget below one block, or (chunked prefill
+    off) below ``max_model_len`` or with a per-request threshold."""
+    budget = opts.max_num_batched_tokens
+    if budget < block_size:
+        raise ArgumentError(f"max_num_batched_tokens={budget} is below one KV block "
+                            f"(block_size={block_size}): give at least {block_size}")
+    if not opts.enable_chunked_prefill:
+        if budget < max_model_len:
+            raise ArgumentError(
+                f"max_num_batched_tokens={budget} is below max_model_len={max_model_len} with "
+                "enable_chunked_prefill=False: a prompt must prefill in one step (raise the "
+                "budget, lower max_model_len or enable chunked prefill)")
+        if opts.long_prefill_token_threshold:
+            raise ArgumentError(
+                f"long_prefill_token_threshold={opts.long_prefill_token_threshold} chunks "
+                "prompts, but enable_chunked_prefill=False: set it to 0 or enable chunking")
+
+
+def _check_arrivals(arrival_times: Any, n: int) -> list[float]:
+    """``arrival_times`` (None: all 0) as ``n`` finite seconds >= 0 (ValueError naming it)."""
+    if arrival_times is None:
+        return [0.0] * n
+    a = np.asarray(arrival_times)
+    if a.shape != (n,) or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(
+            a.dtype, np.floating)) or not np.isfinite(a).all() or (a < 0).any():
+        raise ArgumentError(f"arrival_times must be {n} finite seconds >= 0 (one per prompt), "
+                            f"got {show(arrival_times)}")
+    return [float(x) for x in a]
+
+
+def _metrics(r: _Request) -> RequestMetrics:
+    """``r``'s timeline (-1 for what never happened)."""
+    return RequestMetrics(r.arrival, r.first_scheduled, r.token_times[0] if r.token_times else -1.0,
+                          r.finished_time, list(r.token_times), r.num_preemptions)
+
+
 def _accumulate(total: SpecDecodingStats, s: SpecDecodingStats) -> None:
     total.num_drafts += s.num_drafts
     total.num_draft_tokens += s.num_draft_tokens
@@ -379,6 +467,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              eos_token_id: int | None = None, seed: int = 0,
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
              progress: Callable[[int, int, int], None] | None = None,
+             arrival_times: Sequence[float] | None = None,
              **engine_options) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
 
@@ -387,6 +476,8 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
     a stop token of every request without ``ignore_eos``. ``seed``: draws the seeds of
     unseeded requests. ``stat_loggers``: called with each iteration's ``SpecDecodingStats``.
     ``progress``: called after each iteration with ``(finished, total, generated_tokens)``.
+    ``arrival_times``: seconds after the start at which each request may be admitted (None:
+    all at once); ``GenerateResult.request_metrics`` holds each one's timeline.
     ``engine_options``: :class:`Engine`'s keyword arguments (``max_model_len`` and
     ``block_size`` default to the proposer's, else 2048 and 16; ``max_num_seqs`` to every
     prompt at once, at most 256). Returns ``GenerateResult``. Raises TypeError for an unknown
@@ -408,4 +499,5 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
         kw["max_num_seqs"] = min(256, max(1, len(prompts))) if hasattr(prompts, "__len__") else 1
     engine = Engine(target, proposer, **kw)
     return engine.generate(prompts, sampling_params, eos_token_id=eos_token_id, seed=seed,
-                           stat_loggers=stat_loggers, progress=progress)
+                           stat_loggers=stat_loggers, progress=progress,
+                           arrival_times=arrival_times)

@@ -32,8 +32,13 @@ class _Request:
     num_computed: int = 0
     drafts: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
-    reserve: int = 0            # worst-case block count over the request's life
     row: int = -1               # row of the token-history buffer
+    sched: int = 0              # uncomputed tokens scheduled in the current step
+    arrival: float = 0.0        # seconds after generate began when it may be admitted
+    num_preemptions: int = 0
+    first_scheduled: float = -1.0
+    finished_time: float = -1.0
+    token_times: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     num_drafted: int = 0
     num_accepted: int = 0
@@ -62,9 +67,10 @@ def _pick(buckets: Sequence[int] | None, n: int, cap: int | None = None) -> int:
 
 
 class Scheduler:
-    """Admission, KV blocks and rows of the reference loop (host only). The pool holds
-    ``num_blocks - 1`` blocks (0 is the null block); admission reserves each request's worst
-    case (no preemption) and blocks are handed out as it grows. ``tok_buf [max_num_seqs,
+    """Admission, KV blocks and rows of the reference loop (host only), vLLM v1's policy:
+    a token budget per step (``LoopOptions.max_num_batched_tokens``) and blocks handed out as
+    requests grow; when the pool (``num_blocks - 1`` blocks, 0 the null block) runs out,
+    the latest running request is preempted and recomputed later. ``tok_buf [max_num_seqs,
     max_model_len]`` holds each running request's prompt + output."""
 
     def __init__(self, *, max_model_len: int, block_size: int, max_num_seqs: int,
@@ -76,7 +82,14 @@ class Scheduler:
         self.context_buckets = options.context_buckets
         self.min_tokens_per_step = options.min_tokens_per_step
         self.processor_limits = options.processor_limits
-        self.prefill_chunk = options.prefill_chunk or 0     # 0: whole prompts
+        self.token_buckets = options.token_buckets
+        #: tokens one request takes per step at most: the largest query bucket
+        self.max_query = max(self.query_buckets) if self.query_buckets else 1 << 62
+        self.budget = options.max_num_batched_tokens
+        self.chunked = options.enable_chunked_prefill
+        self.threshold = options.long_prefill_token_threshold
+        #: requests preempted so far (vLLM's ``num_preemptions``)
+        self.num_preemptions = 0
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.reset()
 
@@ -93,26 +106,24 @@ class Scheduler:
         return -(-n // self.block_size)
 
     def check_fits(self, prompts: Sequence[Sequence[int]], sps: Sequence[SamplingParams]) -> None:
-        """ValueError naming ``prompts[i]`` when its worst case exceeds the whole pool."""
+        """ValueError naming ``prompts[i]`` and ``num_blocks`` when its worst case exceeds the
+        whole pool (it could not finish even alone)."""
         for i, (p, s) in enumerate(zip(prompts, sps)):
-            if self.worst_blocks(len(p), s.max_tokens) > self.num_blocks - 1:
-                raise ValueError(f"prompts[{i}] may need {self.worst_blocks(len(p), s.max_tokens)} "
-                                 f"KV blocks, more than the pool's {self.num_blocks - 1}")
+            need = self.worst_blocks(len(p), s.max_tokens)
+            if need > self.num_blocks - 1:
+                raise ValueError(f"prompts[{i}] may need {need} KV blocks, more than the pool's "
+                                 f"{self.num_blocks - 1} (num_blocks={self.num_blocks}, block 0 "
+                                 "the null block): raise num_blocks or lower max_tokens")
 
-    def admit(self, waiting, running: list[_Request]) -> None:
-        """Move requests from ``waiting`` (a deque) to ``running`` while a row is free and
-        the pool, less what running requests may still take, holds their reservation."""
-        while waiting and len(running) < self.max_num_seqs:
-            r = waiting[0]
-            owed = sum(x.reserve - len(x.blocks) for x in running)
-            if len(self.free_blocks) - owed < r.reserve:
-                if not running:   # cannot happen: check_fits bounds every request
-                    raise RuntimeError("KV block pool too small for a single request")
-                break
-            waiting.popleft()
-            r.row = self.free_rows.pop()
-            self.tok_buf[r.row, : len(r.prompt)] = r.prompt
-            running.append(r)
+    def grow(self, r: _Request, upto: int) -> bool:
+        """Give ``r`` the blocks for positions ``< upto`` (capped at ``max_model_len``): all
+        of them, or none and False when the pool is short."""
+        need = -(-min(upto, self.max_model_len) // self.block_size) - len(r.blocks)
+        if need > len(self.free_blocks):
+            return False
+        for _ in range(max(need, 0)):
+            r.blocks.append(self.free_blocks.pop())
+        return True
 
     def release(self, r: _Request) -> None:
         self.free_blocks.extend(reversed(r.blocks))
@@ -121,20 +132,115 @@ class Scheduler:
             self.free_rows.append(r.row)
             r.row = -1
 
-    def ensure_blocks(self, r: _Request, upto: int) -> None:
-        need = -(-min(upto, self.max_model_len) // self.block_size)
-        while len(r.blocks) < need:
-            r.blocks.append(self.free_blocks.pop())
+    def preempt(self, r: _Request, waiting) -> None:
+        """vLLM v1's preemption by recompute: ``r`` frees its blocks and row and goes back to
+        the front of ``waiting`` with nothing computed; its output and drafts are kept (its
+        prompt and output are prefilled again, then its drafts verified as before)."""
+        self.release(r)
+        r.num_computed = r.sched = 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        waiting.appendleft(r)
 
-    def loop_blocks(self, r: _Request, iterations: int) -> None:
-        """Give ``r`` the KV blocks ``iterations`` device-loop iterations can write (within
-        ``r.reserve``: admission stays the same)."""
+    def _start(self, r: _Request) -> None:
+        r.row = self.free_rows.pop()
+        self.tok_buf[r.row, : r.num_tokens] = r.prompt + r.output
+
+    def loop_blocks(self, r: _Request, iterations: int) -> bool:
+        """Give ``r`` the KV blocks ``iterations`` device-loop iterations of ``k + 1`` tokens
+        (and the proposer's lookahead) can write, never past its worst case; False (and
+        none) when the pool is short."""
         limit = min(self.max_model_len, len(r.prompt) + r.params.max_tokens + self.lookahead)
         need = loop_blocks_needed(r.num_computed, steps_per_sync=iterations, k=self.k,
                                   lookahead=self.lookahead, block_size=self.block_size,
                                   limit=limit)
-        while len(r.blocks) < need:
-            r.blocks.append(self.free_blocks.pop())
+        return self.grow(r, need * self.block_size)
+
+    def reserve_loop(self, running: list[_Request], waiting, iterations: int) -> None:
+        """Blocks for ``iterations`` device-loop iterations of every running request, in
+        order, preempting from the back of ``running`` while the pool is short (at a sync
+        point: nothing in flight). The first request always fits (``check_fits``)."""
+        i = 0
+        while i < len(running):
+            if self.loop_blocks(running[i], iterations):
+                i += 1
+                continue
+            victim = running.pop()
+            self.preempt(victim, waiting)
+
+    # -- scheduling ----------------------------------------------------------------
+
+    def _tokens(self, r: _Request, budget: int) -> int:
+        """Uncomputed tokens of ``r`` a step with ``budget`` tokens left takes (at most the
+        largest query bucket and ``long_prefill_token_threshold``)."""
+        n = min(r.num_tokens - r.num_computed, self.max_query)
+        if self.threshold:
+            n = min(n, self.threshold)
+        return min(n, budget)
+
+    def _cut(self, drafts: list[int], room: int) -> list[int]:
+        """``drafts`` cut to ``room`` tokens (a tree's to whole levels)."""
+        if len(drafts) <= room:
+            return drafts
+        if self.tree is None:
+            return drafts[: max(room, 0)]
+        fits = [n for n in self.tree.cu_level_sizes if n <= room]
+        return drafts[: fits[-1] if fits else 0]
+
+    def _drafts(self, r: _Request, n: int, budget: int) -> int:
+        """Drafts ``r`` verifies when ``n`` uncomputed tokens are scheduled: none in a partial
+        prefill (its drafts are kept for its last chunk), else ``r.drafts`` cut to the budget
+        left (and stored cut)."""
+        if r.num_computed + n < r.num_tokens:
+            return 0
+        r.drafts = self._cut(r.drafts, min(budget, self.max_query) - n)
+        return len(r.drafts)
+
+    def schedule(self, waiting, running: list[_Request], now: float = float("inf")
+                 ) -> list[_Request]:
+        """One step's requests under the token budget, vLLM v1's rule. Running requests
+        first, in order: each takes its uncomputed tokens (at most
+        ``long_prefill_token_threshold``; a prefill left unfinished is a partial prefill with
+        no drafts), then its drafts, all cut to the budget left, and blocks for them and the
+        proposer's lookahead; while the pool is short the last running request is preempted
+        (:meth:`preempt`; possibly this one). Then, unless a request was preempted, waiting
+        requests that have arrived by ``now`` are admitted while a row, budget and blocks
+        remain (with ``enable_chunked_prefill`` False only a whole prompt). Sets each
+        scheduled request's ``sched`` (its uncomputed tokens in the step) and cuts its
+        ``drafts``; returns them in row order (scheduled running requests, then admitted ones)."""
+        budget, out, preempted = self.budget, [], False
+        for r in running:
+            r.sched = 0
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n = self._tokens(r, budget)
+            d = self._drafts(r, n, budget)
+            if not self.grow(r, r.num_computed + n + d + self.lookahead):
+                self.preempt(running.pop(), waiting)
+                preempted = True
+                continue            # retry r, unless it was the one preempted
+            r.sched = n
+            out.append(r)
+            budget -= n + d
+            i += 1
+        while not preempted and waiting and budget > 0 and len(running) < self.max_num_seqs:
+            r = waiting[0]
+            if r.arrival > now:
+                break
+            n = self._tokens(r, budget)
+            if not self.chunked and n < r.num_tokens - r.num_computed:
+                break
+            d = self._drafts(r, n, budget)
+            if not self.grow(r, n + d + self.lookahead):
+                break
+            waiting.popleft()
+            self._start(r)
+            r.sched = n
+            running.append(r)
+            out.append(r)
+            budget -= n + d
+        return out
 
     # -- batches -------------------------------------------------------------------
 
@@ -145,46 +251,48 @@ class Scheduler:
         c = _pick(self.context_buckets, max_blocks, cap=self.max_blocks_per_req)
         return b, q, c
 
-    def scheduled(self, r: _Request) -> int:
-        """Uncomputed tokens of ``r`` the next step schedules (its drafts aside): all, or
-        ``prefill_chunk`` of a longer prompt (a partial prefill)."""
-        n = r.num_tokens - r.num_computed
-        return min(n, self.prefill_chunk) if self.prefill_chunk else n
-
-    def build_batch(self, running: list[_Request], tree_verify: bool = False
+    def build_batch(self, reqs: list[_Request], tree_verify: bool = False
                     ) -> tuple[StepBatch, list[int], int]:
-        """``(batch, query lengths, rows)``: each request's uncomputed tokens (at most
-        ``prefill_chunk``: a partial prefill, its sampled token discarded and its drafter fed
-        the next prompt token), then its drafts (``tree_verify``: every request has one
-        uncomputed token, the root, and verifies its tree prefix); blocks are handed out for
-        them and the proposer's lookahead."""
+        """``(batch, query lengths, rows)`` of the scheduled ``reqs``: each one's ``sched``
+        uncomputed tokens (fewer than all: a partial prefill, its sampled token discarded and
+        its drafter fed the next prompt token), then its drafts (``tree_verify``: every
+        request has one uncomputed token, the root, and verifies its tree prefix). The batch
+        is ragged where a row holds more than a decode step's tokens: ``B`` rows of at most
+        ``Q`` tokens in a flat budget of ``T`` token slots (a power of two, at most ``B * Q``),
+        so a long chunk beside decoding rows pads to the chunk, not to ``B`` chunks; a
+        decode-shaped step keeps ``T = B * Q``, the shape ``Engine.warmup`` compiles."""
         sched, computed, nd, partial = [], [], [], []
-        for r in running:
-            n = self.scheduled(r)
-            partial.append(r.num_computed + n < r.num_tokens)
+        for r in reqs:
+            partial.append(r.num_computed + r.sched < r.num_tokens)
             drafts = [] if partial[-1] else r.drafts
-            sched.append([r.token(i) for i in range(r.num_computed, r.num_computed + n)] + drafts)
+            sched.append([r.token(i) for i in range(r.num_computed, r.num_computed + r.sched)]
+                         + drafts)
             computed.append(r.num_computed)
             nd.append(len(drafts))
-            self.ensure_blocks(r, r.num_computed + len(sched[-1]) + self.lookahead)
         qlens = [len(t) for t in sched]
         # a partial prefill takes the width its whole prompt needs: one program for its chunks
         width = max(-(-r.num_tokens // self.block_size) if p else len(r.blocks)
-                    for r, p in zip(running, partial))
-        B, Q, C = self.buckets(len(running), max(qlens), width)
+                    for r, p in zip(reqs, partial))
+        B, Q, C = self.buckets(len(reqs), max(qlens), width)
+        T = B * Q             # a decode-shaped step: the shape Engine.warmup compiles
+        if Q > self.buckets(1, self.k + 1, 1)[1]:
+            n = max(sum(qlens), self.min_tokens_per_step)
+            fits = [x for x in self.token_buckets or () if x >= n]
+            T = min(T, min(fits) if fits else T if self.token_buckets else next_power_of_2(n))
         batch = build_batch(
-            sched, num_computed=computed, num_drafts=nd, block_ids=[r.blocks for r in running],
+            sched, num_computed=computed, num_drafts=nd, block_ids=[r.blocks for r in reqs],
             block_size=self.block_size, num_reqs_pad=B, query_len_pad=Q, blocks_per_req_pad=C,
-            max_spec_len=self.k, temperature=[r.params.temperature for r in running],
-            top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
-            seeds=[r.seed for r in running], num_output_tokens=[len(r.output) for r in running],
-            tree=self.tree if tree_verify else None, procs=self.procs(running, B),
+            num_tokens_pad=T, max_spec_len=self.k,
+            temperature=[r.params.temperature for r in reqs],
+            top_k=[r.params.top_k for r in reqs], top_p=[r.params.top_p for r in reqs],
+            seeds=[r.seed for r in reqs], num_output_tokens=[len(r.output) for r in reqs],
+            tree=self.tree if tree_verify else None, procs=self.procs(reqs, B),
             discard=partial if any(partial) else None)
         batch = dataclasses.replace(batch, num_logprobs=logprobs_bucket(
-            [r.params.logprobs for r in running]))
+            [r.params.logprobs for r in reqs]))
         if any(partial):      # a partial prefill's drafter reads the next prompt token
             backup = np.array(batch.backup_next, copy=True)
-            for i, (r, p) in enumerate(zip(running, partial)):
+            for i, (r, p) in enumerate(zip(reqs, partial)):
                 if p:
                     backup[i] = r.token(r.num_computed + qlens[i])
             batch = dataclasses.replace(batch, backup_next=backup)

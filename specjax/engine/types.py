@@ -145,6 +145,22 @@ def _check_processing(sp: "SamplingParams") -> None:
         for i, x in enumerate(sp.logits_processor_params)))
 
 
+class RequestMetrics(NamedTuple):
+    """One request's timeline in seconds after ``generate`` began (host times: tokens of
+    one device-loop call share the time they were committed). ``arrival_time``: when it
+    could be admitted; ``first_scheduled_time``: its first step; ``first_token_time``: its
+    first token committed (TTFT is ``first_token_time - arrival_time``); ``token_times``:
+    one per generated token (inter-token latencies are their differences);
+    ``finished_time``; ``num_preemptions``: times it was preempted and recomputed."""
+
+    arrival_time: float
+    first_scheduled_time: float
+    first_token_time: float
+    finished_time: float
+    token_times: list[float]
+    num_preemptions: int
+
+
 class RequestOutput(NamedTuple):
     """One request's result: ``token_ids`` generated (prompt excluded), ``finish_reason``
     ``"stop"`` (stop / EOS token, kept in ``token_ids``) or ``"length"`` (``max_tokens`` or
@@ -163,13 +179,16 @@ class RequestOutput(NamedTuple):
 @dataclasses.dataclass
 class GenerateResult:
     """Outputs in prompt order, ``spec_stats`` (every iteration's ``SpecDecodingStats``
-    summed), ``num_steps`` (iterations) and ``elapsed_s`` (wall time, compilation included
-    unless warmed up)."""
+    summed), ``num_steps`` (iterations), ``elapsed_s`` (wall time, compilation included
+    unless warmed up), ``num_preemptions`` (vLLM's: requests preempted and recomputed) and
+    ``request_metrics`` (each request's :class:`RequestMetrics`, in prompt order)."""
 
     outputs: list[RequestOutput]
     spec_stats: SpecDecodingStats
     num_steps: int
     elapsed_s: float
+    num_preemptions: int = 0
+    request_metrics: list[RequestMetrics] = dataclasses.field(default_factory=list)
 
     @property
     def token_ids(self) -> list[list[int]]:

@@ -15,5 +15,5 @@ def test_16k_prefill_peak_rss_is_bounded():
                        capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode in (0, 1), p.stderr[-4000:]
     row = json.loads(p.stdout.strip().splitlines()[-1])
-    assert row["prompt_tokens"] == 16384 - 64 and row["prefill_chunk"] > 0
+    assert row["prompt_tokens"] == 16384 - 64 and row["max_num_batched_tokens"] == 2048
     assert row["rss_rise_mb"] <= row["bound_mb"], row

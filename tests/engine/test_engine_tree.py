@@ -426,7 +426,7 @@ def test_random_tree_sampling_matches_target_distribution():
     tgt, prop = target(4.0), table_stub()
     # every request in one batch: one prefill step, then tree-verification steps only
     eng = Engine(tgt, prop, **dict(SAMPLE_KW, max_num_seqs=N_SAMPLES, options=dataclasses.replace(
-        SAMPLE_KW["options"], batch_buckets=(N_SAMPLES,))))
+        SAMPLE_KW["options"], batch_buckets=(N_SAMPLES,), max_num_batched_tokens=16 * N_SAMPLES)))
     assert eng.tree == SAMPLE_TREE
     sps = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(N_SAMPLES)]
     out = eng.generate([SAMPLE_PROMPT] * N_SAMPLES, sps)

@@ -4,8 +4,8 @@ Tiling is forced small (every attention tiled, 128-query tiles, 256-key chunks),
 target's and each drafter's prefill run many query tiles and key chunks. A draft model
 identical to the target then accepts all ``k`` drafts (``k + 1`` tokens) at every step,
 after a whole or a chunked prefill; the drafters' and the target's KV of the prompt after
-prefill equal the dense reference path's. Chunked prefill (``LoopOptions.prefill_chunk``)
-is lossless for every kind of proposer, and each device drafter drafts and accepts exactly
+prefill equal the dense reference path's. Chunked prefill (``LoopOptions``'
+``long_prefill_token_threshold`` and ``max_num_batched_tokens``) is lossless for every kind of proposer, and each device drafter drafts and accepts exactly
 what it does after a whole prefill (its KV right across chunk boundaries).
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from specjax.checks import ArgumentError, ArgumentTypeError
 from specjax.engine import Engine, LoopOptions, SamplingParams, generate
-from specjax.engine.options import DEFAULT_CPU_PREFILL_CHUNK
+from specjax.engine.options import DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS
 from specjax.kernels.paged_attention import reference as R
 from specjax.token_tree import TokenTree
 from test_engine import (BS, FIXED, METHODS, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B, V,
@@ -59,7 +59,8 @@ def test_identical_draft_model_accepts_every_draft_after_a_long_prefill(monkeypa
     steps = 4
     sp = SamplingParams(max_tokens=1 + steps * (k + 1))     # the prefill's token, then full steps
     seen = []
-    kw = dict(max_model_len=L, block_size=BS, options=LoopOptions(prefill_chunk=chunk))
+    kw = dict(max_model_len=L, block_size=BS, options=LoopOptions(
+        long_prefill_token_threshold=chunk))
     out = generate(target(), build("draft_model", k, max_model_len=L), [PROMPT], sp,
                    stat_loggers=[seen.append], **kw)
     plain = generate(target(), None, [PROMPT], sp, **kw)
@@ -110,7 +111,7 @@ def test_drafter_kv_after_prefill_equals_the_dense_path(monkeypatch, method):
 
 # --- chunked prefill ------------------------------------------------------------------
 
-CHUNKED = fixed(prefill_chunk=5)         # workload prompts of up to 16 tokens: 1 to 4 chunks
+CHUNKED = fixed(long_prefill_token_threshold=5)     # prompts of up to 16 tokens: 1 to 4 chunks
 #: device drafters (and n-gram): drafts and acceptances equal the whole-prefill run's
 SAME_DRAFTS = ("eagle", "eagle3", "dflash", "medusa", "mtp", "draft_model",
                "extract_hidden_states", "ngram", "ngram_gpu")
@@ -149,12 +150,22 @@ def test_chunked_prefill_non_padded_and_tree_drafting_are_lossless():
             assert _run(prop, which, **CHUNKED).token_ids == baseline(which).token_ids
 
 
-def test_prefill_chunk_default_and_errors():
+def test_token_budget_default_and_errors():
     eng = Engine(target(), None, max_model_len=L, block_size=BS)
-    assert eng.options.prefill_chunk == DEFAULT_CPU_PREFILL_CHUNK         # a CPU target
-    assert Engine(target(), None, max_num_seqs=4, **fixed(prefill_chunk=0)
-                  ).options.prefill_chunk == 0
-    with pytest.raises(ArgumentError, match="prefill_chunk"):
-        LoopOptions(prefill_chunk=-1)
-    with pytest.raises(ArgumentTypeError, match="prefill_chunk"):
-        LoopOptions(prefill_chunk=2.0)
+    assert eng.options.max_num_batched_tokens == DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS  # CPU target
+    assert eng.options.enable_chunked_prefill and eng.options.long_prefill_token_threshold == 0
+    for field, bad, err in (("max_num_batched_tokens", 0, ArgumentError),
+                            ("max_num_batched_tokens", 2.0, ArgumentTypeError),
+                            ("long_prefill_token_threshold", -1, ArgumentError),
+                            ("enable_chunked_prefill", 1, ArgumentTypeError)):
+        with pytest.raises(err, match=field):
+            LoopOptions(**{field: bad})
+    with pytest.raises(ArgumentError, match="max_num_batched_tokens=8 is below one KV block"):
+        Engine(target(), None, max_model_len=64, block_size=16,
+               options=LoopOptions(max_num_batched_tokens=8))
+    with pytest.raises(ArgumentError, match="below max_model_len=64 with enable_chunked_prefill"):
+        Engine(target(), None, max_model_len=64, block_size=16,
+               options=LoopOptions(max_num_batched_tokens=32, enable_chunked_prefill=False))
+    with pytest.raises(ArgumentError, match="long_prefill_token_threshold=8 chunks"):
+        Engine(target(), None, max_model_len=64, block_size=16,
+               options=LoopOptions(long_prefill_token_threshold=8, enable_chunked_prefill=False))
