@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -24,11 +24,16 @@
 # (specjax's backends, jax.nn.dot_product_attention cuDNN, the Mosaic GPU example, torch SDPA);
 # PREFILL_ARGS adds flags: "--prompts 131072" (the 128k prompt), "--batch-prefill" (B = 256
 # requests of 1k tokens, plain and EAGLE-3, tokens/s), "--parts engine,forward,torch" (fewer);
+# schedule: the engine's vLLM v1 scheduling (benchmarks/scheduling.py, issue 51), 8B target,
+# plain and EAGLE-3: the running requests' ITL while a 32k prompt prefills in 512 / 1k / 2k
+# chunks (every step a token each; chunk step / floor, goal <= 1.3) and a Poisson workload
+# with and without chunked prefill (tokens/s, TTFT, ITL, preemptions); SCHED_ARGS adds flags:
+# "--parts itl" or "--parts mixed" (one part), "--rate 8 --num-requests 128", "--warmup full";
 # none of these is part of `all`, each needs several minutes). `tests` runs every GPU test
 # but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
 # one part per device call (10 minutes at most each).
-# Each part runs under its own time limit (BENCH_S, NGRAM_S, TESTS_S, PREFILL_S seconds) so one slow
+# Each part runs under its own time limit (BENCH_S, NGRAM_S, TESTS_S, PREFILL_S, SCHED_S seconds) so one slow
 # part cannot starve the others inside a device lease. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
@@ -132,6 +137,11 @@ if [ "$what" = prefill ]; then
   # one process: JAX gets half the GPU, PyTorch the rest; the JSON is rewritten after every row
   timeout "${PREFILL_S:-540}" python benchmarks/prefill.py ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
     2>&1 | grep -v Warning | tee "$OUT/prefill.log" | tail -70
+fi
+if [ "$what" = schedule ]; then
+  # one process; the JSON is rewritten after every row
+  timeout "${SCHED_S:-540}" python benchmarks/scheduling.py ${SCHED_ARGS:-} --json "$OUT/scheduling.json" \
+    2>&1 | grep -v Warning | tee "$OUT/scheduling.log" | tail -40
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TESTS_S:-500}" python -m pytest -m gpu -q -p no:cacheprovider tests \
