@@ -308,13 +308,16 @@ class Engine:
     def warmup(self, batch_sizes: Sequence[int], query_lens: Sequence[int],
                context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
                stop_pads: Sequence[int] = (1, 2), logits_processing: Sequence[bool] = (False,),
-               num_logprobs: Sequence[int | None] = (None,)) -> int:
+               num_logprobs: Sequence[int | None] = (None,),
+               num_tokens: Sequence[int] | None = None) -> int:
         """Compile the step for every combination of the given buckets (dummy batches that
         write nothing; ``context_blocks`` None: the widest) and, where the device loop runs, the
         loop for every batch size, width, ``all_greedy``, ``stop_pads`` (stop-id columns: a power
         of two) and form. ``logits_processing``: plain (False) and / or processing (True)
         variants; ``num_logprobs``: each largest ``SamplingParams.logprobs`` a batch can hold
-        (None: none asks). Returns the number of variants compiled."""
+        (None: none asks); ``num_tokens``: flat token slots of ragged steps (a chunk beside
+        decoding rows: the power of two of their tokens, at most rows x ``query_lens``; None:
+        rows x ``query_lens`` only). Returns the number of variants compiled."""
         sched, opts = self.scheduler, self.options
         lps = sorted({logprobs_bucket([check_num_logprobs("num_logprobs", n)]) for n in num_logprobs},
                      key=lambda n: -1 if n is None else n)
@@ -322,11 +325,15 @@ class Engine:
             context_blocks = [sched.max_blocks_per_req]
         before = step_cache_size() + loop_cache_size()
         phases = (False,) if self.tree is None else (False, True)
-        for b, q, c, g, tv, pr, lp in itertools.product(batch_sizes, query_lens, context_blocks,
-                                                        all_greedy, phases, logits_processing, lps):
+        tokens = (None,) if num_tokens is None else tuple(
+            check_int(f"num_tokens[{i}]", t, 1) for i, t in enumerate(num_tokens))
+        for b, q, c, g, tv, pr, lp, t in itertools.product(
+                batch_sizes, query_lens, context_blocks, all_greedy, phases, logits_processing,
+                lps, tokens):
             if int(b) * int(q) < opts.min_tokens_per_step:      # as Scheduler.buckets pads it
                 q = _pick(opts.query_buckets, -(-opts.min_tokens_per_step // int(b)))
-            batch = sched.dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g))
+            batch = sched.dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g),
+                                      num_tokens=None if t is None else min(t, int(b) * int(q)))
             if pr:
                 batch = dataclasses.replace(batch, procs=sched.empty_procs(int(b)))
             jax.block_until_ready(self._run(dataclasses.replace(batch, num_logprobs=lp)))

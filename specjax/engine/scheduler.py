@@ -314,10 +314,11 @@ class Scheduler:
             limits=self.processor_limits)
 
     def dummy_batch(self, B: int, Q: int, C: int, tree_verify: bool = False,
-                    all_greedy: bool = True) -> StepBatch:
-        """A batch of ``B`` padding rows (writes nothing), for compiling a bucket."""
+                    all_greedy: bool = True, num_tokens: int | None = None) -> StepBatch:
+        """A batch of ``B`` padding rows (writes nothing) in ``num_tokens`` token slots (None:
+        ``B * Q``), for compiling a bucket."""
         batch = build_batch([], num_computed=[], num_drafts=[], block_ids=[],
                             block_size=self.block_size, num_reqs_pad=B, query_len_pad=Q,
-                            blocks_per_req_pad=C, max_spec_len=self.k,
+                            blocks_per_req_pad=C, max_spec_len=self.k, num_tokens_pad=num_tokens,
                             tree=self.tree if tree_verify else None)
         return dataclasses.replace(batch, all_greedy=all_greedy)

@@ -223,3 +223,22 @@ def test_bad_scheduling_input_is_refused_by_name_before_any_work():
     for name in ("max_num_partial_prefills", "max_long_partial_prefills"):   # V1 reads neither
         with pytest.raises(TypeError, match=name):
             generate(target(), None, PROMPTS_A[:1], **{name: 1}, **FIXED)
+
+
+def test_warmup_compiles_the_ragged_steps_of_a_chunked_prompt():
+    """``Engine.warmup(num_tokens=)`` compiles the ragged shapes a long prompt's chunks take
+    beside decoding rows: serving it afterwards compiles nothing."""
+    from specjax.engine import step_cache_size
+
+    eng = Engine(target(), None, max_model_len=160, block_size=BS, max_num_seqs=3,
+                 options=LoopOptions(max_num_batched_tokens=24, batch_buckets=(4,),
+                                     query_buckets=(1, 32), context_buckets=(20,),
+                                     steps_per_sync=1))
+    eng.warmup([4], [1, 32], [20], num_tokens=[4, 8, 16, 32])
+    before = step_cache_size()
+    prompts = [list(_rng.integers(0, V, 5)), list(_rng.integers(0, V, 7)),
+               list(_rng.integers(0, V, 100))]
+    out = eng.generate(prompts, SamplingParams(max_tokens=12))
+    assert step_cache_size() == before
+    assert out.token_ids == generate(target(), None, prompts, SamplingParams(max_tokens=12),
+                                     max_model_len=160, block_size=BS).token_ids
