@@ -24,6 +24,7 @@ _LAZY = {
     "SpeculativeConfig": ("specjax.config", "SpeculativeConfig"),
     "TokenTree": ("specjax.token_tree", "TokenTree"),
     "make_proposer": ("specjax.proposers", "make_proposer"),
+    "register_speculative_method": ("specjax.method_registry", "register_speculative_method"),
     "Feed": ("specjax.proposers", "Feed"),
     # decoding
     "generate": ("specjax.engine", "generate"),

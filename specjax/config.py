@@ -17,11 +17,9 @@ import numpy as np
 from specjax.checks import (ArgumentTypeError, check_bool, check_int, check_number,
                             check_opt_int, is_int, show)
 
-MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix")
-HEAD_METHODS = ("eagle", "eagle3", "dflash", "medusa", "mtp", "extract_hidden_states")
-METHODS = MODEL_FREE_METHODS + HEAD_METHODS + ("draft_model",)
-#: Methods vLLM accepts that specjax does not implement.
-UNSUPPORTED_METHODS = ("mlp_speculator",)
+from specjax.method_registry import (HEAD_METHODS, METHODS, MODEL_FREE_METHODS,  # noqa: F401
+                                     UNSUPPORTED_METHODS, custom_method, unknown_method_message)
+
 #: Methods built on vLLM's SpecDecodeBaseProposer, the only ones that can draft in parallel.
 PARALLEL_DRAFTING_METHODS = ("eagle", "eagle3", "draft_model", "dflash")
 TREE_METHODS = ("eagle", "eagle3")
@@ -96,7 +94,9 @@ class SpeculativeConfig:
     defaults). ``method`` None: ``"ngram"`` when ``model`` is ``"ngram"``, else
     ``"draft_model"``. ``num_speculative_tokens`` is required except for suffix decoding.
     ``speculative_token_tree`` (None: the chain of k nodes for model-based methods) is
-    stored sorted, as ``str`` like vLLM's.
+    stored sorted, as ``str`` like vLLM's. ``method`` may name a method registered with
+    ``specjax.register_speculative_method``; ``speculator_options`` (vLLM 0.34) are read by
+    its config class and stored as its value.
     """
 
     method: str | None = None
@@ -118,6 +118,7 @@ class SpeculativeConfig:
     enforce_eager: bool | None = None
     draft_tensor_parallel_size: int | None = None
     max_model_len: int | None = None
+    speculator_options: Any = None
 
     def __post_init__(self) -> None:
         set_ = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731
@@ -137,9 +138,11 @@ class SpeculativeConfig:
                 f"method={method!r} is accepted by vLLM but not implemented by specjax; "
                 f"supported methods: {METHODS}"
             )
-        if method not in METHODS:
-            raise ValueError(f"method={show(method)} is unknown; allowed values: {METHODS}")
+        custom = custom_method(method)
+        if method not in METHODS and custom is None:
+            raise ValueError(f"method={show(method)}: {unknown_method_message(method)}")
         set_("method", method)
+        _check_speculator_options(self, method, custom)
         if method == "draft_model" and not self.model:
             raise ValueError("model must name the draft model when method='draft_model'")
         if method in ("ngram", "ngram_gpu", "suffix", "extract_hidden_states") and self.model is None:
@@ -219,7 +222,7 @@ class SpeculativeConfig:
         if isinstance(tree, str) and len(tree) > MAX_TREE_CHARS:
             raise ValueError(f"speculative_token_tree is {len(tree)} characters long, more than "
                              f"specjax's limit {MAX_TREE_CHARS} (at most {MAX_TREE_NODES} nodes)")
-        if method in MODEL_FREE_METHODS:
+        if method in MODEL_FREE_METHODS or custom is not None:
             if tree is not None:
                 raise ValueError(f"speculative_token_tree is only for methods {TREE_METHODS}, "
                                  f"not method={method!r}")
@@ -281,10 +284,17 @@ class SpeculativeConfig:
     @classmethod
     def from_vllm(cls, d: Mapping[str, Any], **overrides: Any) -> "SpeculativeConfig":
         """A vLLM ``speculative_config`` dict -> ``SpeculativeConfig``
-        (:func:`specjax.vllm_config.from_vllm`)."""
+        (:func:`specjax.vllm_config.from_vllm`, after vLLM 0.34's keys: :func:`_vllm_034`)."""
         from specjax.vllm_config import from_vllm
 
+        if isinstance(d, Mapping):
+            d, overrides = _vllm_034({**d, **overrides}), {}
         return cls(**from_vllm(d, tuple(f.name for f in dataclasses.fields(cls)), **overrides))
+
+    @property
+    def custom_method(self) -> str | None:
+        """The method's name when it is user-registered (vLLM 0.34's field), else None."""
+        return self.method if custom_method(self.method) is not None else None
 
     # --- vLLM helpers --------------------------------------------------------------
 
@@ -319,6 +329,111 @@ class SpeculativeConfig:
     def __repr__(self) -> str:
         return (f"SpeculativeConfig(method={self.method!r}, model={self.model!r}, "
                 f"num_spec_tokens={self.num_speculative_tokens})")
+
+
+def _check_speculator_options(self: SpeculativeConfig, method: str, custom: Any) -> None:
+    """vLLM 0.34's ``speculator_options``: only for a method whose config class reads them
+    (a registered one), stored as that class's (hashable) value."""
+    opts = self.speculator_options
+    config_class = None if custom is None else custom.resolved_config_class()
+    if opts is None or (isinstance(opts, Mapping) and not opts and config_class is None):
+        object.__setattr__(self, "speculator_options", None)
+        if config_class is None:
+            return
+        opts = {}
+    if config_class is None:
+        raise ValueError(f"speculator_options is not supported with speculative method "
+                         f"{method!r} (only a registered method with a config_class reads them)")
+    if not isinstance(opts, Mapping):
+        if not isinstance(config_class, type) or isinstance(opts, config_class):
+            return           # already built (dataclasses.replace, a copy)
+        raise ArgumentTypeError(f"speculator_options must be a dict for method {method!r}, "
+                                f"got {show(opts)}")
+    try:
+        value = config_class(**dict(opts))
+        hash(value)
+    except TypeError as e:
+        raise ValueError(f"speculator_options={show(dict(opts))} for method {method!r}: {e} "
+                         "(the registered config_class must accept them and return a hashable "
+                         "value, e.g. a frozen dataclass)") from None
+    object.__setattr__(self, "speculator_options", value)
+
+
+#: Keys vLLM 0.34 removed -> what replaces them (refused by name).
+VLLM_034_REMOVED = {
+    "custom_class": "specjax.register_speculative_method(name, proposer, config_class) and "
+                    "method=name (vLLM 0.34's register_speculative_method)",
+    "use_heterogeneous_vocab": "nothing: vLLM 0.34 removed the V1 TLI path; specjax drafts in "
+                               "the target's vocabulary (an EAGLE-3 head maps its own through d2t)",
+}
+#: vLLM 0.34's checkpoint detection order: of the methods a draft's config names, the first wins.
+DETECTION_ORDER = ("eagle", "eagle3", "dflash", "dspark", "mtp")
+
+
+def _vllm_034(d: Mapping[str, Any]) -> dict:
+    """vLLM 0.34's keys in a ``speculative_config`` dict: removed ones refused naming their
+    replacement; ``suffix_decoding_corpus_tokens`` (0 honoured, other values warned as having
+    no effect), ``draft_decode_context_parallel_size`` (1 only), ``custom_method``,
+    ``parallel_drafting=None`` read; the method of several a draft's config names picked by
+    :data:`DETECTION_ORDER`. docs/vllm_config.md, "vLLM 0.34"."""
+    d = dict(d)
+    for key, instead in VLLM_034_REMOVED.items():
+        if key in d:
+            raise ValueError(f"speculative_config key {key!r} was removed in vLLM 0.34 and is not "
+                             f"read by specjax; use {instead}")
+    if "parallel_drafting" in d and d["parallel_drafting"] is None:
+        del d["parallel_drafting"]           # 0.34's default: deprecated, None
+    dcp = check_opt_int("draft_decode_context_parallel_size",
+                        d.pop("draft_decode_context_parallel_size", None), 1)
+    if dcp not in (None, 1):
+        raise ValueError(f"draft_decode_context_parallel_size={dcp} is not supported: specjax has "
+                         "no decode context parallelism (the target's size is 1, and vLLM allows "
+                         "only 1 or the target's); allowed values: None, 1")
+    no_effect = []
+    if "suffix_decoding_corpus_tokens" in d:
+        n = check_int("suffix_decoding_corpus_tokens", d.pop("suffix_decoding_corpus_tokens"), 0,
+                      (1 << 31) - 1)
+        if n == 0:                           # vLLM: matching within each request only
+            d["suffix_decoding_max_cached_requests"] = 0
+        elif n != 1 << 20:
+            no_effect.append(f"suffix_decoding_corpus_tokens={n} (specjax's suffix cache holds "
+                             "suffix_decoding_max_cached_requests responses, not a token count; "
+                             "only 0 is read)")
+    if no_effect:
+        warnings.warn("speculative_config: these keys have no effect in specjax: "
+                      + "; ".join(no_effect), UserWarning, stacklevel=3)
+    name = d.pop("custom_method", None)
+    if name is not None:
+        if custom_method(name) is None:
+            raise ValueError(f"custom_method={show(name)}: {unknown_method_message(name)}")
+        d["method"] = name                   # vLLM keeps the base method in "method"
+    model = d.get("model")
+    if d.get("method") is None and isinstance(model, str) and model not in ("ngram", "[ngram]"):
+        picked = _ordered_method(model)
+        if picked is not None:
+            d["method"] = picked
+    return d
+
+
+def _ordered_method(model: str) -> str | None:
+    """The first of :data:`DETECTION_ORDER` when the draft's config names several methods and
+    its tensors name none other (a contradiction stays ``detect_method``'s refusal)."""
+    from pathlib import Path
+
+    from specjax.vllm_config import _from_config, _from_tensors
+
+    if not Path(model).is_dir():
+        return None
+    from specjax.hf import read_checkpoint_config
+
+    found = _from_config(read_checkpoint_config(model))
+    if len(found) < 2:
+        return None
+    by_tensors = _from_tensors(model)
+    if by_tensors is not None and by_tensors not in found and \
+            not ("mtp" in found and by_tensors == "draft_model"):
+        return None
+    return next((m for m in DETECTION_ORDER if m in found), None)
 
 
 class SlotCount(int):

@@ -20,7 +20,7 @@ PROMPT = b"def add(a, b):\n    return"
 def test_all_is_the_user_api():
     want = {"load_pretrained", "load_demo_model", "Pretrained", "SpeculativeConfig",
             "make_proposer", "generate", "Engine", "LoopOptions", "SamplingParams", "make_step",
-            "build_batch"}
+            "build_batch", "register_speculative_method"}
     assert want <= set(specjax.__all__)
     for internal in ("PADDING_SLOT_ID", "next_power_of_2", "score"):
         assert internal not in specjax.__all__

@@ -249,3 +249,105 @@ def test_max_num_new_slots_for_drafting_is_a_property():
         assert c.max_num_new_slots_for_drafting == want and isinstance(
             c.max_num_new_slots_for_drafting, int)
         assert c.max_num_new_slots_for_drafting() == want
+
+
+# --- vLLM 0.34's SpeculativeConfig keys (shared/research/vllm_delta_0.34.md, section 2) ----
+
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+
+
+@pytest.mark.smoke
+def test_v034_new_keys():
+    import warnings
+
+    # suffix_decoding_corpus_tokens: 0 (per-request matching only) is honoured as no global
+    # cache; vLLM's default reads as nothing; other values warn, naming the key
+    c = SpeculativeConfig.from_vllm({**_NGRAM, "suffix_decoding_corpus_tokens": 0})
+    assert c.suffix_decoding_max_cached_requests == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = SpeculativeConfig.from_vllm({**_NGRAM, "suffix_decoding_corpus_tokens": 1 << 20,
+                                         "draft_decode_context_parallel_size": 1,
+                                         "parallel_drafting": None, "custom_method": None,
+                                         "speculator_options": None})
+    assert c == SpeculativeConfig.from_vllm(_NGRAM)
+    with pytest.warns(UserWarning, match=r"no effect in specjax: suffix_decoding_corpus_tokens="
+                                         r"4096 \(") as rec:
+        c = SpeculativeConfig.from_vllm({**_NGRAM, "suffix_decoding_corpus_tokens": 4096})
+    assert len(rec) == 1 and c == SpeculativeConfig.from_vllm(_NGRAM)
+    for bad in (-1, 1 << 31, 1.5):
+        with pytest.raises(ValueError, match="suffix_decoding_corpus_tokens"):
+            SpeculativeConfig.from_vllm({**_NGRAM, "suffix_decoding_corpus_tokens": bad})
+    # draft_decode_context_parallel_size: 1 (the target's, specjax has no DCP) only
+    with pytest.raises(ValueError, match="draft_decode_context_parallel_size=2 is not supported: "
+                                         "specjax has no decode context parallelism"):
+        SpeculativeConfig.from_vllm({**_NGRAM, "draft_decode_context_parallel_size": 2})
+    with pytest.raises(ValueError, match="draft_decode_context_parallel_size"):
+        SpeculativeConfig.from_vllm({**_NGRAM, "draft_decode_context_parallel_size": 0})
+    # speculator_options: only for a registered method that reads them (vLLM's message)
+    with pytest.raises(ValueError, match="speculator_options is not supported with speculative "
+                                         "method 'eagle3'"):
+        SpeculativeConfig.from_vllm({"method": "eagle3", "num_speculative_tokens": 2,
+                                     "speculator_options": {"x": 1}})
+    # dspark is a vLLM 0.34 method specjax does not implement
+    with pytest.raises(ValueError, match="'dspark' is accepted by vLLM but not implemented"):
+        SpeculativeConfig.from_vllm({"method": "dspark", "num_speculative_tokens": 2})
+
+
+@pytest.mark.smoke
+def test_v034_noop_keys_keep_their_033_meaning():
+    """0.34 made ``parallel_drafting`` a deprecated no-op (True refused outside DFlash /
+    DSpark) and the suffix factors no-ops; specjax implements them and keeps their meaning."""
+    d = {"method": "eagle3", "num_speculative_tokens": 3}
+    assert SpeculativeConfig.from_vllm({**d, "parallel_drafting": True}).parallel_drafting
+    assert not SpeculativeConfig.from_vllm({**d, "parallel_drafting": None}).parallel_drafting
+    c = SpeculativeConfig.from_vllm({"method": "suffix", "num_speculative_tokens": 4,
+                                     "suffix_decoding_max_spec_factor": 2.0,
+                                     "suffix_decoding_min_token_prob": 0.3})
+    assert (c.suffix_decoding_max_spec_factor, c.suffix_decoding_min_token_prob) == (2.0, 0.3)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("key, value, replacement", [
+    ("custom_class", "my_pkg.MyProposer", "specjax.register_speculative_method"),
+    ("use_heterogeneous_vocab", False, "nothing: vLLM 0.34 removed the V1 TLI path"),
+    ("use_heterogeneous_vocab", True, "d2t"),
+])
+def test_v034_removed_keys_name_their_replacement(key, value, replacement):
+    with pytest.raises(ValueError, match=f"key '{key}' was removed in vLLM 0.34.*{replacement}"):
+        SpeculativeConfig.from_vllm({**_NGRAM, key: value})
+    with pytest.raises(ValueError, match=f"key '{key}' was removed"):      # overrides too
+        SpeculativeConfig.from_vllm(_NGRAM, **{key: value})
+
+
+@pytest.mark.smoke
+def test_v034_disable_padded_drafter_batch_stays_specjax_own():
+    """0.34 removed the key (MRV2 always pads); specjax keeps its non-padded mode as its own
+    field, read from a dict too (docs/vllm_config.md)."""
+    d = {"method": "eagle3", "num_speculative_tokens": 3, "disable_padded_drafter_batch": True}
+    assert SpeculativeConfig.from_vllm(d).disable_padded_drafter_batch
+
+
+def test_v034_detection_order_when_the_config_names_several(tmp_path):
+    """vLLM 0.34's _CHECKPOINT_DETECTION_ORDER (eagle, eagle3, dflash, dspark, mtp) picks
+    among the methods a draft's config names; one signal still wins alone (config first)."""
+    import json
+
+    cases = [({"architectures": ["DFlashDraftModel"], "speculators_config": {"algorithm": "eagle3"}},
+              "eagle3"),
+             ({"model_type": "eagle", "dflash_config": {}}, "eagle"),
+             ({"model_type": "deepseek_mtp", "dflash_config": {}}, "dflash"),
+             ({"model_type": "medusa", "architectures": ["Eagle3LlamaForCausalLM"]}, "eagle3"),
+             ({"dflash_config": {}}, "dflash")]
+    for i, (cfg, want) in enumerate(cases):
+        d = tmp_path / f"eagle3-{i}"          # the path rule would say eagle3: the config wins
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        c = SpeculativeConfig.from_vllm({"model": str(d), "num_speculative_tokens": 2})
+        assert c.method == want, (cfg, c.method)
+    # detect_method itself still refuses the ambiguity; an explicit method is only checked
+    with pytest.raises(ValueError, match="several methods"):
+        detect_method(str(tmp_path / "eagle3-0"))
+    c = SpeculativeConfig.from_vllm({"method": "dflash", "model": str(tmp_path / "eagle3-0"),
+                                     "num_speculative_tokens": 2})
+    assert c.method == "dflash"

@@ -9,9 +9,13 @@ reads. Model-free methods keep their vLLM-shaped API; their adapters map a
 from __future__ import annotations
 
 import importlib
+from typing import Any, Mapping
 
+from specjax.config import SpeculativeConfig
+from specjax.method_registry import custom_method
 from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, Feed, ProposerInputs
-from specjax.proposers.factory import _MODEL_METHODS, available_methods, make_proposer  # noqa: F401
+from specjax.proposers import factory
+from specjax.proposers.factory import _MODEL_METHODS, available_methods  # noqa: F401
 from specjax.proposers.interface import (
     ModelProposer,
     Proposer,
@@ -26,6 +30,22 @@ __all__ = [
     "SuffixProposerAdapter", "make_proposer", "available_methods",
     "prepare_next_token_ids_padded", "prepare_inputs_padded",
 ]
+
+def make_proposer(config: SpeculativeConfig | Mapping[str, Any], **kwargs: Any) -> Proposer:
+    """``factory.make_proposer`` (its arguments and checks), and for a method registered
+    with ``specjax.register_speculative_method`` its proposer (``custom.py``)."""
+    if isinstance(config, Mapping):
+        config = SpeculativeConfig.from_vllm(config)
+    entry = custom_method(getattr(config, "method", None))
+    if entry is None:
+        return factory.make_proposer(config, **kwargs)
+    from specjax.proposers.custom import make_custom_proposer
+
+    return make_custom_proposer(entry, config, **kwargs)
+
+
+make_proposer.__wrapped__ = factory.make_proposer     # type: ignore[attr-defined]
+
 
 #: The token-history adapters live with their methods (numba / arctic-inference load lazily).
 _ADAPTERS = {"NgramProposerAdapter": "ngram_cpu", "NgramGPUProposerAdapter": "ngram_gpu",
