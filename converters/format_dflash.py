@@ -56,7 +56,27 @@ def _dflash_tensors(tensors: Tensors, notes: list[str]) -> Tensors:
     return tensors
 
 
+#: Keys of DFlash2 and DSpark heads (docs/heads.md): refused by name.
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "num_anchors")
+
+
+def _refuse_variants(cfg: dict) -> None:
+    archs = [str(a) for a in cfg.get("architectures") or ()]
+    dcfg = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    scfg = cfg.get("dspark_config") if isinstance(cfg.get("dspark_config"), dict) else {}
+    if "DFlash2DraftModel" in archs or any(k in dcfg for k in _DFLASH2_KEYS):
+        raise CheckpointError(f"config: architectures={archs}: a DFlash2 head (dflash_config "
+                              f"{', '.join(k for k in _DFLASH2_KEYS if k in dcfg) or 'keys'}: "
+                              "convolution and selector) is not supported by specjax")
+    found = [k for k in _DSPARK_KEYS if k in cfg or k in dcfg or k in scfg]
+    if found or any("DSpark" in a for a in archs):
+        raise CheckpointError(f"config: architectures={archs}: a DSpark head ({', '.join(found)}"
+                              ": Markov and confidence heads) is not supported by specjax")
+
+
 def read(cfg: dict, tensors: Tensors, notes: list[str]):
+    _refuse_variants(cfg)
     flat = _decoder_fields(cfg, notes)
     dcfg = cfg.get("dflash_config") or {}
     _reject_true(dcfg, ("use_swa", "attention_sink_bias"), "config.dflash_config")
@@ -153,7 +173,11 @@ def write_speculators(c, t, torch_dtype):
 
 
 def detect(p: Probe) -> bool:
+    # DFlash2 / DSpark too, so that their reader refuses them by name
     return ("DFlashDraftModel" in p.archs or "dflash_config" in p.config
+            or "dspark_config" in p.config
+            or any(a in ("DFlash2DraftModel", "DSparkDraftModel", "Qwen3DSparkModel")
+                   for a in p.archs)
             or ("hidden_norm.weight" in p.keys and "fc.weight" in p.keys))
 
 

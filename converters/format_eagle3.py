@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+
+from specjax.converters.errors import CheckpointError
 from specjax.converters.format_common import (
     _HF_ARCH,
     Format,
@@ -14,7 +17,6 @@ from specjax.converters.format_common import (
     _hf_fields,
     _PARALLEL_TOKEN_FIELDS,
     _int32_map,
-    _reject_true,
     _rename_prefixes,
     _speculators_config,
     _strip_prefix,
@@ -34,16 +36,33 @@ def _eagle3_fields(cfg: dict, flat: dict, notes: list[str], *, speculators: bool
         notes.append(f"norm_before_residual absent; using {default} (vLLM v0.20's default for "
                      f"{'a speculators' if speculators else 'a SafeAILab'} config)")
     flat["norm_before_residual"] = bool(cfg.get("norm_before_residual", default))
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    flat["eagle_aux_hidden_state_layer_ids"] = list(ids) if ids is not None else None
-    for f in _PARALLEL_TOKEN_FIELDS[1:]:    # speculators: the outer config holds them
+    _aux_layer_ids(cfg, flat, notes)
+    # speculators: the outer config holds them; truncated_vocab_size is checked by
+    # config_from_hf against draft_vocab_size
+    for f in _PARALLEL_TOKEN_FIELDS[1:] + ("truncated_vocab_size",):
         if cfg.get(f) is not None and flat.get(f) is None:
             flat[f] = cfg[f]
-    if speculators:     # vLLM v0.33's speculators updater copies these two norm options
-        for f in ("fc_norm", "norm_output"):
+    if speculators:     # vLLM 0.33+'s speculators updater copies these norm options
+        for f in ("norm_before_fc", "fc_norm", "norm_output"):
             if cfg.get(f) is not None:
                 flat[f] = cfg[f]
     return flat
+
+
+def _aux_layer_ids(cfg: dict, flat: dict, notes: list[str]) -> None:
+    """Store the aux layers as input-of-layer ids (top level): the nested
+    ``eagle_config`` list (SpecForge / ModelOpt: output of layer i) becomes ``i + 1``, with
+    a warning where vLLM 0.34 would tap differently (docs/vllm_config.md, "Aux-layer ids")."""
+    from specjax.models import hf_config  # noqa: PLC0415 (specjax.models imports jax)
+
+    try:
+        ids, warning = hf_config.eagle3_aux_layer_ids(cfg)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config: {e}") from None
+    flat["eagle_aux_hidden_state_layer_ids"] = list(ids) if ids is not None else None
+    if warning is not None:
+        notes.append(warning)
+        warnings.warn(warning, stacklevel=3)
 
 
 def _eagle3_tensors(tensors: Tensors, notes: list[str]) -> Tensors:
@@ -57,16 +76,57 @@ def _eagle3_tensors(tensors: Tensors, notes: list[str]) -> Tensors:
     return tensors
 
 
+def _refuse_unsupported_heads(cfg: dict) -> None:
+    """Published EAGLE-3 heads whose draft layer specjax does not implement, refused by
+    name (docs/heads.md): a MoE draft layer and an MLA draft layer."""
+    archs = [str(a) for a in cfg.get("architectures") or ()]
+    if "GptOssForCausalLMEagle3" in archs or any(
+            cfg.get(k) for k in ("num_local_experts", "num_experts", "experts_per_token")):
+        raise CheckpointError(
+            f"config: architectures={archs} with num_local_experts="
+            f"{cfg.get('num_local_experts', cfg.get('num_experts'))}: an EAGLE-3 head with a "
+            "MoE draft layer (SpecForge gpt-oss-20B-eagle3 / -moe) is not supported by "
+            "specjax (MoE layers are not implemented; vLLM 0.34 does not register it either)")
+    if any("Deepseek" in a for a in archs) or cfg.get("kv_lora_rank") is not None:
+        raise CheckpointError(
+            f"config: architectures={archs}: an EAGLE-3 head with an MLA draft layer "
+            "(Eagle3DeepseekV2/V3ForCausalLM; kv_lora_rank, q_lora_rank) is not supported by "
+            "specjax (MLA attention is not implemented)")
+
+
+def _gpt_oss_rope(cfg: dict, notes: list[str]) -> dict:
+    """A ``model_type: gpt_oss`` head without RoPE keys (SpecForge gpt-oss-20B-eagle3-dense)
+    gets transformers v5's GptOssConfig defaults, theta 150000 with YaRN x32, as vLLM 0.34
+    runs it (``hf_config.GPT_OSS_ROPE``); refused by name where specjax lacks them."""
+    rope_keys = ("rope_theta", "rope_scaling", "rope_parameters")
+    if cfg.get("model_type") != "gpt_oss" or any(cfg.get(k) is not None for k in rope_keys):
+        return cfg
+    from specjax.models import hf_config  # noqa: PLC0415 (specjax.models imports jax)
+
+    rope = getattr(hf_config, "GPT_OSS_ROPE", None)
+    if rope is None:
+        raise CheckpointError(
+            "config: model_type='gpt_oss' without rope_theta / rope_scaling / rope_parameters "
+            "is refused: transformers v5 (vLLM 0.34) fills GptOssConfig's defaults, theta "
+            "150000 with YaRN x32, which specjax does not implement")
+    msg = ("model_type 'gpt_oss' without RoPE keys: transformers v5 GptOssConfig defaults "
+           "(rope_theta 150000, YaRN x32), as vLLM 0.34 runs the head; whether its trainer "
+           "used them is unconfirmed (add the RoPE keys to the config to choose)")
+    notes.append(msg)
+    warnings.warn(msg, stacklevel=3)
+    return {**cfg, "rope_theta": 150000.0, "rope_scaling": dict(rope)}
+
+
 def read(cfg: dict, tensors: Tensors, notes: list[str]):
+    _refuse_unsupported_heads(cfg)
+    cfg = _gpt_oss_rope(cfg, notes)
     flat = _decoder_fields(cfg, notes)
     return _eagle3_fields(cfg, flat, notes), _eagle3_tensors(tensors, notes)
 
 
 def read_speculators(cfg: dict, tensors: Tensors, notes: list[str]):
-    _reject_true(cfg, ("norm_before_fc",), "config",
-                 " in a speculators config: vLLM's speculators loader drops the key and skips "
-                 "input_norm.weight, running the head without the norm its weights expect")
-    flat = _decoder_fields(_flatten_speculators(cfg, "config"), notes,
+    _refuse_unsupported_heads({**(cfg.get("transformer_layer_config") or {}), **cfg})
+    flat = _decoder_fields(_gpt_oss_rope(_flatten_speculators(cfg, "config"), notes), notes,
                            where="config.transformer_layer_config")
     return _eagle3_fields(cfg, flat, notes, speculators=True), _eagle3_tensors(tensors, notes)
 
@@ -85,8 +145,11 @@ def write(c, t, torch_dtype):
     if c.qk_norm:
         raise ValueError("format 'eagle3' (SafeAILab) has Llama layers without q/k norms; "
                          "config has qk_norm=True (use format 'eagle3-speculators')")
+    # head_dim only where it differs from H / nH (SpecForge's explicit key; vLLM reads it,
+    # SafeAILab's own code assumes H / nH), so a round trip keeps it.
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           **_hf_fields(c, head_dim=False, rope_type_key=True), **_eagle3_common(c),
+           **_hf_fields(c, head_dim=c.head_dim * c.num_attention_heads != c.hidden_size,
+                        rope_type_key=True), **_eagle3_common(c),
            "norm_before_fc": c.norm_before_fc, "tie_word_embeddings": False,
            "torch_dtype": torch_dtype}
     if c.qkv_bias:
@@ -102,10 +165,6 @@ def write(c, t, torch_dtype):
 
 
 def write_speculators(c, t, torch_dtype):
-    if c.norm_before_fc:
-        raise ValueError("format 'eagle3-speculators' cannot carry norm_before_fc=True (vLLM's "
-                         "speculators loader drops it and skips input_norm.weight); use format "
-                         "'eagle3'")
     mt = "qwen3" if c.qk_norm else "llama"
     tlc = {"model_type": mt, **_hf_fields(c), "attention_bias": c.qkv_bias,
            "tie_word_embeddings": False}
@@ -117,7 +176,8 @@ def write_speculators(c, t, torch_dtype):
            "target_hidden_size": ths if ths and ths != c.hidden_size else None,
            "eagle_aux_hidden_state_layer_ids": (list(c.aux_layer_ids)
                                                 if c.aux_layer_ids is not None else None),
-           "embed_requires_grad": False, "norm_before_fc": False, "tie_word_embeddings": False,
+           "embed_requires_grad": False, "norm_before_fc": c.norm_before_fc,
+           "tie_word_embeddings": False,
            "dtype": torch_dtype,
            "speculators_config": _speculators_config("eagle3", 3, _HF_ARCH[mt]),
            "transformer_layer_config": tlc}

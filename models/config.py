@@ -16,7 +16,7 @@ KINDS = ("llama", "qwen2", "qwen3", "eagle", "eagle3", "dflash", "medusa", "mtp"
 DECODER_KINDS = ("llama", "qwen2", "qwen3")
 
 #: RoPE scaling types implemented (``rope_scaling.rope_type``; None means plain RoPE).
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +95,12 @@ class ModelConfig:
         rt = self.rope_type
         if rt not in ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {rt!r}")
+        if rt == "longrope":
+            for key in ("short_factor", "long_factor"):
+                n = len(self.rope_scaling_dict.get(key) or ())
+                if n != self.head_dim // 2:
+                    raise ValueError(f"rope_scaling.{key} must hold head_dim/2={self.head_dim // 2} "
+                                     f"numbers, got {n}")
         if self.kind in ("eagle3", "dflash") and self.draft_vocab_size <= 0:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
 

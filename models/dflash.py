@@ -36,10 +36,6 @@ class DFlashBody(nnx.Module):
 class DFlashHead(PagedCache):
     config: ModelConfig
 
-    def _freq(self):
-        c = self.config
-        return rope.inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-
     def combine_hidden_states(self, params: dict, aux_hidden_states: jax.Array) -> jax.Array:
         """``[T, n_aux, Ht]`` or ``[T, n_aux * Ht]`` -> ``fc`` output ``[T, H]`` (no norm yet)."""
         x = aux_hidden_states
@@ -56,7 +52,7 @@ class DFlashHead(PagedCache):
         nl, nkv, hd = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
         layers = mp.normalize_keys(params)["layers"]
         ctx = rms_norm(context_states, params["hidden_norm"]["weight"], c.rms_norm_eps)
-        cos, sin = rope.cos_sin(positions, self._freq())
+        cos, sin = rope.cos_sin_for(c, positions)     # no request boundaries: per position
         tc = context_states.shape[0]
         caches = []
         # Layer by layer, K and V as separate products: no per-call copy of stacked or
@@ -90,7 +86,7 @@ class DFlashHead(PagedCache):
             raise ValueError(f"attn_metadata.causal must be {self.config.causal} for this DFlash "
                              f"head (config causal={self.config.causal})")
         body = mp.merge(DFlashBody, (self.config,), params)
-        cos, sin = rope.cos_sin(positions, self._freq())
+        cos, sin = rope.cos_sin_for(self.config, positions, attn_metadata.query_start_loc)
         h = mp.embed(params, input_ids)
         caches = []
         for i, layer in enumerate(body.layers):

@@ -70,7 +70,7 @@ class EagleHead(PagedCache):
         vLLM's ``(hidden for logits, hidden for the next step)``, the same array here."""
         cfg = self.config
         body = mp.merge(EagleBody, (cfg,), without_mask_hidden(params))
-        cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        cos, sin = rope.cos_sin_for(cfg, positions, attn_metadata.query_start_loc)
         e = mp.embed(params, input_ids)
         h = body.fc(jnp.concatenate([e, hidden_states.astype(e.dtype)], axis=-1))
         caches = []

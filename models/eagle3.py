@@ -108,7 +108,7 @@ class Eagle3Head(PagedCache):
         if hidden_states.shape[-1] != cfg.hidden_size or hidden_states.ndim == 3:
             x = hidden_states.reshape(hidden_states.shape[0], -1)
             hidden_states = body.combine(cfg, x)
-        cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        cos, sin = rope.cos_sin_for(cfg, positions, attn_metadata.query_start_loc)
         e = mp.embed(params, input_ids)
         caches = []
         h, c = body.layers[0](e, hidden_states.astype(e.dtype), cos, sin, kv_caches[0], attn_metadata)

@@ -8,6 +8,7 @@ by name.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 from specjax.checks import ArgumentError, ArgumentTypeError, check_int, check_number, show
@@ -25,24 +26,63 @@ _PRESENCE = ("has_embed_tokens", "has_lm_head", "has_d2t", "has_token_map")
 EAGLE3_NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
-def _eagle3_norm_flags(hf: Mapping, speculators: bool) -> dict:
-    """The EAGLE-3 norm options as vLLM reads them (``eagle_config.norm_before_fc``
-    overriding the top-level key). A speculators config's ``norm_before_fc`` is refused by
-    name: vLLM's speculators loader would silently skip ``input_norm.weight``."""
-    ec = hf.get("eagle_config")
-    if ec is not None and not isinstance(ec, Mapping):
-        raise ArgumentTypeError(f"config eagle_config must be an object, got {show(ec)}")
+def _eagle3_norm_flags(hf: Mapping) -> dict:
+    """The EAGLE-3 norm options as vLLM 0.33+ reads them (``eagle_config.norm_before_fc``
+    overriding the top-level key; the speculators updater copies ``norm_before_fc``, so a
+    speculators head with it, RedHatAI gpt-oss-20b, runs with ``input_norm``)."""
+    ec = _eagle_config(hf)
     out = {f: _bool(hf, f, False) for f in EAGLE3_NORM_FLAGS}
     if ec and "norm_before_fc" in ec:
         out["norm_before_fc"] = _bool(ec, "norm_before_fc", False)
     if ec and ec.get("use_aux_hidden_state") is False:
         raise ValueError("config eagle_config.use_aux_hidden_state=false is not supported "
                          "(specjax's EAGLE-3 head always reads the aux hidden states)")
-    if speculators and out["norm_before_fc"]:
-        raise ValueError("config norm_before_fc=true in a speculators config is refused: vLLM's "
-                         "speculators loader drops the key and skips input_norm.weight, so the "
-                         "head would run without the norm its weights expect")
     return out
+
+
+def _eagle_config(hf: Mapping) -> Mapping:
+    ec = hf.get("eagle_config")
+    if ec is not None and not isinstance(ec, Mapping):
+        raise ArgumentTypeError(f"config eagle_config must be an object, got {show(ec)}")
+    return ec or {}
+
+
+def eagle3_aux_layer_ids(hf: Mapping) -> tuple[tuple[int, ...] | None, str | None]:
+    """An EAGLE-3 config's aux layers as specjax stores them (the *input* of each target
+    layer), and a warning or None (docs/vllm_config.md, "Aux-layer ids"). The top-level
+    ``eagle_aux_hidden_state_layer_ids`` (speculators / vLLM) is input-of-layer already;
+    the nested ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SpecForge, SGLang,
+    ModelOpt) means "the output of layer i", the input of layer ``i + 1``. vLLM 0.34 does
+    not tap the nested list (only sizes ``fc`` by it): the warning names both taps."""
+    top = hf.get("eagle_aux_hidden_state_layer_ids")
+    if top is not None:
+        return _aux_ids(top), None
+    nested = _eagle_config(hf).get("eagle_aux_hidden_state_layer_ids")
+    if nested is None:
+        return None, None
+    ids = tuple(i + 1 for i in _aux_ids(nested))
+    warning = (f"eagle_config.eagle_aux_hidden_state_layer_ids={list(nested)} (output of each "
+               f"layer, SpecForge/SGLang/ModelOpt) -> specjax taps the inputs of layers "
+               f"{list(ids)}; vLLM 0.34 does not read the nested list for tapping and would "
+               f"tap its default (2, L//2, L-3) instead (e.g. L=24: [2, 12, 21])")
+    return ids, warning
+
+
+def _check_truncated_vocab(kind: str, hf: Mapping, vocab: int, draft_vocab: int) -> None:
+    """``truncated_vocab_size`` (older vLLM EAGLE code: a truncated ``lm_head`` over the
+    first ids via ``token_map``). vLLM 0.34 stores it but no model reads it; the draft vocab
+    comes from ``draft_vocab_size`` and ``d2t``. Accepted when it says the same thing (no
+    truncation, or equal to the draft vocab), refused by name otherwise."""
+    tv = hf.get("truncated_vocab_size")
+    if tv is None:
+        return
+    tv = check_int("config truncated_vocab_size", tv, 1, MAX_VOCAB)
+    if tv in (vocab, draft_vocab):
+        return
+    raise ValueError(f"config truncated_vocab_size={tv} is refused for a {kind!r} head: it "
+                     f"differs from draft_vocab_size={draft_vocab} and vocab_size={vocab}; vLLM "
+                     "0.34 ignores the key and sizes the draft vocabulary by draft_vocab_size "
+                     "and d2t, so the two engines would disagree on the head's vocabulary")
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,17 +138,29 @@ def _thaw(v):
     return v
 
 
+#: transformers v5 ``GptOssConfig`` RoPE when a ``gpt_oss`` config has no rope keys.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+
+
 def _rope(kind: str, hf: Mapping) -> tuple[float, tuple | None]:
+    """``(rope_theta, frozen rope_scaling or None)`` from ``rope_theta`` + ``rope_scaling``
+    (``type`` or ``rope_type``) or transformers-v5 ``rope_parameters``; a ``gpt_oss``
+    ``model_type`` without either gets θ 150000 and YaRN (``GPT_OSS_ROPE``), as
+    transformers v5's ``GptOssConfig``. M-RoPE is refused by name."""
     params = hf.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise ArgumentTypeError(f"config rope_parameters must be an object, got {show(params)}")
+    gpt_oss = hf.get("model_type") == "gpt_oss"
     theta = _get(hf, "rope_theta", default=params.get("rope_theta"))
     if theta is None:
-        theta = 1e6 if kind == "dflash" else 10000.0
+        theta = 1e6 if kind == "dflash" else 150000.0 if gpt_oss else 10000.0
     theta = check_number("config rope_theta", theta, 1e-6)
     scaling = hf.get("rope_scaling")
     if scaling is None and params:
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is None and gpt_oss:
+        scaling = dict(GPT_OSS_ROPE)
     if scaling is not None and not isinstance(scaling, Mapping):
         raise ArgumentTypeError(f"config rope_scaling must be null or an object, got {show(scaling)}")
     if scaling:
@@ -117,19 +169,31 @@ def _rope(kind: str, hf: Mapping) -> tuple[float, tuple | None]:
             scaling["rope_type"] = scaling.pop("type")
         scaling.pop("type", None)
         rtype = scaling.get("rope_type", "default")
+        if rtype == "mrope" or scaling.get("mrope_section") is not None:
+            raise ValueError(f"config rope_scaling: M-RoPE (rope_type {rtype!r}, mrope_section) is "
+                             "not implemented by specjax")
         if rtype not in ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {rtype!r}")
         if rtype == "default":
             scaling = None
         else:
+            if rtype in ("llama3", "yarn", "longrope"):   # transformers' standardize_rope_params
+                scaling.setdefault("original_max_position_embeddings", _get(
+                    hf, "original_max_position_embeddings", "max_position_embeddings", default=2048))
             _check_rope_scaling(rtype, scaling)
     return float(theta), (_freeze(scaling) if scaling else None)
 
 
-#: Keys each implemented ``rope_type`` needs (vLLM / transformers' rope init functions).
+#: Keys each implemented ``rope_type`` needs (transformers' ``_validate_*_rope_parameters``).
 _ROPE_KEYS = {"linear": ("factor",),
+              "dynamic": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings")}
+                         "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings"),
+              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+#: Optional numeric keys (None: transformers' default).
+_ROPE_OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+                  "longrope": ("attention_factor", "factor")}
 
 
 def _check_rope_scaling(rtype: str, scaling: Mapping) -> None:
@@ -137,8 +201,22 @@ def _check_rope_scaling(rtype: str, scaling: Mapping) -> None:
         if key not in scaling or scaling[key] is None:
             raise ArgumentError(f"config rope_scaling: rope_type {rtype!r} needs {key!r} "
                                 f"(keys: {', '.join(_ROPE_KEYS[rtype])}), got {show(dict(scaling), 200)}")
+        if key.endswith("_factor") and rtype == "longrope":
+            v = scaling[key]
+            if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+                raise ArgumentTypeError(f"config rope_scaling.{key} must be a list of numbers, "
+                                        f"got {show(v)}")
+            for x in v:
+                check_number(f"config rope_scaling.{key}[]", x, 1e-6)
+            continue
         lo = 1 if key == "original_max_position_embeddings" else 1e-6
         check_number(f"config rope_scaling.{key}", scaling[key], lo)
+    for key in _ROPE_OPTIONAL.get(rtype, ()):
+        if scaling.get(key) is not None:
+            check_number(f"config rope_scaling.{key}", scaling[key], 0.0)
+    if rtype == "yarn" and not isinstance(scaling.get("truncate", True), bool):
+        raise ArgumentTypeError(f"config rope_scaling.truncate must be true or false, got "
+                                f"{show(scaling['truncate'])}")
 
 
 def _check_window(hf: Mapping) -> None:
@@ -283,13 +361,16 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
     elif kind == "mtp":
         fields["n_predict"] = _int(hf, "num_nextn_predict_layers", 1, MAX_LAYERS, default=1)
     elif kind == "eagle3":
+        aux_ids, aux_warning = eagle3_aux_layer_ids(hf)
+        if aux_warning is not None:
+            warnings.warn(aux_warning, stacklevel=2)
         fields.update(
             draft_vocab_size=_int(hf, "draft_vocab_size", 1, MAX_VOCAB, default=vocab),
             target_hidden_size=_int(hf, "target_hidden_size", default=h),
             # vLLM v0.20: the speculators eagle3 updater defaults it to True, the model to False
             norm_before_residual=_bool(hf, "norm_before_residual", speculators),
-            aux_layer_ids=_aux_ids(hf.get("eagle_aux_hidden_state_layer_ids")),
-            **_eagle3_norm_flags(hf, speculators),
+            aux_layer_ids=aux_ids,
+            **_eagle3_norm_flags(hf),
         )
     elif kind == "dflash":
         ids = _get(hf, "aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids")
@@ -314,6 +395,8 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
                 hf, "mask_token_id", default=dcfg.get("mask_token_id", -1)), -1, MAX_VOCAB),
             causal=bool(causal),
         )
+    if kind in ("eagle", "eagle3", "dflash"):
+        _check_truncated_vocab(kind, hf, vocab, fields.get("draft_vocab_size", vocab))
     for f in _PRESENCE:
         if hf.get(f) is not None:
             fields[f] = bool(hf[f])

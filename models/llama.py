@@ -99,7 +99,7 @@ class DecoderLM(PagedCache):
         None, kv_caches)``."""
         cfg = self.config
         body = mp.merge(DecoderBody, (cfg,), params)
-        cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        cos, sin = rope.cos_sin_for(cfg, positions, attn_metadata.query_start_loc)
         h = mp.embed(params, input_ids)
         aux, caches = [], []
         for i, layer in enumerate(body.layers):

@@ -51,7 +51,7 @@ class MTPHead(PagedCache):
         kv_caches)``: vLLM's (hidden for logits, hidden for the next step), one tensor."""
         cfg = self.config
         body = mp.merge(MTPBody, (cfg,), params)
-        cos, sin = rope.cos_sin(positions, rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        cos, sin = rope.cos_sin_for(cfg, positions, attn_metadata.query_start_loc)
         e = mp.embed(params, input_ids)
         e = jnp.where((positions == 0)[:, None], jnp.zeros_like(e), e)
         h = hidden_states.astype(e.dtype)

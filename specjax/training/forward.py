@@ -40,10 +40,10 @@ def mlp(p: dict, x: Array) -> Array:
 
 
 def rope_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    """``positions [B, T]`` -> cos, sin ``[B, T, head_dim]`` (float32)."""
-    freq = rope.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    """``positions [B, T]`` -> cos, sin ``[B, T, head_dim]`` (float32); each row one
+    sequence (the request boundaries of ``rope.cos_sin_for``'s longrope / dynamic rule)."""
     b, t = positions.shape
-    cos, sin = rope.cos_sin(positions.reshape(-1), freq)
+    cos, sin = rope.cos_sin_for(cfg, positions.reshape(-1), jnp.arange(b + 1, dtype=jnp.int32) * t)
     return cos.reshape(b, t, -1), sin.reshape(b, t, -1)
 
 

@@ -417,7 +417,7 @@ def test_eagle_without_fc_bias(tmp_path):
 @pytest.mark.parametrize("case_name,patch,field", [
     ("dflash", {"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 3, 5],
                                   "use_swa": True}}, "use_swa"),
-    ("eagle3_spec", {"norm_before_fc": True}, "norm_before_fc"),
+    ("eagle3_spec", {"truncated_vocab_size": 7}, "truncated_vocab_size"),
     ("dflash", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ("llama", {"is_neox_style": False}, "is_neox_style"),
 ])

@@ -36,15 +36,18 @@ CASES = {
     "mimo-mtp": ("mtp", dict(BASE, num_hidden_layers=1, num_nextn_predict_layers=1),
                  "model.safetensors"),
     "eagle": ("eagle", dict(BASE, bias=True), "model.safetensors"),
-    # vLLM v0.33's EAGLE-3 norm options: all three in the SafeAILab layout, the two the
-    # speculators updater copies in the speculators layout
+    # vLLM v0.33's EAGLE-3 norm options: all three in the SafeAILab layout and in the
+    # speculators layout (vLLM 0.33+'s speculators updater copies them); head_dim != H / nH
+    # is kept by both writers
     "eagle3": ("eagle3", dict(BASE, num_hidden_layers=1, draft_vocab_size=40, has_d2t=True,
                               eagle_aux_hidden_state_layer_ids=[1, 4, 7], norm_before_fc=True,
-                              fc_norm=True, norm_output=True), "model.safetensors"),
-    "eagle3-speculators": ("eagle3", dict(BASE, draft_vocab_size=40, has_d2t=True,
+                              fc_norm=True, norm_output=True, head_dim=16),
+               "model.safetensors"),
+    "eagle3-speculators": ("eagle3", dict(BASE, draft_vocab_size=40, has_d2t=True, head_dim=16,
                                           has_embed_tokens=True, target_hidden_size=24,
                                           norm_before_residual=True, fc_norm=True,
-                                          norm_output=True), "model.safetensors"),
+                                          norm_output=True, norm_before_fc=True),
+                           "model.safetensors"),
     "dflash": ("dflash", dict(BASE, head_dim=16, block_size=4, mask_token_id=63,
                               aux_hidden_state_layer_ids=[1, 3, 5]), "model.safetensors"),
     "dflash-speculators": ("dflash", dict(BASE, head_dim=16, block_size=8, mask_token_id=60,
@@ -138,7 +141,8 @@ def test_layout_details(tmp_path):
     cfg, t, config = files("eagle3")
     assert cfg["draft_vocab_size"] == 40 and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 4, 7]
     assert "midlayer.hidden_norm.weight" in t and not any(k.startswith("layers.") for k in t)
-    assert t["midlayer.self_attn.q_proj.weight"].shape == (32, 64)  # doubled input
+    assert t["midlayer.self_attn.q_proj.weight"].shape == (64, 64)  # doubled input, 4 x 16
+    assert cfg["head_dim"] == 16                                     # != H / nH: written
     d2t, t2d = t["d2t"].load(), t["t2d"].load()
     assert d2t.dtype == np.int64 and t2d.shape == (64,) and t2d.sum() == 40
     assert (np.flatnonzero(t2d) == np.arange(40) + d2t).all()
@@ -257,8 +261,6 @@ def test_unrepresentable_configs_are_refused(tmp_path):
         ("qwen2", dict(BASE, qkv_bias=False), "qwen2", r"qkv_bias=False \(would load back as True\)"),
         ("eagle3", dict(BASE, draft_vocab_size=40), "eagle3",
          r"exactly one decoder layer .*num_hidden_layers=2 .*eagle3-speculators"),
-        ("eagle3", dict(BASE, num_hidden_layers=1, norm_before_fc=True), "eagle3-speculators",
-         r"cannot carry norm_before_fc=True .*use format 'eagle3'"),
         ("medusa", dict(MEDUSA, num_hidden_layers=1), "medusa",
          r"cannot express fc_bias=False .*medusa-vllm"),
         ("medusa", dict(MEDUSA, num_hidden_layers=1, medusa_fc_bias=True,

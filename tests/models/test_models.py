@@ -610,7 +610,7 @@ def test_config_from_hf_variants():
                dflash_config=dict(mask_token_id=60))
     assert c.aux_layer_ids == (2, 34) and c.mask_token_id == 60 and c.rope_theta == 1e6
     assert cfg_of("eagle", **base).fc_bias is True       # SafeAILab default
-    for bad, field in ((dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "rope_type"),
+    for bad, field in ((dict(rope_scaling=dict(rope_type="mrope", mrope_section=[2, 3, 3])), "rope_type"),
                        (dict(hidden_act="gelu"), "hidden_act"),
                        (dict(use_sliding_window=True), "use_sliding_window"),
                        (dict(num_key_value_heads=3), "num_key_value_heads")):
@@ -619,8 +619,8 @@ def test_config_from_hf_variants():
     with pytest.raises(ValueError, match="kind"):
         registry.config_from_hf("gpt2", base)
     # vLLM v0.33's EAGLE-3 norm options: read from a plain config, eagle_config.norm_before_fc
-    # overriding the top-level key; a speculators config's norm_before_fc is refused (vLLM drops
-    # it and skips input_norm.weight); other kinds refuse them by name
+    # overriding the top-level key; a speculators config's norm_before_fc is honoured (vLLM
+    # 0.33+'s speculators updater copies it); other kinds refuse them by name
     c = cfg_of("eagle3", **base, fc_norm=True, norm_output=True, norm_before_fc=False,
                eagle_config={"norm_before_fc": True})
     assert (c.norm_before_fc, c.fc_norm, c.norm_output) == (True, True, True)
@@ -629,8 +629,7 @@ def test_config_from_hf_variants():
     assert not (plain.norm_before_fc or plain.fc_norm or plain.norm_output)
     spec = dict(transformer_layer_config=base, speculators_model_type="eagle3")
     assert cfg_of("eagle3", **spec, fc_norm=True, norm_output=True).fc_norm
-    with pytest.raises(ValueError, match="norm_before_fc=true in a speculators config"):
-        cfg_of("eagle3", **spec, norm_before_fc=True)
+    assert cfg_of("eagle3", **spec, norm_before_fc=True).norm_before_fc
     with pytest.raises(ValueError, match="use_aux_hidden_state"):
         cfg_of("eagle3", **base, eagle_config={"use_aux_hidden_state": False})
     with pytest.raises(ValueError, match="fc_norm must be false for a 'dflash' config"):
