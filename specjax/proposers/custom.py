@@ -7,10 +7,10 @@ from __future__ import annotations
 import inspect
 from typing import Any, Sequence
 
-from specjax.checks import ArgumentTypeError, check_choice, check_int, check_int_sequence
+from specjax.checks import ArgumentTypeError, check_int_sequence
 from specjax.config import SpeculativeConfig
 from specjax.method_registry import CustomMethod
-from specjax.proposers.factory import KERNEL_BACKENDS, _from_pretrained
+from specjax.proposers.factory import _from_pretrained, check_sizes
 from specjax.proposers.interface import Proposer
 from specjax.proposers.types import Feed
 
@@ -26,17 +26,7 @@ def make_custom_proposer(entry: CustomMethod, config: SpeculativeConfig, *, targ
                          **options: Any) -> Proposer:
     """``make_proposer`` for the registered method ``entry``: the arguments checked as for a
     built-in method, then ``proposer(config, **the ones it names, **options)``."""
-    if max_model_len is None:
-        max_model_len = config.max_model_len
-    if max_model_len is None:
-        raise ValueError("max_model_len is required (the argument or config.max_model_len), "
-                         "an int >= 2")
-    max_model_len = check_int("max_model_len", max_model_len, 2)
-    if config.max_model_len is not None and config.max_model_len > max_model_len:
-        raise ValueError(f"config.max_model_len={config.max_model_len} (the drafter's context "
-                         f"limit) cannot be larger than max_model_len={max_model_len}")
-    block_size = check_int("block_size", block_size, 1, 1 << 16)
-    check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
+    max_model_len, block_size = check_sizes(config, max_model_len, block_size, kernel_backend)
     if aux_layer_ids is not None:
         aux_layer_ids = check_int_sequence("aux_layer_ids", aux_layer_ids, 0, 1 << 16, min_len=1)
     target, target_params = _from_pretrained("target", target, target_params)

@@ -115,6 +115,26 @@ def available_methods() -> tuple[str, ...]:
 
 
 
+def check_sizes(config: SpeculativeConfig, max_model_len: Any, block_size: Any,
+                kernel_backend: Any) -> tuple[int, int]:
+    """``(max_model_len, block_size)`` of ``make_proposer`` checked (None: the config's
+    ``max_model_len``), and ``kernel_backend``; ValueError / TypeError naming the argument."""
+    if max_model_len is None:
+        max_model_len = config.max_model_len
+    if max_model_len is None:
+        raise ValueError("max_model_len is required (the argument or config.max_model_len), "
+                         "an int >= 2")
+    max_model_len = check_int("max_model_len", max_model_len, 2)
+    if config.max_model_len is not None and config.max_model_len > max_model_len:
+        # vLLM's _maybe_override_draft_max_model_len: the drafter's limit cannot pass the target's
+        raise ValueError(f"config.max_model_len={config.max_model_len} (the drafter's context "
+                         f"limit) cannot be larger than max_model_len={max_model_len} (the "
+                         f"target's); allowed: 1 .. {max_model_len}")
+    block_size = check_int("block_size", block_size, 1, 1 << 16)
+    check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
+    return max_model_len, block_size
+
+
 def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any = None,
                   target_params: dict | None = None, draft: Any = None,
                   draft_params: dict | None = None, block_size: int = 16,
@@ -150,19 +170,7 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
     if not isinstance(config, SpeculativeConfig):
         raise ArgumentTypeError(f"config must be a SpeculativeConfig or a vLLM speculative_config "
                                 f"dict, got {show(config)} of type {type(config).__name__}")
-    if max_model_len is None:
-        max_model_len = config.max_model_len
-    if max_model_len is None:
-        raise ValueError("max_model_len is required (the argument or config.max_model_len), "
-                         "an int >= 2")
-    max_model_len = check_int("max_model_len", max_model_len, 2)
-    if config.max_model_len is not None and config.max_model_len > max_model_len:
-        # vLLM's _maybe_override_draft_max_model_len: the drafter's limit cannot pass the target's
-        raise ValueError(f"config.max_model_len={config.max_model_len} (the drafter's context "
-                         f"limit) cannot be larger than max_model_len={max_model_len} (the "
-                         f"target's); allowed: 1 .. {max_model_len}")
-    block_size = check_int("block_size", block_size, 1, 1 << 16)
-    check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
+    max_model_len, block_size = check_sizes(config, max_model_len, block_size, kernel_backend)
     if aux_layer_ids is not None:
         aux_layer_ids = check_int_sequence("aux_layer_ids", aux_layer_ids, 0, 1 << 16, min_len=1)
     method = config.method
