@@ -331,7 +331,8 @@ class Engine:
                 batch_sizes, query_lens, context_blocks, all_greedy, phases, logits_processing,
                 lps, tokens):
             if int(b) * int(q) < opts.min_tokens_per_step:      # as Scheduler.buckets pads it
-                q = _pick(opts.query_buckets, -(-opts.min_tokens_per_step // int(b)))
+                q = _pick(opts.query_buckets, -(-opts.min_tokens_per_step // int(b)),
+                          name="query_buckets", what="min_tokens_per_step over the rows")
             batch = sched.dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g),
                                       num_tokens=None if t is None else min(t, int(b) * int(q)))
             if pr:

@@ -54,14 +54,17 @@ class _Request:
         return self.prompt[i] if i < p else self.output[i - p]
 
 
-def _pick(buckets: Sequence[int] | None, n: int, cap: int | None = None) -> int:
-    """Smallest bucket >= n (powers of two when ``buckets`` is None), at most ``cap``."""
+def _pick(buckets: Sequence[int] | None, n: int, cap: int | None = None,
+          name: str = "buckets", what: str = "") -> int:
+    """Smallest bucket >= n (powers of two when ``buckets`` is None), at most ``cap``;
+    ValueError naming ``name`` (the ``LoopOptions`` field) and ``what`` needs ``n``."""
     if buckets is None:
         b = next_power_of_2(n)
     else:
         fits = [x for x in buckets if x >= n]
         if not fits:
-            raise ValueError(f"no bucket in {tuple(buckets)} holds {n}")
+            raise ValueError(f"LoopOptions.{name}={tuple(buckets)}: no bucket holds {n} "
+                             f"({what}); give a bucket >= {n}")
         b = min(fits)
     return b if cap is None else min(max(b, n), cap)
 
@@ -246,9 +249,11 @@ class Scheduler:
 
     def buckets(self, n: int, max_q: int, max_blocks: int) -> tuple[int, int, int]:
         """``(rows, tokens per row, block-table width)`` of a batch of ``n`` requests."""
-        b = _pick(self.batch_buckets, n)
-        q = _pick(self.query_buckets, max(max_q, self.k + 1, -(-self.min_tokens_per_step // b)))
-        c = _pick(self.context_buckets, max_blocks, cap=self.max_blocks_per_req)
+        b = _pick(self.batch_buckets, n, name="batch_buckets", what="requests in the step")
+        q = _pick(self.query_buckets, max(max_q, self.k + 1, -(-self.min_tokens_per_step // b)),
+                  name="query_buckets", what="tokens of one request in the step")
+        c = _pick(self.context_buckets, max_blocks, cap=self.max_blocks_per_req,
+                  name="context_buckets", what="KV blocks of one request")
         return b, q, c
 
     def build_batch(self, reqs: list[_Request], tree_verify: bool = False

@@ -242,3 +242,23 @@ def test_warmup_compiles_the_ragged_steps_of_a_chunked_prompt():
     assert step_cache_size() == before
     assert out.token_ids == generate(target(), None, prompts, SamplingParams(max_tokens=12),
                                      max_model_len=160, block_size=BS).token_ids
+
+
+def test_a_prompt_longer_than_the_largest_query_bucket_prefills_in_bucket_sized_chunks():
+    """Issue 59's ``query_buckets=(4,)`` with a 19-token prompt: no request takes more
+    tokens per step than the largest query bucket, so the prompt prefills in chunks of 4
+    and the output is plain greedy's."""
+    prompt = [int(t) for t in _rng.integers(0, V, 19)]
+    sp = SamplingParams(max_tokens=6)
+    eng = Engine(target(), None, max_model_len=48, block_size=BS, max_num_seqs=1,
+                 options=LoopOptions(query_buckets=(4,), steps_per_sync=1))
+    log = _spy_steps(eng)
+    out = eng.generate([prompt], sp)
+    assert out.token_ids == generate(target(), None, [prompt], sp, max_model_len=48,
+                                     block_size=BS).token_ids
+    assert [s[0][1] for s in log[:5]] == [4, 4, 4, 4, 3]
+    from specjax.engine.scheduler import _pick
+    with pytest.raises(ValueError, match=r"LoopOptions.query_buckets=\(4,\): no bucket holds 19 "
+                                         r"\(tokens of one request"):
+        eng.scheduler.buckets(1, 19, 1)
+    assert _pick((4, 8), 5) == 8
