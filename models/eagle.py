@@ -10,6 +10,7 @@ outside the NNX body) is the parallel-drafting slots' hidden input (zeros withou
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import params as mp, rope
-from specjax.kernels.paged_attention import KVCache
+from specjax.kernels.paged_attention import KVCache, check_attention
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, PagedCache, linear
 from specjax.models.tensors import Entry, layer_entries
@@ -61,6 +62,12 @@ class EagleBody(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class EagleHead(PagedCache):
     config: ModelConfig
+    #: every layer's attention (a hashable ``specjax.kernels.paged_attention.AttentionFn``, a
+    #: stack's own kernel); None: specjax's backends
+    attention: Any = None
+
+    def __post_init__(self):
+        check_attention(self.attention)
 
     def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
                 hidden_states: jax.Array, kv_caches: list[KVCache],
@@ -75,7 +82,7 @@ class EagleHead(PagedCache):
         h = body.fc(jnp.concatenate([e, hidden_states.astype(e.dtype)], axis=-1))
         caches = []
         for i, layer in enumerate(body.layers):
-            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata)
+            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata, self.attention)
             caches.append(c)
         return h, h, caches
 

@@ -13,6 +13,7 @@ parallel-drafting slots' hidden input through ``fc`` (zeros without it).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import params as mp, rope
-from specjax.kernels.paged_attention import KVCache
+from specjax.kernels.paged_attention import KVCache, check_attention
 from specjax.models.config import ModelConfig
 from specjax.models.eagle import mask_hidden_values, without_mask_hidden
 from specjax.models.layers import MLP, Attention, DecoderLayer, PagedCache, RMSNorm, linear
@@ -37,11 +38,13 @@ class Eagle3FirstLayer(nnx.Module):
         self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias, rngs)
         self.norm_before_residual = bool(cfg.norm_before_residual)
 
-    def __call__(self, e, g, cos, sin, cache: KVCache, md: CommonAttentionMetadata):
+    def __call__(self, e, g, cos, sin, cache: KVCache, md: CommonAttentionMetadata,
+                 attention=None):
         e = self.input_layernorm(e)
         hn = self.hidden_norm(g)
         residual = hn if self.norm_before_residual else g
-        a, cache = self.self_attn(jnp.concatenate([e, hn], axis=-1), cos, sin, cache, md)
+        a, cache = self.self_attn(jnp.concatenate([e, hn], axis=-1), cos, sin, cache, md,
+                                  attention)
         h = residual + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, cache
@@ -73,6 +76,12 @@ class Eagle3Body(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class Eagle3Head(PagedCache):
     config: ModelConfig
+    #: every layer's attention (a hashable ``specjax.kernels.paged_attention.AttentionFn``, a
+    #: stack's own kernel); None: specjax's backends
+    attention: Any = None
+
+    def __post_init__(self):
+        check_attention(self.attention)
 
     def _body(self, params):
         return mp.merge(Eagle3Body, (self.config,), without_mask_hidden(params))
@@ -111,10 +120,11 @@ class Eagle3Head(PagedCache):
         cos, sin = rope.cos_sin_for(cfg, positions, attn_metadata.query_start_loc)
         e = mp.embed(params, input_ids)
         caches = []
-        h, c = body.layers[0](e, hidden_states.astype(e.dtype), cos, sin, kv_caches[0], attn_metadata)
+        h, c = body.layers[0](e, hidden_states.astype(e.dtype), cos, sin, kv_caches[0],
+                              attn_metadata, self.attention)
         caches.append(c)
         for i in range(1, len(body.layers)):
-            h, c = body.layers[i](h, cos, sin, kv_caches[i], attn_metadata)
+            h, c = body.layers[i](h, cos, sin, kv_caches[i], attn_metadata, self.attention)
             caches.append(c)
         normed = body.norm(h)
         return normed, normed if cfg.norm_output else h, caches

@@ -12,13 +12,14 @@ checkpoint's module count.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
-from specjax.kernels.paged_attention import KVCache
+from specjax.kernels.paged_attention import KVCache, check_attention
 from specjax.models import params as mp, rope
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, PagedCache, RMSNorm, linear
@@ -42,6 +43,12 @@ class MTPBody(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class MTPHead(PagedCache):
     config: ModelConfig
+    #: every layer's attention (a hashable ``specjax.kernels.paged_attention.AttentionFn``, a
+    #: stack's own kernel); None: specjax's backends
+    attention: Any = None
+
+    def __post_init__(self):
+        check_attention(self.attention)
 
     def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
                 hidden_states: jax.Array, kv_caches: list[KVCache],
@@ -59,7 +66,7 @@ class MTPHead(PagedCache):
                                             axis=-1))
         caches = []
         for i, layer in enumerate(body.layers):
-            x, c = layer(x, cos, sin, kv_caches[i], attn_metadata)
+            x, c = layer(x, cos, sin, kv_caches[i], attn_metadata, self.attention)
             caches.append(c)
         o = body.final_layernorm(x)
         return o, o, caches

@@ -62,6 +62,9 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         (the head's ``config.mask_token_id``); required with ``parallel_drafting``.
       kernel_backend: backend of the index kernels (``"auto"``, ``"xla"``, ...).
       mesh, vocab_axis: the local argmax reduction's mesh and axis (None: plain argmax).
+      attention: the head's attention, a hashable ``specjax.kernels.paged_attention.AttentionFn``
+        (a stack's own kernel; set on a copy of ``model``); None: the head's own (specjax's
+        backends unless the head was built with one).
     """
 
     config: SpeculativeConfig
@@ -72,11 +75,20 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     kernel_backend: str = "auto"
     mesh: Mesh | None = None
     vocab_axis: str = "tp"
+    attention: Any = None
 
     #: What a serving loop must feed (see ``ProposerInputs``).
     needs_hidden_states = True
 
     def __post_init__(self) -> None:
+        from specjax.kernels.paged_attention import check_attention
+
+        if check_attention(self.attention) is not None:
+            if not isinstance(self.model, (EagleHead, Eagle3Head, MTPHead)):
+                raise TypeError(f"attention= applies to specjax's EagleHead / Eagle3Head / "
+                                f"MTPHead, not a {type(self.model).__name__}")
+            object.__setattr__(self, "model", dataclasses.replace(self.model,
+                                                                  attention=self.attention))
         method = getattr(self.config, "method", None)
         head = {"eagle3": Eagle3Head, "mtp": MTPHead}.get(method, EagleHead)
         cfg = check_proposer(self, method if method in ("eagle", "eagle3", "mtp") else "eagle", head)
