@@ -11,6 +11,7 @@ target): each block query sees every cached context key and every block key. Fin
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from flax import nnx
 
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.models import params as mp, rope
-from specjax.kernels.paged_attention import KVCache, write_kv
+from specjax.kernels.paged_attention import KVCache, check_attention, write_kv
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, PagedCache, RMSNorm, linear, rms_norm
 
@@ -35,6 +36,12 @@ class DFlashBody(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class DFlashHead(PagedCache):
     config: ModelConfig
+    #: every layer's attention (a hashable ``specjax.kernels.paged_attention.AttentionFn``
+    #: honouring ``md.causal``); None: specjax's backends
+    attention: Any = None
+
+    def __post_init__(self):
+        check_attention(self.attention)
 
     def combine_hidden_states(self, params: dict, aux_hidden_states: jax.Array) -> jax.Array:
         """``[T, n_aux, Ht]`` or ``[T, n_aux * Ht]`` -> ``fc`` output ``[T, H]`` (no norm yet)."""
@@ -90,7 +97,7 @@ class DFlashHead(PagedCache):
         h = mp.embed(params, input_ids)
         caches = []
         for i, layer in enumerate(body.layers):
-            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata)
+            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata, self.attention)
             caches.append(c)
         return body.norm(h), caches
 

@@ -23,6 +23,20 @@ from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, ProposerInput
 _I32 = jnp.int32
 
 
+def set_head_attention(prop: Any, heads: tuple[type, ...]) -> None:
+    """Give ``prop.model`` (one of ``heads``) ``prop.attention``, a stack's own
+    ``specjax.kernels.paged_attention.AttentionFn``, on a copy; nothing for None. TypeError
+    naming ``attention``: not a hashable callable, or a head of another type."""
+    from specjax.kernels.paged_attention import check_attention
+
+    if check_attention(prop.attention) is None:
+        return
+    if not isinstance(prop.model, heads):
+        raise TypeError(f"attention= applies to specjax's {' / '.join(h.__name__ for h in heads)}"
+                        f", not a {type(prop.model).__name__}")
+    object.__setattr__(prop, "model", dataclasses.replace(prop.model, attention=prop.attention))
+
+
 def check_proposer(proposer: Any, method: str, model_type: type | tuple[type, ...] | None,
                    positive: tuple[str, ...] = ("block_size", "max_model_len")) -> SpeculativeConfig:
     """The checks every device proposer makes at construction: the config and its method,

@@ -27,6 +27,7 @@ from specjax.proposers.common import (
     check_proposer,
     draft_output,
     init_kv_caches,
+    set_head_attention,
 )
 from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax
 
@@ -49,6 +50,9 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
       config, block_size, max_model_len, kernel_backend, mesh, vocab_axis: as EAGLE's
         (``method="dflash"``).
       model: the ``DFlashHead``; its ``config.mask_token_id`` is the mask token.
+      attention: the head's attention (a hashable ``AttentionFn``, set on a copy of
+        ``model``; it must honour ``md.causal``: the block attends non-causally); None:
+        specjax's backends.
 
     Query positions past the block table (which should cover ``min(seq_len - rejected + 1
     + k, max_model_len)``) are dropped.
@@ -61,6 +65,7 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     kernel_backend: str = "auto"
     mesh: Mesh | None = None
     vocab_axis: str = "tp"
+    attention: Any = None
 
     #: What a serving loop must feed (see ``ProposerInputs``): the aux hidden states only
     #: (the context comes from ``fc`` over them; the final hidden states are never read).
@@ -68,6 +73,7 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     needs_aux_hidden_states = True
 
     def __post_init__(self) -> None:
+        set_head_attention(self, (DFlashHead,))
         check_proposer(self, "dflash", DFlashHead)
         mc = self.model.config
         if not 0 <= mc.mask_token_id < mc.vocab_size:

@@ -33,6 +33,7 @@ from specjax.proposers.common import (
     draft_output,
     drafts_with_first,
     init_kv_caches,
+    set_head_attention,
     shift_in_next_tokens,
 )
 from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax, proposer_top_k
@@ -81,14 +82,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     needs_hidden_states = True
 
     def __post_init__(self) -> None:
-        from specjax.kernels.paged_attention import check_attention
-
-        if check_attention(self.attention) is not None:
-            if not isinstance(self.model, (EagleHead, Eagle3Head, MTPHead)):
-                raise TypeError(f"attention= applies to specjax's EagleHead / Eagle3Head / "
-                                f"MTPHead, not a {type(self.model).__name__}")
-            object.__setattr__(self, "model", dataclasses.replace(self.model,
-                                                                  attention=self.attention))
+        set_head_attention(self, (EagleHead, Eagle3Head, MTPHead))
         method = getattr(self.config, "method", None)
         head = {"eagle3": Eagle3Head, "mtp": MTPHead}.get(method, EagleHead)
         cfg = check_proposer(self, method if method in ("eagle", "eagle3", "mtp") else "eagle", head)

@@ -1,5 +1,5 @@
 """A stack's own attention in the EAGLE-family heads (issue 48, part 3): ``make_proposer(...,
-attention=fn)`` runs every layer of an EAGLE, EAGLE-3 or MTP head through ``fn`` (the
+attention=fn)`` runs every layer of an EAGLE, EAGLE-3, MTP or DFlash head through ``fn`` (the
 ``AttentionFn`` contract). The jax.numpy reference passed as a custom kernel drafts exactly
 what the default backend drafts (same acceptance, output plain greedy's); a wrong one changes
 the drafts; a non-callable is refused by name."""
@@ -19,7 +19,7 @@ from specjax.proposers import make_proposer
 from test_engine import BS, FIXED, HEADS, METHODS, MML, PARAMS_A, PROMPTS_A, baseline, target
 from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 
-HEAD_METHODS = [m for m in ("eagle", "eagle3", "mtp") if m in METHODS]
+HEAD_METHODS = [m for m in ("eagle", "eagle3", "mtp", "dflash") if m in METHODS]
 
 
 def reference_attention(q, k, v, cache, md, *, scale):
@@ -48,10 +48,11 @@ def head(method: str, **options):
     tgt = target()
     kind, hf = HEADS[method]
     dcfg = registry.config_from_hf(kind, hf)
+    extra = dict(aux_layer_ids=(0, 1)) if method == "dflash" else {}
     return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=3), draft=dcfg,
                          draft_params=registry.init_params(kind, dcfg, 1), target=tgt.model,
                          target_params=tgt.params, max_model_len=MML, block_size=BS,
-                         kernel_backend="xla", **options)
+                         kernel_backend="xla", **extra, **options)
 
 
 def _stats(out):
