@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any, Callable
 
 import numpy as np
 
-from specjax.converters.errors import CheckpointError
+from specjax.converters.errors import CheckpointError, short
 from specjax.converters.tensor_ref import TensorRef
 
 Tensors = dict[str, TensorRef]
@@ -84,15 +85,24 @@ _PARALLEL_TOKEN_FIELDS = PARALLEL_TOKEN_FIELDS
 
 # -- reading -----------------------------------------------------------------------------------
 
+def _key(where: str, key: str) -> str:
+    """``config.json: <key>`` for a key of the config object ``where`` ("config" is
+    config.json's top level; "config.a.b" its nested object ``a.b``)."""
+    inner = where.partition(".")[2] if where.startswith("config") else where
+    return f"config.json: {inner + '.' if inner else ''}{key}"
+
+
 def _decoder_fields(cfg: dict, notes: list[str], *, where: str = "config") -> dict:
     """The HF decoder fields every kind reads, HF's defaults filled in (rope also from
     transformers-v5 ``rope_parameters``)."""
     cfg = copy.deepcopy(cfg)
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers",
-                  "intermediate_size", "vocab_size"):
-        if not isinstance(cfg.get(field), int):
-            raise CheckpointError(f"{where}: field {field!r} is missing or not an int "
-                                  f"(got {cfg.get(field)!r})")
+    # num_hidden_layers may be 0 (an MTP-only draft such as MiMo's keeps its layers apart)
+    for field, lo in (("hidden_size", 1), ("num_attention_heads", 1), ("num_hidden_layers", 0),
+                      ("intermediate_size", 1), ("vocab_size", 1)):
+        v = cfg.get(field)
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            got = "missing" if field not in cfg else short(v)
+            raise CheckpointError(f"{_key(where, field)} must be an int >= {lo}, got {got}")
     params = cfg.get("rope_parameters")
     theta, scaling = cfg.get("rope_theta"), cfg.get("rope_scaling")
     if isinstance(params, dict):
@@ -109,6 +119,10 @@ def _decoder_fields(cfg: dict, notes: list[str], *, where: str = "config") -> di
     if theta is None:
         theta = 10000.0
         notes.append(f"{where}: no rope_theta; using HF's default 10000")
+    if (not isinstance(theta, (int, float)) or isinstance(theta, bool)
+            or not math.isfinite(theta) or theta <= 0):
+        raise CheckpointError(f"{_key(where, 'rope_theta')} must be a finite number > 0, "
+                              f"got {short(theta)}")
     cfg["rope_theta"] = float(theta)
     cfg["rope_scaling"] = scaling or None
     if cfg.get("is_neox_style", True) is False:

@@ -179,7 +179,10 @@ class _Archive:
         return raw
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
+class _AllowList:
+    """The allow-list unpickler's methods, over the C (:class:`_RestrictedUnpickler`) or
+    the pure-Python (:class:`_KeyFinder`) unpickler."""
+
     def __init__(self, archive: _Archive):
         super().__init__(io.BytesIO(archive.read_record("data.pkl", limit=MAX_PICKLE_BYTES)))
         self.archive = archive
@@ -197,7 +200,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if module == "torch" and name in _TORCH_DTYPES:
             return _Marker(name, _TORCH_DTYPES[name])
         if module == "_codecs" and name == "encode":
-            return _latin1_encode
+            return self._latin1_encode
         raise UnsafePickleError(clip(f"{module}.{name}"), self.archive.path)
 
     def persistent_load(self, pid):
@@ -289,12 +292,57 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
         return TensorRef(size, dtype, load, f"{os.path.basename(path)}:data/{storage.key}")
 
+    def _latin1_encode(self, obj, encoding="latin1", errors="strict"):
+        # Protocol-2 pickles write bytes as _codecs.encode(str, 'latin1').
+        if encoding not in ("latin1", "latin-1"):
+            raise CheckpointError(f"{self.archive.path}: data.pkl calls _codecs.encode with "
+                                  f"encoding {short(encoding)}; refused (only 'latin1', which "
+                                  "protocol-2 pickles use for bytes, is allowed)")
+        if not isinstance(obj, str):
+            raise CheckpointError(f"{self.archive.path}: data.pkl calls _codecs.encode on a "
+                                  f"{type(obj).__name__}; refused (only a str is allowed)")
+        return obj.encode("latin1")
 
-def _latin1_encode(obj, encoding="latin1", errors="strict"):
-    # Protocol-2 pickles write bytes as _codecs.encode(str, 'latin1').
-    if encoding not in ("latin1", "latin-1") or not isinstance(obj, str):
-        raise CheckpointError(f"refusing _codecs.encode with encoding {encoding!r}")
-    return obj.encode("latin1")
+
+class _RestrictedUnpickler(_AllowList, pickle.Unpickler):
+    pass
+
+
+class _KeyFinder(_AllowList, pickle._Unpickler):
+    """The pure-Python unpickler with the same allow-list, run again only to name the
+    state-dict key of a tensor that a BUILD opcode tries to modify (the C unpickler's
+    stack is not visible): at BUILD the stack ends ``key, tensor, state``."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def _load_build(self):
+        stack = self.stack
+        if len(stack) >= 2 and isinstance(stack[-2], TensorRef):
+            key = stack[-3] if len(stack) >= 3 and isinstance(stack[-3], str) else None
+            raise _BuildOnTensor(key, stack[-2].source)
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+
+class _BuildOnTensor(Exception):
+    def __init__(self, key, source):
+        super().__init__(key, source)
+        self.key, self.source = key, source
+
+
+def _build_refusal(archive: _Archive, err: CheckpointError) -> CheckpointError:
+    """``err`` (a BUILD on a rebuilt tensor) again, naming the file and the state-dict key."""
+    try:
+        _KeyFinder(archive).load()
+    except _BuildOnTensor as b:
+        key = "an unnamed entry" if b.key is None else f"key {short(b.key)}"
+        return CheckpointError(f"{archive.path}: state-dict {key} (storage {b.source}): the "
+                               "pickle tries to modify a rebuilt tensor (BUILD on a tensor); "
+                               "refused")
+    except Exception:  # noqa: BLE001 - the first refusal stands
+        pass
+    return err
 
 
 def _ascii(x):
@@ -325,7 +373,11 @@ def read_torch_file(path: str | os.PathLike) -> dict[str, TensorRef]:
     unpickler = _RestrictedUnpickler(archive)
     try:
         obj = unpickler.load()
-    except (CheckpointError, UnsafePickleError):
+    except UnsafePickleError:
+        raise
+    except CheckpointError as e:
+        if "(BUILD on a tensor)" in str(e):
+            raise _build_refusal(archive, e) from None
         raise
     except Exception as e:  # malformed pickle
         raise CheckpointError(f"{path}: cannot unpickle data.pkl ({type(e).__name__}: "

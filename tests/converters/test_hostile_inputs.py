@@ -142,6 +142,15 @@ def _build_on_tensor_slots(root):
     return _torch_dir(root, collections.OrderedDict({"model.norm.weight": evil}), [st])
 
 
+def _codecs_call(root):
+    """A protocol-2 ``_codecs.encode`` call with an encoding other than latin1."""
+    st = Storage("0", np.zeros(4, np.float32))
+    sd = collections.OrderedDict({
+        "model.norm.weight": _rebuild(st, (4,), (1,)),
+        "model.bias": Call(Global("_codecs", "encode"), ("abc", "utf-16"))})
+    return _torch_dir(root, sd, [st])
+
+
 def _short_record(root):
     """A storage that declares 64 floats over an 8-byte record (a forged size)."""
     st = Storage("0", np.zeros(2, np.float32))
@@ -293,9 +302,11 @@ CONVERT_CASES = {
     "storage-record-forged-size": (_short_record, CheckpointError,
                                    ["pytorch_model.bin", "data/0", "expected 256 bytes"], {}),
     "build-rewrites-tensor": (_build_on_tensor, CheckpointError,
-                              ["pytorch_model.bin", "BUILD"], {}),
+                              ["pytorch_model.bin", "BUILD", "'model.norm.weight'"], {}),
     "build-rewrites-tensor-slots": (_build_on_tensor_slots, CheckpointError,
-                                    ["pytorch_model.bin", "BUILD"], {}),
+                                    ["pytorch_model.bin", "BUILD", "'model.norm.weight'"], {}),
+    "pickle-codecs-not-latin1": (_codecs_call, CheckpointError,
+                                 ["pytorch_model.bin", "_codecs.encode", "'utf-16'"], {}),
     # safetensors headers
     "st-entry-string": (lambda r: _st_patch(r, _entry("model.norm.weight", "x")),
                         CheckpointError, ["model.safetensors", "model.norm.weight"], {}),
@@ -346,6 +357,12 @@ CONVERT_CASES = {
                         and r / "src", CheckpointError, ["config.json"], {}),
     "config-too-many-layers": (lambda r: _llama_dir(r, config=llama_config(
         num_hidden_layers=100000)), CheckpointError, ["num_hidden_layers=100000"], {}),
+    "config-zero-heads": (lambda r: _llama_dir(r, config=llama_config(num_attention_heads=0)),
+                          CheckpointError, ["config.json", "num_attention_heads"], {}),
+    "config-rope-theta-string": (lambda r: _llama_dir(r, config=llama_config(rope_theta="1e4")),
+                                 CheckpointError, ["config.json", "rope_theta"], {}),
+    "config-rope-theta-list": (lambda r: _llama_dir(r, config=llama_config(rope_theta=[1e4])),
+                               CheckpointError, ["config.json", "rope_theta"], {}),
     "many-unknown-tensors": (lambda r: _llama_dir(r, edit=_many_unknown), CheckpointError,
                              ["model.bogus.", "and 292 more"], {}),
     # numbers
@@ -414,6 +431,39 @@ def test_cli_prints_one_line(tmp_path, capsys, name):
     assert len(lines) == 2 and lines[0].startswith("specjax-convert: error: "), err
     assert lines[1] == f"specjax-convert: nothing was written to {dst}"
     assert all(n in lines[0] for n in needles)
+    _nothing_written(tmp_path, dst)
+
+
+# Issue 59: the exact message of each (the source directory is ``tmp_path / "src"``).
+NAMED_MESSAGES = {
+    "config-zero-heads": "config.json: num_attention_heads must be an int >= 1, got 0",
+    "config-rope-theta-string": "config.json: rope_theta must be a finite number > 0, got '1e4'",
+    "config-rope-theta-list": "config.json: rope_theta must be a finite number > 0, got [10000.0]",
+    "pickle-codecs-not-latin1": (
+        "{src}/pytorch_model.bin: data.pkl calls _codecs.encode with encoding 'utf-16'; "
+        "refused (only 'latin1', which protocol-2 pickles use for bytes, is allowed)"),
+    "build-rewrites-tensor": (
+        "{src}/pytorch_model.bin: state-dict key 'model.norm.weight' (storage "
+        "pytorch_model.bin:data/0): the pickle tries to modify a rebuilt tensor (BUILD on a "
+        "tensor); refused"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_MESSAGES))
+def test_named_message_exact_and_cli_has_no_traceback(tmp_path, capsys, name):
+    build, etype, _needles, _kw = CONVERT_CASES[name]
+    src = build(tmp_path)
+    dst = tmp_path / "out"
+    with pytest.raises(etype) as e:
+        convert(src, dst)
+    assert str(e.value) == NAMED_MESSAGES[name].format(src=src)
+    _nothing_written(tmp_path, dst)
+    assert cli.main([str(src), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines == [f"specjax-convert: error: {e.value}",
+                     f"specjax-convert: nothing was written to {dst}"], err
     _nothing_written(tmp_path, dst)
 
 
