@@ -511,6 +511,11 @@ def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool
     dt = parse_dtype(dtype)
     path = Path(path).absolute()
     if not is_converted(path):
+        if (path / PARAMS_DIR).is_dir():
+            raise CheckpointError(
+                f"{path}: not a converted specjax checkpoint: {METADATA_FILE} is missing (it "
+                f"records the model's kind, config and arrays, and {PARAMS_DIR}/ cannot be read "
+                "without it); run specjax-convert on the original checkpoint again")
         prep = prepare(path, format=format, dtype=dt, allow_nonfinite=allow_nonfinite)
         return _registry().Pretrained(prep.kind, prep.config, prep.params)
     meta = store.read_metadata(path)
@@ -525,8 +530,12 @@ def load_pretrained(path, dtype=None, *, format: str | None = None, verify: bool
         raise CorruptOutputError(f"{where}: key 'config' does not describe a {kind!r} model "
                                  f"({type(e).__name__}: {clip(e, 200)})") from None
     stored = parse_dtype(meta["dtype"])
-    target = _restore_target(path, kind, config, stored, meta.get("extra_params") or {})
-    params = store.restore(path, meta, target, verify=verify)
+    try:
+        target = _restore_target(path, kind, config, stored, meta.get("extra_params") or {})
+        params = store.restore(path, meta, target, verify=verify)
+    except CheckpointError:
+        _config_matches_arrays(where, meta)   # name the edited config key, when one is to blame
+        raise
     if dt is not None and dt != stored:
         import jax  # noqa: PLC0415
 
@@ -553,6 +562,47 @@ def _restore_target(path: Path, kind: str, config, dtype, extra: dict) -> dict:
                                   f"{list(shape)}; the {kind} config needs "
                                   f"{list(target[name].shape)}")
     return target
+
+
+def _config_matches_arrays(where: Path, meta: dict) -> None:
+    # CorruptOutputError naming the config key (hidden_size, num_hidden_layers,
+    # intermediate_size) that disagrees with the recorded arrays (a config edited after the
+    # conversion). Called once the load has failed; silent when no such key is to blame.
+    config, arrays = meta.get("config"), meta.get("arrays")
+    if not isinstance(config, dict) or not isinstance(arrays, dict):
+        return
+
+    def shape(suffix: str):
+        for name in sorted(arrays):
+            rec = arrays[name]
+            if name.endswith(suffix) and isinstance(rec, dict) and \
+                    isinstance(rec.get("shape"), list) and rec["shape"]:
+                return name, rec["shape"]
+        return None, None
+
+    def refuse(key, value, name, shp, why):
+        raise CorruptOutputError(
+            f"{where}: config {key}={value!r} but the checkpoint's {name} is {list(shp)}: "
+            f"{why} (the config was edited after the conversion; restore {key}, or run "
+            "specjax-convert on the original checkpoint again)")
+
+    hidden = config.get("hidden_size")
+    name, shp = shape("embed_tokens/embedding")
+    if isinstance(hidden, int) and name is not None and shp[-1] != hidden:
+        refuse("hidden_size", hidden, name, shp, f"its last dimension is {shp[-1]}")
+    layers = config.get("num_hidden_layers")
+    found = {int(m.group(1)) for n in arrays if (m := re.match(r"layers/(\d+)/", n))}
+    if isinstance(layers, int) and found and len(found) != layers:
+        # the per-layer arrays decide it: a model keeps one layers/N/ per decoder layer
+        raise CorruptOutputError(
+            f"{where}: config num_hidden_layers={layers!r} but the checkpoint holds "
+            f"{len(found)} decoder layers (layers/0 .. layers/{max(found)}) (the config was "
+            "edited after the conversion; restore num_hidden_layers, or run specjax-convert "
+            "on the original checkpoint again)")
+    inter = config.get("intermediate_size")
+    name, shp = shape("mlp/up_proj/kernel")
+    if isinstance(inter, int) and name is not None and shp[-1] != inter:
+        refuse("intermediate_size", inter, name, shp, f"its last dimension is {shp[-1]}")
 
 
 def config_from_metadata(meta: dict):

@@ -171,11 +171,10 @@ def save_parts(out_dir: Path, groups, *, held,
     root.mkdir()
     parts: list[str] = []
     arrays: dict[str, dict] = {}
-    quiet = _Quiet()
-    loggers = [logging.getLogger(n) for n in ("absl", "orbax", "")]
-    for lg in loggers:
-        lg.addFilter(quiet)
+    quiet = _QuietWrites()
+    quiet.__enter__()
     ckptr = ocp.StandardCheckpointer()
+    failed = True
     try:
         i = -1
         for group in groups:     # (not enumerate: its cached result tuple keeps a group alive)
@@ -202,11 +201,71 @@ def save_parts(out_dir: Path, groups, *, held,
             release_memory()
             if progress is not None:
                 progress(keys)
+        failed = False
     finally:
-        ckptr.close()
-        for lg in loggers:
-            lg.removeFilter(quiet)
+        try:
+            ckptr.close()
+        except Exception:  # noqa: BLE001 (the write's own error, raised above, names it)
+            if not failed:
+                raise
+        finally:
+            quiet.__exit__(failed)
     return parts, arrays
+
+
+# Drops the records of a full disk that a failed orbax write leaves to be logged later, when
+# the filters of _QuietWrites are gone: asyncio's "exception was never retrieved" for the
+# tasks orbax's event loop still holds (logged at exit) and absl's ERROR from orbax's
+# background threads. Installed on those loggers after a failed write; passes everything else.
+class _LeftoverDiskFull(logging.Filter):
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ((exc is not None and _disk_full(exc))
+                    or "No space left on device" in record.getMessage())
+
+
+_LEFTOVERS = _LeftoverDiskFull()
+
+
+def _drop_leftover_disk_full_records() -> None:
+    for name in ("asyncio", "absl", "orbax"):
+        lg = logging.getLogger(name)
+        if _LEFTOVERS not in lg.filters:
+            lg.addFilter(_LEFTOVERS)
+
+
+# Silences what a failed orbax write prints besides its error: the ERROR records of orbax /
+# absl / asyncio (one per array) and the "RuntimeError: Event loop is closed" tracebacks that
+# TensorStore's threads print through sys.excepthook when their callbacks reach orbax's closed
+# event loop. On a failure the leftover tasks are collected before the hooks are restored; the
+# caller raises one clear error instead.
+class _QuietWrites:
+    LOGGERS = ("absl", "orbax", "asyncio", "")
+
+    def __enter__(self):
+        import threading  # noqa: PLC0415
+
+        self._filter = _Quiet()
+        self._loggers = [logging.getLogger(n) for n in self.LOGGERS]
+        for lg in self._loggers:
+            lg.addFilter(self._filter)
+        self._hooks = (sys.excepthook, threading.excepthook, sys.unraisablehook)
+        sys.excepthook = lambda *_a: None
+        threading.excepthook = lambda _a: None
+        sys.unraisablehook = lambda _u: None
+        return self
+
+    def __exit__(self, failed: bool = False, *_exc) -> None:
+        import threading  # noqa: PLC0415
+
+        try:
+            if failed:
+                _drop_leftover_disk_full_records()
+                gc.collect()
+        finally:
+            sys.excepthook, threading.excepthook, sys.unraisablehook = self._hooks
+            for lg in self._loggers:
+                lg.removeFilter(self._filter)
 
 
 def _raise_write_error(e: BaseException, where: Path):
@@ -451,6 +510,7 @@ def restore(path: Path, meta: dict, target: dict, *, verify: bool = True) -> dic
             d = path / PARAMS_DIR / part
             mine = {tuple(name.split("/")): want[names[name]]
                     for name, rec in arrays.items() if rec["part"] == i}
+            _check_part_metadata(d)
             stored = _orbax(lambda: _metadata_tree(ckptr.metadata(d)), d)
             _compare_stored(d, flatten(_plain(stored)), mine)
             got = _orbax(lambda: ckptr.restore(d, unflatten(mine)), d)
@@ -464,6 +524,18 @@ def restore(path: Path, meta: dict, target: dict, *, verify: bool = True) -> dic
     finally:
         ckptr.close()
     return unflatten(out)
+
+
+# orbax's per-part metadata file: the list of the part's arrays (without it orbax reads the
+# part as holding one unnamed array and the comparison below would name nothing useful)
+PART_METADATA_FILE = "_METADATA"
+
+
+def _check_part_metadata(d: Path) -> None:
+    if d.is_dir() and not (d / PART_METADATA_FILE).is_file():
+        raise CorruptOutputError(f"{d}: orbax's metadata file {PART_METADATA_FILE} is missing "
+                                 "(the part is incomplete: it no longer lists its arrays; "
+                                 "convert again)")
 
 
 def _metadata_tree(m):
