@@ -36,6 +36,7 @@ from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.kernels import paged_attention as attn
 from specjax.kernels.paged_attention import KVCache
 from specjax.kernels.paged_attention import flash
+from test_paged_attention import random_tree
 
 ROOT = str(suite_paths.ROOT)
 
@@ -74,19 +75,6 @@ class Case:
         rows, _, _ = flash.flash_config(head_dim=self.hd, group=self.group, rows=self.rows,
                                         max_query_len=self.qmax, block_k=self.block_k)
         return rows // self.group
-
-
-def random_tree(rng, q):
-    """Node ``i > 0`` has a parent ``< i``; a row is the node and its ancestors."""
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, q)]
-    rows = []
-    for i in range(q):
-        seen, j = set(), i
-        while j >= 0:
-            seen.add(j)
-            j = parent[j]
-        rows.append(tuple(j in seen for j in range(q)))
-    return tuple(rows)
 
 
 def make_batch(c: Case, seed: int):
