@@ -15,6 +15,9 @@ KINDS = ("llama", "qwen2", "qwen3", "eagle", "eagle3", "dflash", "medusa", "mtp"
 #: Kinds that are a plain decoder LM (target or draft model).
 DECODER_KINDS = ("llama", "qwen2", "qwen3")
 
+#: Attention kinds of ``layer_types`` (HF's names).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
 #: RoPE scaling types implemented (``rope_scaling.rope_type``; None means plain RoPE).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
@@ -70,6 +73,10 @@ class ModelConfig:
     has_lm_head: bool | None = None
     has_d2t: bool | None = None
     has_token_map: bool | None = None
+    # attention pattern
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] | None = None
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -101,6 +108,17 @@ class ModelConfig:
                 if n != self.head_dim // 2:
                     raise ValueError(f"rope_scaling.{key} must hold head_dim/2={self.head_dim // 2} "
                                      f"numbers, got {n}")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0: none), got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or any(
+                    t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(f"layer_types must hold num_hidden_layers="
+                                 f"{self.num_hidden_layers} entries of {LAYER_TYPES}, got "
+                                 f"{self.layer_types}")
+            if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window "
+                                 f"is {self.sliding_window}")
         if self.kind in ("eagle3", "dflash") and self.draft_vocab_size <= 0:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
 
@@ -116,6 +134,16 @@ class ModelConfig:
         if not d:
             return "default"
         return str(d.get("rope_type", d.get("type", "default")))
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window in keys (HF: the query and ``window - 1`` keys
+        before it), or None for full attention: ``layer_types`` when given, else every
+        layer when ``sliding_window`` is set (Mistral)."""
+        if self.sliding_window <= 0:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def num_aux(self) -> int:

@@ -29,7 +29,8 @@ class DFlashBody(nnx.Module):
         fc_in = cfg.num_aux * (cfg.target_hidden_size or cfg.hidden_size)
         self.fc = linear(fc_in, cfg.hidden_size, False, rngs)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, layer=i)
+                                  for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

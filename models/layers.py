@@ -80,9 +80,11 @@ class MLP(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """GQA self-attention over the paged cache; q/k/v read ``in_features``-wide inputs."""
+    """GQA self-attention over the paged cache; q/k/v read ``in_features``-wide inputs.
+    ``layer``: its index, for ``cfg.layer_window``; ``cfg.attention_sinks``: a ``sinks``
+    parameter, one logit per query head."""
 
-    def __init__(self, cfg: ModelConfig, in_features: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, in_features: int, rngs: nnx.Rngs, *, layer: int = 0):
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = linear(in_features, nh * hd, cfg.qkv_bias, rngs)
         self.k_proj = linear(in_features, nkv * hd, cfg.qkv_bias, rngs)
@@ -93,6 +95,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nnx.Param(jnp.zeros((nh,), jnp.float32)) if cfg.attention_sinks else None
+        self.window = cfg.layer_window(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache,
@@ -113,17 +117,29 @@ class Attention(nnx.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         attend = attn_lib.attend if attention is None else attention
-        o, cache = attend(q, k, v, cache, md, scale=self.head_dim ** -0.5)
+        o, cache = attend(q, k, v, cache, md, scale=self.head_dim ** -0.5, **self.extras())
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), cache
+
+
+    def extras(self) -> dict:
+        """The window / sinks keywords of this layer's attention call (none when unused,
+        so an ``AttentionFn`` without them keeps working)."""
+        kw = {}
+        if self.window is not None:
+            kw["sliding_window"] = self.window
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks[...]
+        return kw
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm Llama/Qwen layer. ``input_norm=False``: EAGLE-1 layer 0 (no input norm)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, input_norm: bool = True):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, input_norm: bool = True,
+                 layer: int = 0):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps) if input_norm else None
-        self.self_attn = Attention(cfg, h, rngs)
+        self.self_attn = Attention(cfg, h, rngs, layer=layer)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size, cfg.mlp_bias, rngs)
 

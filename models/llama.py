@@ -28,7 +28,8 @@ class DecoderBody(nnx.Module):
     """``layers.{i}`` and the final ``norm`` (embedding and head are handled by the runner)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, layer=i)
+                                  for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -36,7 +36,8 @@ class MTPBody(nnx.Module):
         self.token_layernorm = RMSNorm(h, eps)
         self.hidden_layernorm = RMSNorm(h, eps)
         self.input_proj = linear(2 * h, h, False, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, layer=i)
+                                  for i in range(cfg.num_hidden_layers)])
         self.final_layernorm = RMSNorm(h, eps)
 
 

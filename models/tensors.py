@@ -39,6 +39,9 @@ def layer_entries(prefix: str, path: tuple, c: ModelConfig, *, in_features: int,
     for name, o in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
         lin(f"self_attn.{name}", ("self_attn", name), o, in_features, c.qkv_bias)
     lin("self_attn.o_proj", ("self_attn", "o_proj"), h, q, c.o_bias)
+    if c.attention_sinks:
+        out.append(Entry(f"{prefix}self_attn.sinks", path + ("self_attn", "sinks"),
+                         (c.num_attention_heads,), "copy"))
     if c.qk_norm:
         for name in ("q_norm", "k_norm"):
             out.append(Entry(f"{prefix}self_attn.{name}.weight", path + ("self_attn", name, "weight"),

@@ -136,27 +136,69 @@ def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 
 
 def paged_attention(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *,
-                    scale: float, backend: str | None = None) -> jax.Array:
+                    scale: float, backend: str | None = None, sliding_window: int | None = None,
+                    sinks: jax.Array | None = None) -> jax.Array:
     """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads,
     head_dim]`` in ``q.dtype`` (module docstring). GQA: query head ``h`` reads kv head ``h //
     (num_heads // num_kv_heads)``; scores and softmax in float32. ``backend``: see
-    :func:`resolve_attention_backend` (None is ``"auto"``)."""
+    :func:`resolve_attention_backend` (None is ``"auto"``). ``sliding_window`` (static int
+    >= 1): the query at cache position ``p`` sees keys ``> p - window`` only (HF's
+    ``sliding_window``: the query and ``window - 1`` keys before it); ``sinks [num_heads]``
+    float: one extra logit per head in each softmax, with no value (gpt-oss's ``sinks``).
+    ValueError names a bad ``sliding_window`` or ``sinks`` shape."""
+    sliding_window = check_window_sinks(sliding_window, sinks, q.shape[1])
     backend = resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype, backend)
+    if backend != "xla" and (sliding_window is not None or sinks is not None):
+        return _window_sinks_kernel(q, cache, md, scale, sliding_window, sinks)
     if backend != "xla":
         args = (q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_table)
         static = _part.static(backend, md, scale)
         if jax.device_count() > 1:
             return _part.partitioned(False)(static, *args)
         return _part.kernel_attention(static, *args)
-    return paged_attention_xla(q, cache, md, scale=scale)
+    return paged_attention_xla(q, cache, md, scale=scale, sliding_window=sliding_window,
+                               sinks=sinks)
+
+
+def check_window_sinks(sliding_window, sinks, num_heads: int) -> int | None:
+    """``sliding_window`` as an int (None stays None) after checking it and ``sinks``'s
+    shape; ValueError naming the argument."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)) \
+                or sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+        sliding_window = int(sliding_window)
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must have shape [num_heads] = [{num_heads}], got "
+                         f"{tuple(sinks.shape)}")
+    return sliding_window
+
+
+def _window_sinks_kernel(q, cache: KVCache, md: CommonAttentionMetadata, scale: float,
+                         window: int | None, sinks) -> jax.Array:
+    """A sliding window or sinks on a kernel backend: ``flash.py``'s kernel (any query
+    length) on one device where it takes the shapes, else the reference."""
+    from specjax.kernels.paged_attention import flash
+
+    if (jax.device_count() > 1 or flash.unsupported_reason(
+            num_heads=q.shape[1], num_kv_heads=cache.k.shape[2], head_dim=q.shape[2],
+            tree_mask=md.tree_mask, dtype=q.dtype) is not None):
+        return paged_attention_xla(q, cache, md, scale=scale, sliding_window=window,
+                                   sinks=sinks)
+    return flash.paged_attention(q, cache.k, cache.v, md.query_start_loc, md.seq_lens,
+                                 md.block_table, sinks, scale=scale,
+                                 max_query_len=int(md.max_query_len), causal=bool(md.causal),
+                                 tree_mask=md.tree_mask, sliding_window=window)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
            md: CommonAttentionMetadata, *, scale: float, backend: str | None = None,
-           fused_kv_write: bool | str = "auto",
-           kv_write_kernel: bool = True) -> tuple[jax.Array, KVCache]:
+           fused_kv_write: bool | str = "auto", kv_write_kernel: bool = True,
+           sliding_window: int | None = None,
+           sinks: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Write ``k``, ``v [T, num_kv_heads, head_dim]`` at ``md.slot_mapping``, then
-    :func:`paged_attention`; returns ``(out [T, num_heads, head_dim], cache)``.
+    :func:`paged_attention` (``sliding_window``, ``sinks``: its); returns ``(out [T,
+    num_heads, head_dim], cache)``.
 
     On the ``"pallas"`` backend (one dtype throughout) ``fused_kv_write=True`` writes inside
     the attention kernel (assuming no request reads a slot another request writes in the
@@ -169,7 +211,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     if q.shape[0] == 1:
         k, v = jax.lax.optimization_barrier((k, v))
     pallas = resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype, backend) == "pallas"
-    if (fused_kv_write is not False and pallas
+    extras = sliding_window is not None or sinks is not None
+    if (fused_kv_write is not False and pallas and not extras
             and not _flash_takes(q.shape, cache.k.shape, md, q.dtype)
             and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype):
         _, bs, nkv, _ = cache.k.shape
@@ -182,7 +225,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
         one_kernel = _pallas.write_kv_supported(cache.k.shape, cache.k.dtype, k.dtype, v.dtype)
     cache = (KVCache(*_pallas.write_kv(cache.k, cache.v, k, v, md.slot_mapping)) if one_kernel
              else write_kv(cache, k, v, md.slot_mapping))
-    return paged_attention(q, cache, md, scale=scale, backend=backend), cache
+    return paged_attention(q, cache, md, scale=scale, backend=backend,
+                           sliding_window=sliding_window, sinks=sinks), cache
 
 
 class AttentionFn(Protocol):
@@ -196,7 +240,10 @@ class AttentionFn(Protocol):
     ``md.slot_mapping`` (-1 dropped), then attend as the module docstring says (causal,
     non-causal or ``md.tree_mask``); ``out [T, num_heads, head_dim]`` in ``q.dtype`` and the
     updated cache. Traced inside the jitted step; it must be hashable (a static field of the
-    model, so a module-level function or a frozen object, not a fresh lambda per call)."""
+    model, so a module-level function or a frozen object, not a fresh lambda per call).
+    A layer with a sliding window or attention sinks also passes ``sliding_window=`` (int)
+    and / or ``sinks=`` (``[num_heads]`` float), as :func:`paged_attention` means them;
+    layers without them never pass these keywords."""
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
                  md: CommonAttentionMetadata, *, scale: float) -> tuple[jax.Array, KVCache]: ...

@@ -51,13 +51,18 @@ def tile_sizes(b_pad: int, num_heads: int, max_query_len: int, context: int,
 
 
 def attention_mask(qi: jax.Array, kj: jax.Array, q_valid: jax.Array, qlen: jax.Array,
-                   seq: jax.Array, md: CommonAttentionMetadata) -> jax.Array:
+                   seq: jax.Array, md: CommonAttentionMetadata,
+                   window: int | None = None) -> jax.Array:
     """``[B, Q, C]`` bools: query ``qi[i]`` (index in its request) of request ``b`` sees the
-    key at position ``kj[j]`` (the package docstring's rules: ragged, causal, tree, padding).
+    key at position ``kj[j]`` (the package docstring's rules: ragged, causal, tree, padding;
+    ``window``: only keys ``kj > qpos - window``, ``qpos = seq - qlen + qi``).
 
-    ``qi [Q]``, ``kj [C]`` int32; ``q_valid [B, Q]``; ``qlen``, ``seq [B]``. The one place
-    both forms mask, so a per-layer sliding window (``kj > qpos - window``) joins here."""
+    ``qi [Q]``, ``kj [C]`` int32; ``q_valid [B, Q]``; ``qlen``, ``seq [B]``: the one place
+    both forms mask."""
     mask = q_valid[:, :, None] & (kj[None, None, :] < seq[:, None, None])
+    if window is not None:
+        qpos = seq[:, None] - qlen[:, None] + qi[None, :]       # [B, Q]
+        mask = mask & (kj[None, None, :] > qpos[:, :, None] - window)
     if md.tree_mask is not None:
         tm = jnp.asarray(np.asarray(md.tree_mask, dtype=bool))   # [Qt, Qt]
         qt = tm.shape[0]
@@ -72,11 +77,13 @@ def attention_mask(qi: jax.Array, kj: jax.Array, q_valid: jax.Array, qlen: jax.A
 
 
 def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *,
-                        scale: float, tiled: bool | None = None, tile_q: int | None = None,
-                        chunk_k: int | None = None) -> jax.Array:
+                        scale: float, sliding_window: int | None = None,
+                        sinks: jax.Array | None = None, tiled: bool | None = None,
+                        tile_q: int | None = None, chunk_k: int | None = None) -> jax.Array:
     """The pure jax.numpy reference of :func:`paged_attention` (the ``"xla"`` backend).
 
-    ``tiled``: None picks the tiled form when :func:`dense_score_bytes` passes
+    ``sliding_window``: keys ``kpos > qpos - window`` only; ``sinks [num_heads]``: one
+    extra logit per head in each softmax, with no value (gpt-oss). ``tiled``: None picks the tiled form when :func:`dense_score_bytes` passes
     :data:`TILED_MIN_SCORE_BYTES` (static shapes), True / False forces a form; ``tile_q``,
     ``chunk_k``: the tiled form's tiles (None: :func:`tile_sizes`)."""
     nh, bs = q.shape[1], cache.k.shape[1]
@@ -85,12 +92,13 @@ def paged_attention_xla(q: jax.Array, cache: KVCache, md: CommonAttentionMetadat
     if tiled is None:
         tiled = dense_score_bytes(b_pad, nh, int(md.max_query_len), ctx) > TILED_MIN_SCORE_BYTES
     if tiled:
-        return paged_attention_tiled(q, cache, md, scale=scale, tile_q=tile_q, chunk_k=chunk_k)
-    return _dense(q, cache, md, scale)
+        return paged_attention_tiled(q, cache, md, scale=scale, sliding_window=sliding_window,
+                                     sinks=sinks, tile_q=tile_q, chunk_k=chunk_k)
+    return _dense(q, cache, md, scale, sliding_window, sinks)
 
 
-def _dense(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata,
-           scale: float) -> jax.Array:
+def _dense(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, scale: float,
+           window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """The dense form: ``[B, nkv, G*Q, C]`` scores, each request's whole context gathered."""
     t_pad, nh, hd = q.shape
     nb, bs, nkv, _ = cache.k.shape
@@ -120,12 +128,19 @@ def _dense(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata,
     qh = jnp.transpose(qr, (0, 2, 3, 1, 4)).reshape(b_pad, nkv, group * qmax, hd)
 
     kj = jnp.arange(ctx, dtype=jnp.int32)
-    mask = attention_mask(qi, kj, q_valid, qlen, seq, md)
+    mask = attention_mask(qi, kj, q_valid, qlen, seq, md, window)
 
     s = _product("bkxd,bkcd->bkxc", qh, kr) * scale             # [B, nkv, G*Q, C]
     s = s.reshape(b_pad, nkv, group, qmax, ctx)                 # [B, nkv, G, Q, C]
     s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).reshape(b_pad, nkv, group * qmax, ctx)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:               # softmax over [scores, sink], the sink column dropped
+        sk = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, nkv, group, 1, 1),
+                              (b_pad, nkv, group, qmax, 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sk], axis=-1), axis=-1)[..., :ctx]
+        p = jnp.where(mask[:, None, None], p, 0.0)
+    p = p.reshape(b_pad, nkv, group * qmax, ctx)
     o = _product("bkxc,bkcd->bkxd", p.astype(vr.dtype), vr)  # [B, nkv, G*Q, hd]
     o = jnp.transpose(o.reshape(b_pad, nkv, group, qmax, hd), (0, 3, 1, 2, 4))
     o = o.reshape(b_pad, qmax, nh, hd)
@@ -141,7 +156,8 @@ def _dense(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata,
 
 
 def paged_attention_tiled(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *,
-                          scale: float, tile_q: int | None = None,
+                          scale: float, sliding_window: int | None = None,
+                          sinks: jax.Array | None = None, tile_q: int | None = None,
                           chunk_k: int | None = None) -> jax.Array:
     """:func:`paged_attention_xla` in bounded memory: a loop over query tiles of ``tile_q``
     queries per request, each a loop over key chunks of ``chunk_k`` keys (rounded up to whole
@@ -150,8 +166,8 @@ def paged_attention_tiled(q: jax.Array, cache: KVCache, md: CommonAttentionMetad
     ``[T, num_heads, head_dim]`` output exists; each tile stops at the last key its queries
     see (causal: half the work of the dense form on a prompt). Summation order differs from
     the dense form (float rounding). ``tile_q``, ``chunk_k`` None: :func:`tile_sizes`;
-    ValueError when one is not a positive int. A per-head sink logit would add
-    ``exp(sink - m)`` to the denominator in ``_finish``."""
+    ValueError when one is not a positive int. ``sliding_window``, ``sinks``: as
+    :func:`paged_attention_xla`'s (a window skips the chunks before it)."""
     t_pad, nh, hd = q.shape
     nb, bs, nkv, _ = cache.k.shape
     g = nh // nkv
@@ -184,6 +200,10 @@ def paged_attention_tiled(q: jax.Array, cache: KVCache, md: CommonAttentionMetad
         kend = seq if sees_all else seq - qlen + last
         kend = jnp.where(last > i * tq, jnp.minimum(kend, seq), 0)
         n = jnp.minimum((jnp.max(kend) + ck - 1) // ck, n_chunks)
+        c0 = jnp.int32(0)
+        if sliding_window is not None:      # chunks wholly before every window: skipped
+            kbeg = jnp.where(q_valid[:, 0], seq - qlen + i * tq - sliding_window + 1, 1 << 30)
+            c0 = jnp.minimum(jnp.maximum(jnp.min(kbeg), 0) // ck, n)
 
         def chunk(c, carry):
             m, l, acc = carry
@@ -191,7 +211,8 @@ def paged_attention_tiled(q: jax.Array, cache: KVCache, md: CommonAttentionMetad
             kc = jnp.swapaxes(cache.k[blocks].reshape(b, ck, nkv, hd), 1, 2)  # [B, nkv, ck, hd]
             vc = jnp.swapaxes(cache.v[blocks].reshape(b, ck, nkv, hd), 1, 2)
             kj = c * ck + jnp.arange(ck, dtype=jnp.int32)
-            mask = attention_mask(qi, kj, q_valid, qlen, seq, md)[:, None, None]
+            mask = attention_mask(qi, kj, q_valid, qlen, seq, md,
+                                  sliding_window)[:, None, None]
             s = jnp.einsum("bkgqd,bkcd->bkgqc", qt, kc,
                            preferred_element_type=jnp.float32) * scale
             s = jnp.where(mask, s, _NEG)                        # [B, nkv, G, tq, ck]
@@ -205,8 +226,13 @@ def paged_attention_tiled(q: jax.Array, cache: KVCache, md: CommonAttentionMetad
 
         stats = jnp.full((b, nkv, g, tq), _NEG, jnp.float32)
         init = (stats, jnp.zeros_like(stats), jnp.zeros((b, nkv, g, tq, hd), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, n, chunk, init)
-        o = _finish(m, l, acc)                                  # [B, nkv, G, tq, hd]
+        m, l, acc = jax.lax.fori_loop(c0, n, chunk, init)
+        if sinks is not None:               # the sink joins the denominator only
+            sk = sinks.astype(jnp.float32).reshape(1, nkv, g, 1)
+            m_f = jnp.maximum(m, sk)
+            c = jnp.exp(m - m_f)
+            acc, l = acc * c[..., None], l * c + jnp.exp(sk - m_f)
+        o = _finish(l, acc)                                     # [B, nkv, G, tq, hd]
         o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b * tq, nh, hd)
         dst = jnp.where(q_valid, tok, t_pad).reshape(b * tq)    # invalid rows: dropped
         return out.at[dst].set(o.astype(out.dtype), mode="drop")
@@ -215,10 +241,8 @@ def paged_attention_tiled(q: jax.Array, cache: KVCache, md: CommonAttentionMetad
     return jax.lax.fori_loop(0, n_tiles, tile, jnp.zeros(q.shape, q.dtype))
 
 
-def _finish(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
-    """The online softmax's output ``acc / l`` (0 where a row saw no key); ``m``, the
-    running max, is where a sink logit's ``exp(sink - m)`` would join ``l``."""
-    del m
+def _finish(l: jax.Array, acc: jax.Array) -> jax.Array:
+    """The online softmax's output ``acc / l`` (0 where a row saw no key)."""
     return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 

@@ -243,6 +243,38 @@ def test_sliding_window_and_sinks_match_the_oracle(name):
     assert not np.allclose(np.asarray(got), np.asarray(oracle(q, cache, md, 0.3)), atol=1e-3)
 
 
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_reference_window_and_sinks_match_the_oracle(name):
+    """The jnp reference's dense and tiled forms (tiles smaller than the window, so whole
+    key chunks are skipped) and ``paged_attention`` on each backend take the window and
+    sinks to the oracle."""
+    from specjax.kernels.paged_attention import paged_attention
+    from specjax.kernels.paged_attention.reference import paged_attention_xla
+
+    c = WINDOW_CASES[name]
+    for seed in range(2):
+        q, cache, md, sinks = make_batch(c, 7 * seed + 3)
+        want = oracle(q, cache, md, 0.3, window=c.window, sinks=sinks)
+        for tiled, tile_q, chunk_k in ((False, None, None), (True, 4, 8), (True, 16, 16)):
+            got = paged_attention_xla(q, cache, md, scale=0.3, sliding_window=c.window,
+                                      sinks=sinks, tiled=tiled, tile_q=tile_q, chunk_k=chunk_k)
+            assert_close(got, want, 1e-5, f"{name} seed {seed} tiled={tiled} {tile_q}x{chunk_k}")
+        for backend in ("xla", "pallas"):
+            got = paged_attention(q, cache, md, scale=0.3, backend=backend,
+                                  sliding_window=c.window, sinks=sinks)
+            assert_close(got, want, 1e-5, f"{name} seed {seed} backend={backend}")
+
+
+def test_window_and_sinks_errors():
+    from specjax.kernels.paged_attention import paged_attention
+
+    q, cache, md, _ = make_batch(WINDOW_CASES["causal-window-sinks"], 1)
+    with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
+        paged_attention(q, cache, md, scale=0.3, sliding_window=0)
+    with pytest.raises(ValueError, match=r"sinks must have shape \[num_heads\] = \[4\]"):
+        paged_attention(q, cache, md, scale=0.3, sinks=jnp.zeros((3,)))
+
+
 def test_no_query_by_context_array():
     """The traced program (the kernel's body included) holds no array of ``Q x C`` or more
     elements for a 4096-token prompt over 16384 keys: a program holds ``rows x block_k``
