@@ -213,7 +213,8 @@ def _reject_true(cfg: dict, fields: tuple[str, ...], where: str, what: str = "")
 
 # -- writing -----------------------------------------------------------------------------------
 
-_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM", "ministral": "MinistralForCausalLM"}
 
 
 def _hf_fields(c, *, head_dim: bool = True, rope_type_key: bool = False) -> dict:

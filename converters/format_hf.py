@@ -1,4 +1,5 @@
-"""HF Llama / Qwen2 / Qwen3 (transformers ``*ForCausalLM`` layout): read and write."""
+"""HF Llama / Qwen2 / Qwen3 / Mistral / Ministral (transformers ``*ForCausalLM`` layout): read
+and write."""
 
 from __future__ import annotations
 
@@ -25,8 +26,6 @@ def read(kind: str):
         cfg = _decoder_fields(cfg, notes)
         cfg["model_type"] = kind
         if kind == "qwen2":
-            if cfg.get("use_sliding_window"):
-                raise CheckpointError("config: use_sliding_window=true is not supported")
             cfg["attention_bias"] = True  # Qwen2 q/k/v always carry a bias; o_proj none
         else:
             cfg.setdefault("attention_bias", False)
@@ -47,14 +46,23 @@ def write(kind: str):
     def write(c, t, torch_dtype):
         cfg = {"architectures": [_HF_ARCH[kind]], "model_type": kind, **_hf_fields(c),
                "tie_word_embeddings": c.tie_word_embeddings, "torch_dtype": torch_dtype}
+        layer_types = list(c.layer_types or [
+            "sliding_attention" if c.layer_window(i) else "full_attention"
+            for i in range(c.num_hidden_layers)])
         if kind == "llama":
             cfg.update(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias, pretraining_tp=1)
+        elif kind in ("mistral", "ministral"):
+            cfg.update(sliding_window=c.sliding_window or None)
+            if kind == "ministral" or c.layer_types is not None:
+                cfg["layer_types"] = layer_types
         else:  # Qwen2 always has q/k/v bias (no field); Qwen3 has attention_bias
             if kind == "qwen3":
                 cfg["attention_bias"] = c.qkv_bias
-            cfg.update(use_sliding_window=False, sliding_window=None,
-                       max_window_layers=c.num_hidden_layers,
-                       layer_types=["full_attention"] * c.num_hidden_layers)
+            first = layer_types.index("sliding_attention") if c.sliding_window else None
+            cfg.update(use_sliding_window=bool(c.sliding_window),
+                       sliding_window=c.sliding_window or None,
+                       max_window_layers=c.num_hidden_layers if first is None else first,
+                       layer_types=layer_types)
         return cfg, {"model.safetensors": t}
     return write
 
@@ -65,7 +73,7 @@ def hf_kind(p: Probe) -> str | None:
         if a in _HF_ARCHS:
             return _HF_ARCHS[a]
     mt = p.config.get("model_type")
-    return mt if mt in ("llama", "qwen2", "qwen3") else None
+    return mt if mt in _HF_ARCH else None
 
 
 def detect(kind: str):
@@ -79,4 +87,9 @@ FORMATS = (
            read("qwen2"), write("qwen2")),
     Format("qwen3", "qwen3", "HF Qwen3ForCausalLM (model.* keys, q/k norms)", detect("qwen3"),
            read("qwen3"), write("qwen3")),
+    Format("mistral", "mistral", "HF MistralForCausalLM (model.* keys, a sliding window on "
+           "every layer)", detect("mistral"), read("mistral"), write("mistral")),
+    Format("ministral", "ministral", "HF MinistralForCausalLM (model.* keys, per-layer "
+           "sliding windows from layer_types)", detect("ministral"), read("ministral"),
+           write("ministral")),
 )

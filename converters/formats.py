@@ -85,7 +85,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 #: checkpoint: ``mimo-mtp`` for a head-only export (MTP modules, no decoder layers), else
 #: ``mimo`` (the target; ``--format mimo-mtp`` takes its head), before the plain decoders.
 DETECTION_ORDER = ("eagle3-speculators", "dflash-speculators", "eagle3", "dflash", "medusa",
-                   "medusa-vllm", "eagle", "mimo-mtp", "mimo", "llama", "qwen2", "qwen3")
+                   "medusa-vllm", "eagle", "mimo-mtp", "mimo", "llama", "qwen2", "qwen3",
+                   "mistral", "ministral")
 assert sorted(DETECTION_ORDER) == sorted(FORMATS)
 
 

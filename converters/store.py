@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -261,6 +262,9 @@ class _QuietWrites:
         try:
             if failed:
                 _drop_leftover_disk_full_records()
+                # orbax's unawaited writes may be collected later, at exit: no warning then
+                warnings.filterwarnings("ignore", r"coroutine .* was never awaited",
+                                        RuntimeWarning)
                 gc.collect()
         finally:
             sys.excepthook, threading.excepthook, sys.unraisablehook = self._hooks

@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Mapping
 
 from specjax.checks import ArgumentError, ArgumentTypeError, check_int, check_number, show
-from specjax.models.config import DECODER_KINDS, KINDS, ModelConfig, ROPE_TYPES
+from specjax.models.config import DECODER_KINDS, KINDS, LAYER_TYPES, ModelConfig, ROPE_TYPES
 
 __all__ = ["config_from_hf", "config_to_dict", "MAX_LAYERS", "MAX_DIM"]
 
@@ -219,34 +219,78 @@ def _check_rope_scaling(rtype: str, scaling: Mapping) -> None:
                                 f"{show(scaling['truncate'])}")
 
 
-def _check_window(hf: Mapping) -> None:
-    """Refuse, naming the key, a sliding window that can bind (shorter than
-    ``max_position_embeddings``; Qwen2: unless ``max_window_layers >= num_hidden_layers``).
-    A missing Qwen2 window value is refused too (transformers' default would apply)."""
+#: Kinds whose sliding windows specjax runs (the rest refuse a binding window by name).
+WINDOW_KINDS = ("mistral", "ministral", "gemma3", "qwen2", "qwen3")
+
+
+def _window_int(hf: Mapping, key: str = "sliding_window") -> int | None:
+    win = hf.get(key)
+    if win is not None and not (isinstance(win, int) and not isinstance(win, bool) and win >= 1):
+        raise ArgumentTypeError(f"config {key} must be null or an int >= 1, got {show(win)}")
+    return win
+
+
+def _layer_types(hf: Mapping, n_layers: int) -> tuple[str, ...] | None:
+    """``layer_types`` checked (one of :data:`LAYER_TYPES` per layer), or None."""
+    lt = hf.get("layer_types")
+    if lt is None:
+        return None
+    if not isinstance(lt, (list, tuple)) or len(lt) != n_layers or any(
+            t not in LAYER_TYPES for t in lt):
+        raise ArgumentTypeError(f"config layer_types must list num_hidden_layers={n_layers} "
+                                f"entries of {LAYER_TYPES}, got {show(lt)}")
+    return tuple(lt)
+
+
+def _window(kind: str, hf: Mapping, n_layers: int) -> tuple[int, tuple[str, ...] | None]:
+    """``(sliding_window, layer_types)`` as transformers applies them to ``kind``:
+    Mistral: a set window on every layer unless ``layer_types`` says otherwise; Ministral:
+    ``layer_types`` (default: every layer sliding when a window is set); Qwen2 / Qwen3: only
+    with ``use_sliding_window``, on layers ``>= max_window_layers`` unless ``layer_types``
+    is given. Gemma 3 is read by its own reader."""
+    flag = hf.get("use_sliding_window")
+    if flag is not None and not isinstance(flag, bool):
+        raise ArgumentTypeError(f"config use_sliding_window must be true or false, got {show(flag)}")
+    win = _window_int(hf)
+    lt = _layer_types(hf, n_layers)
+    if kind in ("qwen2", "qwen3"):
+        if not flag:
+            return 0, None
+        if win is None:
+            raise ArgumentError("config use_sliding_window=true needs sliding_window (an int)")
+        if lt is None:
+            mwl = check_int("config max_window_layers", hf.get("max_window_layers", n_layers),
+                            0, MAX_LAYERS)
+            lt = tuple("sliding_attention" if i >= mwl else "full_attention"
+                       for i in range(n_layers))
+    if win is None:
+        if lt is not None and "sliding_attention" in lt:
+            raise ArgumentError("config layer_types has sliding_attention layers but "
+                                "sliding_window is null")
+        return 0, None
+    return win, lt
+
+
+def _check_window(hf: Mapping, n_layers: int) -> None:
+    """Refuse, naming the key, a sliding window that can bind in a kind outside
+    :data:`WINDOW_KINDS` (shorter than ``max_position_embeddings``, or a sliding layer in
+    ``layer_types``); an EAGLE-3 head's bare window with ``use_sliding_window: false`` is
+    ignored, as vLLM does."""
     n_pos = _get(hf, "max_position_embeddings", default=2048)
-    win = hf.get("sliding_window")
-    qwen_flag = hf.get("use_sliding_window")
-    if qwen_flag is not None and not isinstance(qwen_flag, bool):
-        raise ArgumentTypeError(f"config use_sliding_window must be true or false, got {show(qwen_flag)}")
-    if win is not None and not (isinstance(win, int) and not isinstance(win, bool)):
-        raise ArgumentTypeError(f"config sliding_window must be null or an int, got {show(win)}")
-    if "use_sliding_window" in hf:            # Qwen2: the window applies only with the flag,
-        if not qwen_flag:                     # to layers >= max_window_layers
-            return
-        mwl = hf.get("max_window_layers")
-        layers = hf.get("num_hidden_layers")
-        if isinstance(mwl, int) and isinstance(layers, int) and mwl >= layers:
-            return                            # no layer uses the window
-        if win is not None and isinstance(n_pos, int) and win >= n_pos:
-            return                            # the window never binds
-        raise ArgumentError(f"config use_sliding_window=true with sliding_window={win} and "
-                            f"max_window_layers={mwl}: sliding-window attention is not "
-                            "implemented by specjax (set use_sliding_window=false only if the "
-                            "model was trained without it)")
+    flag = hf.get("use_sliding_window")
+    if flag is not None and not isinstance(flag, bool):
+        raise ArgumentTypeError(f"config use_sliding_window must be true or false, got {show(flag)}")
+    win = _window_int(hf)
+    lt = _layer_types(hf, n_layers) or ()
+    if "sliding_attention" in lt:
+        raise ValueError(f"layer_types must all be 'full_attention' for this kind, got "
+                         f"{show(sorted(set(lt)))}")
+    if "use_sliding_window" in hf and not flag:
+        return
     if win is not None and isinstance(n_pos, int) and win < n_pos:
         raise ArgumentError(f"config sliding_window={win} (< max_position_embeddings={n_pos}): "
-                            "sliding-window attention is not implemented by specjax; a Mistral-"
-                            "style window would change every position past it")
+                            "sliding-window attention is not implemented for this kind; a "
+                            "Mistral checkpoint converts with --format mistral")
 
 
 def _aux_ids(v) -> tuple[int, ...] | None:
@@ -304,16 +348,16 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
         raise ValueError(f"hidden_act must be 'silu', got {show(act)}")
     if not hf.get("is_neox_style", True):
         raise ValueError("is_neox_style must be true (specjax implements rotate-half RoPE only)")
-    _check_window(hf)
     dcfg = hf.get("dflash_config") or {}
     if not isinstance(dcfg, Mapping):
         raise ArgumentTypeError(f"config dflash_config must be an object, got {show(dcfg)}")
-    layer_types = hf.get("layer_types") or ()
-    if not isinstance(layer_types, (list, tuple)):
-        raise ArgumentTypeError(f"config layer_types must be a list, got {show(layer_types)}")
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"layer_types must all be 'full_attention', got "
-                         f"{show(sorted(set(map(str, layer_types))))}")
+    n_layers = _int(hf, "num_hidden_layers", 1, MAX_LAYERS,
+                    why=f"specjax's limit is {MAX_LAYERS} layers")
+    if kind in WINDOW_KINDS:
+        window, layer_types = _window(kind, hf, n_layers)
+    else:
+        _check_window(hf, n_layers)
+        window, layer_types = 0, None
     if dcfg.get("use_swa") or dcfg.get("attention_sink_bias") or hf.get("attention_sink_bias"):
         raise ValueError("dflash_config.use_swa / attention_sink_bias must be false (not implemented)")
     if kind != "eagle3":
@@ -324,8 +368,6 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
     h = _int(hf, "hidden_size")
     nh = _int(hf, "num_attention_heads", 1, 4096)
     nkv = _int(hf, "num_key_value_heads", 1, 4096, default=nh)
-    n_layers = _int(hf, "num_hidden_layers", 1, MAX_LAYERS,
-                    why=f"specjax's limit is {MAX_LAYERS} layers")
     theta, scaling = _rope(kind, hf)
     attention_bias = _bool(hf, "attention_bias", False)
     qkv_bias = _bool(hf, "qkv_bias", kind in ("qwen2", "mtp") or attention_bias)
@@ -355,6 +397,8 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
         o_bias=o_bias,
         mlp_bias=_bool(hf, "mlp_bias", False),
         qk_norm=qk_norm,
+        sliding_window=window,
+        layer_types=layer_types,
     )
     if kind == "eagle":
         fields["fc_bias"] = _bool(hf, "bias", True)
@@ -424,6 +468,12 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
             attention_bias=c.qkv_bias or c.o_bias, mlp_bias=c.mlp_bias, qk_norm=c.qk_norm,
             hidden_act="silu",
         )
+        if c.sliding_window:
+            d["sliding_window"] = c.sliding_window
+            if c.kind in ("qwen2", "qwen3"):
+                d["use_sliding_window"] = True
+        if c.layer_types is not None:
+            d["layer_types"] = list(c.layer_types)
         if c.kind == "eagle":
             d["bias"] = c.fc_bias
         elif c.kind == "mtp":

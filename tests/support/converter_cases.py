@@ -313,6 +313,21 @@ def cases() -> list[Case]:
     out.append(Case("qwen3", "qwen3", "qwen3", cfg, shapes, _identity(shapes),
                     dtype=ml_dtypes.bfloat16,
                     hf_checks={"rope_theta": 1e6, "head_dim": 8, "rope_scaling": None}))
+    # HF Mistral: a window on every layer, head_dim 8 != H/nH; Ministral: per-layer windows.
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+              "lm_head.weight": (V, H)}
+    for i in range(2):
+        shapes.update(decoder_layer(f"model.layers.{i}.", hd=8))
+    cfg = llama_config(architectures=["MistralForCausalLM"], model_type="mistral", head_dim=8,
+                       sliding_window=6, rope_theta=1e8)
+    out.append(Case("mistral", "mistral", "mistral", cfg, shapes, _identity(shapes),
+                    hf_checks={"sliding_window": 6, "head_dim": 8}))
+    cfg = llama_config(architectures=["MinistralForCausalLM"], model_type="ministral",
+                       head_dim=8, sliding_window=6,
+                       layer_types=["sliding_attention", "full_attention"])
+    out.append(Case("ministral", "ministral", "ministral", cfg, shapes, _identity(shapes),
+                    hf_checks={"sliding_window": 6,
+                               "layer_types": ["sliding_attention", "full_attention"]}))
     # MiMo (the target): a Qwen2 decoder plus 2 MTP modules, dropped; sharded safetensors.
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
               "lm_head.weight": (V, H)}
