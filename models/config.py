@@ -10,10 +10,11 @@ import dataclasses
 from typing import Any
 
 #: Kinds with weights (the canonical checkpoint forms of models/CANONICAL.md).
-KINDS = ("llama", "qwen2", "qwen3", "eagle", "eagle3", "dflash", "medusa", "mtp")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "eagle", "eagle3",
+         "dflash", "medusa", "mtp")
 
 #: Kinds that are a plain decoder LM (target or draft model).
-DECODER_KINDS = ("llama", "qwen2", "qwen3")
+DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3")
 
 #: Attention kinds of ``layer_types`` (HF's names).
 LAYER_TYPES = ("full_attention", "sliding_attention")
