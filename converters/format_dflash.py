@@ -30,13 +30,13 @@ def zlab_default_target_layer_ids(num_target_layers: int, num_draft_layers: int)
             for i in range(num_draft_layers)]
 
 
+#: ``dflash_config`` keys of a layer's attention, resolved by ``config_from_hf``.
+_ATTN_KEYS = ("use_swa", "swa_window_size", "causal", "attention_sink_bias",
+              "attention_value_scale")
+_SINK, _CANON_SINK = ".self_attn.attention_sink_bias", ".self_attn.sinks"
+
+
 def _dflash_common(flat: dict, where: str) -> None:
-    types = flat.get("layer_types")
-    if types and any(t != "full_attention" for t in types):
-        raise CheckpointError(f"{where}: layer_types={types!r}: sliding-window DFlash layers "
-                              "are not supported (allowed: all 'full_attention')")
-    if flat.get("use_sliding_window"):
-        raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
     if flat.get("target_hidden_size") is None:
         flat["target_hidden_size"] = flat["hidden_size"]
     if flat.get("draft_vocab_size") is None:
@@ -53,7 +53,17 @@ def _dflash_tensors(tensors: Tensors, notes: list[str]) -> Tensors:
     tensors = _drop(tensors, lambda k: k.startswith(("verifier_lm_head.", "verifier_norm.")),
                     "verifier weights, reloaded from the target", notes)
     _int32_map(tensors, "d2t", notes)
+    if any(k.endswith(_SINK) for k in tensors):
+        notes.append("renamed self_attn.attention_sink_bias to self_attn.sinks")
+        tensors = {(k[:-len(_SINK)] + _CANON_SINK if k.endswith(_SINK) else k): v
+                   for k, v in tensors.items()}
     return tensors
+
+
+def _sink_names(t: dict) -> dict:
+    """Canonical ``self_attn.sinks`` back to DFlash's ``self_attn.attention_sink_bias``."""
+    return {(k[:-len(_CANON_SINK)] + _SINK if k.endswith(_CANON_SINK) else k): v
+            for k, v in t.items()}
 
 
 #: Keys of DFlash2 and DSpark heads (docs/heads.md): refused by name.
@@ -79,7 +89,6 @@ def read(cfg: dict, tensors: Tensors, notes: list[str]):
     _refuse_variants(cfg)
     flat = _decoder_fields(cfg, notes)
     dcfg = cfg.get("dflash_config") or {}
-    _reject_true(dcfg, ("use_swa", "attention_sink_bias"), "config.dflash_config")
     if dcfg.get("use_aux_hidden_state") is False:
         raise CheckpointError("config.dflash_config: use_aux_hidden_state=false is not "
                               "supported")
@@ -101,13 +110,20 @@ def read(cfg: dict, tensors: Tensors, notes: list[str]):
     aux = [int(i) + 1 for i in ids]
     notes.append(f"aux layer ids: z-lab target_layer_ids {list(ids)} + 1 -> {aux} "
                  "(input of layer k, vLLM's meaning)")
-    causal = dcfg.get("causal", cfg.get("is_causal", False))
-    for k in ("dflash_config", "auto_map"):
-        flat.pop(k, None)
+    for k in ("dflash_config", "auto_map", "causal", "sliding_window_non_causal"):
+        if flat.pop(k, None) is not None and k not in ("dflash_config", "auto_map"):
+            notes.append(f"config: {k} ignored (vLLM does not read it in a z-lab DFlash config)")
     flat.update(block_size=block_size, mask_token_id=mask, aux_hidden_state_layer_ids=aux,
-                causal=bool(causal))
+                dflash_config={k: dcfg[k] for k in _ATTN_KEYS if k in dcfg})
     _dflash_common(flat, "config")
     return flat, _dflash_tensors(tensors, notes)
+
+
+def _swnc(cfg: dict) -> bool:
+    v = cfg.get("sliding_window_non_causal", True)
+    if not isinstance(v, bool):
+        raise CheckpointError(f"config: sliding_window_non_causal must be true or false, got {v!r}")
+    return v
 
 
 def read_speculators(cfg: dict, tensors: Tensors, notes: list[str]):
@@ -125,16 +141,29 @@ def read_speculators(cfg: dict, tensors: Tensors, notes: list[str]):
                 aux_hidden_state_layer_ids=[int(i) for i in aux],
                 draft_vocab_size=cfg.get("draft_vocab_size"),
                 target_hidden_size=cfg.get("target_hidden_size"),
-                causal=bool(flat.get("is_causal", False)))
+                # vLLM's speculators reader: dflash_config.causal = not this (default true)
+                dflash_config={"causal": not _swnc(cfg)})
     _dflash_common(flat, where)
     return flat, _dflash_tensors(tensors, notes)
 
 
 def _dflash_decoder(c) -> dict:
+    """Qwen3Config fields; sliding layers in ``layer_types`` with ``use_sliding_window``
+    (transformers drops ``sliding_window`` without it)."""
+    win = c.sliding_window
     return {"model_type": "qwen3", **_hf_fields(c), "attention_bias": c.qkv_bias,
-            "layer_types": ["full_attention"] * c.num_hidden_layers,
-            "use_sliding_window": False, "sliding_window": None,
-            "max_window_layers": c.num_hidden_layers, "tie_word_embeddings": False}
+            "layer_types": ["sliding_attention" if c.layer_window(i) else "full_attention"
+                            for i in range(c.num_hidden_layers)],
+            "use_sliding_window": bool(win), "sliding_window": win or None,
+            "max_window_layers": 0 if win else c.num_hidden_layers,
+            "tie_word_embeddings": False}
+
+
+def _explicit_causal(c) -> bool:
+    """Whether vLLM's default ("causal iff sliding") would not give ``c``'s causality."""
+    if c.causal_layers is not None:
+        return False
+    return c.causal or any(c.layer_window(i) for i in range(c.num_hidden_layers))
 
 
 def write(c, t, torch_dtype):
@@ -145,31 +174,41 @@ def write(c, t, torch_dtype):
            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
            **_dflash_decoder(c), "block_size": c.block_size, "dflash_config": dcfg,
            "torch_dtype": torch_dtype}
-    if c.causal:
-        dcfg["causal"] = True
-        cfg["is_causal"] = True  # what z-lab's attention reads
+    if _explicit_causal(c):
+        dcfg["causal"] = c.causal
+        cfg["is_causal"] = c.causal  # what z-lab's attention reads
+    if c.sliding_window:
+        dcfg["swa_window_size"] = c.sliding_window
+    if c.attention_sinks:
+        dcfg["attention_sink_bias"] = True
     if c.target_hidden_size and c.target_hidden_size != c.hidden_size:
         cfg["target_hidden_size"] = c.target_hidden_size
     if c.draft_vocab_size != c.vocab_size:
         cfg["draft_vocab_size"] = c.draft_vocab_size
-    return cfg, {"model.safetensors": _with_t2d(dict(t), c)}
+    return cfg, {"model.safetensors": _with_t2d(_sink_names(t), c)}
 
 
 def write_speculators(c, t, torch_dtype):
+    if c.causal_layers is not None:
+        raise CheckpointError(f"format 'dflash-speculators' has one causality for every layer "
+                              f"(sliding_window_non_causal); causal_layers={c.causal_layers}: "
+                              "write format 'dflash'")
     tlc = _dflash_decoder(c)
     if c.causal:
         tlc["is_causal"] = True
+    if c.attention_sinks:
+        tlc["add_swa_attention_sink_bias"] = True
     ths = c.target_hidden_size
     cfg = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
            "draft_vocab_size": c.draft_vocab_size, "block_size": c.block_size,
            "target_hidden_size": ths if ths and ths != c.hidden_size else None,
            "aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-           "mask_token_id": c.mask_token_id, "sliding_window_non_causal": False,
+           "mask_token_id": c.mask_token_id, "sliding_window_non_causal": not c.causal,
            "projector_type": "dflash", "tie_word_embeddings": False, "dtype": torch_dtype,
            "speculators_config": _speculators_config("dflash", max(c.block_size - 1, 1),
                                                      "Qwen3ForCausalLM"),
            "transformer_layer_config": tlc}
-    return cfg, {"model.safetensors": _with_t2d(dict(t), c)}
+    return cfg, {"model.safetensors": _with_t2d(_sink_names(t), c)}
 
 
 def detect(p: Probe) -> bool:

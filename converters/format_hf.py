@@ -1,5 +1,4 @@
-"""HF Llama / Qwen2 / Qwen3 / Mistral / Ministral (transformers ``*ForCausalLM`` layout): read
-and write."""
+"""HF decoders in transformers' ``*ForCausalLM`` layout (Llama, Qwen2, Qwen3, Mistral, Ministral)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from specjax.models.dflash import DFlashHead
 from specjax.models.eagle import EagleHead
 from specjax.models.eagle3 import Eagle3Head
 from specjax.models.extract_hidden_states import ExtractHiddenStates
+from specjax.models.gemma3 import Gemma3LM
 from specjax.models.llama import DecoderLM
 from specjax.models.medusa import MedusaHeads
 from specjax.models.mtp import MTPHead
@@ -72,7 +73,7 @@ def share_target_weights(head_params: dict, target_params: dict, *, kind: str | 
 
 __all__ = [
     "KINDS", "ModelConfig", "KVCache", "init_kv_caches", "paged_attention", "write_kv",
-    "DecoderLM", "EagleHead", "Eagle3Head", "DFlashHead", "MedusaHeads", "MTPHead",
+    "DecoderLM", "Gemma3LM", "EagleHead", "Eagle3Head", "DFlashHead", "MedusaHeads", "MTPHead",
     "ExtractHiddenStates",
     "config_from_hf", "config_to_dict", "expected_tensors", "params_from_tensors",
     "tensors_from_params",

@@ -78,6 +78,13 @@ class ModelConfig:
     sliding_window: int = 0
     layer_types: tuple[str, ...] | None = None
     attention_sinks: bool = False
+    # Gemma 3 (0: unused): attention scale query_pre_attn_scalar^-0.5 (0: head_dim^-0.5),
+    # sliding layers' RoPE base, logits = c * tanh(logits / c)
+    query_pre_attn_scalar: float = 0.0
+    rope_local_base_freq: float = 0.0
+    final_logit_softcapping: float = 0.0
+    #: DFlash: each layer's causality when the layers differ (None: ``causal`` for all)
+    causal_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -120,6 +127,12 @@ class ModelConfig:
             if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window "
                                  f"is {self.sliding_window}")
+        if self.causal_layers is not None and len(self.causal_layers) != self.num_hidden_layers:
+            raise ValueError(f"causal_layers must hold num_hidden_layers={self.num_hidden_layers} "
+                             f"bools, got {self.causal_layers}")
+        for name in ("query_pre_attn_scalar", "rope_local_base_freq", "final_logit_softcapping"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: unused), got {getattr(self, name)}")
         if self.kind in ("eagle3", "dflash") and self.draft_vocab_size <= 0:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
 
@@ -145,6 +158,10 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def layer_causal(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends causally (``causal_layers``, else ``causal``)."""
+        return self.causal if self.causal_layers is None else bool(self.causal_layers[layer])
 
     @property
     def num_aux(self) -> int:

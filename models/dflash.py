@@ -3,9 +3,11 @@
 Context: ``ctx = hidden_norm(fc(cat(aux states)))`` for the newly accepted tokens; each
 layer's K/V of the context (``k_norm`` + RoPE on K) are computed for all layers at once and
 written into the layers' paged caches (:meth:`precompute_and_store_context_kv`). Then one
-non-causal forward over the query block ``[bonus, mask, ..., mask]`` (embedded by the
-target): each block query sees every cached context key and every block key. Final
-``norm``; the target lm_head (or the head's own over a reduced vocab) on the mask slots.
+forward over the query block ``[bonus, mask, ..., mask]`` (embedded by the target): each
+block query sees the cached context keys and the block keys, per layer within its sliding
+window (``config.layer_window``) and causally or not (``config.layer_causal``); default
+non-causal. Final ``norm``; the target lm_head (or the head's own over a reduced vocab) on
+the mask slots.
 """
 
 from __future__ import annotations
@@ -88,17 +90,17 @@ class DFlashHead(PagedCache):
 
     def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
                 kv_caches: list[KVCache], attn_metadata: CommonAttentionMetadata):
-        """Query blocks ``input_ids``/``positions [T] int32`` (non-causal metadata whose
-        ``seq_lens`` count context + block) -> ``(hidden [T, H] post-norm, kv_caches)``."""
-        if bool(attn_metadata.causal) != self.config.causal:
-            raise ValueError(f"attn_metadata.causal must be {self.config.causal} for this DFlash "
-                             f"head (config causal={self.config.causal})")
-        body = mp.merge(DFlashBody, (self.config,), params)
-        cos, sin = rope.cos_sin_for(self.config, positions, attn_metadata.query_start_loc)
+        """Query blocks ``input_ids``/``positions [T] int32`` (metadata whose ``seq_lens``
+        count context + block; its ``causal`` is replaced by each layer's
+        ``config.layer_causal(i)``) -> ``(hidden [T, H] post-norm, kv_caches)``."""
+        cfg = self.config
+        body = mp.merge(DFlashBody, (cfg,), params)
+        cos, sin = rope.cos_sin_for(cfg, positions, attn_metadata.query_start_loc)
         h = mp.embed(params, input_ids)
         caches = []
         for i, layer in enumerate(body.layers):
-            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata, self.attention)
+            md = attn_metadata.replace(causal=cfg.layer_causal(i))
+            h, c = layer(h, cos, sin, kv_caches[i], md, self.attention)
             caches.append(c)
         return body.norm(h), caches
 

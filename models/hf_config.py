@@ -12,6 +12,7 @@ import warnings
 from typing import Any, Mapping
 
 from specjax.checks import ArgumentError, ArgumentTypeError, check_int, check_number, show
+from specjax.models import dflash_config
 from specjax.models.config import DECODER_KINDS, KINDS, LAYER_TYPES, ModelConfig, ROPE_TYPES
 
 __all__ = ["config_from_hf", "config_to_dict", "MAX_LAYERS", "MAX_DIM"]
@@ -287,10 +288,78 @@ def _check_window(hf: Mapping, n_layers: int) -> None:
                          f"{show(sorted(set(lt)))}")
     if "use_sliding_window" in hf and not flag:
         return
+    if flag and win is None:
+        raise ArgumentError("config use_sliding_window=true needs sliding_window (an int)")
     if win is not None and isinstance(n_pos, int) and win < n_pos:
         raise ArgumentError(f"config sliding_window={win} (< max_position_embeddings={n_pos}): "
                             "sliding-window attention is not implemented for this kind; a "
                             "Mistral checkpoint converts with --format mistral")
+
+
+#: transformers' ``Gemma3TextConfig`` defaults for keys a hub config may omit (a
+#: ``Gemma3ForConditionalGeneration`` ``text_config`` often lists only the sizes).
+GEMMA3_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                       head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                       rope_theta=1e6, rope_local_base_freq=1e4)
+
+
+def _gemma3(hf: Mapping) -> tuple[dict, dict]:
+    """A Gemma 3 text config (``gemma3_text``, or ``gemma3``'s ``text_config``) ->
+    ``(hf normalized for config_from_hf, Gemma fields)``: ``hidden_activation``,
+    ``rope_parameters`` per layer type (or ``rope_theta`` + ``rope_scaling`` for full
+    layers, ``rope_local_base_freq`` for sliding ones), ``layer_types`` (or
+    ``sliding_window_pattern``: layer i slides iff ``(i + 1) % pattern != 0``). Refuses
+    ``attn_logit_softcapping`` and ``use_bidirectional_attention`` by name."""
+    if hf.get("model_type") == "gemma3" or "text_config" in hf:
+        text = hf.get("text_config") or {}
+        if not isinstance(text, Mapping):
+            raise ArgumentTypeError(f"config text_config must be an object, got {show(text)}")
+        hf = {**{k: v for k, v in hf.items() if k in _PRESENCE}, **text}
+    hf = dict(hf)
+    for k, v in GEMMA3_DEFAULTS.items():
+        hf.setdefault(k, v)
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"config attn_logit_softcapping={show(hf['attn_logit_softcapping'])} is "
+                         "not supported (specjax's attention has no logit soft-capping; Gemma 3 "
+                         "configs set it to null)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("config use_bidirectional_attention=true is not supported (a causal "
+                         "target only)")
+    act = hf.pop("hidden_activation", None) or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    hf["hidden_act"] = act
+    rp = hf.pop("rope_parameters", None)
+    local = hf.get("rope_local_base_freq")
+    if rp is not None:
+        if not isinstance(rp, Mapping) or not all(
+                isinstance(rp.get(t, {}), Mapping) for t in ("full_attention", "sliding_attention")):
+            raise ArgumentTypeError("config rope_parameters must map full_attention / "
+                                    f"sliding_attention to objects, got {show(rp)}")
+        full, slide = dict(rp.get("full_attention") or {}), dict(rp.get("sliding_attention") or {})
+        if slide.get("rope_type", slide.get("type", "default")) != "default":
+            raise ValueError("config rope_parameters.sliding_attention must be default RoPE, got "
+                             f"{show(slide)}")
+        hf["rope_theta"] = full.pop("rope_theta", hf["rope_theta"])
+        local = slide.get("rope_theta", local)
+        hf["rope_scaling"] = full or None
+    if hf.get("layer_types") is None:
+        if hf.get("sliding_window") is None:
+            hf.pop("layer_types", None)
+        else:
+            pat = check_int("config sliding_window_pattern", _get(
+                hf, "sliding_window_pattern", "_sliding_window_pattern", default=6), 1, MAX_LAYERS)
+            n = _int(hf, "num_hidden_layers", 1, MAX_LAYERS)
+            hf["layer_types"] = ["sliding_attention" if (i + 1) % pat else "full_attention"
+                                 for i in range(n)]
+    cap = hf.get("final_logit_softcapping")
+    hf["qk_norm"] = True
+    return hf, dict(
+        query_pre_attn_scalar=float(check_number("config query_pre_attn_scalar",
+                                                 hf["query_pre_attn_scalar"], 1e-6)),
+        rope_local_base_freq=float(check_number("config rope_local_base_freq", local, 1e-6)),
+        final_logit_softcapping=0.0 if cap is None else float(
+            check_number("config final_logit_softcapping", cap, 1e-6)))
 
 
 def _aux_ids(v) -> tuple[int, ...] | None:
@@ -343,9 +412,13 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
             has_token_map=hf.get("has_token_map"),
         )
 
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act must be 'silu', got {show(act)}")
+    gemma: dict[str, Any] = {}
+    if kind == "gemma3":
+        hf, gemma = _gemma3(hf)
+    want_act = "gelu_pytorch_tanh" if kind == "gemma3" else "silu"
+    act = hf.get("hidden_act", want_act)
+    if act != want_act:
+        raise ValueError(f"hidden_act must be {want_act!r} for a {kind!r} config, got {show(act)}")
     if not hf.get("is_neox_style", True):
         raise ValueError("is_neox_style must be true (specjax implements rotate-half RoPE only)")
     dcfg = hf.get("dflash_config") or {}
@@ -353,13 +426,16 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
         raise ArgumentTypeError(f"config dflash_config must be an object, got {show(dcfg)}")
     n_layers = _int(hf, "num_hidden_layers", 1, MAX_LAYERS,
                     why=f"specjax's limit is {MAX_LAYERS} layers")
+    window, layer_types = 0, None
     if kind in WINDOW_KINDS:
         window, layer_types = _window(kind, hf, n_layers)
-    else:
+    elif kind != "dflash":
         _check_window(hf, n_layers)
-        window, layer_types = 0, None
-    if dcfg.get("use_swa") or dcfg.get("attention_sink_bias") or hf.get("attention_sink_bias"):
-        raise ValueError("dflash_config.use_swa / attention_sink_bias must be false (not implemented)")
+    if (kind != "dflash" and (dcfg.get("use_swa") or dcfg.get("attention_sink_bias"))) \
+            or hf.get("attention_sink_bias"):
+        raise ValueError("dflash_config.use_swa / attention_sink_bias must be false outside a "
+                         "DFlash head; a top-level attention_sink_bias is not read (DFlash: "
+                         "dflash_config.attention_sink_bias)")
     if kind != "eagle3":
         for f in EAGLE3_NORM_FLAGS:
             if hf.get(f):
@@ -427,7 +503,8 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
         if ids is None:
             raise ValueError("aux_hidden_state_layer_ids is required for dflash "
                              "(or dflash_config.target_layer_ids / num_target_layers)")
-        causal = _get(hf, "causal", "is_causal", default=dcfg.get("causal", False))
+        fields.update(dflash_config.attention_fields(hf, dcfg, n_layers, speculators,
+                                                     _window_int(hf), _layer_types(hf, n_layers)))
         fields.update(
             draft_vocab_size=_int(hf, "draft_vocab_size", 1, MAX_VOCAB, default=vocab),
             target_hidden_size=_int(hf, "target_hidden_size", default=h),
@@ -437,10 +514,10 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
                                  0, 4096),
             mask_token_id=check_int("config mask_token_id", _get(
                 hf, "mask_token_id", default=dcfg.get("mask_token_id", -1)), -1, MAX_VOCAB),
-            causal=bool(causal),
         )
     if kind in ("eagle", "eagle3", "dflash"):
         _check_truncated_vocab(kind, hf, vocab, fields.get("draft_vocab_size", vocab))
+    fields.update(gemma)
     for f in _PRESENCE:
         if hf.get(f) is not None:
             fields[f] = bool(hf[f])
@@ -468,7 +545,12 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
             attention_bias=c.qkv_bias or c.o_bias, mlp_bias=c.mlp_bias, qk_norm=c.qk_norm,
             hidden_act="silu",
         )
-        if c.sliding_window:
+        if c.kind == "gemma3":
+            d.update(hidden_act="gelu_pytorch_tanh", sliding_window=c.sliding_window or None,
+                     query_pre_attn_scalar=c.query_pre_attn_scalar,
+                     rope_local_base_freq=c.rope_local_base_freq,
+                     final_logit_softcapping=c.final_logit_softcapping or None)
+        elif c.sliding_window and c.kind != "dflash":
             d["sliding_window"] = c.sliding_window
             if c.kind in ("qwen2", "qwen3"):
                 d["use_sliding_window"] = True
@@ -487,10 +569,10 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
         elif c.kind == "dflash":
             d.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
                      aux_hidden_state_layer_ids=list(c.aux_layer_ids), block_size=c.block_size,
-                     mask_token_id=c.mask_token_id, causal=c.causal)
+                     mask_token_id=c.mask_token_id)
+            d.update(dflash_config.attention_dict(c))
     for f in _PRESENCE:
         if getattr(c, f) is not None:
             d[f] = getattr(c, f)
     return d
-
 

@@ -63,20 +63,24 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``gelu_tanh=True``: GELU-tanh in place of
+    silu (Gemma's ``gelu_pytorch_tanh``)."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, inter: int, bias: bool, rngs: nnx.Rngs, *,
+                 gelu_tanh: bool = False):
         self.gate_proj = linear(hidden, inter, bias, rngs)
         self.up_proj = linear(hidden, inter, bias, rngs)
         self.down_proj = linear(inter, hidden, bias, rngs)
         self.inter = inter
+        self.gelu_tanh = gelu_tanh
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if is_fused_kernel(self.up_proj):            # gate_up_proj (params.fuse_projections)
             gate, up = split_fused(self.gate_proj(x), (self.inter,) * 2)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu_tanh else jax.nn.silu(gate)
+        return self.down_proj(act * up)
 
 
 class Attention(nnx.Module):
@@ -84,19 +88,22 @@ class Attention(nnx.Module):
     ``layer``: its index, for ``cfg.layer_window``; ``cfg.attention_sinks``: a ``sinks``
     parameter, one logit per query head."""
 
-    def __init__(self, cfg: ModelConfig, in_features: int, rngs: nnx.Rngs, *, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, in_features: int, rngs: nnx.Rngs, *, layer: int = 0,
+                 norm=None):
+        """``norm``: the q/k norm class (None: :class:`RMSNorm`; Gemma's ``(1 + w)`` form)."""
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = linear(in_features, nh * hd, cfg.qkv_bias, rngs)
         self.k_proj = linear(in_features, nkv * hd, cfg.qkv_bias, rngs)
         self.v_proj = linear(in_features, nkv * hd, cfg.qkv_bias, rngs)
         self.o_proj = linear(nh * hd, cfg.hidden_size, cfg.o_bias, rngs)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.q_norm = (norm or RMSNorm)(hd, cfg.rms_norm_eps)
+            self.k_norm = (norm or RMSNorm)(hd, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.sinks = nnx.Param(jnp.zeros((nh,), jnp.float32)) if cfg.attention_sinks else None
         self.window = cfg.layer_window(layer)
+        self.scale = float((cfg.query_pre_attn_scalar or hd) ** -0.5)
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: KVCache,
@@ -117,7 +124,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         attend = attn_lib.attend if attention is None else attention
-        o, cache = attend(q, k, v, cache, md, scale=self.head_dim ** -0.5, **self.extras())
+        o, cache = attend(q, k, v, cache, md, scale=self.scale, **self.extras())
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), cache
 
 

@@ -37,7 +37,9 @@ def tensor_table(kind: str, config: ModelConfig) -> list[Entry]:
     """Every canonical tensor of ``kind`` under ``config``, required and optional."""
     if kind != config.kind:
         raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
-    if kind in DECODER_KINDS:
+    if kind == "gemma3":
+        from specjax.models.gemma3 import tensor_table as table
+    elif kind in DECODER_KINDS:
         from specjax.models.llama import tensor_table as table
     elif kind == "eagle":
         from specjax.models.eagle import tensor_table as table
@@ -288,6 +290,9 @@ def make_model(kind: str, config: ModelConfig, **static: Any):
 
     if kind != config.kind:
         raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
+    if kind == "gemma3":
+        from specjax.models.gemma3 import Gemma3LM
+        return Gemma3LM(config, **static)
     if kind in DECODER_KINDS:
         return DecoderLM(config, **static)
     cls = {"eagle": EagleHead, "eagle3": Eagle3Head, "dflash": DFlashHead, "medusa": MedusaHeads,

@@ -1,7 +1,8 @@
 """DFlash block drafting (vLLM ``dflash.py`` on ``llm_base_proposer.py``).
 
 One ``jax.jit``: the step's target tokens become context K/V in the draft cache, then one
-non-causal forward of a ``[bonus, mask * k]`` block per request drafts ``k`` tokens.
+forward of a ``[bonus, mask * k]`` block per request drafts ``k`` tokens (each layer with its
+own window and causality, vLLM 0.34's ``qwen3_dflash.py``).
 Positions at or past ``min(max_model_len, block-table capacity)`` are neither stored nor
 attended to. Data flow: docs/integration.md, "How the device proposers draft".
 """
@@ -51,8 +52,8 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         (``method="dflash"``).
       model: the ``DFlashHead``; its ``config.mask_token_id`` is the mask token.
       attention: the head's attention (a hashable ``AttentionFn``, set on a copy of
-        ``model``; it must honour ``md.causal``: the block attends non-causally); None:
-        specjax's backends.
+        ``model``; it must honour ``md.causal`` and ``sliding_window``/``sinks`` when the
+        head has them); None: specjax's backends.
 
     Query positions past the block table (which should cover ``min(seq_len - rejected + 1
     + k, max_model_len)``) are dropped.
@@ -82,10 +83,6 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
                 "dflash_config.mask_token_id, then pard_token, then ptd_token_id from the "
                 f"draft config); the head's mask_token_id is {mc.mask_token_id}, it must be "
                 f"in [0, vocab_size={mc.vocab_size})")
-        if mc.causal:
-            raise ValueError("the DFlash head's config sets causal=True (dflash_config.causal / "
-                             "is_causal); specjax drafts with non-causal attention as vLLM v0.20.0 "
-                             "does: use a head with causal=False")
         # compute_logits: the target vocabulary, unless a reduced head comes without d2t
         width = mc.draft_vocab_size if (mc.reduced_vocab and mc.has_d2t is False) else mc.vocab_size
         check_vocab_sharding(self, width, "vocab_size")
@@ -150,7 +147,7 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             query_start_loc=jnp.minimum(jnp.arange(b + 1, dtype=_I32), n) * q,
             seq_lens=seq_lens.astype(_I32), slot_mapping=q_slots, num_actual_tokens=n * q,
             max_seq_len=jnp.minimum(cad.max_seq_len + q, limit).astype(_I32),
-            max_query_len=q, causal=False)
+            max_query_len=q, causal=False)       # each layer sets its own (forward)
         hidden, caches = model.forward(params, ids, q_pos, caches, md)
 
         logits = model.compute_logits(params, hidden[sample_idx])

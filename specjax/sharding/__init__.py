@@ -35,7 +35,8 @@ TP_AXIS = "tp"
 DP_AXIS = "dp"
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "hidden_norm", "norm", "q_norm", "k_norm",
-          "token_layernorm", "hidden_layernorm", "final_layernorm")
+          "token_layernorm", "hidden_layernorm", "final_layernorm",
+          "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 def _axis_size(mesh: Any, axis: str) -> int:

@@ -583,7 +583,8 @@ FIXTURE_FORMATS = {
     "eagle": "eagle", "eagle_nobias": "eagle", "eagle3_safeailab": "eagle3",
     "eagle3_speculators": "eagle3-speculators", "dflash": "dflash",
     "medusa_fasterdecoding": "medusa", "medusa_vllm_shared": "medusa-vllm",
-    "medusa_vllm_tokenmap": "medusa-vllm",
+    "medusa_vllm_tokenmap": "medusa-vllm", "mistral": "mistral", "ministral": "ministral",
+    "gemma3": "gemma3", "gemma3_cg": "gemma3",
 }
 
 

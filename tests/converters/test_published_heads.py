@@ -418,12 +418,12 @@ def test_refused_dspark(tmp_path):
     _refused(tmp_path, spec, _df_tensors(), "speculators model type 'dspark'")
 
 
-def test_refused_dflash_sliding_window(tmp_path):
+def test_refused_dflash_value_scale(tmp_path):
     hf = dict(GEO, architectures=["DFlashDraftModel"], model_type="qwen3", num_hidden_layers=1,
               head_dim=16, block_size=4, layer_types=["sliding_attention"], sliding_window=2048,
               dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 4], "use_swa": True,
-                             "swa_window_size": 2048})
-    _refused(tmp_path, hf, _df_tensors(), "use_swa")
+                             "swa_window_size": 2048, "attention_value_scale": 0.707})
+    _refused(tmp_path, hf, _df_tensors(), "attention_value_scale")
 
 
 def _target_refused(tmp_path, arch, model_type, needle, **extra):
@@ -435,8 +435,6 @@ def _target_refused(tmp_path, arch, model_type, needle, **extra):
 @pytest.mark.parametrize("arch,model_type,extra", [
     ("Qwen3MoeForCausalLM", "qwen3_moe", dict(num_experts=8, num_experts_per_tok=2)),
     ("GptOssForCausalLM", "gpt_oss", dict(num_local_experts=4, sliding_window=128)),
-    ("Gemma3ForCausalLM", "gemma3_text", dict(head_dim=16, sliding_window=16)),
-    ("MistralForCausalLM", "mistral", dict(head_dim=16, sliding_window=None)),
     ("Ministral3ForCausalLM", "ministral3", dict(head_dim=16)),
     ("DeepseekV3ForCausalLM", "deepseek_v3", dict(num_nextn_predict_layers=1)),
     ("Gemma4AssistantForCausalLM", "gemma4_assistant", dict()),

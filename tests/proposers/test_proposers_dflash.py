@@ -272,7 +272,6 @@ def _dflash_model(**changes):
     (dict(model="not a head"), "DFlashHead"),
     (dict(model=_dflash_model(mask_token_id=-1)), "mask_token_id"),
     (dict(model=_dflash_model(mask_token_id=V)), "mask_token_id"),
-    (dict(model=_dflash_model(causal=True)), "causal"),
     (dict(block_size=0), "block_size"),
     (dict(max_model_len=-1), "max_model_len"),
     (dict(max_model_len=2**31), "max_model_len"),

@@ -328,6 +328,41 @@ def cases() -> list[Case]:
     out.append(Case("ministral", "ministral", "ministral", cfg, shapes, _identity(shapes),
                     hf_checks={"sliding_window": 6,
                                "layer_types": ["sliding_attention", "full_attention"]}))
+    # HF Gemma 3 text: sandwich norms, q/k norms, tied, transformers-4 keys (pattern 2).
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    for i in range(2):
+        shapes.update(decoder_layer(f"model.layers.{i}.", hd=8, qk_norm=True))
+        shapes.update({f"model.layers.{i}.{n}.weight": (H,)
+                       for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")})
+    gemma = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=8,
+                 hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=8,
+                 sliding_window=6, sliding_window_pattern=2, rope_theta=1e6,
+                 rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                 final_logit_softcapping=None, attn_logit_softcapping=None,
+                 tie_word_embeddings=True)
+    cfg = llama_config(**gemma)
+    cfg.pop("hidden_act")
+    out.append(Case("gemma3", "gemma3", "gemma3", cfg, shapes, _identity(shapes),
+                    hf_checks={"sliding_window": 6, "model_type": "gemma3_text"}))
+    # Gemma3ForConditionalGeneration, transformers 5: model.language_model.*, a vision tower
+    # (dropped), text_config with rope_parameters per layer type.
+    text = {k: v for k, v in cfg.items() if k not in (
+        "architectures", "rope_theta", "rope_local_base_freq", "rope_scaling", "torch_dtype",
+        "sliding_window_pattern")}
+    text.update(layer_types=["sliding_attention", "full_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    cg = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+              text_config=text, vision_config={"model_type": "siglip_vision_model"},
+              torch_dtype="float32")
+    cg_shapes = {"model.language_model." + k[len("model."):]: v for k, v in shapes.items()}
+    cg_shapes.update({"model.vision_tower.vision_model.post_layernorm.weight": (8,),
+                      "model.multi_modal_projector.mm_input_projection_weight": (8, H),
+                      "lm_head.weight": (V, H)})
+    canon = {k: ("model." + k[len("model.language_model."):]
+                 if k.startswith("model.language_model.") else None) for k in cg_shapes}
+    out.append(Case("gemma3_cg", "gemma3", "gemma3", cg, cg_shapes, canon,
+                    hf_checks={"model_type": "gemma3_text", "num_hidden_layers": 2}))
     # MiMo (the target): a Qwen2 decoder plus 2 MTP modules, dropped; sharded safetensors.
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
               "lm_head.weight": (V, H)}
@@ -401,7 +436,7 @@ def cases() -> list[Case]:
     out.append(Case("dflash", "dflash", "dflash", cfg, shapes, _identity(shapes),
                     dtype=ml_dtypes.bfloat16,
                     hf_checks={"aux_hidden_state_layer_ids": [2, 4, 6], "block_size": 4,
-                               "mask_token_id": V - 1, "causal": False,
+                               "mask_token_id": V - 1, "dflash_config": {},
                                "draft_vocab_size": V, "target_hidden_size": H}))
     # DFlash (speculators): aux ids as given, reduced vocab with lm_head + d2t.
     shapes = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
