@@ -60,7 +60,8 @@ class Eagle3Body(nnx.Module):
             self.fc_norm = nnx.List([RMSNorm(ht, cfg.rms_norm_eps) for _ in range(cfg.num_aux)])
         self.fc = linear(fc_in, cfg.hidden_size, False, rngs)
         self.layers = nnx.List([Eagle3FirstLayer(cfg, rngs)]
-                               + [DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers - 1)])
+                               + [DecoderLayer(cfg, rngs, layer=i)
+                                  for i in range(1, cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def combine(self, cfg: ModelConfig, x: jax.Array) -> jax.Array:

@@ -221,7 +221,7 @@ def _check_rope_scaling(rtype: str, scaling: Mapping) -> None:
 
 
 #: Kinds whose sliding windows specjax runs (the rest refuse a binding window by name).
-WINDOW_KINDS = ("mistral", "ministral", "gemma3", "qwen2", "qwen3")
+WINDOW_KINDS = ("mistral", "ministral", "gemma3", "qwen2", "qwen3", "eagle3")
 
 
 def _window_int(hf: Mapping, key: str = "sliding_window") -> int | None:
@@ -248,11 +248,23 @@ def _window(kind: str, hf: Mapping, n_layers: int) -> tuple[int, tuple[str, ...]
     Mistral: a set window on every layer unless ``layer_types`` says otherwise; Ministral:
     ``layer_types`` (default: every layer sliding when a window is set); Qwen2 / Qwen3: only
     with ``use_sliding_window``, on layers ``>= max_window_layers`` unless ``layer_types``
-    is given. Gemma 3 is read by its own reader."""
+    is given; EAGLE-3 heads (vLLM ``llama.py``): head layer ``j`` slides iff
+    ``layer_types[j]`` says so (the list may be the target's, longer), a bare window is
+    ignored. Gemma 3 is read by its own reader."""
     flag = hf.get("use_sliding_window")
     if flag is not None and not isinstance(flag, bool):
         raise ArgumentTypeError(f"config use_sliding_window must be true or false, got {show(flag)}")
     win = _window_int(hf)
+    if kind == "eagle3":
+        lt = hf.get("layer_types")
+        if lt is None:
+            return 0, None
+        if not isinstance(lt, (list, tuple)) or len(lt) < n_layers:
+            raise ArgumentTypeError(f"config layer_types must list at least num_hidden_layers="
+                                    f"{n_layers} entries, got {show(lt)}")
+        if "sliding_attention" not in lt[:n_layers]:
+            return 0, None
+        hf = {"layer_types": list(lt[:n_layers])}
     lt = _layer_types(hf, n_layers)
     if kind in ("qwen2", "qwen3"):
         if not flag:
@@ -275,8 +287,7 @@ def _window(kind: str, hf: Mapping, n_layers: int) -> tuple[int, tuple[str, ...]
 def _check_window(hf: Mapping, n_layers: int) -> None:
     """Refuse, naming the key, a sliding window that can bind in a kind outside
     :data:`WINDOW_KINDS` (shorter than ``max_position_embeddings``, or a sliding layer in
-    ``layer_types``); an EAGLE-3 head's bare window with ``use_sliding_window: false`` is
-    ignored, as vLLM does."""
+    ``layer_types``); a window with ``use_sliding_window: false`` is ignored."""
     n_pos = _get(hf, "max_position_embeddings", default=2048)
     flag = hf.get("use_sliding_window")
     if flag is not None and not isinstance(flag, bool):

@@ -250,3 +250,27 @@ def test_gemma3_tensor_parallel_rules_replicate_the_sandwich_norms():
               "post_feedforward_layernorm"):
         assert layer[n]["weight"] == P(), n
     assert layer["self_attn"]["q_norm"]["weight"] == P()
+
+
+def test_eagle3_head_windows_come_from_layer_types_only():
+    """vLLM ``llama.py``: an EAGLE-3 head layer ``j`` slides iff ``layer_types[j]`` does
+    (a target-length list is cut to the head's layers); a bare ``sliding_window`` is
+    ignored; the window reaches the head's attention."""
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                draft_vocab_size=64)
+    cfg = registry.config_from_hf
+    bare = cfg("eagle3", dict(base, sliding_window=8))
+    assert bare.sliding_window == 0 and bare.layer_window(1) is None
+    c = cfg("eagle3", dict(base, sliding_window=8,
+                           layer_types=["full_attention", "sliding_attention", "full_attention"]))
+    assert (c.layer_window(0), c.layer_window(1)) == (None, 8)
+    assert cfg("eagle3", registry.config_to_dict(c)) == c
+    with pytest.raises(ValueError, match="sliding_window"):
+        cfg("eagle3", dict(base, layer_types=["sliding_attention"] * 2))
+    with pytest.raises(ValueError, match="layer_types"):
+        cfg("eagle3", dict(base, sliding_window=8, layer_types=["sliding_attention"]))
+    from flax import nnx
+    from specjax.models.eagle3 import Eagle3Body
+    body = Eagle3Body(c, rngs=nnx.Rngs(0))
+    assert body.layers[1].self_attn.window == 8 and body.layers[0].self_attn.window is None
