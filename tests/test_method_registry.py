@@ -185,6 +185,10 @@ def test_unknown_method_lists_builtin_and_registered(registered):
                            r"Built-in methods: \['ngram'.*registered custom methods: "
                            r"\['repeat_device', 'repeat_fn', 'repeat_last', 'repeat_named'\]"):
             make()
+    from specjax.proposers import available_methods
+    assert available_methods()[-4:] == ("repeat_device", "repeat_fn", "repeat_last",
+                                        "repeat_named")
+    assert "ngram" in available_methods()
 
 
 def test_registration_refusals(registered):

@@ -100,7 +100,10 @@ BUILDERS: dict[str, Any] = {**_HISTORY_METHODS, **_MODEL_METHODS}
 
 def available_methods() -> tuple[str, ...]:
     """Methods ``make_proposer`` can build in this install (the proposer module imports,
-    and arctic-inference for ``suffix``)."""
+    and arctic-inference for ``suffix``), then those registered with
+    ``specjax.register_speculative_method``."""
+    from specjax.method_registry import registered_methods
+
     out = []
     for m, b in BUILDERS.items():
         try:
@@ -111,7 +114,7 @@ def available_methods() -> tuple[str, ...]:
         except ImportError:
             continue
         out.append(m)
-    return tuple(out)
+    return tuple(out) + tuple(registered_methods())
 
 
 
