@@ -432,6 +432,12 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
         raise ValueError(f"hidden_act must be {want_act!r} for a {kind!r} config, got {show(act)}")
     if not hf.get("is_neox_style", True):
         raise ValueError("is_neox_style must be true (specjax implements rotate-half RoPE only)")
+    rp = hf.get("rope_parameters")
+    for where, d in (("", hf), ("rope_parameters.", rp if isinstance(rp, Mapping) else {})):
+        f = d.get("partial_rotary_factor", 1.0)
+        if f != 1.0:
+            raise ValueError(f"config {where}partial_rotary_factor must be 1.0 (specjax rotates "
+                             f"the whole head), got {show(f)}")
     dcfg = hf.get("dflash_config") or {}
     if not isinstance(dcfg, Mapping):
         raise ArgumentTypeError(f"config dflash_config must be an object, got {show(dcfg)}")

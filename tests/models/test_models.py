@@ -613,6 +613,9 @@ def test_config_from_hf_variants():
     for bad, field in ((dict(rope_scaling=dict(rope_type="mrope", mrope_section=[2, 3, 3])), "rope_type"),
                        (dict(hidden_act="gelu"), "hidden_act"),
                        (dict(use_sliding_window=True), "use_sliding_window"),
+                       (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+                       (dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.25)),
+                        "rope_parameters.partial_rotary_factor"),
                        (dict(num_key_value_heads=3), "num_key_value_heads")):
         with pytest.raises(ValueError, match=field):
             cfg_of("llama", **{**base, **bad})
