@@ -149,7 +149,7 @@ def paged_attention(q: jax.Array, cache: KVCache, md: CommonAttentionMetadata, *
     sliding_window = check_window_sinks(sliding_window, sinks, q.shape[1])
     backend = resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype, backend)
     if backend != "xla" and (sliding_window is not None or sinks is not None):
-        return _window_sinks_kernel(q, cache, md, scale, sliding_window, sinks)
+        return _window_sinks_kernel(q, cache, md, scale, sliding_window, sinks, backend)
     if backend != "xla":
         args = (q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_table)
         static = _part.static(backend, md, scale)
@@ -175,20 +175,17 @@ def check_window_sinks(sliding_window, sinks, num_heads: int) -> int | None:
 
 
 def _window_sinks_kernel(q, cache: KVCache, md: CommonAttentionMetadata, scale: float,
-                         window: int | None, sinks) -> jax.Array:
-    """A sliding window or sinks on a kernel backend: ``flash.py``'s kernel (any query
-    length) on one device where it takes the shapes, else the reference."""
-    from specjax.kernels.paged_attention import flash
-
-    if (jax.device_count() > 1 or flash.unsupported_reason(
-            num_heads=q.shape[1], num_kv_heads=cache.k.shape[2], head_dim=q.shape[2],
-            tree_mask=md.tree_mask, dtype=q.dtype) is not None):
-        return paged_attention_xla(q, cache, md, scale=scale, sliding_window=window,
-                                   sinks=sinks)
-    return flash.paged_attention(q, cache.k, cache.v, md.query_start_loc, md.seq_lens,
-                                 md.block_table, sinks, scale=scale,
-                                 max_query_len=int(md.max_query_len), causal=bool(md.causal),
-                                 tree_mask=md.tree_mask, sliding_window=window)
+                         window: int | None, sinks, backend: str) -> jax.Array:
+    """A sliding window or sinks on kernel ``backend``, routed as without them
+    (:func:`~.partition.kernel_attention`: ``"pallas"``'s decode kernel, ``flash.py``'s past
+    its rows; ``"triton"``'s kernel); on several devices through ``partition.py``, the
+    sinks split with the query heads."""
+    args = (q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_table)
+    args += () if sinks is None else (sinks.astype(jnp.float32),)
+    static = _part.static(backend, md, scale, window)
+    if jax.device_count() > 1:
+        return _part.partitioned(False, sinks is not None)(static, *args)
+    return _part.kernel_attention(static, *args)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
@@ -211,14 +208,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     if q.shape[0] == 1:
         k, v = jax.lax.optimization_barrier((k, v))
     pallas = resolve_attention_backend(q.shape, cache.k.shape, md, q.dtype, backend) == "pallas"
-    extras = sliding_window is not None or sinks is not None
-    if (fused_kv_write is not False and pallas and not extras
+    if (fused_kv_write is not False and pallas
             and not _flash_takes(q.shape, cache.k.shape, md, q.dtype)
             and q.dtype == k.dtype == v.dtype == cache.k.dtype == cache.v.dtype):
         _, bs, nkv, _ = cache.k.shape
         if fused_kv_write is True or fused_write_pays(
                 md.query_start_loc.shape[0] - 1, nkv, md.block_table.shape[1] * bs):
-            return _attend_fused(q, k, v, cache, md, scale)
+            return _attend_fused(q, k, v, cache, md, scale,
+                                 check_window_sinks(sliding_window, sinks, q.shape[1]), sinks)
     one_kernel = pallas and kv_write_kernel and jax.device_count() == 1
     if one_kernel:
         from specjax.kernels.paged_attention import pallas as _pallas
@@ -278,12 +275,14 @@ def _check_write_options(fused_kv_write, kv_write_kernel) -> tuple[bool | str, b
     return fused_kv_write, bool(kv_write_kernel)
 
 
-def _attend_fused(q, k, v, cache: KVCache, md: CommonAttentionMetadata, scale: float):
+def _attend_fused(q, k, v, cache: KVCache, md: CommonAttentionMetadata, scale: float,
+                  window: int | None = None, sinks=None):
     args = (q, k, v, cache.k, cache.v, md.slot_mapping, md.query_start_loc, md.seq_lens,
             md.block_table)
-    static = _part.static("pallas", md, scale)
+    args += () if sinks is None else (sinks.astype(jnp.float32),)
+    static = _part.static("pallas", md, scale, window)
     if jax.device_count() > 1:
-        out, kc, vc = _part.partitioned(True)(static, *args)
+        out, kc, vc = _part.partitioned(True, sinks is not None)(static, *args)
     else:
         out, kc, vc = _part.pallas_attention_write(static, *args)
     return out, KVCache(kc, vc)

@@ -104,8 +104,9 @@ def kernel_config(who: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
                   ) -> tuple[int, int, int, int, int]:
     """The static configuration shared by this kernel and its Triton twin
     (``triton.py``): ``(group, rows, block_k, num_splits,
-    num_warps)`` with the defaults filled in; ValueError (naming ``who``'s kernel and the
-    argument) for shapes or knobs the kernels do not take."""
+    num_warps)`` with the defaults filled in (``block_k`` 32 above head_dim 128: float32 K/V
+    tiles of 64 x 256 would pass a GPU's 227 KiB of shared memory a block at 128 rows); ValueError (naming
+    ``who``'s kernel and the argument) for shapes or knobs the kernels do not take."""
     reason = unsupported_reason(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 head_dim=head_dim, max_query_len=max_query_len,
                                 tree_mask=tree_mask, dtype=dtype)
@@ -113,7 +114,9 @@ def kernel_config(who: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
         raise ValueError(f"paged_attention ({who}): unsupported shapes: {reason}")
     group = num_heads // num_kv_heads
     rows = num_rows(max_query_len, group)
-    block_k = DEFAULT_BLOCK_K if block_k is None else int(block_k)
+    if block_k is None:
+        block_k = DEFAULT_BLOCK_K if head_dim <= 128 else DEFAULT_BLOCK_K // 2
+    block_k = int(block_k)
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     if num_splits is None:

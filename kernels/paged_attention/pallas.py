@@ -5,8 +5,11 @@ request's live pages: grid ``(B, num_kv_heads, num_splits)``, program ``(r, h, s
 request ``r``'s query rows of kv head ``h`` (one ``ROWS x head_dim`` tile) and split ``s``
 of its keys, online softmax in float32; :func:`_merge` combines the splits. Not
 bit-identical to the reference (summation order). :func:`paged_attention_write` folds the
-step's cache write in; :func:`write_kv` is the unfused write as one kernel. Interpret mode
-does not check Triton's shape rules: :func:`unsupported_reason` does, up front.
+step's cache write in; :func:`write_kv` is the unfused write as one kernel. A sliding
+window masks keys ``<= qpos - window`` and skips the tiles before every row's window; sink
+logits join the final normalization (the kernel's own with one split, else the merge's).
+Interpret mode does not check Triton's shape rules: :func:`unsupported_reason` does, up
+front.
 """
 
 from __future__ import annotations
@@ -66,23 +69,37 @@ def _write_new(qkv_ref, ko_ref, vo_ref, tok, slot, ok, nh: int, h, col, block_si
     _store_rows(ok, (tok, slot), write)
 
 
+def _fold_sink(acc, m, l, sink):
+    """A softmax's sink logit (no value) folded into its partial result: ``acc [R, hd]``,
+    ``m``, ``l``, ``sink [R]`` float32 -> ``(acc, l)`` rescaled to ``max(m, sink)``, the sink's
+    ``exp`` added to ``l``."""
+    m_f = jnp.maximum(m, sink)
+    c = jnp.exp(m - m_f)
+    return acc * c[:, None], l * c + jnp.exp(sink - m_f)
+
+
 def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int,
             block_k: int, block_size: int, max_blocks: int, num_blocks: int, num_splits: int,
             num_tokens: int, causal: bool, tree_bits: tuple[int, ...] | None, precision,
-            write_rows: int = 0, direct: bool = False):
+            write_rows: int = 0, direct: bool = False, window: int | None = None,
+            has_sinks: bool = False):
     """``refs``: ``q, k_cache, v_cache`` (inputs, whole arrays), then ``o, m, l`` (this
     program's tile). With ``write_rows`` (the fused cache write, see
     :func:`paged_attention_write`): ``slot_mapping, qkv, k_cache, v_cache`` in, then ``o, m,
     l, k_cache_out, v_cache_out`` (aliased to the caches in), and ``q_ref`` is ``qkv``.
     ``direct`` (one split): the single output ``out [T, num_heads, head_dim]`` (the whole
-    array) replaces ``o, m, l``: rows normalized and stored in token order, no merge kernel."""
+    array) replaces ``o, m, l``: rows normalized and stored in token order, no merge kernel.
+    ``window``: keys ``<= qpos - window`` masked, tiles before every row's window skipped;
+    ``has_sinks``: a ``sinks [num_heads]`` input after the caches, folded in when ``direct``
+    (else by :func:`_merge`)."""
     n_out = 1 if direct else 3
+    n_in = (4 if write_rows else 3) + has_sinks
     if write_rows:
         sm_ref, q_ref, k_ref, v_ref = refs[:4]
-        outs, (ko_ref, vo_ref) = refs[4:4 + n_out], refs[4 + n_out:]
+        outs, (ko_ref, vo_ref) = refs[n_in:n_in + n_out], refs[n_in + n_out:]
     else:
         q_ref, k_ref, v_ref = refs[:3]
-        outs = refs[3:]
+        outs = refs[n_in:]
     r = pl.program_id(0)
     h = pl.program_id(1)
     s = pl.program_id(2)
@@ -146,8 +163,15 @@ def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int
         qpos = seq - qlen + qi                                 # [ROWS] position of each row
 
     n_tiles = jnp.where(qlen > 0, cdiv(seq, block_k), 0)
-    per = cdiv(n_tiles, num_splits)
-    lo = jnp.minimum(s * per, n_tiles)
+    if window is None:
+        per = cdiv(n_tiles, num_splits)
+        lo = jnp.minimum(s * per, n_tiles)
+    else:       # the splits share the tiles from the first row's window on
+        wpos = seq - qlen + qi
+        t0 = jnp.minimum(lax.div(jnp.maximum(seq - qlen - window + 1, 0), jnp.int32(block_k)),
+                         n_tiles)
+        per = cdiv(n_tiles - t0, num_splits)
+        lo = jnp.minimum(t0 + s * per, n_tiles)
     hi = jnp.minimum(lo + per, n_tiles)
     kk0 = jnp.arange(block_k, dtype=jnp.int32)
 
@@ -187,6 +211,8 @@ def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int
             mask = mask & ((rel < 0)[None, :] | ((rel < qt)[None, :] & (seen != 0)))
         elif causal:
             mask = mask & (kk[None, :] <= qpos[:, None])
+        if window is not None:
+            mask = mask & (kk[None, :] > wpos[:, None] - window)
         sc = jnp.where(mask, sc, NEG)
         m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1))
         corr = jnp.exp(m_prev - m_new)
@@ -216,6 +242,8 @@ def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int
         l_ref[...] = l
         return
     (out_ref,) = outs
+    if has_sinks:
+        acc, l = _fold_sink(acc, m, l, pltr.load(refs[n_in - 1].at[head]))
     out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
 
     def store():
@@ -239,39 +267,54 @@ def _kernel(qsl_ref, seq_ref, bt_ref, *refs, scale: float, group: int, rows: int
     lax.fori_loop(0, n_tail, zero_tail, 0)
 
 
-_STATIC = ("scale", "max_query_len", "causal", "tree_mask", "block_k", "num_splits", "num_warps",
-           "num_stages", "interpret")
+_STATIC = ("scale", "max_query_len", "causal", "tree_mask", "sliding_window", "block_k",
+           "num_splits", "num_warps", "num_stages", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    query_start_loc: jax.Array, seq_lens: jax.Array, block_table: jax.Array, *,
+                    query_start_loc: jax.Array, seq_lens: jax.Array, block_table: jax.Array,
+                    sinks: jax.Array | None = None, *,
                     scale: float, max_query_len: int, causal: bool = True,
                     tree_mask: tuple[tuple[bool, ...], ...] | None = None,
+                    sliding_window: int | None = None,
                     block_k: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int = 2,
                     interpret: bool | None = None) -> jax.Array:
     """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads,
     head_dim]`` in ``q.dtype`` (:func:`specjax.kernels.paged_attention.paged_attention`).
     Static: ``max_query_len`` bounds every query length; ``tree_mask`` (``Q x Q`` bools)
-    replaces the causal mask; ``block_k`` keys per step (64; a power of two >= 16),
+    replaces the causal mask; ``sliding_window`` keeps keys ``> qpos - window`` (and skips
+    the tiles before them); ``block_k`` keys per step (64; a power of two >= 16),
     ``num_splits`` (:func:`default_num_splits`), ``num_warps`` (4, 8 above 32 rows),
     ``num_stages``; ``interpret`` (default: off the GPU) runs Pallas interpret mode.
+    ``sinks [num_heads]`` (float): one extra logit per head in each softmax, no value.
     """
     out, _ = _attention(q, None, k_cache, v_cache, None, query_start_loc, seq_lens, block_table,
                         scale=scale, max_query_len=max_query_len, causal=causal,
                         tree_mask=tree_mask, block_k=block_k, num_splits=num_splits,
-                        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                        **_extras(sliding_window, sinks))
     return out
+
+
+def _extras(sliding_window, sinks) -> dict:
+    """The window / sinks keywords of :func:`_attention`, none when neither is set (so the
+    plain call is the one it always was)."""
+    if sliding_window is None and sinks is None:
+        return {}
+    return dict(window=None if sliding_window is None else int(sliding_window), sinks=sinks)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention_write(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                           slot_mapping: jax.Array, query_start_loc: jax.Array,
-                          seq_lens: jax.Array, block_table: jax.Array, *, scale: float,
+                          seq_lens: jax.Array, block_table: jax.Array,
+                          sinks: jax.Array | None = None, *, scale: float,
                           max_query_len: int, causal: bool = True,
                           tree_mask: tuple[tuple[bool, ...], ...] | None = None,
-                          block_k: int | None = None, num_splits: int | None = None,
+                          sliding_window: int | None = None, block_k: int | None = None,
+                          num_splits: int | None = None,
                           num_warps: int | None = None, num_stages: int = 2,
                           interpret: bool | None = None
                           ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -280,8 +323,9 @@ def paged_attention_write(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     the caches' dtype) -> ``(out [T, num_heads, head_dim], (k_cache, v_cache))``, the caches
     aliased in and out. Slots ``< 0`` or past the cache are dropped. Bit-identical to
     ``write_kv`` then :func:`paged_attention` when no request reads a slot that another
-    request's (or a padding) token writes in the call, true of vLLM's metadata. ValueError
-    for mismatched shapes or dtypes.
+    request's (or a padding) token writes in the call, true of vLLM's metadata.
+    ``sliding_window``, ``sinks``: :func:`paged_attention`'s. ValueError for mismatched
+    shapes or dtypes.
     """
     t_pad, width, hd = qkv.shape
     nb, bs, nkv, hd_k = k_cache.shape
@@ -297,12 +341,13 @@ def paged_attention_write(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     return _attention(qkv, nh, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens,
                       block_table, scale=scale, max_query_len=max_query_len, causal=causal,
                       tree_mask=tree_mask, block_k=block_k, num_splits=num_splits,
-                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                      num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                      **_extras(sliding_window, sinks))
 
 
 def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens,
                block_table, *, scale, max_query_len, causal, tree_mask, block_k, num_splits,
-               num_warps, num_stages, interpret):
+               num_warps, num_stages, interpret, window=None, sinks=None):
     """Both entry points: ``slot_mapping is None`` -> attention only (``q [T, nh, hd]``),
     else ``q`` is ``qkv`` with ``num_heads`` query heads and the write is fused."""
     if pltr is None:
@@ -320,6 +365,10 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
         max_blocks=max_blocks, batch=b_pad, max_query_len=max_query_len, tree_mask=tree_mask,
         dtype=q.dtype, block_k=block_k, num_splits=num_splits, num_warps=num_warps,
         fused_write=write)
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window={window} must be None or >= 1")
+    if sinks is not None and sinks.shape != (nh,):
+        raise ValueError(f"sinks {sinks.shape} must be [num_heads] = [{nh}]")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if b_pad == 0 or t_pad == 0:
@@ -340,7 +389,8 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
         causal=bool(causal), tree_bits=None if tree_mask is None else tree_bits(tree_mask),
         precision=lax.Precision.HIGHEST,
         write_rows=pow2_at_least(max(int(max_query_len), 1), 16) if write else 0,
-        direct=direct)
+        direct=direct, **({} if window is None and sinks is None else
+                          dict(window=window, has_sinks=sinks is not None)))
     grid = (b_pad, nkv, num_splits)
     if direct:
         out_specs = [pl.no_block_spec]
@@ -367,6 +417,9 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
         aliases = {5: n_out, 6: n_out + 1}
     else:
         args, aliases = ints + [q_in, k_cache, v_cache], {}
+    if sinks is not None:           # after the caches: the aliases above stay
+        args.append(sinks.astype(jnp.float32))
+    extra = ("" if window is None else f"_w{window}") + ("" if sinks is None else "_sinks")
     outs = pl.pallas_call(
         kernel,
         grid=grid,
@@ -375,7 +428,7 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
         input_output_aliases=aliases,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention{'_write' if write else ''}_r{rows}_k{block_k}_s{num_splits}",
+        name=f"paged_attention{'_write' if write else ''}_r{rows}_k{block_k}_s{num_splits}{extra}",
     )(*args)
     caches = (outs[n_out], outs[n_out + 1]) if write else (k_cache, v_cache)
     if direct:
@@ -384,7 +437,7 @@ def _attention(q, num_heads, k_cache, v_cache, slot_mapping, query_start_loc, se
     # merge the splits (flash-decoding), normalize, rows -> token order: one small kernel
     out = _merge(query_start_loc.astype(jnp.int32), o, m, l, t_pad=t_pad, num_heads=nh,
                  max_query_len=max(int(max_query_len), 1), out_dtype=q.dtype,
-                 interpret=interpret)
+                 interpret=interpret, **({} if sinks is None else dict(sinks=args[-1])))
     return out, caches
 
 
@@ -393,13 +446,15 @@ def _scatter(cache: jax.Array, values: jax.Array, slot_mapping: jax.Array) -> ja
     return scatter_slots(cache, values, slot_mapping)
 
 
-def _merge_kernel(qsl_ref, o_ref, m_ref, l_ref, out_ref, *, b_pad: int, group: int,
-                  num_splits: int, rows: int, qmax: int):
+def _merge_kernel(qsl_ref, o_ref, m_ref, l_ref, *refs, b_pad: int, group: int,
+                  num_splits: int, rows: int, qmax: int, has_sinks: bool = False):
     """Program ``(t, h)``: token ``t``'s ``group`` query heads of kv head ``h``. Finds the
     token's request ``r`` (``qsl[r] <= t < qsl[r + 1]``) and query index ``i``, merges the
     ``num_splits`` partial results of rows ``i * group + g`` (flash-decoding), normalizes,
     writes ``out[t, h, g]`` (``g`` padded to a power of two); zeros for tokens past
-    ``qsl[b_pad]``."""
+    ``qsl[b_pad]``. ``has_sinks``: ``refs`` starts with ``sinks [num_heads]``, each head's
+    sink joining the merged denominator once."""
+    out_ref = refs[-1]
     t = pl.program_id(0)
     h = pl.program_id(1)
     bi = jnp.arange(pow2_at_least(b_pad), dtype=jnp.int32)
@@ -421,23 +476,33 @@ def _merge_kernel(qsl_ref, o_ref, m_ref, l_ref, out_ref, *, b_pad: int, group: i
     l = pltr.load(l_ref.at[r, h, sc[:, None], row[None, :]], mask=ok, other=0.0)
     o = pltr.load(o_ref.at[r, h, sc[:, None, None], row[None, :, None], col[None, None, :]],
                   mask=ok[:, :, None], other=0.0)              # [S2, G2, hd]
-    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])
-    acc = jnp.sum(o * w[:, :, None], axis=0)                  # [G2, hd]
-    den = jnp.sum(l * w, axis=0)
+    if has_sinks:
+        sink = pltr.load(refs[0].at[h * group + jnp.minimum(g, group - 1)])     # [G2]
+        top = jnp.maximum(jnp.max(m, axis=0), sink)
+        w = jnp.exp(m - top[None, :])
+        acc = jnp.sum(o * w[:, :, None], axis=0)
+        den = jnp.sum(l * w, axis=0) + jnp.exp(sink - top)
+    else:
+        w = jnp.exp(m - jnp.max(m, axis=0)[None, :])
+        acc = jnp.sum(o * w[:, :, None], axis=0)                  # [G2, hd]
+        den = jnp.sum(l * w, axis=0)
     out = acc / jnp.where(den > 0, den, 1.0)[:, None]
     out_ref[...] = jnp.where(valid, out, 0.0).astype(out_ref.dtype)
 
 
 def _merge(qsl: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, *, t_pad: int,
-           num_heads: int, max_query_len: int, out_dtype, interpret: bool) -> jax.Array:
+           num_heads: int, max_query_len: int, out_dtype, interpret: bool,
+           sinks: jax.Array | None = None) -> jax.Array:
     """The split-K epilogue as one kernel: ``o [B, nkv, S, ROWS, hd]``, ``m``, ``l [B, nkv,
     S, ROWS]`` -> ``[t_pad, num_heads, hd]`` in ``out_dtype`` (replaces four XLA fusions:
-    max, exp, two sums, the normalization and the gather back to token order)."""
+    max, exp, two sums, the normalization and the gather back to token order); ``sinks
+    [num_heads]`` float32 join the denominators."""
     b_pad, nkv, splits, rows, hd = o.shape
     group = num_heads // nkv
     g2 = pow2_at_least(group)
     kernel = functools.partial(_merge_kernel, b_pad=b_pad, group=group,
-                               num_splits=splits, rows=rows, qmax=max_query_len)
+                               num_splits=splits, rows=rows, qmax=max_query_len,
+                               **({} if sinks is None else dict(has_sinks=True)))
     out = pl.pallas_call(
         kernel,
         grid=(t_pad, nkv),
@@ -445,8 +510,8 @@ def _merge(qsl: jax.Array, o: jax.Array, m: jax.Array, l: jax.Array, *, t_pad: i
         out_shape=jax.ShapeDtypeStruct((t_pad, nkv, g2, hd), out_dtype),
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name=f"paged_attention_merge_s{splits}",
-    )(qsl, o, m, l)
+        name=f"paged_attention_merge_s{splits}{'' if sinks is None else '_sinks'}",
+    )(qsl, o, m, l, *([] if sinks is None else [sinks]))
     # a power-of-two group (every usual model): the slice is a no-op and the reshape free
     return out[:, :, :group].reshape(t_pad, num_heads, hd)
 

@@ -16,16 +16,19 @@ from specjax.attention_metadata import CommonAttentionMetadata
 
 
 
-def static(backend: str, md: CommonAttentionMetadata, scale) -> tuple:
+def static(backend: str, md: CommonAttentionMetadata, scale, window: int | None = None
+           ) -> tuple:
     """The kernel backend and its static keywords, hashable: ``(backend, ((name, value),
-    ...))``."""
-    return backend, (("scale", float(scale)), ("max_query_len", int(md.max_query_len)),
-                     ("causal", bool(md.causal)), ("tree_mask", md.tree_mask))
+    ...))``; ``window`` adds ``sliding_window``."""
+    kw = (("scale", float(scale)), ("max_query_len", int(md.max_query_len)),
+          ("causal", bool(md.causal)), ("tree_mask", md.tree_mask))
+    return backend, kw + ((("sliding_window", int(window)),) if window is not None else ())
 
 
-def kernel_attention(static, q, k_cache, v_cache, qsl, seq_lens, block_table):
+def kernel_attention(static, q, k_cache, v_cache, qsl, seq_lens, block_table, *sinks):
     """The attention kernel of backend ``static[0]`` (``"pallas"`` or ``"triton"``; on
-    ``"pallas"`` past the decode kernel's rows, ``flash.py``'s)."""
+    ``"pallas"`` past the decode kernel's rows, ``flash.py``'s); ``sinks``: none or one
+    ``[num_heads]`` array."""
     backend, kw = static
     from specjax.kernels.paged_attention.flash import takes_over
 
@@ -35,32 +38,38 @@ def kernel_attention(static, q, k_cache, v_cache, qsl, seq_lens, block_table):
         from specjax.kernels.paged_attention.flash import paged_attention as kernel
     else:
         from specjax.kernels.paged_attention.pallas import paged_attention as kernel
-    return kernel(q, k_cache, v_cache, qsl, seq_lens, block_table, **dict(kw))
+    return kernel(q, k_cache, v_cache, qsl, seq_lens, block_table, *sinks, **dict(kw))
 
 
 def pallas_attention_write(static, q, k, v, k_cache, v_cache, slot_mapping, qsl, seq_lens,
-                            block_table):
+                            block_table, *sinks):
     from specjax.kernels.paged_attention.pallas import paged_attention_write
 
     out, (kc, vc) = paged_attention_write(
         jnp.concatenate([q, k, v], axis=1), k_cache, v_cache, slot_mapping, qsl, seq_lens,
-        block_table, **dict(static[1]))
+        block_table, *sinks, **dict(static[1]))
     return out, kc, vc
 
 
 #: Shardy factors: t tokens, h = (k g) query heads, k kv heads, d head_dim, n / s cache
 #: blocks / block offsets, a / r / c query_start_loc / requests / table width. Only ``k``
-#: (and with it the query heads, kv-head major) may stay sharded.
+#: (and with it the query heads, kv-head major) may stay sharded. Sinks (``[num_heads]``),
+#: when given, follow the last operand as ``H``.
 _RULES = {
     False: "t H d, n s k d, n s k d, a, r, r c -> t H d",
     True: "t H d, t k d, t k d, n s k d, n s k d, t, a, r, r c -> t H d, n s k d, n s k d",
 }
 
 
-def _sharding_rule(write: bool):
+def _rule_text(write: bool, sinks: bool) -> str:
+    ins, outs = _RULES[write].split(" -> ")
+    return f"{ins}, H -> {outs}" if sinks else _RULES[write]
+
+
+def _sharding_rule(write: bool, sinks: bool = False):
     def rule(static, mesh, operand_types, result_types):
         group = operand_types[0].shape[1] // operand_types[3 if write else 1].shape[2]
-        text = _RULES[write].replace("H", "(k g)" if group > 1 else "k")
+        text = _rule_text(write, sinks).replace("H", "(k g)" if group > 1 else "k")
         # Shardy wants the special factors in order of first appearance
         order = list(dict.fromkeys(text.replace("(", " ").replace(")", " ").replace(",", " ")
                                    .replace("->", " ").split()))
@@ -95,20 +104,36 @@ def _replicated(sharding, mesh):
     return _compat.replicated_like(sharding, mesh)
 
 
-def _partition(write: bool):
+def _heads_like(sharding, mesh):
+    """A ``[num_heads]`` array's sharding split as the query heads (dimension 1) of
+    ``sharding``, or ``None`` when that is not a ``NamedSharding``."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if not isinstance(sharding, NamedSharding):
+        return None
+    return NamedSharding(mesh, PartitionSpec((tuple(sharding.spec) + (None, None))[1]))
+
+
+def _partition(write: bool, sinks: bool = False):
     """Run the kernel per shard on the shardings Shardy chose under :data:`_RULES` (the
     kv-head split, or replicated). Anything else -- which the rule's replication factors
     should rule out -- falls back to running the whole call on every device."""
     def partition(static, mesh, arg_shapes, result_shape):
         results = tuple(result_shape) if write else (result_shape,)
         arrays = tuple(arg_shapes) + results
-        head_dims = _HEAD_DIMS[write][0] + _HEAD_DIMS[write][1]
+        head_dims = _HEAD_DIMS[write][0] + ((0,) if sinks else ()) + _HEAD_DIMS[write][1]
         tiles = [_head_tiles(x.sharding, len(x.shape), d) for x, d in zip(arrays, head_dims)]
+        arg_sh = [x.sharding for x in arg_shapes]
+        out_sh = [x.sharding for x in results]
+        last = len(arg_shapes) - 1
+        if sinks and tiles[last] == 1 and tiles[0] not in (None, 1):
+            # replicated sinks (a replicated parameter): each device slices its heads' own
+            like = _heads_like(arg_sh[0], mesh)
+            if like is not None:
+                tiles[last], arg_sh[last] = tiles[0], like
         split = {t for t, d in zip(tiles, head_dims) if d is not None}
         consistent = (None not in tiles and len(split) == 1
                       and all(t == 1 for t, d in zip(tiles, head_dims) if d is None))
-        arg_sh = [x.sharding for x in arg_shapes]
-        out_sh = [x.sharding for x in results]
         if not consistent:
             rep = _replicated(arg_sh[0], mesh)
             arg_sh, out_sh = [rep] * len(arg_sh), [rep] * len(out_sh)
@@ -118,9 +143,10 @@ def _partition(write: bool):
 
 
 @functools.cache
-def partitioned(write: bool):
+def partitioned(write: bool, sinks: bool = False):
     """:func:`kernel_attention` (``write``: :func:`pallas_attention_write`) as a
-    ``custom_partitioning`` function: split by kv heads, never gathered."""
+    ``custom_partitioning`` function: split by kv heads, never gathered; ``sinks``: it takes
+    a trailing ``sinks [num_heads]``, split with the query heads."""
     return _compat.custom_partitioning_shardy(
         pallas_attention_write if write else kernel_attention, static_argnums=(0,),
-        partition=_partition(write), sharding_rule=_sharding_rule(write))
+        partition=_partition(write, sinks), sharding_rule=_sharding_rule(write, sinks))

@@ -2,7 +2,10 @@
 
 The algorithm, grid and numerics of the Pallas kernel (:mod:`.pallas`) in Triton's own
 language; no fused cache write. Tree masks are one int32 bitmask per query row; addresses
-are int64. :func:`launch_plan` (pure Python) gives each kernel's grid and constexprs, so a
+are int64. A sliding window masks keys ``<= qpos - window`` and skips the tiles before every
+row's window; sink logits ride in the tree-bits buffer (float32 bits after the rows), so the
+plain launch keeps its operands, and join split 0's partial result (counted once by the
+merge). :func:`launch_plan` (pure Python) gives each kernel's grid and constexprs, so a
 test can launch them under Triton's interpreter on CPU.
 """
 
@@ -28,7 +31,7 @@ def _attention_kernel(
     qsl_ptr,  # [B + 1] query_start_loc
     seq_ptr,  # [B] seq_lens
     bt_ptr,  # [B, MAX_BLOCKS] block_table
-    tree_ptr,  # [max(TREE, 1)] int32 bitmask per tree row (unused without a tree)
+    tree_ptr,  # [max(TREE, 1) (+ NH with SINKS_AT)] int32: tree bitmasks, then sinks' bits
     q_ptr,  # [NUM_TOKENS, NH, HD]
     k_ptr,  # [NUM_BLOCKS, BLOCK_SIZE, NKV, HD]
     v_ptr,  # [NUM_BLOCKS, BLOCK_SIZE, NKV, HD]
@@ -49,6 +52,8 @@ def _attention_kernel(
     NUM_TOKENS: tl.constexpr,
     CAUSAL: tl.constexpr,
     TREE: tl.constexpr,  # tree rows, 0 without a tree mask
+    WINDOW: tl.constexpr,  # sliding window, 0 without one
+    SINKS_AT: tl.constexpr,  # sinks' float32 bits at tree_ptr[SINKS_AT + head]; 0: none
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -71,8 +76,13 @@ def _attention_kernel(
         bits = tl.load(tree_ptr + tl.minimum(qi, TREE - 1))
 
     n_tiles = tl.where(qlen > 0, tl.cdiv(seq, BLOCK_K), 0)
-    per = tl.cdiv(n_tiles, NUM_SPLITS)
-    lo = tl.minimum(s * per, n_tiles)
+    if WINDOW > 0:  # the splits share the tiles from the first row's window on
+        t0 = tl.minimum(tl.maximum(seq - qlen - WINDOW + 1, 0) // BLOCK_K, n_tiles)
+        per = tl.cdiv(n_tiles - t0, NUM_SPLITS)
+        lo = tl.minimum(t0 + s * per, n_tiles)
+    else:
+        per = tl.cdiv(n_tiles, NUM_SPLITS)
+        lo = tl.minimum(s * per, n_tiles)
     hi = tl.minimum(lo + per, n_tiles)
     kk0 = tl.arange(0, BLOCK_K)
     acc = tl.zeros((ROWS, HD), tl.float32)
@@ -95,6 +105,8 @@ def _attention_kernel(
             mask = mask & ((rel < 0)[None, :] | ((rel < TREE)[None, :] & (seen != 0)))
         elif CAUSAL:
             mask = mask & (kk[None, :] <= qpos[:, None])
+        if WINDOW > 0:
+            mask = mask & (kk[None, :] > qpos[:, None] - WINDOW)
         sc = tl.where(mask, sc, _NEG)
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         corr = tl.exp(m_i - m_new)
@@ -102,6 +114,13 @@ def _attention_kernel(
         l_i = corr * l_i + tl.sum(p, axis=1)
         acc = corr[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
+    if SINKS_AT > 0:  # split 0 carries the sink: the merge then counts it once
+        sink = tl.load(tree_ptr + SINKS_AT + head).to(tl.float32, bitcast=True)
+        m_f = tl.maximum(m_i, tl.where(s == 0, sink, _NEG))
+        c = tl.exp(m_i - m_f)
+        acc = acc * c[:, None]
+        l_i = l_i * c + tl.where(s == 0, tl.exp(tl.minimum(sink - m_f, 0.0)), 0.0)
+        m_i = m_f
     row = ((r * NKV + h) * NUM_SPLITS + s) * ROWS + m_idx
     tl.store(o_ptr + row.to(tl.int64)[:, None] * HD + col[None, :], acc)
     tl.store(m_ptr + row, m_i)
@@ -161,15 +180,18 @@ def _merge_kernel(
 def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_query_len: int,
                 causal: bool = True, tree_mask=None, block_k: int | None = None,
                 num_splits: int | None = None, num_warps: int | None = None,
-                dtype=None) -> dict:
+                dtype=None, sliding_window: int | None = None, sinks: bool = False) -> dict:
     """Grids, constexprs and output shapes of both kernels for these static shapes (raises
     ValueError for shapes the kernel does not take). ``q_shape [T, NH, HD]``,
-    ``cache_shape [NUM_BLOCKS, BLOCK_SIZE, NKV, HD]``, ``block_table_shape [B, MAX_BLOCKS]``."""
+    ``cache_shape [NUM_BLOCKS, BLOCK_SIZE, NKV, HD]``, ``block_table_shape [B, MAX_BLOCKS]``;
+    ``sinks``: whether :func:`aux_buffer` appends sink logits to ``tree_bits``."""
     t_pad, nh, hd = q_shape
     nb, bs, nkv, hd_k = cache_shape
     b_pad, max_blocks = block_table_shape
     if hd_k != hd:
         raise ValueError(f"cache head_dim {hd_k} does not match q {q_shape}")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be None or >= 1")
     group, rows, block_k, num_splits, num_warps = _pk.kernel_config(
         "triton", num_heads=nh, num_kv_heads=nkv, head_dim=hd, block_size=bs,
         max_blocks=max_blocks, batch=b_pad, max_query_len=max_query_len, tree_mask=tree_mask,
@@ -179,7 +201,8 @@ def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_qu
         grid=(b_pad, nkv, num_splits), num_warps=num_warps,
         meta=dict(SCALE=float(scale), NH=nh, NKV=nkv, HD=hd, GROUP=group, ROWS=rows,
                   BLOCK_K=block_k, BLOCK_SIZE=bs, MAX_BLOCKS=max_blocks, NUM_BLOCKS=nb,
-                  NUM_SPLITS=num_splits, NUM_TOKENS=t_pad, CAUSAL=bool(causal), TREE=tree_rows),
+                  NUM_SPLITS=num_splits, NUM_TOKENS=t_pad, CAUSAL=bool(causal), TREE=tree_rows,
+                  WINDOW=int(sliding_window or 0), SINKS_AT=max(tree_rows, 1) if sinks else 0),
         out_shapes=[(b_pad, nkv, num_splits, rows, hd), (b_pad, nkv, num_splits, rows),
                     (b_pad, nkv, num_splits, rows)])
     merge = dict(
@@ -191,27 +214,43 @@ def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_qu
     return dict(attention=attention, merge=merge, tree_bits=tree)
 
 
-_STATIC = ("scale", "max_query_len", "causal", "tree_mask", "block_k", "num_splits", "num_warps",
-           "num_stages")
+def aux_buffer(tree_bits, sinks):
+    """The kernel's ``tree_ptr`` operand: ``tree_bits`` (int32), then (``sinks [NH]`` not
+    None) the sinks' float32 bits as int32. Works on NumPy and JAX arrays alike."""
+    if sinks is None:
+        return tree_bits
+    xp = np if isinstance(sinks, np.ndarray) else jnp
+    bits = (sinks.astype(np.float32).view(np.int32) if xp is np
+            else jax.lax.bitcast_convert_type(sinks.astype(jnp.float32), jnp.int32))
+    return xp.concatenate([xp.asarray(tree_bits, np.int32), bits])
+
+
+_STATIC = ("scale", "max_query_len", "causal", "tree_mask", "sliding_window", "block_k",
+           "num_splits", "num_warps", "num_stages")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    query_start_loc: jax.Array, seq_lens: jax.Array, block_table: jax.Array, *,
+                    query_start_loc: jax.Array, seq_lens: jax.Array, block_table: jax.Array,
+                    sinks: jax.Array | None = None, *,
                     scale: float, max_query_len: int, causal: bool = True,
                     tree_mask: tuple[tuple[bool, ...], ...] | None = None,
+                    sliding_window: int | None = None,
                     block_k: int | None = None, num_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
     """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads,
     head_dim]`` in ``q.dtype``: :func:`specjax.kernels.paged_attention.pallas.paged_attention`
-    (same arguments and knobs, same semantics) as two Triton kernels. Needs a GPU."""
+    (same arguments and knobs, same semantics: ``sinks``, ``sliding_window`` too) as two
+    Triton kernels. Needs a GPU."""
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
     t_pad, nh, hd = q.shape
+    if sinks is not None and sinks.shape != (nh,):
+        raise ValueError(f"sinks {sinks.shape} must be [num_heads] = [{nh}]")
     plan = launch_plan(q.shape, k_cache.shape, block_table.shape, scale=scale,
                        max_query_len=max_query_len, causal=causal, tree_mask=tree_mask,
                        block_k=block_k, num_splits=num_splits, num_warps=num_warps,
-                       dtype=q.dtype)
+                       dtype=q.dtype, sliding_window=sliding_window, sinks=sinks is not None)
     if block_table.shape[0] == 0 or t_pad == 0:
         return jnp.zeros(q.shape, q.dtype)
     # the first dot in the promoted dtype (as the reference's einsum), the second in the
@@ -221,7 +260,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     a = plan["attention"]
     o, m, l = _jt.triton_call(
         qsl, seq_lens.astype(jnp.int32), block_table.astype(jnp.int32),
-        jnp.asarray(plan["tree_bits"]), q_in, k_cache, v_cache,
+        aux_buffer(jnp.asarray(plan["tree_bits"]), sinks), q_in, k_cache, v_cache,
         kernel=_attention_kernel,
         out_shape=[jax.ShapeDtypeStruct(s, jnp.float32) for s in a["out_shapes"]],
         grid=a["grid"], num_warps=a["num_warps"], num_stages=num_stages,

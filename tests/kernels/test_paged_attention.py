@@ -581,13 +581,18 @@ def test_triton_kernel_under_the_interpreter():
     """The jax-triton paged-attention kernels, launched under Triton's interpreter
     (``TRITON_INTERPRET=1``, in a subprocess: it must be set before triton is imported)
     on every float32 CPU configuration: equal to the NumPy oracle to 1e-5, padding tokens
-    zero, an empty batch all zeros (``tests/support/triton_interpret_paged_attention.py``)."""
+    zero, an empty batch all zeros, and the float32 sliding-window / sink cases of
+    test_window_sinks_kernels.py (``tests/support/triton_interpret_paged_attention.py``)."""
+    import test_window_sinks_kernels as wsk
+
+    cases = (2 * sum(c.dtype == "float32" for c in CPU_CFGS.values()) + 1
+             + sum(w.cfg.dtype == "float32" for w in wsk.CASES.values()))
     env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
     script = str(suite_paths.SUPPORT / "triton_interpret_paged_attention.py")
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "triton interpreter: 13 cases ok" in r.stdout, r.stdout
+    assert f"triton interpreter: {cases} cases ok" in r.stdout, r.stdout
 
 @pytest.mark.smoke
 def test_switch_retraces_jitted_callers():
