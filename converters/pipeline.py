@@ -131,6 +131,7 @@ def read_and_normalize(src, format: str | None = None) -> tuple[Checkpoint, Norm
                 f.endswith("medusa_lm_head.pt") for f in ckpt.files):
             raise CheckpointError(f"{where}: no config.json beside the weights (the model's "
                                   "hyper-parameters come from it)")
+    check_not_quantized(ckpt.config, ckpt.path)
     fmt = format or detect_format(ckpt.config, ckpt.tensors, ckpt.files)
     try:
         norm = normalize(fmt, ckpt.config, ckpt.tensors)
@@ -141,6 +142,20 @@ def read_and_normalize(src, format: str | None = None) -> tuple[Checkpoint, Norm
                               f"({type(e).__name__}: {clip(e, 200)})") from None
     norm.notes[:0] = ckpt.notes
     return ckpt, norm
+
+
+def check_not_quantized(hf_config: dict, where) -> None:
+    """CheckpointError naming ``quantization_config.quant_method`` (top level or under
+    ``text_config``): FP8 block scales, AWQ, GPTQ, MXFP4 and the rest are not dequantized,
+    and reading their packed tensors as weights would be wrong."""
+    for prefix, cfg in (("", hf_config), ("text_config.", (hf_config or {}).get("text_config"))):
+        q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        if q is not None:
+            method = q.get("quant_method", "unknown") if isinstance(q, dict) else q
+            raise CheckpointError(
+                f"{where}: config {prefix}quantization_config.quant_method={clip(method, 40)!r}: "
+                "quantized checkpoints are not supported; convert the unquantized (bf16 / "
+                "fp16 / fp32) release")
 
 
 def validate(kind: str, config, tensors: dict, source: str = "") -> None:

@@ -476,6 +476,24 @@ def test_too_many_layers_is_quick(tmp_path):
     assert len(str(e.value)) < 300
 
 
+@pytest.mark.parametrize("qcfg,where", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "quantization_config"),
+    ({"quant_method": "awq", "bits": 4}, "quantization_config"),
+    ({"quant_method": "gptq", "bits": 4}, "quantization_config"),
+    ({"quant_method": "mxfp4"}, "text_config.quantization_config"),
+])
+def test_quantized_checkpoints_are_refused_by_name(tmp_path, qcfg, where):
+    cfg = llama_config()
+    if where.startswith("text_config"):
+        cfg["text_config"] = {"quantization_config": qcfg}
+    else:
+        cfg["quantization_config"] = qcfg
+    src = _llama_dir(tmp_path, config=cfg)
+    with pytest.raises(CheckpointError, match=rf"{where}\.quant_method='{qcfg['quant_method']}'"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_allow_nonfinite_overrides(tmp_path):
     src = _llama_dir(tmp_path, edit=_set("model.norm.weight", np.nan))
     convert(src, tmp_path / "out", allow_nonfinite=True)
