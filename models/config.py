@@ -133,6 +133,13 @@ class ModelConfig:
         for name in ("query_pre_attn_scalar", "rope_local_base_freq", "final_logit_softcapping"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: unused), got {getattr(self, name)}")
+        if self.kind == "dflash" and 0 < self.sliding_window < self.block_size and any(
+                self.layer_window(i) and not self.layer_causal(i)
+                for i in range(self.num_hidden_layers)):
+            raise ValueError(f"sliding_window={self.sliding_window} < block_size="
+                             f"{self.block_size} on a non-causal DFlash layer: vLLM's window "
+                             "there is symmetric (window - 1 keys each side); specjax limits "
+                             "only the left side, the same only for windows >= the block")
         if self.kind in ("eagle3", "dflash") and self.draft_vocab_size <= 0:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
 

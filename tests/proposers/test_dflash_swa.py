@@ -319,6 +319,8 @@ def test_attention_sink_bias(kw, sinks):
     (dict(dflash_config=dict(use_swa=True, swa_window_size=0)), "swa_window_size"),
     (dict(layer_types=[SW, FA]), "layer_types"),
     (dict(attention_sink_bias=True), "attention_sink_bias"),
+    (dict(block_size=16, dflash_config=dict(use_swa=True, swa_window_size=8)),
+     "sliding_window=8 < block_size=16 on a non-causal DFlash layer"),
 ])
 def test_refusals_name_the_key(kw, match):
     with pytest.raises(ValueError, match=match):
