@@ -19,6 +19,7 @@ from specjax.converters import (
     format_hf,
     format_medusa,
     format_mimo,
+    format_qwen3_moe,
 )
 from specjax.converters.errors import CheckpointError, FormatDetectionError
 from specjax.converters.format_common import (  # noqa: F401 (re-exported)
@@ -79,15 +80,16 @@ def _take_mask_hidden(kind: str, cfg: dict, tensors: Tensors, notes: list[str]) 
 # -- the table -----------------------------------------------------------------------------
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    format_hf.FORMATS + format_gemma3.FORMATS + format_mimo.FORMATS + format_eagle.FORMATS + format_eagle3.FORMATS
+    format_hf.FORMATS + format_gemma3.FORMATS + format_qwen3_moe.FORMATS + format_mimo.FORMATS
+    + format_eagle.FORMATS + format_eagle3.FORMATS
     + format_dflash.FORMATS + format_medusa.FORMATS)}
 #: The order ``detect_format`` asks the formats in (the first that recognises a
 #: checkpoint wins): speculators configs, then key patterns from the most specific. A MiMo
 #: checkpoint: ``mimo-mtp`` for a head-only export (MTP modules, no decoder layers), else
 #: ``mimo`` (the target; ``--format mimo-mtp`` takes its head), before the plain decoders.
 DETECTION_ORDER = ("eagle3-speculators", "dflash-speculators", "eagle3", "dflash", "medusa",
-                   "medusa-vllm", "eagle", "mimo-mtp", "mimo", "llama", "qwen2", "qwen3",
-                   "mistral", "ministral", "gemma3")
+                   "medusa-vllm", "eagle", "mimo-mtp", "mimo", "llama", "qwen2", "qwen3_moe",
+                   "qwen3", "mistral", "ministral", "gemma3")
 assert sorted(DETECTION_ORDER) == sorted(FORMATS)
 
 
@@ -124,7 +126,8 @@ def detect_format(config: dict, tensors: Tensors, files: list[str] = ()) -> str:
         raise FormatDetectionError(
             f"an HF decoder checkpoint of unsupported model_type "
             f"{p.config.get('model_type')!r} / architectures {list(p.archs)!r} (allowed: "
-            "llama, qwen2, qwen3, mistral, ministral, gemma3, MiMoForCausalLM); pass --format "
+            "llama, qwen2, qwen3, qwen3_moe, mistral, ministral, gemma3, MiMoForCausalLM); "
+            "pass --format "
             "to force one")
     raise FormatDetectionError(
         "cannot tell the checkpoint format from config.json and the tensor names; pass "

@@ -211,7 +211,7 @@ def default_dtype(tensors: dict, hf_config: dict) -> np.dtype:
 #: Kinds whose ``config.mask_token_id`` is filled from the draft config's parallel-drafting
 #: token (``formats.parallel_drafting_token_id``); DFlash reads its own ``mask_token_id``.
 PARALLEL_TOKEN_KINDS = frozenset({"eagle", "eagle3", "llama", "qwen2", "qwen3", "mistral",
-                                  "ministral", "gemma3"})
+                                  "ministral", "gemma3", "qwen3_moe"})
 
 
 def with_parallel_drafting_token(kind: str, config, hf_config: dict):

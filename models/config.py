@@ -10,11 +10,11 @@ import dataclasses
 from typing import Any
 
 #: Kinds with weights (the canonical checkpoint forms of models/CANONICAL.md).
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "eagle", "eagle3",
-         "dflash", "medusa", "mtp")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "qwen3_moe", "eagle",
+         "eagle3", "dflash", "medusa", "mtp")
 
 #: Kinds that are a plain decoder LM (target or draft model).
-DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3")
+DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "qwen3_moe")
 
 #: Attention kinds of ``layer_types`` (HF's names).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -85,6 +85,13 @@ class ModelConfig:
     final_logit_softcapping: float = 0.0
     #: DFlash: each layer's causality when the layers differ (None: ``causal`` for all)
     causal_layers: tuple[bool, ...] | None = None
+    # Qwen3-MoE (num_experts 0: dense): layer i sparse iff ``layer_sparse(i)``
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -140,6 +147,12 @@ class ModelConfig:
                              f"{self.block_size} on a non-causal DFlash layer: vLLM's window "
                              "there is symmetric (window - 1 keys each side); specjax limits "
                              "only the left side, the same only for windows >= the block")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0
+                                     and self.decoder_sparse_step > 0):
+            raise ValueError(f"MoE config needs 0 < num_experts_per_tok <= num_experts="
+                             f"{self.num_experts}, moe_intermediate_size > 0 and "
+                             f"decoder_sparse_step > 0")
         if self.kind in ("eagle3", "dflash") and self.draft_vocab_size <= 0:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
 
@@ -165,6 +178,11 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def layer_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the sparse MoE block (transformers' rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def layer_causal(self, layer: int) -> bool:
         """Whether layer ``layer`` attends causally (``causal_layers``, else ``causal``)."""

@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Mapping
 
 from specjax.checks import ArgumentError, ArgumentTypeError, check_int, check_number, show
-from specjax.models import dflash_config
+from specjax.models import dflash_config, moe_config
 from specjax.models.config import DECODER_KINDS, KINDS, LAYER_TYPES, ModelConfig, ROPE_TYPES
 
 __all__ = ["config_from_hf", "config_to_dict", "MAX_LAYERS", "MAX_DIM"]
@@ -302,7 +302,9 @@ def _check_window(hf: Mapping, n_layers: int) -> None:
     if flag and win is None:
         raise ArgumentError("config use_sliding_window=true needs sliding_window (an int)")
     if win is not None and isinstance(n_pos, int) and win < n_pos:
-        raise ArgumentError(f"config sliding_window={win} (< max_position_embeddings={n_pos}): "
+        flagged = "use_sliding_window=true with " if flag else ""
+        raise ArgumentError(f"config {flagged}sliding_window={win} (< max_position_embeddings="
+                            f"{n_pos}): "
                             "sliding-window attention is not implemented for this kind; a "
                             "Mistral checkpoint converts with --format mistral")
 
@@ -465,7 +467,7 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
     attention_bias = _bool(hf, "attention_bias", False)
     qkv_bias = _bool(hf, "qkv_bias", kind in ("qwen2", "mtp") or attention_bias)
     o_bias = _bool(hf, "o_bias", False if kind in ("qwen2", "eagle", "mtp") else attention_bias)
-    qk_norm = _bool(hf, "qk_norm", kind in ("qwen3", "dflash")
+    qk_norm = _bool(hf, "qk_norm", kind in ("qwen3", "qwen3_moe", "dflash")
                     or (kind == "eagle3" and hf.get("model_type") == "qwen3"))
     vocab = _int(hf, "vocab_size", 1, MAX_VOCAB)
     if _get(hf, "head_dim") is None and h % nh:
@@ -535,6 +537,8 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
     if kind in ("eagle", "eagle3", "dflash"):
         _check_truncated_vocab(kind, hf, vocab, fields.get("draft_vocab_size", vocab))
     fields.update(gemma)
+    if kind == "qwen3_moe":
+        fields.update(moe_config.moe_fields(hf, n_layers))
     for f in _PRESENCE:
         if hf.get(f) is not None:
             fields[f] = bool(hf[f])
@@ -577,6 +581,8 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
             d["bias"] = c.fc_bias
         elif c.kind == "mtp":
             d["num_nextn_predict_layers"] = c.n_predict
+        elif c.kind == "qwen3_moe":
+            d.update(moe_config.moe_dict(c))
         elif c.kind == "eagle3":
             d.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
                      norm_before_residual=c.norm_before_residual,

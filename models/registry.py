@@ -39,6 +39,8 @@ def tensor_table(kind: str, config: ModelConfig) -> list[Entry]:
         raise ValueError(f"kind {kind!r} does not match config.kind {config.kind!r}")
     if kind == "gemma3":
         from specjax.models.gemma3 import tensor_table as table
+    elif kind == "qwen3_moe":
+        from specjax.models.qwen3_moe import tensor_table as table
     elif kind in DECODER_KINDS:
         from specjax.models.llama import tensor_table as table
     elif kind == "eagle":
@@ -293,6 +295,9 @@ def make_model(kind: str, config: ModelConfig, **static: Any):
     if kind == "gemma3":
         from specjax.models.gemma3 import Gemma3LM
         return Gemma3LM(config, **static)
+    if kind == "qwen3_moe":
+        from specjax.models.qwen3_moe import Qwen3MoeLM
+        return Qwen3MoeLM(config, **static)
     if kind in DECODER_KINDS:
         return DecoderLM(config, **static)
     cls = {"eagle": EagleHead, "eagle3": Eagle3Head, "dflash": DFlashHead, "medusa": MedusaHeads,

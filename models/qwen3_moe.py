@@ -1,0 +1,101 @@
+"""Qwen3-MoE decoder LM (``Qwen3MoeForCausalLM``): the target model, or a draft of the same
+vocabulary.
+
+Qwen3's layers (q/k norms, explicit ``head_dim``) with the MLP of layer i the sparse
+:class:`~specjax.models.moe.SparseMoeBlock` when ``config.layer_sparse(i)`` (transformers'
+rule: not in ``mlp_only_layers``, ``num_experts > 0``, ``(i + 1) % decoder_sparse_step ==
+0``), else a dense SwiGLU of ``intermediate_size``. Aux state k is ``h_k``, as in :mod:`llama`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.attention_metadata import CommonAttentionMetadata
+from specjax.kernels.paged_attention import KVCache
+from specjax.models import params as mp, rope
+from specjax.models.config import ModelConfig
+from specjax.models.layers import DecoderLayer, RMSNorm
+from specjax.models.llama import DecoderLM
+from specjax.models.moe import SparseMoeBlock
+from specjax.models.tensors import Entry, layer_entries
+
+__all__ = ["Qwen3MoeLM", "tensor_table"]
+
+
+class Qwen3MoeLayer(DecoderLayer):
+    """A Qwen3 pre-norm layer whose ``mlp`` is the sparse block on sparse layers."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, layer: int):
+        super().__init__(cfg, rngs, layer=layer)
+        if cfg.layer_sparse(layer):
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size,
+                                      cfg.num_experts, cfg.num_experts_per_tok,
+                                      cfg.norm_topk_prob, rngs)
+
+
+class Qwen3MoeBody(nnx.Module):
+    """``layers.{i}`` and the final ``norm``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([Qwen3MoeLayer(cfg, rngs, layer=i)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeLM(DecoderLM):
+    """Static runner of a ``qwen3_moe`` decoder LM; the :class:`DecoderLM` members with the
+    MoE body."""
+
+    def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
+                kv_caches: list[KVCache], attn_metadata: CommonAttentionMetadata):
+        """As :meth:`DecoderLM.forward`: ``(hidden [T_pad, H] post-norm, aux or None,
+        kv_caches)``."""
+        cfg = self.config
+        body = mp.merge(Qwen3MoeBody, (cfg,), params)
+        cos, sin = rope.cos_sin_for(cfg, positions, attn_metadata.query_start_loc)
+        h = mp.embed(params, input_ids)
+        aux, caches = [], []
+        for i, layer in enumerate(body.layers):
+            if i in self.aux_layer_ids:
+                aux.append(h)
+            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata, self.attention)
+            caches.append(c)
+        hidden = body.norm(h)
+        return hidden, (jnp.stack(aux, axis=1) if aux else None), caches
+
+
+def expert_entries(prefix: str, path: tuple, c: ModelConfig) -> list[Entry]:
+    """A sparse layer's router ``mlp.gate`` and per-expert SwiGLU tensors (the Hub layout)."""
+    h, i = c.hidden_size, c.moe_intermediate_size
+    e = [Entry(f"{prefix}mlp.gate.weight", path + ("mlp", "gate", "kernel"),
+               (c.num_experts, h), "linear")]
+    for x in range(c.num_experts):
+        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            e.append(Entry(f"{prefix}mlp.experts.{x}.{name}.weight",
+                           path + ("mlp", "experts", x, name, "kernel"), shape, "linear"))
+    return e
+
+
+def tensor_table(c: ModelConfig) -> list[Entry]:
+    """The canonical tensors of a Qwen3-MoE decoder (the Hub checkpoints' names)."""
+    h, v = c.hidden_size, c.vocab_size
+    e = [Entry("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy")]
+    for i in range(c.num_hidden_layers):
+        pre, path = f"model.layers.{i}.", ("layers", i)
+        layer = layer_entries(pre, path, c, in_features=h)
+        if c.layer_sparse(i):
+            layer = [x for x in layer if not x.key.startswith(f"{pre}mlp.")]
+            layer += expert_entries(pre, path, c)
+        e += layer
+    e.append(Entry("model.norm.weight", ("norm", "weight"), (h,), "copy"))
+    if c.tie_word_embeddings:
+        e.append(Entry("lm_head.weight", None, (v, h), "linear", required=False))
+    else:
+        e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (v, h), "linear"))
+    return e
