@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from specjax.converters.errors import CheckpointError
 from specjax.converters.format_common import (
     _HF_ARCH,
     Format,
