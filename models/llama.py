@@ -9,7 +9,7 @@ state at layer id ``k`` is ``h_k``, the *input* of layer k (vLLM's meaning).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,8 @@ class DecoderLM(PagedCache):
     config: ModelConfig
     aux_layer_ids: tuple[int, ...] = ()
     attention: Any = None
+    #: The NNX body ``forward`` merges the params into (``layers.{i}`` and ``norm``).
+    body_class: ClassVar[type] = DecoderBody
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids",
@@ -99,7 +101,7 @@ class DecoderLM(PagedCache):
         ``KVCache`` per layer -> ``(hidden [T_pad, H] post-norm, aux [T_pad, n_aux, H] or
         None, kv_caches)``."""
         cfg = self.config
-        body = mp.merge(DecoderBody, (cfg,), params)
+        body = mp.merge(self.body_class, (cfg,), params)
         cos, sin = rope.cos_sin_for(cfg, positions, attn_metadata.query_start_loc)
         h = mp.embed(params, input_ids)
         aux, caches = [], []

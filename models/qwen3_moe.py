@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from specjax.attention_metadata import CommonAttentionMetadata
-from specjax.kernels.paged_attention import KVCache
-from specjax.models import params as mp, rope
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, RMSNorm
 from specjax.models.llama import DecoderLM
@@ -52,22 +47,7 @@ class Qwen3MoeLM(DecoderLM):
     """Static runner of a ``qwen3_moe`` decoder LM; the :class:`DecoderLM` members with the
     MoE body."""
 
-    def forward(self, params: dict, input_ids: jax.Array, positions: jax.Array,
-                kv_caches: list[KVCache], attn_metadata: CommonAttentionMetadata):
-        """As :meth:`DecoderLM.forward`: ``(hidden [T_pad, H] post-norm, aux or None,
-        kv_caches)``."""
-        cfg = self.config
-        body = mp.merge(Qwen3MoeBody, (cfg,), params)
-        cos, sin = rope.cos_sin_for(cfg, positions, attn_metadata.query_start_loc)
-        h = mp.embed(params, input_ids)
-        aux, caches = [], []
-        for i, layer in enumerate(body.layers):
-            if i in self.aux_layer_ids:
-                aux.append(h)
-            h, c = layer(h, cos, sin, kv_caches[i], attn_metadata, self.attention)
-            caches.append(c)
-        hidden = body.norm(h)
-        return hidden, (jnp.stack(aux, axis=1) if aux else None), caches
+    body_class = Qwen3MoeBody
 
 
 def expert_entries(prefix: str, path: tuple, c: ModelConfig) -> list[Entry]:
