@@ -1,7 +1,12 @@
 """HF Qwen3-MoE (``Qwen3MoeForCausalLM``): read the Hub layout (per-expert
-``mlp.experts.{e}.{gate,up,down}_proj.weight``) or transformers 5's fused one, write the Hub's."""
+``mlp.experts.{e}.{gate,up,down}_proj.weight``, stacked here) or transformers 5's stacked one
+(the canonical form), write the Hub's."""
 
 from __future__ import annotations
+
+import re
+
+import numpy as np
 
 from specjax.converters.errors import CheckpointError
 from specjax.converters.format_common import (
@@ -13,6 +18,7 @@ from specjax.converters.format_common import (
     _drop_inv_freq,
     _hf_fields,
 )
+from specjax.converters.tensor_ref import TensorRef
 
 _ARCH = "Qwen3MoeForCausalLM"
 
@@ -21,33 +27,53 @@ def detect(p: Probe) -> bool:
     return _ARCH in p.archs or p.config.get("model_type") == "qwen3_moe"
 
 
-def _split_fused(tensors: Tensors, notes: list[str]) -> Tensors:
-    """transformers 5's ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first) and
-    ``mlp.experts.down_proj [E, H, I]`` -> the per-expert Hub keys (lazy slices)."""
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def _stack_experts(tensors: Tensors, notes: list[str]) -> Tensors:
+    """The Hub's per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` -> the canonical
+    stacked ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``down_proj
+    [E, H, I]`` (lazy; read one layer at a time). Raises naming a layer whose experts are
+    not 0..E-1 with all three projections of one shape, or that is also stored fused."""
+    groups: dict[str, dict[int, dict[str, TensorRef]]] = {}
     out: Tensors = {}
-    fused = False
     for k, v in tensors.items():
-        if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            if len(v.shape) != 3 or (k.endswith("gate_up_proj") and v.shape[1] % 2):
-                raise CheckpointError(f"{k}: expected [experts, 2*I, H] / [experts, H, I], "
-                                      f"got {list(v.shape)}")
-            fused, base = True, k[: k.rindex(".") + 1]
-            e, rows, cols = v.shape
-            parts = ((("gate_proj", 0), ("up_proj", rows // 2)) if k.endswith("gate_up_proj")
-                     else (("down_proj", 0),))
-            n = rows // 2 if k.endswith("gate_up_proj") else rows
-            for j in range(e):
-                for name, lo in parts:
-                    out[f"{base}{j}.{name}.weight"] = v.map(
-                        lambda a, j=j, lo=lo, n=n: a[j, lo:lo + n].copy(), shape=(n, cols))
+        m = _PER_EXPERT.fullmatch(k)
+        if m:
+            groups.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = v
         else:
             out[k] = v
-    if fused:
-        both = sorted(k for k in out if k in tensors and ".mlp.experts." in k)
-        if both:
-            raise CheckpointError(f"both fused and per-expert expert tensors, e.g. {both[0]}")
-        notes.append("split transformers 5's fused mlp.experts.gate_up_proj / down_proj into "
-                     "per-expert tensors")
+    for base, experts in groups.items():
+        if f"{base}gate_up_proj" in out or f"{base}down_proj" in out:
+            raise CheckpointError(f"{base}*: both fused and per-expert expert tensors")
+        n = len(experts)
+        if sorted(experts) != list(range(n)):
+            missing = sorted(set(range(max(experts) + 1)) - set(experts))
+            raise CheckpointError(f"{base}{{e}}: expert {missing[0]} is missing")
+        for e, parts in experts.items():
+            if set(parts) != {"gate_proj", "up_proj", "down_proj"}:
+                raise CheckpointError(f"{base}{e}: needs gate_proj, up_proj and down_proj "
+                                      f"weights, has {sorted(parts)}")
+        first = experts[0]
+        for e, parts in experts.items():
+            for name, v in parts.items():
+                if v.shape != first[name].shape or len(v.shape) != 2:
+                    raise CheckpointError(f"{base}{e}.{name}.weight has shape {list(v.shape)}, "
+                                          f"expert 0's is {list(first[name].shape)}")
+        inter, hidden = first["gate_proj"].shape
+        dtype = first["gate_proj"].dtype
+        gate_up = [(experts[e]["gate_proj"], experts[e]["up_proj"]) for e in range(n)]
+        down = [experts[e]["down_proj"] for e in range(n)]
+        out[f"{base}gate_up_proj"] = TensorRef(
+            (n, 2 * inter, hidden), dtype, source=f"{base}{{0..{n - 1}}}.gate_proj/up_proj",
+            loader=lambda g=gate_up: np.stack([np.concatenate([a.load(), b.load()]) for a, b in g]))
+        out[f"{base}down_proj"] = TensorRef(
+            (n,) + first["down_proj"].shape, first["down_proj"].dtype,
+            source=f"{base}{{0..{n - 1}}}.down_proj",
+            loader=lambda d=down: np.stack([a.load() for a in d]))
+    if groups:
+        notes.append("stacked the per-expert mlp.experts.{e}.* tensors into "
+                     "mlp.experts.gate_up_proj / down_proj")
     return out
 
 
@@ -56,7 +82,7 @@ def read(cfg: dict, tensors: Tensors, notes: list[str]) -> tuple[dict, Tensors]:
     cfg = _decoder_fields(cfg, notes)
     cfg["model_type"] = "qwen3_moe"
     cfg.setdefault("attention_bias", False)
-    tensors = _split_fused(_drop_inv_freq(tensors, notes), notes)
+    tensors = _stack_experts(_drop_inv_freq(tensors, notes), notes)
     if cfg["tie_word_embeddings"]:
         tensors = _drop(tensors, lambda k: k == "lm_head.weight",
                         "tie_word_embeddings: the head is model.embed_tokens", notes)
@@ -71,7 +97,24 @@ def write(c, t, torch_dtype):
            "attention_bias": c.qkv_bias, "use_sliding_window": False, "sliding_window": None,
            **moe_dict(c), "router_aux_loss_coef": 0.0, "output_router_logits": False,
            "tie_word_embeddings": c.tie_word_embeddings, "torch_dtype": torch_dtype}
-    return cfg, {"model.safetensors": t}
+    return cfg, {"model.safetensors": _per_expert(c, t)}
+
+
+def _per_expert(c, t: dict) -> dict:
+    """Canonical stacked experts -> the Hub's per-expert tensors (what every loader reads)."""
+    out = {}
+    for k, a in t.items():
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            base, i = k[: -len("gate_up_proj")], a.shape[1] // 2
+            for e in range(a.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = np.ascontiguousarray(a[e, :i])
+                out[f"{base}{e}.up_proj.weight"] = np.ascontiguousarray(a[e, i:])
+        elif k.endswith(".mlp.experts.down_proj"):
+            for e in range(a.shape[0]):
+                out[f"{k[: -len('down_proj')]}{e}.down_proj.weight"] = np.ascontiguousarray(a[e])
+        else:
+            out[k] = a
+    return out
 
 
 FORMATS = (

@@ -326,7 +326,7 @@ def convert_tensor(prep: Prepared, ref, key: str, shape: tuple, conv: str) -> np
     if not prep.allow_nonfinite and cast.dtype != a.dtype:
         check_finite(cast, where, f" after the cast to {dtype_name(prep.dtype)} (overflow)")
     if conv != "linear":
-        return np.ascontiguousarray(cast)
+        return _registry().to_param(cast, conv)
     if cast.dtype.itemsize == 2:  # a bit copy: NumPy transposes its own 16-bit ints faster
         return np.ascontiguousarray(cast.view(np.uint16).T).view(cast.dtype)
     return np.ascontiguousarray(cast.T)

@@ -1,61 +1,105 @@
-"""Sparse mixture-of-experts SwiGLU block (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``).
+"""Sparse mixture-of-experts blocks: top-k routing and the experts as one grouped GEMM.
 
-``x [T, H]`` -> ``[T, H]``: router ``gate`` (``[H, E]``, no bias), softmax over all E in
-float32, top-k (renormalised over the k when ``norm_topk_prob``), output
-``sum_j w_j * expert_{e_j}(x)`` with SwiGLU experts of width I. The experts run as one
-grouped GEMM (``jax.lax.ragged_dot``) over the T*k (token, expert) pairs sorted by
-expert: no per-token or per-expert loop, so a step costs the same for any routing.
+Routers: :func:`softmax_top_k` (Qwen3-MoE), :func:`top_k_softmax` (gpt-oss).
+:func:`grouped_experts` runs the T*k (token, expert) pairs sorted by expert as one
+``jax.lax.ragged_dot`` per projection, with no per-token or per-expert loop. Experts are
+stacked: ``gate_up [E, H, 2I]`` with gate and up columns interleaved (gpt-oss's layout, so a
+contiguous split of the last axis keeps each gate with its up) and ``down [E, I, H]``.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models.layers import MLP, linear
-from specjax.models.params import is_fused_kernel
+from specjax.models.layers import linear
 
-__all__ = ["SparseMoeBlock", "sparse_moe"]
+__all__ = ["softmax_top_k", "top_k_softmax", "swiglu", "grouped_experts", "Experts",
+           "SparseMoeBlock"]
 
 
-def sparse_moe(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-               top_k: int, norm_topk_prob: bool) -> jax.Array:
-    """``x [T, H]``, ``router [H, E]``, ``w_gate_up [E, H, 2I]`` (gate columns then up),
-    ``w_down [E, I, H]`` -> ``[T, H]`` in ``x``'s dtype."""
-    t, e = x.shape[0], router.shape[1]
-    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)    # [T, k]
+def softmax_top_k(logits: jax.Array, top_k: int, norm_topk_prob: bool):
+    """Softmax over all E in float32, then the top k (renormalised when ``norm_topk_prob``):
+    ``logits [T, E]`` -> ``(weights [T, k] f32, experts [T, k] int32)``."""
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def top_k_softmax(logits: jax.Array, top_k: int):
+    """The top k raw logits, then a softmax over those k only (gpt-oss's router)."""
+    top, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+    return jax.nn.softmax(top, axis=-1), experts
+
+
+def swiglu(gu: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` of interleaved ``gu [N, 2I]`` -> ``[N, I]``."""
+    return jax.nn.silu(gu[:, 0::2]) * gu[:, 1::2]
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
+                    down: jax.Array, activation: Callable[[jax.Array], jax.Array] = swiglu, *,
+                    gate_up_bias: jax.Array | None = None,
+                    down_bias: jax.Array | None = None) -> jax.Array:
+    """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``: ``x [T, H]``, ``weights`` /
+    ``experts [T, k]``, biases ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]``; ``activation``
+    maps ``[N, 2I]`` to ``[N, I]``. Ids outside ``[0, E)`` (another shard's) add nothing."""
+    t, k = experts.shape
+    e = gate_up.shape[0]
     flat = experts.reshape(-1)                                                  # [T*k]
-    order = jnp.argsort(flat, stable=True)
-    token = order // top_k
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    gu = jax.lax.ragged_dot(x[token], w_gate_up.astype(x.dtype), sizes)         # [T*k, 2I]
-    inter = w_gate_up.shape[-1] // 2
-    act = jax.nn.silu(gu[:, :inter]) * gu[:, inter:]
-    y = jax.lax.ragged_dot(act, w_down.astype(x.dtype), sizes)                  # [T*k, H]
-    y = y * weights.reshape(-1)[order].astype(x.dtype)[:, None]
+    local = (flat >= 0) & (flat < e)
+    order = jnp.argsort(jnp.where(local, flat, e), stable=True)                 # others last
+    token = order // k
+    pair_expert = jnp.clip(flat[order], 0, e - 1)
+    sizes = jnp.bincount(jnp.where(local, flat, e), length=e + 1)[:e].astype(jnp.int32)
+    gu = jax.lax.ragged_dot(x[token], gate_up.astype(x.dtype), sizes)          # [T*k, 2I]
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias.astype(x.dtype)[pair_expert]
+    y = jax.lax.ragged_dot(activation(gu), down.astype(x.dtype), sizes)        # [T*k, H]
+    if down_bias is not None:
+        y = y + down_bias.astype(x.dtype)[pair_expert]
+    w = weights.reshape(-1)[order].astype(x.dtype)[:, None]
+    y = jnp.where(local[order][:, None], y * w, 0)       # rows past the groups: unspecified
     return jnp.zeros((t, x.shape[1]), x.dtype).at[token].add(y)
 
 
+class Experts(nnx.Module):
+    """E stacked experts: ``gate_up [E, H, 2I]`` (interleaved), ``down [E, I, H]`` and, with
+    ``bias``, ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]``."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, bias: bool):
+        self.gate_up = nnx.Param(jnp.zeros((num_experts, hidden, 2 * inter), jnp.float32))
+        self.down = nnx.Param(jnp.zeros((num_experts, inter, hidden), jnp.float32))
+        if bias:
+            self.gate_up_bias = nnx.Param(jnp.zeros((num_experts, 2 * inter), jnp.float32))
+            self.down_bias = nnx.Param(jnp.zeros((num_experts, hidden), jnp.float32))
+        self.bias = bias
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array,
+                 activation: Callable[[jax.Array], jax.Array] = swiglu) -> jax.Array:
+        """:func:`grouped_experts` with these weights."""
+        biases = (dict(gate_up_bias=self.gate_up_bias[...], down_bias=self.down_bias[...])
+                  if self.bias else {})
+        return grouped_experts(x, weights, experts, self.gate_up[...], self.down[...],
+                               activation, **biases)
+
+
 class SparseMoeBlock(nnx.Module):
-    """``gate`` (the router) and ``experts.{e}`` (SwiGLU :class:`MLP` s, the checkpoint's
-    per-expert tensors), stacked to ``[E, H, 2I]`` / ``[E, I, H]`` for :func:`sparse_moe`."""
+    """Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``: router ``gate`` (``[H, E]``, no bias),
+    :func:`softmax_top_k`, SwiGLU :class:`Experts` of width I."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, rngs: nnx.Rngs):
         self.gate = linear(hidden, num_experts, False, rngs)
-        self.experts = nnx.List([MLP(hidden, inter, False, rngs) for _ in range(num_experts)])
+        self.experts = Experts(hidden, inter, num_experts, False)
         self.top_k, self.norm_topk_prob = int(top_k), bool(norm_topk_prob)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x [T, H]`` -> ``[T, H]``."""
-        if is_fused_kernel(self.experts[0].up_proj):     # gate_up_proj (fuse_projections)
-            gu = jnp.stack([m.gate_proj.kernel[...] for m in self.experts])
-        else:
-            gu = jnp.stack([jnp.concatenate([m.gate_proj.kernel[...], m.up_proj.kernel[...]], 1)
-                            for m in self.experts])
-        down = jnp.stack([m.down_proj.kernel[...] for m in self.experts])
-        return sparse_moe(x, self.gate.kernel[...], gu, down, self.top_k, self.norm_topk_prob)
+        weights, experts = softmax_top_k(x.astype(jnp.float32) @ self.gate.kernel[...]
+                                         .astype(jnp.float32), self.top_k, self.norm_topk_prob)
+        return self.experts(x, weights, experts)

@@ -51,15 +51,15 @@ class Qwen3MoeLM(DecoderLM):
 
 
 def expert_entries(prefix: str, path: tuple, c: ModelConfig) -> list[Entry]:
-    """A sparse layer's router ``mlp.gate`` and per-expert SwiGLU tensors (the Hub layout)."""
-    h, i = c.hidden_size, c.moe_intermediate_size
-    e = [Entry(f"{prefix}mlp.gate.weight", path + ("mlp", "gate", "kernel"),
-               (c.num_experts, h), "linear")]
-    for x in range(c.num_experts):
-        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
-            e.append(Entry(f"{prefix}mlp.experts.{x}.{name}.weight",
-                           path + ("mlp", "experts", x, name, "kernel"), shape, "linear"))
-    return e
+    """A sparse layer's router ``mlp.gate`` and stacked experts in transformers 5's layout
+    (``gate_up_proj [E, 2I, H]``, gate rows first; ``down_proj [E, H, I]``); the converter
+    stacks the Hub's per-expert tensors into it."""
+    h, i, n = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    m = path + ("mlp",)
+    return [Entry(f"{prefix}mlp.gate.weight", m + ("gate", "kernel"), (n, h), "linear"),
+            Entry(f"{prefix}mlp.experts.gate_up_proj", m + ("experts", "gate_up"), (n, 2 * i, h),
+                  "experts_gate_up"),
+            Entry(f"{prefix}mlp.experts.down_proj", m + ("experts", "down"), (n, h, i), "experts")]
 
 
 def tensor_table(c: ModelConfig) -> list[Entry]:

@@ -24,7 +24,8 @@ from specjax.models.tensors import Entry, layer_entries  # noqa: F401 - re-expor
 __all__ = [
     "KINDS", "ModelConfig", "config_from_hf", "config_to_dict", "config_with_tensors",
     "expected_tensors", "params_from_tensors", "tensors_from_params", "abstract_params",
-    "random_tensors", "init_params", "make_model", "tensor_table",
+    "random_tensors", "init_params", "make_model", "tensor_table", "param_shape", "to_param",
+    "from_param",
     "MASK_HIDDEN", "MASK_HIDDEN_KINDS", "mask_hidden_size", "mask_hidden_abstract", "check_params",
     "Pretrained",
 ]
@@ -80,6 +81,42 @@ def _included(x: Entry, config: ModelConfig) -> bool:
     return x.required or bool(getattr(config, x.flag))
 
 
+def param_shape(x: Entry) -> tuple[int, ...]:
+    """The params-side shape of ``x``: ``linear`` reversed (``[in, out]``), the ``experts*``
+    conversions with their last two axes swapped (``[E, in, out]``), others as stored."""
+    if x.conv == "linear":
+        return x.shape[::-1]
+    if x.conv in ("experts", "experts_gate_up"):
+        return x.shape[:-2] + (x.shape[-1], x.shape[-2])
+    return x.shape
+
+
+def to_param(w: np.ndarray, conv: str) -> np.ndarray:
+    """PyTorch layout -> params layout (:class:`Entry`'s ``conv``); ``experts_gate_up``:
+    ``[E, 2I, H]`` gate rows then up rows -> ``[E, H, 2I]`` columns interleaved."""
+    if conv == "linear":
+        return np.ascontiguousarray(w.T)
+    if conv in ("experts", "experts_gate_up"):
+        w = np.swapaxes(w, -1, -2)
+        if conv == "experts_gate_up":
+            e, h, n = w.shape
+            w = w.reshape(e, h, 2, n // 2).swapaxes(-1, -2).reshape(e, h, n)
+        return np.ascontiguousarray(w)
+    return np.ascontiguousarray(w)
+
+
+def from_param(w: np.ndarray, conv: str) -> np.ndarray:
+    """The inverse of :func:`to_param` (params layout -> PyTorch layout)."""
+    if conv == "experts_gate_up":
+        e, h, n = w.shape
+        w = w.reshape(e, h, n // 2, 2).swapaxes(-1, -2).reshape(e, h, n)
+    if conv in ("experts", "experts_gate_up"):
+        return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+    if conv == "linear":
+        return np.ascontiguousarray(w.T)
+    return np.ascontiguousarray(w)
+
+
 def abstract_params(kind: str, config: ModelConfig, dtype=jnp.float32, *,
                     mask_hidden: bool = False) -> dict:
     """``jax.ShapeDtypeStruct`` pytree with the structure ``params_from_tensors`` builds.
@@ -89,8 +126,8 @@ def abstract_params(kind: str, config: ModelConfig, dtype=jnp.float32, *,
     out: dict = {}
     for x in tensor_table(kind, config):
         if _included(x, config):
-            shape = x.shape[::-1] if x.conv == "linear" else x.shape
-            _set(out, x.path, jax.ShapeDtypeStruct(shape, jnp.int32 if x.conv == "int" else dtype))
+            _set(out, x.path, jax.ShapeDtypeStruct(param_shape(x),
+                                                   jnp.int32 if x.conv == "int" else dtype))
     if mask_hidden:
         m = mask_hidden_abstract(kind, config, dtype)
         if m is None:
@@ -169,8 +206,7 @@ def params_from_tensors(kind: str, config: ModelConfig, tensors: Mapping[str, np
         else:
             if dtype is not None:
                 w = w.astype(np.dtype(dtype))
-            if x.conv == "linear":
-                w = np.ascontiguousarray(w.T)
+            w = to_param(w, x.conv)
         _set(out, x.path, jnp.asarray(w))
     return out
 
@@ -219,7 +255,7 @@ def tensors_from_params(kind: str, config: ModelConfig, params: Mapping) -> dict
     out: dict[str, np.ndarray] = {}
     for x in owned:
         w = np.asarray(leaves[x.path])
-        want = x.shape[::-1] if x.conv == "linear" else x.shape
+        want = param_shape(x)
         if tuple(w.shape) != tuple(want):
             raise ValueError(f"param {_dotted(x.path)!r} has shape {tuple(w.shape)}, expected {want} "
                              f"(tensor {x.key!r})")
@@ -231,10 +267,8 @@ def tensors_from_params(kind: str, config: ModelConfig, params: Mapping) -> dict
             if w.size and (w.max() > np.iinfo(np.int32).max or w.min() < np.iinfo(np.int32).min):
                 raise ValueError(f"param {_dotted(x.path)!r}: values do not fit in int32")
             out[x.key] = w.astype(np.int32)
-        elif x.conv == "linear":
-            out[x.key] = np.ascontiguousarray(w.T)
         else:
-            out[x.key] = np.ascontiguousarray(w)
+            out[x.key] = from_param(w, x.conv)
     return out
 
 
@@ -259,8 +293,8 @@ def random_tensors(kind: str, config: ModelConfig, seed: int = 0,
             out[x.key] = (1 + 0.1 * rng.standard_normal(x.shape)).astype(dtype)
         elif x.key.endswith(".bias"):
             out[x.key] = (0.1 * rng.standard_normal(x.shape)).astype(dtype)
-        elif x.conv == "linear":
-            out[x.key] = (rng.standard_normal(x.shape) / np.sqrt(x.shape[1])).astype(dtype)
+        elif x.conv in ("linear", "experts", "experts_gate_up"):
+            out[x.key] = (rng.standard_normal(x.shape) / np.sqrt(x.shape[-1])).astype(dtype)
         else:
             out[x.key] = rng.standard_normal(x.shape).astype(dtype)
     return out

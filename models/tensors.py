@@ -20,7 +20,8 @@ class Entry:
     key: str
     path: tuple | None
     shape: tuple[int, ...]          # PyTorch layout
-    conv: str                       # "linear" (transpose) | "copy" | "int"
+    conv: str   # "linear" (transpose) | "copy" | "int" | "experts" ([E, out, in] -> [E, in, out])
+    #             | "experts_gate_up" ([E, 2I, H] gate then up -> [E, H, 2I] interleaved)
     required: bool = True
     flag: str | None = None         # presence flag of an optional tensor
 

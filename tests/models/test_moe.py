@@ -21,7 +21,7 @@ import specjax
 import test_sliding_targets as st
 from specjax.engine import SamplingParams, generate
 from specjax.models import params as mp, registry
-from specjax.models.moe import SparseMoeBlock
+from specjax.models.moe import SparseMoeBlock, grouped_experts
 
 NAME = "qwen3_moe"
 HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -49,24 +49,47 @@ def oracle(x, router, experts, k, norm):
     return out
 
 
+def random_block(h, i, e, seed=0):
+    rng = np.random.default_rng(seed)
+    ex = [tuple(rng.standard_normal(s) / 3 for s in ((h, i), (h, i), (i, h))) for _ in range(e)]
+    gate_up = np.stack([np.stack([g, u], -1).reshape(h, 2 * i) for g, u, _ in ex])  # interleaved
+    params = {"gate": {"kernel": rng.standard_normal((h, e)) / 3},
+              "experts": {"gate_up": gate_up, "down": np.stack([d for *_, d in ex])}}
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params), ex
+
+
 @pytest.mark.parametrize("norm", (True, False))
-@pytest.mark.parametrize("fused", (False, True))
-def test_block_matches_loop_oracle(norm, fused):
+def test_block_matches_loop_oracle(norm):
     h, i, e, k, t = 16, 8, 6, 2, 11
-    block = SparseMoeBlock(h, i, e, k, norm, nnx.Rngs(0))
-    params = nnx.to_pure_dict(nnx.state(block))
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape) / 3, jnp.float32),
-                          params)
-    x = rng.standard_normal((t, h)).astype(np.float32)
-    ex = [tuple(np.asarray(params["experts"][j][n]["kernel"], np.float64)
-                for n in ("gate_proj", "up_proj", "down_proj")) for j in range(e)]
+    params, ex = random_block(h, i, e)
+    x = np.random.default_rng(1).standard_normal((t, h)).astype(np.float32)
     want = oracle(x.astype(np.float64), np.asarray(params["gate"]["kernel"], np.float64), ex,
                   k, norm)
-    if fused:
-        params = mp.fuse_projections(params)
-        assert "gate_up_proj" in params["experts"][0]
     got = jax.jit(lambda p, x: mp.merge(SparseMoeBlock, (h, i, e, k, norm), p)(x))(params, x)
+    assert st.relerr(got, want) < 1e-5
+
+
+def test_grouped_experts_biases_and_foreign_ids():
+    """Biases per routed expert; ids outside ``[0, E)`` (another shard's experts) add 0."""
+    h, i, e, t = 8, 4, 5, 7
+    params, ex = random_block(h, i, e, seed=2)
+    rng = np.random.default_rng(3)
+    bgu, bd = rng.standard_normal((e, 2 * i)), rng.standard_normal((e, h))
+    x = rng.standard_normal((t, h))
+    ids = rng.integers(-3, e + 3, (t, 3))
+    w = rng.random((t, 3))
+    want = np.zeros((t, h))
+    for r in range(t):
+        for j in range(3):
+            q = ids[r, j]
+            if 0 <= q < e:
+                g, u, d = ex[q]
+                a, b = x[r] @ g + bgu[q, 0::2], x[r] @ u + bgu[q, 1::2]
+                want[r] += w[r, j] * ((a / (1 + np.exp(-a)) * b) @ d + bd[q])
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    got = grouped_experts(f32(x), f32(w), jnp.asarray(ids, jnp.int32),
+                          params["experts"]["gate_up"], params["experts"]["down"],
+                          gate_up_bias=f32(bgu), down_bias=f32(bd))
     assert st.relerr(got, want) < 1e-5
 
 
@@ -77,7 +100,8 @@ def test_config_round_trip_rule_and_refusals():
     step2 = registry.config_from_hf(NAME, dict(HF, mlp_only_layers=[], decoder_sparse_step=2))
     assert [step2.layer_sparse(i) for i in range(3)] == [False, True, False]
     keys = registry.expected_tensors(NAME, c)
-    assert keys["model.layers.0.mlp.experts.7.down_proj.weight"][0] == (64, 32)
+    assert keys["model.layers.0.mlp.experts.down_proj"][0] == (8, 64, 32)
+    assert keys["model.layers.0.mlp.experts.gate_up_proj"][0] == (8, 64, 64)
     assert "model.layers.1.mlp.gate_proj.weight" in keys and "model.layers.0.mlp.gate_proj.weight" not in keys
     for key, value in (("shared_expert_intermediate_size", 64), ("n_shared_experts", 1),
                        ("scoring_func", "sigmoid")):
@@ -85,10 +109,25 @@ def test_config_round_trip_rule_and_refusals():
             registry.config_from_hf(NAME, dict(HF, **{key: value}))
 
 
+def stacked(t: dict) -> dict:
+    """The Hub's per-expert tensors stacked to the canonical ``gate_up_proj`` / ``down_proj``
+    with NumPy (independent of the converter)."""
+    out = {k: v for k, v in t.items() if ".mlp.experts." not in k}
+    for i in (0, 2):
+        pre = f"model.layers.{i}.mlp.experts."
+        ex = {n: np.stack([t[f"{pre}{e}.{n}.weight"] for e in range(8)])
+              for n in ("gate_proj", "up_proj", "down_proj")}
+        out[pre + "gate_up_proj"] = np.concatenate([ex["gate_proj"], ex["up_proj"]], 1)
+        out[pre + "down_proj"] = ex["down_proj"]
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def load():
-    """The fixture through test_sliding_targets' reader (its helpers key kinds by name)."""
+    """(config, params, reference) of the fixture through test_sliding_targets' reader (its
+    helpers key kinds by name), the experts stacked by :func:`stacked`."""
     st.KIND.setdefault(NAME, NAME)
+    st.PREPARE.setdefault(NAME, stacked)
     return st.load(NAME)
 
 
@@ -113,24 +152,23 @@ def test_converter_load_gives_the_same_logits():
 
 
 @needs_fixture
-def test_transformers5_fused_experts_read_as_the_hub_layout(tmp_path):
-    """``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (what
-    transformers 5 holds) load to the same params as the Hub's per-expert keys."""
+def test_transformers5_stacked_experts_load_like_the_hub_layout(tmp_path):
+    """``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (what transformers
+    5 holds) load to the same params as the Hub's per-expert keys, and export writes the
+    Hub's keys back."""
     t = load_file(str(st.FIX / NAME / "model.safetensors"))
-    fused = {k: v for k, v in t.items() if ".mlp.experts." not in k}
-    for i in (0, 2):
-        pre = f"model.layers.{i}.mlp.experts."
-        ex = {n: np.stack([t[f"{pre}{e}.{n}.weight"] for e in range(8)])
-              for n in ("gate_proj", "up_proj", "down_proj")}
-        fused[pre + "gate_up_proj"] = np.concatenate([ex["gate_proj"], ex["up_proj"]], 1)
-        fused[pre + "down_proj"] = ex["down_proj"]
-    save_file(fused, str(tmp_path / "model.safetensors"))
+    save_file(stacked(t), str(tmp_path / "model.safetensors"))
     shutil.copy(st.FIX / NAME / "config.json", tmp_path / "config.json")
     got = specjax.load_pretrained(tmp_path, "float32")
     want = load()[1]
     assert jax.tree.structure(got.params) == jax.tree.structure(want)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got.params),
                                                       jax.tree.leaves(want)))
+    from specjax.converters.export import export_checkpoint
+    out = export_checkpoint(NAME, got.config, got.params, tmp_path / "out", format=NAME,
+                            dtype="fp32")
+    back = load_file(str(out / "model.safetensors"))
+    assert set(back) == set(t) and all(np.array_equal(back[k], t[k]) for k in t)
 
 
 @needs_fixture

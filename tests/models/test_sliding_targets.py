@@ -44,6 +44,11 @@ def relerr(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
+#: Fixture name -> a NumPy rewrite of its tensors into the canonical form (another test
+#: module's, e.g. stacking per-expert tensors), applied by :func:`load`.
+PREPARE: dict = {}
+
+
 @functools.lru_cache(maxsize=None)
 def load(name: str):
     """(config, params, reference arrays) of a fixture, read without the converters."""
@@ -52,6 +57,7 @@ def load(name: str):
     t = load_file(str(d / "model.safetensors"))
     if name == "gemma3_cg":        # the text model only; the vision tower is not run
         t = {"model." + k[len(LM):]: v for k, v in t.items() if k.startswith(LM)}
+    t = PREPARE.get(name, lambda t: t)(t)
     kind = KIND[name]
     cfg = registry.config_with_tensors(kind, registry.config_from_hf(kind, hf), t)
     params = registry.params_from_tensors(kind, cfg, t, jnp.float32)

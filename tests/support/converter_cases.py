@@ -363,18 +363,17 @@ def cases() -> list[Case]:
                  if k.startswith("model.language_model.") else None) for k in cg_shapes}
     out.append(Case("gemma3_cg", "gemma3", "gemma3", cg, cg_shapes, canon,
                     hf_checks={"model_type": "gemma3_text", "num_hidden_layers": 2}))
-    # HF Qwen3-MoE, the Hub layout: layer 0 sparse (router, 4 per-expert SwiGLUs of width
-    # 16), layer 1 dense (mlp_only_layers).
+    # HF Qwen3-MoE, transformers 5's stacked experts (the canonical form; the Hub's
+    # per-expert layout is read in tests/models/test_moe.py): layer 0 sparse (router, 4
+    # SwiGLU experts of width 16), layer 1 dense (mlp_only_layers).
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
               "lm_head.weight": (V, H)}
     for i in range(2):
         shapes.update(decoder_layer(f"model.layers.{i}.", hd=8, qk_norm=True))
     shapes = {k: v for k, v in shapes.items() if not k.startswith("model.layers.0.mlp.")}
     shapes["model.layers.0.mlp.gate.weight"] = (4, H)
-    for e in range(4):
-        pre = f"model.layers.0.mlp.experts.{e}."
-        shapes.update({pre + "gate_proj.weight": (16, H), pre + "up_proj.weight": (16, H),
-                       pre + "down_proj.weight": (H, 16)})
+    shapes["model.layers.0.mlp.experts.gate_up_proj"] = (4, 32, H)
+    shapes["model.layers.0.mlp.experts.down_proj"] = (4, H, 16)
     cfg = llama_config(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                        head_dim=8, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1],
