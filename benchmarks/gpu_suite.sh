@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -29,7 +29,8 @@
 # chunks (every step a token each; chunk step / floor, goal <= 1.3) and a Poisson workload
 # with and without chunked prefill (tokens/s, TTFT, ITL, preemptions); SCHED_ARGS adds flags:
 # "--parts itl" or "--parts mixed" (one part), "--rate 8 --num-requests 128", "--warmup full";
-# none of these is part of `all`, each needs several minutes). `tests` runs every GPU test
+# moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH); none of these is part of `all`,
+# each needs several minutes). `tests` runs every GPU test
 # but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
 # one part per device call (10 minutes at most each).
@@ -62,6 +63,12 @@ if [ "$what" = models ]; then
     --target 8b --batch 1,8,32 --context 1024 --k 3 --methods ngram eagle3 dflash --tree "$TREE" \
     --json "$OUT/e2e.jsonl" 2>&1 | tee "$OUT/e2e.log" | tail -25
   timeout "${TRAIN_S:-240}" python benchmarks/train_step.py --steps 30 2>&1 | tee "$OUT/train_step.log" | tail -6
+fi
+if [ "$what" = moe ]; then
+  # issue 54: the Qwen3-30B-A3B-shaped MoE stack (ragged_dot, the Pallas Hopper example,
+  # torch._grouped_mm in its own process first) and the engine's plain / EAGLE-3 decode
+  timeout "${MOE_S:-540}" python benchmarks/moe.py --batch "${MOE_BATCH:-1,8,32}" --torch \
+    --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | tail -40
 fi
 if [ "$what" = profile ]; then
   timeout "${PROF_S:-250}" python benchmarks/profile_step.py --batch 1 --k 3 --propose --out /tmp/specjax_prof 2>&1 | tee "$OUT/profile.log" | grep "^###"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import suite_paths  # tests/support: where the suite's pieces are
 import functools
+import json
 import shutil
 
 import jax
@@ -197,3 +198,44 @@ def test_greedy_speculative_equals_plain(method):
     if method == "draft_model":            # the draft is the target: every draft accepted
         assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens
         assert s.num_accepted_tokens_per_pos[0] == s.num_drafts
+
+
+@needs_fixture
+def test_cli_generate_plain_and_self_drafted(tmp_path, capsys):
+    """``specjax generate`` on the Qwen3-MoE checkpoint with a word-level tokenizer: the
+    text equals a naive greedy loop over ``specjax.hf.score``; drafting for itself accepts
+    every draft (acceptance length k + 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from specjax.cli.main import main
+    from specjax.hf import encode_prompt, load_model, load_tokenizer, score
+
+    d = tmp_path / "moe"
+    d.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(st.FIX / NAME / f, d / f)
+    words = "[UNK] [BOS] [EOS] the cat sat on a mat dog ran one two three".split()
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "[BOS]",
+         "eos_token": "[EOS]", "unk_token": "[UNK]"}))
+    prompt, n = "the cat sat on", 8
+    tok = load_tokenizer(d)
+    model, _, _, params = load_model(d)
+    seq, want = encode_prompt(tok, prompt), []
+    for _ in range(n):
+        want.append(int(np.argmax(score(model, params, seq)[-1])))
+        seq.append(want[-1])
+    text = tok.decode(want, skip_special_tokens=True)
+    for spec in (None, json.dumps({"model": str(d), "num_speculative_tokens": 2})):
+        out = tmp_path / "out.json"
+        argv = ["generate", "--target", str(d), "--prompt", prompt, "--max-tokens", str(n),
+                "--device", "cpu", "--ignore-eos", "--dtype", "fp32", "--json", str(out)]
+        assert main(argv + (["--speculative-config", spec] if spec else [])) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert json.loads(out.read_text())[0]["token_ids"] == want, spec
+        assert lines[0] == text, spec
+        if spec:
+            assert "method: draft_model" in lines[1] and "mean acceptance length: 3.00" in lines[1]

@@ -1,0 +1,336 @@
+"""MoE targets (issue 54): the expert GEMMs and the decode / verify steps of a
+Qwen3-30B-A3B-shaped bf16 target (random weights) against their floors and PyTorch.
+
+Parts (``--parts``, default all):
+
+- ``experts``: the sparse MoE blocks of every layer (router, top-k, the grouped GEMMs) over
+  ``T = B * q`` tokens (q = 1: decode, q = k + 1: a verify step) as one jitted program,
+  ``jax.lax.ragged_dot`` beside JAX's Hopper Pallas example
+  (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``, GPU only), with the experts the
+  routing actually touched (``touched``: distinct experts summed over layers) and the
+  floor ``touched * expert bytes / HBM_BPS``. The PyTorch anchor (``--torch``) is the same
+  stack with ``torch._grouped_mm``, ``torch.compile``'d and replayed in a CUDA graph, in a
+  separate process (``python benchmarks/moe.py --anchor ...``) so the two never share a GPU
+  allocator.
+- ``decode``: the engine (``Engine.generate``, ``benchmarks/loop.py``'s ``measure``) with the
+  MoE target, plain and EAGLE-3 (a random 1-layer head, synthetic acceptance), per delivered
+  iteration, beside the step's floor: attention, router, norms and lm_head weights, the
+  expected distinct experts of ``B * q`` uniformly routed tokens per layer, and the K/V.
+
+Usage (GPU)::
+
+    python benchmarks/moe.py --batch 1,8,32 --torch --json moe.json
+    python benchmarks/moe.py --geometry tiny --batch 1,2 --iters 4   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import floors  # noqa: E402
+
+#: Qwen3-30B-A3B (``config.json`` keys) and a tiny one for CPU runs.
+GEOMETRIES = {
+    "30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                    vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                    moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1e6,
+                    rms_norm_eps=1e-6),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6),
+}
+
+
+def expert_bytes(geo: dict, dtype_bytes: int = 2) -> int:
+    """One expert's gate, up and down matrices."""
+    return 3 * geo["hidden_size"] * geo["moe_intermediate_size"] * dtype_bytes
+
+
+def expected_touched(geo: dict, tokens: int) -> float:
+    """Expected distinct experts per layer of ``tokens`` uniformly routed tokens."""
+    e, k = geo["num_experts"], geo["num_experts_per_tok"]
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def dense_bytes(geo: dict, dtype_bytes: int = 2) -> int:
+    """Attention, router, norms and the lm_head (embedding rows gathered: not counted)."""
+    h, hd, L = geo["hidden_size"], geo["head_dim"], geo["num_hidden_layers"]
+    q, kv = geo["num_attention_heads"] * hd, geo["num_key_value_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + h * geo["num_experts"] + 2 * h + 2 * hd
+    return (L * per_layer + h + geo["vocab_size"] * h) * dtype_bytes
+
+
+def step_floor_ms(geo: dict, batch: int, context: int, q: int) -> float:
+    """The MoE forward's floor over ``q`` new tokens per request, ``context`` cached."""
+    experts = geo["num_hidden_layers"] * expected_touched(geo, batch * q) * expert_bytes(geo)
+    kv = floors.kv_bytes_per_token(geo) * batch * (context + q)
+    return floors.floor_ms(dense_bytes(geo) + experts + kv)
+
+
+# -- part experts ---------------------------------------------------------------------------
+
+def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models import moe
+
+    dtype = jnp.dtype(dtype_name)
+    L, h, i, e, k = (geo[x] for x in ("num_hidden_layers", "hidden_size",
+                                      "moe_intermediate_size", "num_experts",
+                                      "num_experts_per_tok"))
+    key = jax.random.split(jax.random.key(0), 3)
+    router = (jax.random.normal(key[0], (L, h, e), jnp.float32) / np.sqrt(h)).astype(dtype)
+    gate_up = (jax.random.normal(key[1], (L, e, h, 2 * i), jnp.float32) / np.sqrt(h)).astype(dtype)
+    down = (jax.random.normal(key[2], (L, e, i, h), jnp.float32) / np.sqrt(i)).astype(dtype)
+    gpu = jax.default_backend() == "gpu"
+    impls = {"ragged_dot": None}
+    if gpu:
+        try:
+            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+            def mgpu(lhs, rhs, group_sizes):
+                return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, block_m=64,
+                                                  block_n=128, block_k=64,
+                                                  max_concurrent_steps=4, grid_block_n=1)
+            impls["pallas_mgpu"] = mgpu
+        except ImportError as err:
+            print(f"# pallas ragged_dot_mgpu unavailable: {err}")
+
+    def stack(x, impl):
+        def layer(x, w):
+            r, gu, d = w
+            weights, ids = moe.softmax_top_k(x.astype(jnp.float32) @ r.astype(jnp.float32), k,
+                                             True)
+            if impl is None:
+                y = moe.grouped_experts(x, weights, ids, gu, d)
+            else:
+                real = jax.lax.ragged_dot
+                jax.lax.ragged_dot = impl           # the same routing and scatter, other GEMM
+                try:
+                    y = moe.grouped_experts(x, weights, ids, gu, d)
+                finally:
+                    jax.lax.ragged_dot = real
+            touched = jnp.sum(jnp.bincount(ids.reshape(-1), length=e) > 0)
+            return x + y, touched
+        x, touched = jax.lax.scan(layer, x, (router, gate_up, down))
+        return x, jnp.sum(touched)
+
+    rows = []
+    for b in batches:
+        for q in qs:
+            t = b * q
+            x = (jax.random.normal(jax.random.key(t), (t, h), jnp.float32)).astype(dtype)
+            for name, impl in impls.items():
+                fn = jax.jit(lambda x, impl=impl: stack(x, impl))
+                try:
+                    out, touched = fn(x)
+                    jax.block_until_ready(out)
+                except Exception as err:  # noqa: BLE001 - a kernel that does not take this shape
+                    print(f"# {name} T={t}: {type(err).__name__}: {str(err)[:160]}")
+                    continue
+                per = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(x))
+                    per.append((time.perf_counter() - t0) * 1e3)
+                touched = int(touched)
+                floor = floors.floor_ms(touched * expert_bytes(geo, dtype.itemsize)
+                                        + L * h * e * dtype.itemsize)
+                rows.append(dict(part="experts", impl=name, batch=b, q=q, tokens=t,
+                                 ms=statistics.median(per), touched=touched, floor_ms=floor))
+    return rows
+
+
+# -- the PyTorch anchor (its own process) ------------------------------------------------------
+
+def anchor_rows(geo: dict, batches, qs) -> list[dict]:
+    import torch
+
+    from torch_anchors import time_graph
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    L, h, i, e, k = (geo[x] for x in ("num_hidden_layers", "hidden_size",
+                                      "moe_intermediate_size", "num_experts",
+                                      "num_experts_per_tok"))
+    g = torch.Generator(device=dev).manual_seed(0)
+    router = [torch.randn(h, e, device=dev, generator=g, dtype=dt) / h ** 0.5 for _ in range(L)]
+    w13 = [torch.randn(e, h, 2 * i, device=dev, generator=g, dtype=dt) / h ** 0.5
+           for _ in range(L)]
+    w2 = [torch.randn(e, i, h, device=dev, generator=g, dtype=dt) / i ** 0.5 for _ in range(L)]
+    grouped = getattr(torch, "_grouped_mm", None) if dev == "cuda" else None
+    if grouped is not None:
+        try:                                    # some builds want column-major experts
+            grouped(torch.ones(16, h, device=dev, dtype=dt), w13[0],
+                    offs=torch.full((e,), 16, device=dev, dtype=torch.int32))
+        except RuntimeError:
+            cm = lambda w: w.transpose(-2, -1).contiguous().transpose(-2, -1)  # noqa: E731
+            w13, w2 = [cm(w) for w in w13], [cm(w) for w in w2]
+
+    def gemm(a, w, offs, sizes):
+        if grouped is not None:
+            return grouped(a, w, offs=offs)
+        out, start = [], 0                      # CPU: the same math, one matmul per expert
+        for j, n in enumerate(sizes.tolist()):
+            out.append(a[start:start + n] @ w[j])
+            start += n
+        return torch.cat(out)
+
+    def block(x, r, gu, d):
+        p = torch.softmax(x.float() @ r.float(), -1)
+        wts, ids = torch.topk(p, k, -1)
+        wts = wts / wts.sum(-1, keepdim=True)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        sizes = torch.bincount(flat, minlength=e)
+        offs = torch.cumsum(sizes, 0).to(torch.int32)
+        y = gemm(x[token], gu, offs, sizes)
+        y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
+        y = gemm(y, d, offs, sizes) * wts.reshape(-1)[order].to(x.dtype)[:, None]
+        return x + torch.zeros_like(x).index_add_(0, token, y)
+
+    layer = torch.compile(block, dynamic=False) if dev == "cuda" else block
+    rows = []
+    for b in batches:
+        for q in qs:
+            x = torch.randn(b * q, h, device=dev, dtype=dt, generator=g)
+
+            def step(x=x):
+                for r, gu, d in zip(router, w13, w2):
+                    x = layer(x, r, gu, d)
+                return x
+            t = time_graph(step, reps=5, rounds=5, replays=5, warmup=2)
+            rows.append(dict(part="experts", impl="torch_grouped_mm" if grouped else "torch_loop",
+                             batch=b, q=q, tokens=b * q, ms=t["graph_ms"]))
+    return rows
+
+
+# -- part decode ----------------------------------------------------------------------------
+
+def decode_rows(geo: dict, batches, k: int, context: int, iters: int, dtype_name: str):
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+
+    import loop
+    from e2e import make_engine
+    from specjax.models import registry
+    from specjax.engine import TargetModel
+
+    dtype = jnp.dtype(dtype_name)
+    cfg = registry.config_from_hf("qwen3_moe", geo)
+    abstract = registry.abstract_params("qwen3_moe", cfg, dtype)
+    flat, tree = jax.tree_util.tree_flatten_with_path(abstract)
+    keys = jax.random.split(jax.random.key(0), len(flat))
+    leaves = []
+    for key, (path, a) in zip(keys, flat):
+        name = jax.tree_util.keystr(path)
+        fan_in = 1 if "embed" in name or len(a.shape) == 1 else a.shape[-2]
+        leaves.append(jnp.ones(a.shape, dtype) if "norm" in name else
+                      (jax.random.normal(key, a.shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype))
+    target = TargetModel(registry.make_model("qwen3_moe", cfg), jax.tree_util.tree_unflatten(tree, leaves))
+    dense = {x: geo[x] for x in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                 "num_key_value_heads", "head_dim", "vocab_size", "rope_theta",
+                                 "rms_norm_eps", "num_hidden_layers")}
+    max_tokens = (iters + 2) * (k + 1)
+    mml = -(-(context + max_tokens + 2 * k + 8) // loop.BS) * loop.BS
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in batches:
+        prompts = [rng.integers(0, geo["vocab_size"], context).tolist() for _ in range(b)]
+        for method in ("plain", "eagle3"):
+            prop = None if method == "plain" else loop.drafter(
+                method, target, dense, "moe", k, loop.DEMO_RATES[:k], mml, dtype)
+            eng = make_engine(target, prop, b, mml, dtype)
+            loop.measure(eng, prompts, 2, max_tokens)                    # compiles
+            r = loop.measure(eng, prompts, iters, max_tokens)
+            q = 1 if prop is None else k + 1
+            r.update(part="decode", method=method, batch=b, k=0 if prop is None else k,
+                     floor_ms=step_floor_ms(geo, b, context, q),
+                     expert_gb=geo["num_hidden_layers"] * expected_touched(geo, b * q)
+                     * expert_bytes(geo) / 1e9)
+            r["per_floor"] = r["per_iter_ms"] / r["floor_ms"]
+            rows.append(r)
+            print(f"{method:<7} B={b:>3} iter {r['per_iter_ms']:8.3f} ms  floor {r['floor_ms']:8.3f}"
+                  f" ms  x{r['per_floor']:5.2f}  experts {r['expert_gb']:6.2f} GB  "
+                  f"tok/s {r['tokens_per_s']:9.1f}", flush=True)
+            del eng, prop
+            gc.collect()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geometry", choices=tuple(GEOMETRIES), default=None,
+                    help="default: 30b-a3b on a GPU, tiny elsewhere")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--parts", default="experts,decode")
+    ap.add_argument("--torch", action="store_true", help="the PyTorch anchor (own process)")
+    ap.add_argument("--anchor", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts <= {"experts", "decode"} or args.k < 1 or args.iters < 2:
+        ap.error("--parts takes experts,decode; --k >= 1; --iters >= 2")
+    batches = [int(x) for x in args.batch.split(",")]
+    qs = (1, args.k + 1)
+    if args.anchor:
+        print(json.dumps(anchor_rows(GEOMETRIES[args.geometry], batches, qs)))
+        return 0
+    anchor = []
+    if args.torch and "experts" in parts:       # first: before JAX takes the GPU's memory
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--anchor",
+                              "--geometry", args.geometry or "30b-a3b", "--batch", args.batch,
+                              "--k", str(args.k)], capture_output=True, text=True)
+        if out.returncode:
+            print(f"# torch anchor failed: {out.stderr[-2000:]}")
+        else:
+            anchor = json.loads(out.stdout.strip().splitlines()[-1])
+    import jax
+
+    gpu = jax.default_backend() == "gpu"
+    name = args.geometry or ("30b-a3b" if gpu else "tiny")
+    geo = GEOMETRIES[name]
+    dtype = "bfloat16" if gpu else "float32"
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
+          f"{jax.devices()[0].device_kind}; {name} {dtype}; k={args.k}; context {args.context}")
+    rows = []
+    if "experts" in parts:
+        rows += experts_rows(geo, batches, qs, args.iters, dtype) + anchor
+        print("| impl | B | q | tokens | ms | touched | floor ms | / floor |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r["part"] == "experts":
+                fl = next((x["floor_ms"] for x in rows if "floor_ms" in x and x["part"] == "experts"
+                           and (x["batch"], x["q"]) == (r["batch"], r["q"])), float("nan"))
+                print(f"| {r['impl']} | {r['batch']} | {r['q']} | {r['tokens']} | {r['ms']:.3f} | "
+                      f"{r.get('touched', '-')} | {fl:.3f} | {r['ms'] / fl:.2f} |")
+    if "decode" in parts:
+        rows += decode_rows(geo, batches, args.k, args.context, args.iters, dtype)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(argv=argv, geometry=name, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
