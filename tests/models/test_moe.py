@@ -239,3 +239,46 @@ def test_cli_generate_plain_and_self_drafted(tmp_path, capsys):
         assert lines[0] == text, spec
         if spec:
             assert "method: draft_model" in lines[1] and "mean acceptance length: 3.00" in lines[1]
+
+
+def any_proposer(method: str, k: int):
+    """Every other proposer over the fixture target, random heads (greedy output must not
+    depend on them): n-gram, suffix, EAGLE-1, EAGLE-3 tree, DFlash, Medusa, MTP."""
+    from specjax import make_proposer
+
+    tgt = st.target(NAME)
+    c = tgt.model.config
+    common = dict(max_model_len=st.MML, block_size=st.BS)
+    if method in ("ngram", "suffix"):
+        extra = {"prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram" else {}
+        return make_proposer({"method": method, "num_speculative_tokens": k, **extra}, **common)
+    g = dict(hidden_size=c.hidden_size, intermediate_size=64, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=c.vocab_size, num_hidden_layers=1)
+    kind, spec = method.split("-")[0], {"method": method.split("-")[0],
+                                        "num_speculative_tokens": k}
+    hf = {"eagle": dict(g, bias=True),
+          "eagle3": dict(g, target_hidden_size=c.hidden_size,
+                         eagle_aux_hidden_state_layer_ids=[0, 1, 2]),
+          "dflash": dict(g, target_hidden_size=c.hidden_size, aux_hidden_state_layer_ids=[0, 2],
+                         mask_token_id=0, block_size=k + 1),
+          "medusa": dict(num_heads=k, num_hidden_layers=1, hidden_size=c.hidden_size,
+                         vocab_size=c.vocab_size),
+          "mtp": dict(g, num_nextn_predict_layers=1)}[kind]
+    if method == "eagle3-tree":
+        tree = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]
+        spec.update(num_speculative_tokens=len(tree), speculative_token_tree=str(tree))
+    dcfg = registry.config_from_hf(kind, hf)
+    return make_proposer(spec, target=tgt.model, target_params=tgt.params, draft=dcfg,
+                         draft_params=registry.init_params(kind, dcfg, 1), kernel_backend="xla",
+                         **common)
+
+
+@needs_fixture
+@pytest.mark.parametrize("method", ("ngram", "suffix", "eagle", "eagle3-tree", "dflash",
+                                    "medusa", "mtp"))
+def test_every_proposer_over_the_moe_target_is_lossless(method):
+    load()
+    out = generate(st.target(NAME), any_proposer(method, 3), st.prompts(NAME),
+                   SamplingParams(max_tokens=12), **st.FIXED)
+    assert out.token_ids == st.plain(NAME).token_ids
+    assert out.spec_stats.num_draft_tokens > 0
