@@ -10,11 +10,12 @@ import dataclasses
 from typing import Any
 
 #: Kinds with weights (the canonical checkpoint forms of models/CANONICAL.md).
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "qwen3_moe", "eagle",
-         "eagle3", "dflash", "medusa", "mtp")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "qwen3_moe", "gpt_oss",
+         "eagle", "eagle3", "dflash", "medusa", "mtp")
 
 #: Kinds that are a plain decoder LM (target or draft model).
-DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "qwen3_moe")
+DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "qwen3_moe",
+                 "gpt_oss")
 
 #: Attention kinds of ``layer_types`` (HF's names).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -92,6 +93,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    #: gpt-oss experts' clamped SwiGLU limit (0: unclamped)
+    swiglu_limit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -137,7 +140,8 @@ class ModelConfig:
         if self.causal_layers is not None and len(self.causal_layers) != self.num_hidden_layers:
             raise ValueError(f"causal_layers must hold num_hidden_layers={self.num_hidden_layers} "
                              f"bools, got {self.causal_layers}")
-        for name in ("query_pre_attn_scalar", "rope_local_base_freq", "final_logit_softcapping"):
+        for name in ("query_pre_attn_scalar", "rope_local_base_freq", "final_logit_softcapping",
+                     "swiglu_limit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: unused), got {getattr(self, name)}")
         if self.kind == "dflash" and 0 < self.sliding_window < self.block_size and any(

@@ -147,12 +147,12 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 def _rope(kind: str, hf: Mapping) -> tuple[float, tuple | None]:
     """``(rope_theta, frozen rope_scaling or None)`` from ``rope_theta`` + ``rope_scaling``
     (``type`` or ``rope_type``) or transformers-v5 ``rope_parameters``; a ``gpt_oss``
-    ``model_type`` without either gets θ 150000 and YaRN (``GPT_OSS_ROPE``), as
+    kind or ``model_type`` without either gets θ 150000 and YaRN (``GPT_OSS_ROPE``), as
     transformers v5's ``GptOssConfig``. M-RoPE is refused by name."""
     params = hf.get("rope_parameters") or {}
     if not isinstance(params, Mapping):
         raise ArgumentTypeError(f"config rope_parameters must be an object, got {show(params)}")
-    gpt_oss = hf.get("model_type") == "gpt_oss"
+    gpt_oss = hf.get("model_type") == "gpt_oss" or kind == "gpt_oss"
     theta = _get(hf, "rope_theta", default=params.get("rope_theta"))
     if theta is None:
         theta = 1e6 if kind == "dflash" else 150000.0 if gpt_oss else 10000.0
@@ -221,7 +221,7 @@ def _check_rope_scaling(rtype: str, scaling: Mapping) -> None:
 
 
 #: Kinds whose sliding windows specjax runs (the rest refuse a binding window by name).
-WINDOW_KINDS = ("mistral", "ministral", "gemma3", "qwen2", "qwen3", "eagle3")
+WINDOW_KINDS = ("mistral", "ministral", "gemma3", "qwen2", "qwen3", "eagle3", "gpt_oss")
 
 
 def _window_int(hf: Mapping, key: str = "sliding_window") -> int | None:
@@ -428,6 +428,8 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
     gemma: dict[str, Any] = {}
     if kind == "gemma3":
         hf, gemma = _gemma3(hf)
+    elif kind == "gpt_oss":                  # GptOssConfig's defaults; its MoE fields
+        hf, gemma = moe_config.gpt_oss_fields(hf)
     want_act = "gelu_pytorch_tanh" if kind == "gemma3" else "silu"
     act = hf.get("hidden_act", want_act)
     if act != want_act:
@@ -583,6 +585,8 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
             d["num_nextn_predict_layers"] = c.n_predict
         elif c.kind == "qwen3_moe":
             d.update(moe_config.moe_dict(c))
+        elif c.kind == "gpt_oss":
+            d.update(moe_config.gpt_oss_dict(c))
         elif c.kind == "eagle3":
             d.update(draft_vocab_size=c.draft_vocab_size, target_hidden_size=c.target_hidden_size,
                      norm_before_residual=c.norm_before_residual,

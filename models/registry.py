@@ -42,6 +42,8 @@ def tensor_table(kind: str, config: ModelConfig) -> list[Entry]:
         from specjax.models.gemma3 import tensor_table as table
     elif kind == "qwen3_moe":
         from specjax.models.qwen3_moe import tensor_table as table
+    elif kind == "gpt_oss":
+        from specjax.models.gpt_oss import tensor_table as table
     elif kind in DECODER_KINDS:
         from specjax.models.llama import tensor_table as table
     elif kind == "eagle":
@@ -332,6 +334,9 @@ def make_model(kind: str, config: ModelConfig, **static: Any):
     if kind == "qwen3_moe":
         from specjax.models.qwen3_moe import Qwen3MoeLM
         return Qwen3MoeLM(config, **static)
+    if kind == "gpt_oss":
+        from specjax.models.gpt_oss import GptOssLM
+        return GptOssLM(config, **static)
     if kind in DECODER_KINDS:
         return DecoderLM(config, **static)
     cls = {"eagle": EagleHead, "eagle3": Eagle3Head, "dflash": DFlashHead, "medusa": MedusaHeads,

@@ -31,7 +31,7 @@ DRAFT_KIND_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash",
                       "medusa": "medusa", "llama": "draft_model", "qwen2": "draft_model",
                       "qwen3": "draft_model", "mistral": "draft_model",
                       "ministral": "draft_model", "gemma3": "draft_model", "mtp": "mtp",
-                      "qwen3_moe": "draft_model"}
+                      "qwen3_moe": "draft_model", "gpt_oss": "draft_model"}
 #: method -> the converters' format an *original* (not converted) draft directory is read
 #: in, instead of auto-detection: vLLM's ``method="mtp"`` drafts from the MiMo target's own
 #: directory, which auto-detects as the target (format ``mimo``).

@@ -359,7 +359,7 @@ def _check_aux_layer_ids(method: str, ids: tuple[int, ...], source: str, dcfg, t
 _DRAFT_KINDS = {"eagle": ("eagle",), "eagle3": ("eagle3",), "dflash": ("dflash",),
                 "medusa": ("medusa",), "mtp": ("mtp",),
                 "draft_model": ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3",
-                                "qwen3_moe")}
+                                "qwen3_moe", "gpt_oss")}
 
 
 def _check_mtp_k(k: int, n_predict: int) -> None:
