@@ -16,6 +16,7 @@ from specjax.converters import (
     format_eagle,
     format_eagle3,
     format_gemma3,
+    format_gpt_oss,
     format_hf,
     format_medusa,
     format_mimo,
@@ -80,7 +81,8 @@ def _take_mask_hidden(kind: str, cfg: dict, tensors: Tensors, notes: list[str]) 
 # -- the table -----------------------------------------------------------------------------
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    format_hf.FORMATS + format_gemma3.FORMATS + format_qwen3_moe.FORMATS + format_mimo.FORMATS
+    format_hf.FORMATS + format_gemma3.FORMATS + format_qwen3_moe.FORMATS + format_gpt_oss.FORMATS
+    + format_mimo.FORMATS
     + format_eagle.FORMATS + format_eagle3.FORMATS
     + format_dflash.FORMATS + format_medusa.FORMATS)}
 #: The order ``detect_format`` asks the formats in (the first that recognises a
@@ -89,7 +91,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 #: ``mimo`` (the target; ``--format mimo-mtp`` takes its head), before the plain decoders.
 DETECTION_ORDER = ("eagle3-speculators", "dflash-speculators", "eagle3", "dflash", "medusa",
                    "medusa-vllm", "eagle", "mimo-mtp", "mimo", "llama", "qwen2", "qwen3_moe",
-                   "qwen3", "mistral", "ministral", "gemma3")
+                   "gpt_oss", "qwen3", "mistral", "ministral", "gemma3")
 assert sorted(DETECTION_ORDER) == sorted(FORMATS)
 
 
@@ -126,9 +128,8 @@ def detect_format(config: dict, tensors: Tensors, files: list[str] = ()) -> str:
         raise FormatDetectionError(
             f"an HF decoder checkpoint of unsupported model_type "
             f"{p.config.get('model_type')!r} / architectures {list(p.archs)!r} (allowed: "
-            "llama, qwen2, qwen3, qwen3_moe, mistral, ministral, gemma3, MiMoForCausalLM); "
-            "pass --format "
-            "to force one")
+            "llama, qwen2, qwen3, qwen3_moe, gpt_oss, mistral, ministral, gemma3, "
+            "MiMoForCausalLM); pass --format to force one")
     raise FormatDetectionError(
         "cannot tell the checkpoint format from config.json and the tensor names; pass "
         f"--format (allowed: {', '.join(FORMATS)})")

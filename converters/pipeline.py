@@ -33,6 +33,7 @@ from specjax.converters import store
 from specjax.converters.errors import (
     CheckpointError,
     CorruptOutputError,
+    FormatDetectionError,
     NonFiniteError,
     TensorMismatchError,
     clip,
@@ -131,8 +132,14 @@ def read_and_normalize(src, format: str | None = None) -> tuple[Checkpoint, Norm
                 f.endswith("medusa_lm_head.pt") for f in ckpt.files):
             raise CheckpointError(f"{where}: no config.json beside the weights (the model's "
                                   "hyper-parameters come from it)")
-    check_not_quantized(ckpt.config, ckpt.path)
-    fmt = format or detect_format(ckpt.config, ckpt.tensors, ckpt.files)
+    fmt = format
+    if fmt is None:
+        try:
+            fmt = detect_format(ckpt.config, ckpt.tensors, ckpt.files)
+        except FormatDetectionError:
+            check_not_quantized(ckpt.config, ckpt.path)
+            raise
+    check_not_quantized(ckpt.config, ckpt.path, fmt)
     try:
         norm = normalize(fmt, ckpt.config, ckpt.tensors)
     except CheckpointError:
@@ -144,14 +151,16 @@ def read_and_normalize(src, format: str | None = None) -> tuple[Checkpoint, Norm
     return ckpt, norm
 
 
-def check_not_quantized(hf_config: dict, where) -> None:
+def check_not_quantized(hf_config: dict, where, fmt: str | None = None) -> None:
     """CheckpointError naming ``quantization_config.quant_method`` (top level or under
-    ``text_config``): FP8 block scales, AWQ, GPTQ, MXFP4 and the rest are not dequantized,
-    and reading their packed tensors as weights would be wrong."""
+    ``text_config``; FP8, AWQ, GPTQ...: their packed tensors are no weights), except format
+    ``fmt`` ``gpt_oss``'s top-level ``mxfp4``, whose reader dequantizes the experts."""
     for prefix, cfg in (("", hf_config), ("text_config.", (hf_config or {}).get("text_config"))):
         q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
         if q is not None:
             method = q.get("quant_method", "unknown") if isinstance(q, dict) else q
+            if method == "mxfp4" and not prefix and fmt == "gpt_oss":
+                continue
             raise CheckpointError(
                 f"{where}: config {prefix}quantization_config.quant_method={clip(method, 40)!r}: "
                 "quantized checkpoints are not supported; convert the unquantized (bf16 / "
@@ -211,7 +220,7 @@ def default_dtype(tensors: dict, hf_config: dict) -> np.dtype:
 #: Kinds whose ``config.mask_token_id`` is filled from the draft config's parallel-drafting
 #: token (``formats.parallel_drafting_token_id``); DFlash reads its own ``mask_token_id``.
 PARALLEL_TOKEN_KINDS = frozenset({"eagle", "eagle3", "llama", "qwen2", "qwen3", "mistral",
-                                  "ministral", "gemma3", "qwen3_moe"})
+                                  "ministral", "gemma3", "qwen3_moe", "gpt_oss"})
 
 
 def with_parallel_drafting_token(kind: str, config, hf_config: dict):

@@ -584,7 +584,7 @@ FIXTURE_FORMATS = {
     "eagle3_speculators": "eagle3-speculators", "dflash": "dflash",
     "medusa_fasterdecoding": "medusa", "medusa_vllm_shared": "medusa-vllm",
     "medusa_vllm_tokenmap": "medusa-vllm", "mistral": "mistral", "ministral": "ministral",
-    "gemma3": "gemma3", "gemma3_cg": "gemma3",
+    "gemma3": "gemma3", "gemma3_cg": "gemma3", "gpt_oss": "gpt_oss",
 }
 
 

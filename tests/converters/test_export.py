@@ -45,6 +45,8 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", dict(BASE, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=16, decoder_sparse_step=2),
                   "model.safetensors"),
+    "gpt_oss": ("gpt_oss", dict(BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                intermediate_size=16, sliding_window=8), "model.safetensors"),
     "mimo": ("qwen2", dict(BASE), "model.safetensors"),
     "mimo-mtp": ("mtp", dict(BASE, num_hidden_layers=1, num_nextn_predict_layers=1),
                  "model.safetensors"),

@@ -433,7 +433,6 @@ def _target_refused(tmp_path, arch, model_type, needle, **extra):
 
 
 @pytest.mark.parametrize("arch,model_type,extra", [
-    ("GptOssForCausalLM", "gpt_oss", dict(num_local_experts=4, sliding_window=128)),
     ("Ministral3ForCausalLM", "ministral3", dict(head_dim=16)),
     ("DeepseekV3ForCausalLM", "deepseek_v3", dict(num_nextn_predict_layers=1)),
     ("Gemma4AssistantForCausalLM", "gemma4_assistant", dict()),

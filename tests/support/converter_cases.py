@@ -380,6 +380,33 @@ def cases() -> list[Case]:
                        router_aux_loss_coef=0.001)
     out.append(Case("qwen3_moe", "qwen3_moe", "qwen3_moe", cfg, shapes, _identity(shapes),
                     hf_checks={"num_experts": 4, "mlp_only_layers": [1]}))
+    # HF gpt-oss, bf16 (MXFP4 experts: tests/converters/test_mxfp4.py): q/k/v/o biases,
+    # sinks, a biased router, 4 experts of width 8 (gate/up interleaved, [E, H, 2I]),
+    # transformers-v5 rope_parameters (YaRN), one sliding layer.
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+              "lm_head.weight": (V, H)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({k: v for k, v in decoder_layer(p, hd=8, qkv_bias=True).items()
+                       if ".mlp." not in k})
+        shapes.update({f"{p}self_attn.o_proj.bias": (H,), f"{p}self_attn.sinks": (NH,),
+                       f"{p}mlp.router.weight": (4, H), f"{p}mlp.router.bias": (4,),
+                       f"{p}mlp.experts.gate_up_proj": (4, H, 16),
+                       f"{p}mlp.experts.gate_up_proj_bias": (4, 16),
+                       f"{p}mlp.experts.down_proj": (4, 8, H),
+                       f"{p}mlp.experts.down_proj_bias": (4, H)})
+    cfg = llama_config(architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=8,
+                       intermediate_size=8, num_local_experts=4, num_experts_per_tok=2,
+                       sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                       attention_bias=True, swiglu_limit=7.0, torch_dtype="bfloat16",
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "truncate": False, "rope_theta": 1.5e5,
+                                        "original_max_position_embeddings": 64})
+    cfg.pop("rope_theta")
+    out.append(Case("gpt_oss", "gpt_oss", "gpt_oss", cfg, shapes, _identity(shapes),
+                    dtype=ml_dtypes.bfloat16,
+                    hf_checks={"rope_theta": 1.5e5, "sliding_window": 6,
+                               "num_local_experts": 4}))
     # MiMo (the target): a Qwen2 decoder plus 2 MTP modules, dropped; sharded safetensors.
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
               "lm_head.weight": (V, H)}
