@@ -5,6 +5,8 @@ Routers: :func:`softmax_top_k` (Qwen3-MoE), :func:`top_k_softmax` (gpt-oss).
 ``jax.lax.ragged_dot`` per projection, with no per-token or per-expert loop. Experts are
 stacked: ``gate_up [E, H, 2I]`` with gate and up columns interleaved (gpt-oss's layout, so a
 contiguous split of the last axis keeps each gate with its up) and ``down [E, I, H]``.
+Under a context mesh (``jax.set_mesh``) with ``"ep"`` / ``"tp"`` axes, :class:`Experts` runs
+each shard's experts in a ``shard_map`` and sums the partial outputs (docs/multi_gpu.md).
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from specjax import _compat
 from specjax.models.layers import linear
 
-__all__ = ["softmax_top_k", "top_k_softmax", "swiglu", "grouped_experts", "Experts",
-           "SparseMoeBlock"]
+__all__ = ["EP_AXIS", "softmax_top_k", "top_k_softmax", "swiglu", "grouped_experts",
+           "sharded_experts", "Experts", "SparseMoeBlock"]
+
+#: Mesh axes of the experts' split: E over ``"ep"``, each expert's FFN width over ``"tp"``.
+EP_AXIS, TP_AXIS = "ep", "tp"
 
 
 def softmax_top_k(logits: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -67,6 +74,50 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
     return jnp.zeros((t, x.shape[1]), x.dtype).at[token].add(y)
 
 
+def _expert_axes():
+    """``(mesh, ep, tp)``: the context mesh and its automatic ``"ep"`` / ``"tp"`` axes of
+    size > 1 (None where absent or manual)."""
+    mesh = _compat.get_abstract_mesh()
+    names = getattr(mesh, "axis_names", None) or ()
+    manual = getattr(mesh, "manual_axes", None) or ()
+    return mesh, *(a if a in names and a not in manual and mesh.shape[a] > 1 else None
+                   for a in (EP_AXIS, TP_AXIS))
+
+
+def sharded_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
+                    down: jax.Array, activation: Callable[[jax.Array], jax.Array] = swiglu,
+                    **biases) -> jax.Array:
+    """:func:`grouped_experts` in a ``shard_map`` over the context mesh's ``"ep"`` (E / n
+    experts a shard, ids minus its offset) and ``"tp"`` (I / n of each expert's FFN; the
+    ``down_bias`` added by shard 0) axes, partial outputs ``psum``-ed; without them plain.
+    ValueError naming the size that does not divide."""
+    mesh, ep, tp = _expert_axes()
+    if ep is None and tp is None:
+        return grouped_experts(x, weights, experts, gate_up, down, activation, **biases)
+    e, inter = gate_up.shape[0], down.shape[1]
+    for axis, what, size in ((ep, "experts", e), (tp, "expert FFN width", inter)):
+        if axis is not None and size % mesh.shape[axis]:
+            raise ValueError(f"cannot split {what} ({size}) over mesh axis {axis!r} of size "
+                             f"{mesh.shape[axis]}")
+    biases = {k: v for k, v in biases.items() if v is not None}
+
+    def local(x, weights, experts, gate_up, down, biases):
+        if ep is not None:
+            experts = experts - jax.lax.axis_index(ep).astype(experts.dtype) * gate_up.shape[0]
+        if tp is not None and "down_bias" in biases:
+            first = jax.lax.axis_index(tp) == 0
+            biases = dict(biases, down_bias=jnp.where(first, biases["down_bias"], 0))
+        y = grouped_experts(x, weights, experts, gate_up, down, activation, **biases)
+        return jax.lax.psum(y, tuple(a for a in (ep, tp) if a is not None))
+
+    specs = {"gate_up_bias": P(ep, tp), "down_bias": P(ep)}
+    return _compat.shard_map(
+        local, mesh=mesh, in_specs=(P(), P(), P(), P(ep, None, tp), P(ep, tp, None),
+                                    {k: specs[k] for k in biases}),
+        out_specs=P(), axis_names={a for a in (ep, tp) if a is not None})(
+        x, weights, experts, gate_up, down, biases)
+
+
 class Experts(nnx.Module):
     """E stacked experts: ``gate_up [E, H, 2I]`` (interleaved), ``down [E, I, H]`` and, with
     ``bias``, ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]``."""
@@ -81,10 +132,10 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array,
                  activation: Callable[[jax.Array], jax.Array] = swiglu) -> jax.Array:
-        """:func:`grouped_experts` with these weights."""
+        """:func:`sharded_experts` with these weights."""
         biases = (dict(gate_up_bias=self.gate_up_bias[...], down_bias=self.down_bias[...])
                   if self.bias else {})
-        return grouped_experts(x, weights, experts, self.gate_up[...], self.down[...],
+        return sharded_experts(x, weights, experts, self.gate_up[...], self.down[...],
                                activation, **biases)
 
 

@@ -8,6 +8,7 @@ differs across the range: docs/install.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -71,6 +72,13 @@ def get_abstract_mesh():
     """The context's abstract mesh (``jax.sharding.get_abstract_mesh``), or None."""
     get = getattr(jax.sharding, "get_abstract_mesh", None)
     return get() if get is not None else None
+
+
+def use_mesh(mesh):
+    """``mesh`` as the context mesh (``jax.set_mesh`` as a context manager); None: no-op."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return (getattr(jax, "set_mesh", None) or jax.sharding.use_mesh)(mesh)
 
 
 # ---------------------------------------------------------------------------------------

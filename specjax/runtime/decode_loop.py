@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import _compat
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
 from specjax.sampling.logprobs import Logprobs, check_num_logprobs, mask_slots
@@ -472,5 +473,7 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
     # one kind of input whether the state comes from the host (NumPy) or from the previous
     # call (device arrays, e.g. overlapped): the compiled variant is keyed on both
     state = jax.device_put(state)
-    return _loop_jit(spec, int(steps_per_sync), drafter, bool(early_exit), target_params,
-                     dparams, target_kv, draft_state, state, jnp.asarray(bool(stop_on_finish)))
+    with _compat.use_mesh(getattr(step, "mesh", None)):     # read by MoE experts
+        return _loop_jit(spec, int(steps_per_sync), drafter, bool(early_exit), target_params,
+                         dparams, target_kv, draft_state, state,
+                         jnp.asarray(bool(stop_on_finish)))

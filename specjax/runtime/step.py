@@ -18,6 +18,7 @@ import numpy as np
 # Defines the attention-backend jit option and imports the kernels before the step is first
 # traced (config states in the trace context; see the end of kernels/paged_attention/__init__.py).
 import specjax.kernels.paged_attention  # noqa: F401
+from specjax import _compat
 from specjax.runtime import host_transfer
 from specjax.runtime.checks import check_call, check_input_ids, record_pool
 from specjax.attention_metadata import CommonAttentionMetadata
@@ -440,16 +441,17 @@ class Step(_Verifier):
         check_call(self, target_params, draft_params, target_kv, draft_state, batch)
         spec = self._spec
         dparams = draft_params if spec.impl is not None else None
-        if host_transfer.packable(batch):      # a host batch: one transfer, not ~25
-            words, layout = host_transfer.pack(batch)
-            out, target_kv, draft_state, extra = _packed_step_jit(
-                spec, target_params, dparams, target_kv, draft_state, words, layout)
-        else:
-            out, target_kv, draft_state, extra = _step_jit(spec, target_params, dparams,
-                                                           target_kv, draft_state, batch)
-        if extra is not None and not batch.is_tree:
-            out, draft_state = split_propose(self.proposer, draft_params, draft_state, batch, out,
-                                             extra)
+        with _compat.use_mesh(self.mesh):     # MoE experts read it (models/moe.py)
+            if host_transfer.packable(batch):      # a host batch: one transfer, not ~25
+                words, layout = host_transfer.pack(batch)
+                out, target_kv, draft_state, extra = _packed_step_jit(
+                    spec, target_params, dparams, target_kv, draft_state, words, layout)
+            else:
+                out, target_kv, draft_state, extra = _step_jit(spec, target_params, dparams,
+                                                               target_kv, draft_state, batch)
+            if extra is not None and not batch.is_tree:
+                out, draft_state = split_propose(self.proposer, draft_params, draft_state, batch,
+                                                 out, extra)
         return out, target_kv, draft_state
 
     def lower(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch):
@@ -458,11 +460,12 @@ class Step(_Verifier):
         check_batch(self, batch)
         spec = self._spec
         dparams = draft_params if spec.impl is not None else None
-        if host_transfer.packable(batch):      # the program __call__ runs
-            words, layout = host_transfer.pack(batch)
-            return _packed_step_jit.lower(spec, target_params, dparams, target_kv, draft_state,
-                                          words, layout)
-        return _step_jit.lower(spec, target_params, dparams, target_kv, draft_state, batch)
+        with _compat.use_mesh(self.mesh):
+            if host_transfer.packable(batch):      # the program __call__ runs
+                words, layout = host_transfer.pack(batch)
+                return _packed_step_jit.lower(spec, target_params, dparams, target_kv,
+                                              draft_state, words, layout)
+            return _step_jit.lower(spec, target_params, dparams, target_kv, draft_state, batch)
 
     def warmup(self, target_params, draft_params, target_kv, draft_state, buckets, *,
                block_size: int, all_greedy=(True, False), tree_verify=None,

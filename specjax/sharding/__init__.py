@@ -6,8 +6,9 @@ Tensor parallelism (Megatron style over a ``"tp"`` axis): :func:`param_shardings
 proposer's ``mesh`` / ``vocab_axis``; XLA inserts the collectives. With fewer kv heads than
 shards the attention block and its caches stay replicated (splitting q/o alone makes XLA
 all-gather the cache every step). An indivisible dimension or an unknown params entry
-raises ``ValueError`` naming it. :class:`DataParallel`: one proposer per device of a
-``"dp"`` axis. Rules table and usage: docs/multi_gpu.md.
+raises ``ValueError`` naming it. MoE experts: E over an ``"ep"`` axis, each expert's FFN
+width over ``"tp"``. :class:`DataParallel`: one proposer per device of a ``"dp"`` axis.
+Rules table and usage: docs/multi_gpu.md.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specjax import _compat
 from specjax.kernels.paged_attention import KVCache
 from specjax.models.config import ModelConfig
+from specjax.models.moe import EP_AXIS
 
 __all__ = [
-    "TP_AXIS", "DP_AXIS", "param_specs", "param_shardings", "state_specs", "state_shardings",
-    "tensor_parallel", "DataParallel",
+    "TP_AXIS", "DP_AXIS", "EP_AXIS", "param_specs", "param_shardings", "state_specs",
+    "state_shardings", "tensor_parallel", "DataParallel",
 ]
 
 TP_AXIS = "tp"
@@ -69,11 +71,16 @@ def _dotted(path: tuple) -> str:
 class _Rules:
     """The Megatron rules for one ``ModelConfig`` and axis size (docs/multi_gpu.md)."""
 
-    def __init__(self, config: ModelConfig, n: int, axis: str, shard_embedding: bool):
+    def __init__(self, config: ModelConfig, n: int, axis: str, shard_embedding: bool,
+                 ep: int | None = None):
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a specjax ModelConfig (proposer.model.config), "
                              f"got {type(config).__name__}")
+        if ep is not None and axis == EP_AXIS:
+            raise ValueError(f"axis {axis!r} is the expert axis; tensor parallelism needs "
+                             "another axis of the mesh")
         self.c, self.n, self.axis, self.shard_embedding = config, n, axis, bool(shard_embedding)
+        self.ep = None if ep is None else _check_size(ep)
         nkv = config.num_key_value_heads
         self.kv_sharded = bool(nkv) and nkv % n == 0
 
@@ -88,11 +95,38 @@ class _Rules:
             raise ValueError(f"parameter {name!r} has shape {shape}, expected at least {dim + 1} dims")
         self._need(name, f"{what}: dimension {dim} of shape {shape}", shape[dim])
 
+    def experts(self, name: str, last: Any, shape: tuple) -> P:
+        """Stacked experts: dim 0 over ``"ep"`` (with ``ep``), the FFN width over ``axis``."""
+        ffn = {"gate_up": 2, "down": 1, "gate_up_bias": 1}.get(last)
+        if ffn is None and last != "down_bias":
+            raise ValueError(f"unknown params entry {name!r} (experts hold 'gate_up', 'down', "
+                             "'gate_up_bias', 'down_bias')")
+        e = None
+        if self.ep is not None:
+            e = EP_AXIS
+            if not shape or shape[0] % self.ep:
+                raise ValueError(f"cannot shard parameter {name!r} over mesh axis {EP_AXIS!r} of "
+                                 f"size {self.ep}: number of experts: dimension 0 of shape "
+                                 f"{shape} is not divisible by {self.ep}")
+        if ffn is None:
+            return P(e)
+        self._dim(name, shape, ffn, "expert FFN width")
+        if last != "down" and shape[ffn] % (2 * self.n):   # whole gate/up pairs per shard
+            raise ValueError(f"cannot shard parameter {name!r} over mesh axis {self.axis!r} of "
+                             f"size {self.n}: expert FFN width: dimension {ffn} of shape "
+                             f"{shape} (interleaved gate/up pairs) is not divisible by "
+                             f"2 x {self.n}")
+        return P(e, *([None] * (ffn - 1)), self.axis, *([None] * (len(shape) - ffn - 1)))
+
     def spec(self, path: tuple, shape: tuple) -> P:
         a, c, name = self.axis, self.c, _dotted(path)
         last = path[-1]
         parent = path[-2] if len(path) >= 2 else None
         top = path[0]
+        if len(path) >= 3 and path[-3] == "mlp" and parent in ("gate", "router"):
+            return P()           # MoE router: replicated
+        if parent == "experts":
+            return self.experts(name, last, shape)
         col = {"kernel": P(None, a), "bias": P(a)}
         if top in ("d2t", "token_map", "mask_hidden"):
             return P()
@@ -123,6 +157,12 @@ class _Rules:
                              "(specjax.models.fuse_projections), which the tensor-parallel rules "
                              "do not split (they shard q, k and v by head); pass the checkpoint "
                              "layout: specjax.models.unfuse_projections(params, config)")
+        if parent == "self_attn" and last == "sinks":      # gpt-oss: one per query head
+            if not self.kv_sharded:
+                return P()
+            self._need(name, "num_attention_heads", c.num_attention_heads)
+            self._dim(name, shape, 0, "q heads")
+            return P(a)
         if parent in ("q_proj", "k_proj", "v_proj", "o_proj") and last in ("kernel", "bias"):
             if not self.kv_sharded:
                 # Fewer kv heads than shards: the whole attention block stays replicated.
@@ -153,28 +193,35 @@ class _Rules:
             return P(a, None)
         raise ValueError(f"no tensor-parallel rule for params entry {name!r} (shape {shape}); "
                          "specjax.sharding knows the Llama / EAGLE / EAGLE-3 / DFlash / Medusa / "
-                         "MTP params trees")
+                         "MTP / Qwen3-MoE / gpt-oss params trees")
 
 
 def param_specs(params: Mapping, config: ModelConfig, axis_size: int, *, axis: str = TP_AXIS,
-                shard_embedding: bool = False) -> Any:
+                shard_embedding: bool = False, ep_size: int | None = None) -> Any:
     """``PartitionSpec`` of every params leaf (same tree as ``params``, leaves arrays or
     ``ShapeDtypeStruct``) for ``axis_size`` shards of mesh axis ``axis``; head counts and
     sizes are checked against ``config`` (``proposer.model.config``). ``shard_embedding``
     also splits ``embed_tokens`` over the vocabulary (default replicated: only looked-up
-    rows are read). Raises ``ValueError`` naming the parameter for an indivisible dimension
-    or an unknown params entry."""
-    rules = _Rules(config, _check_size(axis_size), axis, shard_embedding)
+    rows are read). ``ep_size``: the ``"ep"`` axis' size, which MoE experts are split over
+    too (None: no such axis). Raises ``ValueError`` naming the parameter for an indivisible
+    dimension or an unknown params entry."""
+    rules = _Rules(config, _check_size(axis_size), axis, shard_embedding, ep_size)
     return jax.tree_util.tree_map_with_path(
         lambda p, x: rules.spec(tuple(_key(k) for k in p), tuple(x.shape)), params)
 
 
 def param_shardings(params: Mapping, mesh: Mesh, config: ModelConfig, *, axis: str = TP_AXIS,
                     shard_embedding: bool = False) -> Any:
-    """``NamedSharding`` of every params leaf over ``mesh`` (see :func:`param_specs`); other
+    """``NamedSharding`` of every params leaf over ``mesh`` (see :func:`param_specs`); an
+    ``"ep"`` axis splits the experts (a mesh of ``"ep"`` alone: nothing else is split); other
     mesh axes (e.g. ``"dp"``) replicate. ``jax.device_put(params, param_shardings(...))``."""
-    specs = param_specs(params, config, _axis_size(mesh, axis), axis=axis,
-                        shard_embedding=shard_embedding)
+    ep = int(mesh.shape[EP_AXIS]) if EP_AXIS in mesh.axis_names else None
+    alone = ep is not None and axis not in mesh.axis_names
+    specs = param_specs(params, config, 1 if alone else _axis_size(mesh, axis), axis=axis,
+                        shard_embedding=shard_embedding, ep_size=ep)
+    if alone:
+        specs = jax.tree.map(lambda s: P(*(None if d == axis else d for d in s)), specs,
+                             is_leaf=lambda x: isinstance(x, P))
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
