@@ -96,7 +96,8 @@ class SpeculativeConfig:
     ``speculative_token_tree`` (None: the chain of k nodes for model-based methods) is
     stored sorted, as ``str`` like vLLM's. ``method`` may name a method registered with
     ``specjax.register_speculative_method``; ``speculator_options`` (vLLM 0.34) are read by
-    its config class and stored as its value.
+    its config class and stored as its value. ``num_speculative_tokens_per_batch_size``:
+    vLLM's ``[lo, hi, K]`` schedule (``specjax.adaptive_k``), stored as sorted tuples.
     """
 
     method: str | None = None
@@ -119,6 +120,7 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
     max_model_len: int | None = None
     speculator_options: Any = None
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731
@@ -268,6 +270,14 @@ class SpeculativeConfig:
                              f"method='draft_model'; method={method!r} runs on the target's "
                              "mesh (vLLM's default, None)")
         check_opt_int("max_model_len", self.max_model_len, 1)
+        sched = self.num_speculative_tokens_per_batch_size
+        if sched is not None:
+            from specjax.adaptive_k import validate_k_schedule
+
+            set_("num_speculative_tokens_per_batch_size", tuple(validate_k_schedule(sched)))
+            if self.speculative_token_tree is not None and not is_chain:
+                raise ValueError("num_speculative_tokens_per_batch_size cannot be combined with "
+                                 "a branching speculative_token_tree (its k is a node count)")
 
     # --- vLLM helpers --------------------------------------------------------------
 

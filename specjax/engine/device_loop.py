@@ -75,12 +75,16 @@ class DeviceLoopDriver:
             if not sched.loop_blocks(r, ahead * e.options.steps_per_sync):
                 raise RuntimeError("the KV pool cannot hold this device-loop call: the engine "
                                    "reserves its blocks first (Scheduler.reserve_loop)")
-        B, Q, C = sched.buckets(len(running), e.k + 1, max(len(r.blocks) for r in running))
+        caps = [e.k_for(r, len(running)) for r in running]
+        B, Q, C = sched.buckets(len(running), max(caps) + 1, max(len(r.blocks) for r in running),
+                                max(caps))
         hist = ([sched.tok_buf[r.row, : r.num_tokens] for r in running]
                 if e.drafts_in == "history" else None)
         state = make_loop_state(
             last_token=[r.token(r.num_tokens - 1) for r in running],
-            num_computed=[r.num_computed for r in running], drafts=[r.drafts for r in running],
+            num_computed=[r.num_computed for r in running],
+            drafts=[r.drafts[:c] for r, c in zip(running, caps)],
+            k_cap=None if min(caps) == e.k else caps,
             max_tokens=[r.params.max_tokens for r in running],
             num_output=[len(r.output) for r in running], block_ids=[r.blocks for r in running],
             k=e.k, num_reqs_pad=B, blocks_per_req_pad=C, query_len_pad=Q,
@@ -134,7 +138,7 @@ class DeviceLoopDriver:
         if last:
             for i, r in enumerate(f.rows):
                 if not r.finish_reason:
-                    r.drafts = e._trim(r, drafts[i, : int(num_drafts[i])].tolist())
+                    r.drafts = e._trim(r, drafts[i, : int(num_drafts[i])].tolist(), len(f.rows))
         e.host_s += time.perf_counter() - t1
         return results
 

@@ -27,6 +27,7 @@ from specjax.engine.types import (GenerateResult, RequestMetrics, RequestOutput,
                                   TargetModel)
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
+from specjax.adaptive_k import k_schedule_lookup
 from specjax.runtime.batch import trim_drafts
 from specjax.runtime.decode_loop import decode_loop, loop_cache_size, loop_support, make_loop_state
 from specjax.runtime.step import StepBatch, StepOutput, make_step, params_kv_dtype, step_cache_size
@@ -140,6 +141,11 @@ class Engine:
         #: the drafter's context limit when shorter than max_model_len (else None)
         self.drafter_max_model_len = None if feed is None else feed.drafter_max_model_len
         self.tree = self.step.tree
+        sched_k = getattr(getattr(self.proposer, "config", None),
+                          "num_speculative_tokens_per_batch_size", None)
+        #: ``dense[n]``: k after a step of n requests (None: always k)
+        self.k_lookup = None if sched_k is None else k_schedule_lookup(
+            sched_k, self.max_num_seqs, self.k)
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
         self.scheduler = Scheduler(max_model_len=self.max_model_len, block_size=self.block_size,
@@ -207,8 +213,33 @@ class Engine:
                 raise ValueError(f"sampling_params has {len(sps)} entries for {len(out)} prompts")
             if not all(isinstance(s, SamplingParams) for s in sps):
                 raise ValueError("sampling_params must be a SamplingParams or a list of them")
+        for i, sp in enumerate(sps):
+            nk = sp.num_speculative_tokens
+            if nk is not None and nk not in range(self.k + 1):
+                raise ValueError(f"sampling_params[{i}].num_speculative_tokens={nk}: this engine "
+                                 f"verifies at most k={self.k} drafts (allowed: None, 0..{self.k})")
+            if nk not in (None, self.k) and self.tree is not None:
+                raise ValueError(f"sampling_params[{i}].num_speculative_tokens={nk}: a token "
+                                 "tree's drafts are not capped per request (allowed: None, "
+                                 f"{self.k})")
         self.scheduler.check_fits(out, sps)
         return out, sps
+
+    def _k_rises(self, n: int) -> bool:
+        """Whether a request finishing among ``n`` would raise the schedule's K (the device
+        loop then stops at the finish, so each call runs one K)."""
+        return self.k_lookup is not None and 1 < n <= self.max_num_seqs and \
+            int(self.k_lookup[1:n].max()) > int(self.k_lookup[n])
+
+    def k_for(self, r: _Request, num_reqs: int) -> int:
+        """The drafts ``r`` verifies after a step of ``num_reqs`` requests: the engine's k,
+        capped by ``num_speculative_tokens_per_batch_size`` and the request's own
+        ``num_speculative_tokens``."""
+        k = self.k
+        if self.k_lookup is not None:
+            k = min(k, int(self.k_lookup[min(max(num_reqs, 1), self.max_num_seqs)]))
+        nk = r.params.num_speculative_tokens
+        return k if nk is None else min(k, nk)
 
     # -- public --------------------------------------------------------------------
 
@@ -260,11 +291,13 @@ class Engine:
                 if inflight is not None or self._decode_only(batch_reqs, running):
                     if inflight is None:    # a sync point: blocks for the call, or preempt
                         sched.reserve_loop(running, waiting, opts.steps_per_sync)
-                    if opts.overlap and not waiting:     # (none waits until this drains)
+                    # a finish that raises the schedule's K ends the call (K per step)
+                    k_up = self._k_rises(len(running))
+                    if opts.overlap and not waiting and not k_up:   # (none waits until drained)
                         results, inflight = self.driver.sync_overlapped(running, inflight,
                                                                         stop_on_finish=False)
                     else:
-                        results = self.driver.sync(running, stop_on_finish=bool(waiting))
+                        results = self.driver.sync(running, stop_on_finish=bool(waiting) or k_up)
                 else:
                     results = [self._step(batch_reqs, running)]
                 self.num_syncs += 1
@@ -309,7 +342,8 @@ class Engine:
                context_blocks: Sequence[int] | None = None, *, all_greedy: Sequence[bool] = (True,),
                stop_pads: Sequence[int] = (1, 2), logits_processing: Sequence[bool] = (False,),
                num_logprobs: Sequence[int | None] = (None,),
-               num_tokens: Sequence[int] | None = None) -> int:
+               num_tokens: Sequence[int] | None = None,
+               num_speculative_tokens: Sequence[int] | None = None) -> int:
         """Compile the step for every combination of the given buckets (dummy batches that
         write nothing; ``context_blocks`` None: the widest) and, where the device loop runs, the
         loop for every batch size, width, ``all_greedy``, ``stop_pads`` (stop-id columns: a power
@@ -317,7 +351,9 @@ class Engine:
         variants; ``num_logprobs``: each largest ``SamplingParams.logprobs`` a batch can hold
         (None: none asks); ``num_tokens``: flat token slots of ragged steps (a chunk beside
         decoding rows: the power of two of their tokens, at most rows x ``query_lens``; None:
-        rows x ``query_lens`` only). Returns the number of variants compiled."""
+        rows x ``query_lens`` only); ``num_speculative_tokens``: the device loop's draft
+        counts (``k_for``) to compile (None: the schedule's values, else k). Returns the
+        number of variants compiled."""
         sched, opts = self.scheduler, self.options
         lps = sorted({logprobs_bucket([check_num_logprobs("num_logprobs", n)]) for n in num_logprobs},
                      key=lambda n: -1 if n is None else n)
@@ -339,13 +375,19 @@ class Engine:
                 batch = dataclasses.replace(batch, procs=sched.empty_procs(int(b)))
             jax.block_until_ready(self._run(dataclasses.replace(batch, num_logprobs=lp)))
         if opts.steps_per_sync > 1 or opts.overlap:   # the device loop runs
-            for b, c, g, s, pr, lp, ee in itertools.product(batch_sizes, context_blocks, all_greedy,
-                                                            stop_pads, logits_processing, lps,
-                                                            self.driver.forms()):
-                _, q, _ = sched.buckets(int(b), self.k + 1, 1)
+            if num_speculative_tokens is None:
+                ks = [self.k] if self.k_lookup is None else sorted(set(self.k_lookup[1:].tolist()))
+            else:
+                ks = [check_int(f"num_speculative_tokens[{i}]", x, 0, self.k)
+                      for i, x in enumerate(num_speculative_tokens)]
+            for b, c, g, s, pr, lp, ee, kk in itertools.product(
+                    batch_sizes, context_blocks, all_greedy, stop_pads, logits_processing, lps,
+                    self.driver.forms(), ks):
+                _, q, _ = sched.buckets(int(b), kk + 1, 1, kk)
                 state = make_loop_state(
                     last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
                     block_ids=[], k=self.k, num_reqs_pad=int(b), blocks_per_req_pad=int(c),
+                    k_cap=None if kk == self.k else [],
                     query_len_pad=q, max_model_len=self.max_model_len, block_size=self.block_size,
                     stop_pad=int(s), history=[] if self.drafts_in == "history" else None,
                     procs=sched.empty_procs(int(b)) if pr else None)
@@ -364,15 +406,17 @@ class Engine:
             self.target.params, self.step.draft_params, self.target_kv, self.draft_state, batch)
         return out
 
-    def _trim(self, r: _Request, drafts: list[int]) -> list[int]:
-        """``drafts`` cut to what ``r`` can verify next (``trim_drafts``: never past
-        ``max_model_len``, ``max_tokens`` or the drafter's limit; a token outside the
-        vocabulary, from a buggy proposer, ends them)."""
+    def _trim(self, r: _Request, drafts: list[int], num_reqs: int) -> list[int]:
+        """``drafts`` cut to what ``r`` can verify next after a step of ``num_reqs`` requests
+        (``trim_drafts``: never past :meth:`k_for`, ``max_model_len``, ``max_tokens`` or the
+        drafter's limit; a token outside the vocabulary, from a buggy proposer, ends them)."""
         kv_room = self.max_model_len - r.num_tokens
         lim = self.drafter_max_model_len
-        return trim_drafts(drafts, max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
-                           kv_room=kv_room, k=self.k, vocab_size=self.vocab_size, tree=self.tree,
-                           drafter_room=None if lim is None else lim - r.num_tokens)
+        r.k_cap = self.k_for(r, num_reqs)
+        d = trim_drafts(drafts, max_new_tokens=min(kv_room, r.params.max_tokens - len(r.output)),
+                        kv_room=kv_room, k=self.k, vocab_size=self.vocab_size, tree=self.tree,
+                        drafter_room=None if lim is None else lim - r.num_tokens)
+        return d if self.tree is not None else d[: r.k_cap]
 
     def _step(self, reqs: list[_Request], running: list[_Request]
               ) -> tuple[SpecDecodingStats | None, list[_Request]]:
@@ -415,7 +459,7 @@ class Engine:
             for j, i in enumerate(alive):
                 running[i].drafts = tok[j, : int(cnt[j])].tolist()
         for i in alive:
-            running[i].drafts = self._trim(running[i], running[i].drafts)
+            running[i].drafts = self._trim(running[i], running[i].drafts, len(running))
         self.host_s += (t1 - t0) + (time.perf_counter() - t2)
         return stats, finished
 

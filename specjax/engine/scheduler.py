@@ -40,6 +40,7 @@ class _Request:
     finished_time: float = -1.0
     token_times: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    k_cap: int = -1             # drafts it verifies next (Engine.k_for); -1: the engine's k
     num_drafted: int = 0
     num_accepted: int = 0
     proc: Any = None            # specjax.sampling.logits_processors.RequestProcessing
@@ -247,10 +248,13 @@ class Scheduler:
 
     # -- batches -------------------------------------------------------------------
 
-    def buckets(self, n: int, max_q: int, max_blocks: int) -> tuple[int, int, int]:
-        """``(rows, tokens per row, block-table width)`` of a batch of ``n`` requests."""
+    def buckets(self, n: int, max_q: int, max_blocks: int, k: int | None = None
+                ) -> tuple[int, int, int]:
+        """``(rows, tokens per row, block-table width)`` of a batch of ``n`` requests whose
+        rows are padded to at least ``k + 1`` tokens (None: the engine's k)."""
         b = _pick(self.batch_buckets, n, name="batch_buckets", what="requests in the step")
-        q = _pick(self.query_buckets, max(max_q, self.k + 1, -(-self.min_tokens_per_step // b)),
+        k = self.k if k is None else k
+        q = _pick(self.query_buckets, max(max_q, k + 1, -(-self.min_tokens_per_step // b)),
                   name="query_buckets", what="tokens of one request in the step")
         c = _pick(self.context_buckets, max_blocks, cap=self.max_blocks_per_req,
                   name="context_buckets", what="KV blocks of one request")
@@ -278,7 +282,8 @@ class Scheduler:
         # a partial prefill takes the width its whole prompt needs: one program for its chunks
         width = max(-(-r.num_tokens // self.block_size) if p else len(r.blocks)
                     for r, p in zip(reqs, partial))
-        B, Q, C = self.buckets(len(reqs), max(qlens), width)
+        B, Q, C = self.buckets(len(reqs), max(qlens), width,
+                               max(self.k if r.k_cap < 0 else r.k_cap for r in reqs))
         T = B * Q             # a decode-shaped step: the shape Engine.warmup compiles
         if Q > self.buckets(1, self.k + 1, 1)[1]:
             n = max(sum(qlens), self.min_tokens_per_step)

@@ -29,6 +29,8 @@ class SamplingParams:
       logits_processor: index into the engine's ``logits_processors`` (-1: none), with
         ``logits_processor_params``.
       logprobs: None or ``n`` in 0..20: each token's logprob, rank and the top-``n``.
+      num_speculative_tokens: None (the engine's k) or at most this many drafts verified per
+        step for this request, 0 none (specjax's; vLLM has no per-request k).
       Refused when set: ``n`` / ``best_of`` other than 1, ``prompt_logprobs``,
       ``structured_outputs``, ``stop`` (stop strings need detokenization)."""
 
@@ -55,6 +57,7 @@ class SamplingParams:
     structured_outputs: Any = None
     stop: Any = None
     logprobs: int | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def is_int(v):
@@ -79,6 +82,10 @@ class SamplingParams:
         from specjax.sampling.logprobs import check_num_logprobs
 
         object.__setattr__(self, "logprobs", check_num_logprobs("logprobs", self.logprobs))
+        if self.num_speculative_tokens is not None and (
+                not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens must be None or an int >= 0 (0: no "
+                             f"speculation for this request), got {self.num_speculative_tokens!r}")
         _check_processing(self)
 
     def processing(self, stop_ids=()) -> Any:

@@ -40,7 +40,7 @@ class LoopState:
     ``max_tokens [B]``, ``stop_ids [B, S]`` (EOS included, -1 padded), ``finished [B]``
     (padding True), ``block_table [B, C]``, ``sampling`` (``SamplingState``; ``counters``:
     tokens generated), ``history [B, W]`` (a device token-history proposer's) or None,
-    ``num_reqs`` (0-d); static: ``all_greedy``, ``max_model_len``, ``block_size``,
+    ``num_reqs`` (0-d), ``k_cap [B]`` (drafts each row verifies at most) or None; static: ``all_greedy``, ``max_model_len``, ``block_size``,
     ``query_len_pad``, ``num_logprobs`` (top-n bucket or None), ``drafter_max_model_len``."""
 
     last_token: Any
@@ -54,6 +54,7 @@ class LoopState:
     sampling: SamplingState
     history: Any
     num_reqs: Any
+    k_cap: Any = None
     all_greedy: bool = True
     max_model_len: int = 2048
     block_size: int = 16
@@ -69,7 +70,7 @@ class LoopState:
 jax.tree_util.register_dataclass(
     LoopState, data_fields=["last_token", "num_computed", "drafts", "num_drafts", "max_tokens",
                             "stop_ids", "finished", "block_table", "sampling", "history",
-                            "num_reqs"],
+                            "num_reqs", "k_cap"],
     meta_fields=["all_greedy", "max_model_len", "block_size", "query_len_pad", "num_logprobs",
                  "drafter_max_model_len"])
 
@@ -108,7 +109,7 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
                     block_size: int, stop_ids: Sequence[Sequence[int]] | None = None,
                     stop_pad: int = 1, temperature=None, top_k=None, top_p=None, seeds=None,
                     history: Sequence[Sequence[int]] | None = None, finished=None,
-                    procs=None, num_blocks: int | None = None) -> LoopState:
+                    procs=None, num_blocks: int | None = None, k_cap=None) -> LoopState:
     """The host (NumPy) :class:`LoopState` of ``n`` decoding requests.
 
     Per request ``i``: ``last_token``, ``num_computed`` (every token but the last), ``drafts``
@@ -116,7 +117,8 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
     ``blocks_per_req_pad`` dropped; ids >= 1, 0 being the null block, and below
     ``num_blocks``, the KV pool's size, when given), ``stop_ids`` (EOS included, at least
     ``stop_pad`` columns), ``history`` (prompt + output; a device token-history proposer
-    only). Sampling defaults: greedy, top-k / top-p off. ``seeds``: None or per request an int
+    only), ``k_cap`` (None, or the drafts each verifies at most, 0..k). Sampling defaults:
+    greedy, top-k / top-p off. ``seeds``: None or per request an int
     in ``[0, 2**32 - 1]`` or None; a request at ``temperature > 0`` without one draws a fresh
     random seed (not reproducible, as vLLM's unseeded requests; the state keeps it across
     calls). ``procs``: a ``ProcessorState`` of ``num_reqs_pad`` rows and ``max_model_len``
@@ -126,9 +128,17 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
     b, c, q = int(num_reqs_pad), int(blocks_per_req_pad), int(query_len_pad)
     if n > b:
         raise ValueError(f"{n} requests do not fit num_reqs_pad={b}")
-    if q < k + 1:
-        raise ValueError(f"query_len_pad={q} is below k + 1 = {k + 1}")
     from specjax.checks import check_opt_int
+
+    caps = None
+    if k_cap is not None:
+        caps = np.zeros(b, _I32)
+        caps[:n] = np.asarray(k_cap, _I32).reshape(n)
+        if n and (caps.min() < 0 or caps.max() > k):
+            raise ValueError(f"k_cap must hold one value in [0, k={k}] per request, got {k_cap}")
+    kq = k if caps is None else int(caps.max(initial=0))
+    if q < kq + 1:
+        raise ValueError(f"query_len_pad={q} is below the drafts verified + 1 = {kq + 1}")
 
     num_blocks = check_opt_int("num_blocks", num_blocks, 2, why="block 0 is the null block")
 
@@ -153,8 +163,9 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
     dr = np.full((b, k), PLACEHOLDER_TOKEN_ID, _I32)
     nd = np.zeros(b, _I32)
     for i, d in enumerate(drafts):
-        if len(d) > k:
-            raise ValueError(f"drafts[{i}] has {len(d)} tokens, more than k={k}")
+        if len(d) > (k if caps is None else caps[i]):
+            raise ValueError(f"drafts[{i}] has {len(d)} tokens, more than "
+                             f"{'k' if caps is None else 'k_cap'}={k if caps is None else caps[i]}")
         dr[i, : len(d)] = d
         nd[i] = len(d)
     stops = [] if stop_ids is None else [list(s) for s in stop_ids]
@@ -204,7 +215,7 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
         last_token=ints("last_token", last_token, 0), num_computed=nc, drafts=dr, num_drafts=nd,
         max_tokens=ints("max_tokens", max_tokens, 1), stop_ids=st, finished=fin,
         block_table=table, sampling=sampling, history=hist, num_reqs=np.asarray(n, _I32),
-        all_greedy=bool((temp[:n] == 0).all()), max_model_len=int(max_model_len),
+        k_cap=caps, all_greedy=bool((temp[:n] == 0).all()), max_model_len=int(max_model_len),
         block_size=int(block_size), query_len_pad=q)
 
 
@@ -238,6 +249,8 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[
             lut = jnp.asarray((0,) + tuple(tree.cu_level_sizes), jnp.int32)
             lim = jnp.clip(jnp.minimum(lut[jnp.clip(room, 0, tree.depth)], kv_room), 0, k)
         nd = jnp.minimum(jnp.minimum(st.num_drafts, lim), first_bad)
+        if st.k_cap is not None:
+            nd = jnp.minimum(nd, st.k_cap)
         if st.drafter_max_model_len is not None:    # trim_drafts' drafter_room rule
             depth = k if tree is None else tree.depth
             nd = jnp.where(nt + depth <= st.drafter_max_model_len, nd, 0)

@@ -1,0 +1,132 @@
+"""k that adapts in the engine (issue 55): vLLM's ``num_speculative_tokens_per_batch_size``
+and the per-request ``SamplingParams.num_speculative_tokens``, on the per-step path and the
+device loop (with and without overlap). The draft model is the target, so every draft is
+accepted and each step's draft count is exactly what the caps allow: greedy output equals
+plain, every step verifies at most ``K(requests)`` drafts per request, zero recompiles
+after warm-up while K changes, and seeded sampling keeps the target's distribution."""
+
+import io
+import sys
+
+import numpy as np
+import pytest
+
+import suite_paths  # tests/support
+from specjax.engine import Engine, SamplingParams, generate
+from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
+    BS, _chi2_first_verified, _fast_compiles, build, fixed, target, SAMPLE_PROMPT, N_SAMPLES)
+
+from specjax.engine import LoopOptions
+
+sys.path.insert(0, str(suite_paths.BENCHMARKS))
+import recompiles as bench  # noqa: E402
+
+SCHED = ((1, 1, 3), (2, 2, 2), (3, 8, 0))      # K = 3 alone, 2 in pairs, none from 3 up
+PROMPTS = [[5, 9, 2, 7], [11, 3, 3], [8, 1, 6, 2, 9], [4, 4]]
+LENGTHS = (3, 7, 11, 19)                       # requests leave one by one
+
+
+def _k(n: int) -> int:
+    return next(k for lo, hi, k in SCHED if lo <= n <= hi)
+
+
+def _run(prop, sps, n, overlap, logs=None):
+    eng = Engine(target(), prop, max_num_seqs=4, **fixed(steps_per_sync=n, overlap=overlap))
+    return eng.generate(PROMPTS, sps, stat_loggers=[] if logs is None else [logs.append])
+
+
+@pytest.mark.parametrize("n,overlap", [(1, False), (4, False), (4, True)])
+def test_batch_size_schedule_caps_every_step_and_keeps_greedy_output(n, overlap):
+    sps = [SamplingParams(max_tokens=m) for m in LENGTHS]
+    plain = _run(None, sps, n, overlap)
+    logs: list = []
+    out = _run(build("draft_model", 3, num_speculative_tokens_per_batch_size=SCHED), sps, n,
+               overlap, logs)
+    assert out.token_ids == plain.token_ids
+    steps = [s for s in logs if s.num_drafts]
+    # drafts proposed after a step of m >= num_drafts requests: K(m) <= K(num_drafts)
+    assert steps and all(s.num_draft_tokens <= s.num_drafts * _k(s.num_drafts) for s in steps)
+    assert any(s.num_draft_tokens == 3 for s in steps)     # the last request alone drafts 3
+    full = _run(build("draft_model", 3), sps, n, overlap)
+    assert out.spec_stats.num_draft_tokens < full.spec_stats.num_draft_tokens
+    assert out.spec_stats.num_accepted_tokens == out.spec_stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("n", (1, 4))
+def test_per_request_k(n):
+    caps = (0, 1, None, 2)
+    sps = [SamplingParams(max_tokens=12, num_speculative_tokens=c) for c in caps]
+    plain = _run(None, [SamplingParams(max_tokens=12)] * 4, n, False)
+    out = _run(build("draft_model", 3), sps, n, False)
+    assert out.token_ids == plain.token_ids
+    o = out.outputs
+    assert o[0].num_draft_tokens == 0
+    # every draft accepted: a step emits its drafts + 1, so drafts <= tokens * cap / (cap + 1)
+    for r, cap in ((o[1], 1), (o[3], 2)):
+        assert 0 < r.num_draft_tokens <= len(r.token_ids) * cap / (cap + 1)
+    assert o[2].num_draft_tokens > o[3].num_draft_tokens > o[1].num_draft_tokens  # 3 > 2 > 1
+
+
+def test_bad_values_refused_naming_the_field():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=4: .* at most k=3"):
+        _run(build("draft_model", 3), [SamplingParams(num_speculative_tokens=4)] * 4, 1, False)
+    with pytest.raises(ValueError, match="at most k=0"):
+        _run(None, [SamplingParams(num_speculative_tokens=1)] * 4, 1, False)
+    with pytest.raises(ValueError, match="must start at 1"):
+        build("draft_model", 3, num_speculative_tokens_per_batch_size=((2, 8, 1),))
+
+
+@pytest.mark.parametrize("n", (1, 4))
+def test_no_recompile_while_k_changes(n):
+    """``benchmarks/recompiles.py``'s stream (joins and leaves, so K follows the batch) after
+    the engine's warm-up, which compiles the device loop for every K of the schedule."""
+    prop = build("eagle3", 3, num_speculative_tokens_per_batch_size=SCHED)
+    eng = Engine(target(), prop, max_num_seqs=4, **fixed(steps_per_sync=n))
+    log = io.StringIO()
+    out = bench.run(eng, iters=40, log=log, vocab=64, max_prompt=14, max_tokens=32)
+    assert out["iterations"] >= 40 and out["joins"] > 0
+    assert out["compiles"] == 0 and out["compile_logs"] == [], log.getvalue()
+
+
+def test_sampling_with_mixed_caps_keeps_the_target_distribution():
+    """Chi-square at alpha = 1e-3 on the first verified token, requests alternating cap 1
+    and 2 (the draft model is the target drafting its argmax)."""
+    tgt = target(4.0)
+    prop = build("draft_model", 2, tgt, max_model_len=16)
+    sps = [SamplingParams(max_tokens=4, temperature=1.0, seed=i,
+                          num_speculative_tokens=1 + i % 2) for i in range(N_SAMPLES)]
+    kw = dict(max_model_len=16, block_size=BS,
+              options=LoopOptions(query_buckets=(8,), context_buckets=(2,)))
+    out = generate(tgt, prop, [SAMPLE_PROMPT] * N_SAMPLES, sps, **kw)
+    assert _chi2_first_verified(out, tgt) > 1e-3
+    full = generate(tgt, prop, [SAMPLE_PROMPT] * N_SAMPLES,
+                    [SamplingParams(max_tokens=4, temperature=1.0, seed=i)
+                     for i in range(N_SAMPLES)], **kw)
+    drafted = np.array([o.num_draft_tokens for o in out.outputs])
+    assert drafted[1::2].max() >= 2 and 0 < drafted.sum() < full.spec_stats.num_draft_tokens
+
+
+def test_device_loop_rows_shrink_to_the_k_in_force(monkeypatch):
+    """With the default buckets the device loop's rows hold ``K + 1`` tokens (rounded to a
+    power of two): 1 while three requests run (K = 0), 4 for the last one (K = 3)."""
+    from specjax.engine import device_loop
+    from test_engine import FIXED
+
+    seen = []
+    real = device_loop.DeviceLoopDriver.loop_state
+
+    def spy(self, running, ahead=1):
+        st = real(self, running, ahead)
+        seen.append((len(running), st.query_len_pad))
+        return st
+
+    monkeypatch.setattr(device_loop.DeviceLoopDriver, "loop_state", spy)
+    prop = build("draft_model", 3, num_speculative_tokens_per_batch_size=((1, 1, 3), (2, 8, 0)))
+    eng = Engine(target(), prop, max_num_seqs=4, max_model_len=FIXED["max_model_len"],
+                 block_size=BS, options=LoopOptions(steps_per_sync=4))
+    sps = [SamplingParams(max_tokens=m) for m in (5, 9, 20)]
+    out = eng.generate(PROMPTS[:3], sps)
+    assert out.token_ids == _run(None, sps + [SamplingParams()], 1, False).token_ids[:3]
+    assert (3, 1) in seen and (1, 4) in seen and all(q == (4 if n == 1 else 1) for n, q in seen)
