@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe|kgrid]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -29,7 +29,8 @@
 # chunks (every step a token each; chunk step / floor, goal <= 1.3) and a Poisson workload
 # with and without chunked prefill (tokens/s, TTFT, ITL, preemptions); SCHED_ARGS adds flags:
 # "--parts itl" or "--parts mixed" (one part), "--rate 8 --num-requests 128", "--warmup full";
-# moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH); none of these is part of `all`,
+# moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH); kgrid: issue 55's cost table
+# (benchmarks/k_grid.py, KGRID_BATCH, KGRID_ARGS); none of these is part of `all`,
 # each needs several minutes). `tests` runs every GPU test
 # but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
@@ -69,6 +70,13 @@ if [ "$what" = moe ]; then
   # torch._grouped_mm in its own process first) and the engine's plain / EAGLE-3 decode
   timeout "${MOE_S:-540}" python benchmarks/moe.py --batch "${MOE_BATCH:-1,8,32}" --torch \
     --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | tail -40
+fi
+if [ "$what" = kgrid ]; then
+  # issue 55: iteration time per (B, k), 8B target, EAGLE-3 synthetic; best static k per
+  # (B, a) and the schedule that picks it; three cells run directly (KGRID_ARGS adds flags)
+  timeout "${KGRID_S:-560}" python benchmarks/k_grid.py --batch "${KGRID_BATCH:-1,8,32,64,128,256}" \
+    --kmax 7 --iters 30 --repeat 1 --check 1:0.7 32:0.5 128:0.9 ${KGRID_ARGS:-} \
+    --json "$OUT/k_grid.json" 2>&1 | tee "$OUT/k_grid.log" | tail -40
 fi
 if [ "$what" = profile ]; then
   timeout "${PROF_S:-250}" python benchmarks/profile_step.py --batch 1 --k 3 --propose --out /tmp/specjax_prof 2>&1 | tee "$OUT/profile.log" | grep "^###"

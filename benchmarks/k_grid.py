@@ -1,0 +1,163 @@
+"""The best static k per (batch size, acceptance rate) from one measured cost table (issue 55).
+
+For each batch size B and each k in 0..``--kmax`` the engine's device loop runs EAGLE-3
+(k = 0: plain decoding) with synthetic acceptance and ``loop.measure`` gives the
+iteration time ``t(B, k)``; the time of an iteration does not depend on how many drafts
+are accepted, so one table serves every acceptance rate. For a constant conditional
+acceptance rate a at every position an iteration emits
+``E(a, k) = (1 - a^(k+1)) / (1 - a)`` tokens a request, so
+
+    predicted tokens/s (B, k, a) = B * E(a, k) / t(B, k)
+
+and the best static k of a cell is its argmax. The printed schedule per a is the
+``num_speculative_tokens_per_batch_size`` that picks it (ranges of equal best k).
+``--check B:a ...`` runs those cells directly (synthetic rates ``a, a^2, ...``) and
+prints measured tokens/s beside the prediction.
+
+Usage (GPU)::
+
+    python benchmarks/k_grid.py --batch 1,8,32,64,128,256 --kmax 7 --check 1:0.7 32:0.5 128:0.9
+    python benchmarks/k_grid.py --target tiny --batch 1,2 --kmax 2 --iters 2   # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens an iteration emits per request at conditional acceptance ``a`` with k drafts."""
+    return float(k + 1) if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def best_k(cost_ms: dict, batch: int, a: float) -> tuple[int, float]:
+    """``(k, predicted tokens/s)`` maximising ``batch * E(a, k) / t(batch, k)``."""
+    scores = {k: batch * expected_tokens(a, k) / (t / 1e3) for k, t in cost_ms[batch].items()}
+    k = max(scores, key=scores.get)
+    return k, scores[k]
+
+
+def schedule(cost_ms: dict, a: float) -> list[list[int]]:
+    """``[lo, hi, K]`` ranges over the measured batch sizes (each range up to the next
+    measured size minus one; the last open to 2**16), K the best static k."""
+    sizes = sorted(cost_ms)
+    out: list[list[int]] = []
+    for i, b in enumerate(sizes):
+        k = best_k(cost_ms, b, a)[0]
+        lo = 1 if i == 0 else b
+        hi = sizes[i + 1] - 1 if i + 1 < len(sizes) else 1 << 16
+        if out and out[-1][2] == k:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi, k])
+    return out
+
+
+def run(args) -> dict:
+    import jax.numpy as jnp
+
+    import loop
+
+    dtype = jnp.dtype(args.dtype)
+    target, geo, _ = loop.build_target(args.target, dtype)
+    batches = [int(x) for x in args.batch.split(",")]
+    rng = np.random.default_rng(0)
+    max_tokens = (args.iters + 2) * (args.kmax + 1)
+    mml = -(-(args.context + max_tokens + 2 * args.kmax + 8) // loop.BS) * loop.BS
+
+    def timed(b, k, rates):
+        prompts = [rng.integers(0, geo["vocab_size"], args.context).tolist() for _ in range(b)]
+        prop = None if k == 0 else loop.drafter("eagle3", target, geo, args.target, k, rates,
+                                                mml, dtype)
+        eng = loop.make_engine(target, prop, b, mml, dtype)
+        loop.measure(eng, prompts, 2, max_tokens)                         # compiles
+        r = min((loop.measure(eng, prompts, args.iters, max_tokens) for _ in range(args.repeat)),
+                key=lambda x: x["per_iter_ms"])
+        del eng, prop
+        gc.collect()
+        return r
+
+    cost: dict[int, dict[int, float]] = {}
+    for b in batches:
+        cost[b] = {}
+        for k in range(args.kmax + 1):
+            cost[b][k] = timed(b, k, [0.5 ** (j + 1) for j in range(k)])["per_iter_ms"]
+            print(f"t(B={b}, k={k}) = {cost[b][k]:.3f} ms", flush=True)
+    rates = [float(a) for a in args.rates]
+    print("\n| B | " + " | ".join(f"t(k={k}) ms" for k in range(args.kmax + 1)) + " |")
+    print("|---|" + "---|" * (args.kmax + 1))
+    for b in batches:
+        print(f"| {b} | " + " | ".join(f"{cost[b][k]:.3f}" for k in range(args.kmax + 1)) + " |")
+    print("\n| B | " + " | ".join(f"a={a}: best k (tok/s, x plain)" for a in rates) + " |")
+    print("|---|" + "---|" * len(rates))
+    best = {}
+    for b in batches:
+        cells = []
+        for a in rates:
+            k, tps = best_k(cost, b, a)
+            plain = b / (cost[b][0] / 1e3)
+            best[(b, a)] = (k, tps)
+            cells.append(f"{k} ({tps:.0f}, {tps / plain:.2f}x)")
+        print(f"| {b} | " + " | ".join(cells) + " |")
+    scheds = {a: schedule(cost, a) for a in rates}
+    for a, s in scheds.items():
+        print(f"a={a}: num_speculative_tokens_per_batch_size={s}")
+    checks = []
+    for spec in args.check:
+        b, a = int(spec.split(":")[0]), float(spec.split(":")[1])
+        if b not in cost:
+            raise SystemExit(f"--check {spec}: batch {b} is not in --batch")
+        k = best_k(cost, b, a)[0]
+        r = timed(b, k, [a ** (j + 1) for j in range(k)])
+        pred = best_k(cost, b, a)[1]
+        checks.append(dict(batch=b, a=a, k=k, measured_tps=r["tokens_per_s"], predicted_tps=pred))
+        print(f"check B={b} a={a} k={k}: measured {r['tokens_per_s']:.0f} tok/s, predicted "
+              f"{pred:.0f} ({r['tokens_per_s'] / pred:.2f}x)", flush=True)
+    return dict(cost_ms={str(b): v for b, v in cost.items()},
+                best={f"{b}:{a}": v for (b, a), v in best.items()},
+                schedules={str(a): s for a, s in scheds.items()}, checks=checks)
+
+
+def main(argv=None) -> int:
+    import jax
+
+    gpu = jax.default_backend() == "gpu"
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=("8b", "1b", "tiny"), default="8b" if gpu else "tiny")
+    ap.add_argument("--batch", default="1,8,32,64,128,256")
+    ap.add_argument("--kmax", type=int, default=7)
+    ap.add_argument("--rates", nargs="+", default=["0.3", "0.5", "0.7", "0.9"])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--check", nargs="*", default=[], metavar="B:a")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"),
+                    default="bfloat16" if gpu else "float32")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.kmax < 1 or args.iters < 2 or args.repeat < 1:
+        ap.error("--kmax >= 1, --iters >= 2, --repeat >= 1")
+    if not all(0 <= float(a) < 1 for a in args.rates):
+        ap.error("--rates must lie in [0, 1)")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
+          f"{jax.devices()[0].device_kind}; target {args.target} {args.dtype}; context "
+          f"{args.context}; iters {args.iters}")
+    doc = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(argv=argv, **doc), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""``benchmarks/k_grid.py`` (issue 55): the best-static-k arithmetic on a hand-made cost
+table, and one tiny CPU run producing the tables, schedules and a direct check."""
+
+import suite_paths  # tests/support: where the suite's pieces are
+import json
+import sys
+
+import pytest
+
+from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse: cheap compiles)
+
+sys.path.insert(0, str(suite_paths.BENCHMARKS))
+
+import k_grid  # noqa: E402
+
+
+def test_expected_tokens_best_k_and_schedule():
+    assert k_grid.expected_tokens(0.5, 0) == 1 and k_grid.expected_tokens(0.5, 2) == 1.75
+    assert k_grid.expected_tokens(1.0, 3) == 4
+    # k costs 10% a draft at B=1, 60% at B=64: drafting pays at B=1 only when a is high
+    cost = {1: {0: 10.0, 1: 11.0, 2: 12.0}, 64: {0: 10.0, 1: 16.0, 2: 22.0}}
+    assert k_grid.best_k(cost, 1, 0.9)[0] == 2 and k_grid.best_k(cost, 64, 0.3)[0] == 0
+    assert k_grid.best_k(cost, 64, 0.3)[1] == pytest.approx(64 / 0.010)
+    assert k_grid.schedule(cost, 0.3) == [[1, 63, 1], [64, 1 << 16, 0]]   # 1.3/11 > 1.39/12
+    assert k_grid.schedule(cost, 0.95) == [[1, 1 << 16, 2]]
+
+
+def test_tiny_run(tmp_path, capsys):
+    out = tmp_path / "kg.json"
+    assert k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--iters", "2",
+                        "--repeat", "1", "--context", "16", "--rates", "0.5", "--check", "2:0.5",
+                        "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["cost_ms"]["2"]) == {"0", "1"} and all(v > 0 for v in doc["cost_ms"]["2"].values())
+    assert doc["schedules"]["0.5"][0][:2] == [1, 1 << 16] and len(doc["checks"]) == 1
+    assert "num_speculative_tokens_per_batch_size=" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        k_grid.main(["--rates", "1.5"])
