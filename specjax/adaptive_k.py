@@ -1,13 +1,10 @@
 """k that adapts: vLLM 0.34's batch-size k schedule and adaptive verification, as pure
 functions (the schedule on the host, the rest jit-able on device state).
 
-- :func:`k_schedule_lookup`: ``num_speculative_tokens_per_batch_size`` (inclusive
-  ``[lo, hi, K]`` ranges over the requests in a step) -> ``dense[b]``, each K capped at k.
-- :func:`draft_feature`, :class:`EstimatorState`, :func:`estimator_predict`,
-  :func:`estimator_observe`, :func:`estimator_refit`: the online acceptance estimator
-  ``c_j = sigmoid(omega * f + beta_j)``, ``f = logit(q_max)`` of the draft distribution.
-- :func:`verification_budget`, :func:`admit`: the budget ``b*`` maximising expected tokens
-  per second under a cost table, and the global top-``b*`` draft slots by survival.
+:func:`k_schedule_lookup` (``num_speculative_tokens_per_batch_size``); vLLM's online
+acceptance estimator (``estimator_*``, ``c_j = sigmoid(omega * f + beta_j)``) with its
+budget (:func:`verification_budget`, :func:`admit`); specjax's policy (:func:`choose_k` over
+:func:`acceptance_rate`). docs/adaptive_k.md.
 """
 
 from __future__ import annotations
@@ -22,12 +19,19 @@ from specjax.checks import ArgumentError, ArgumentTypeError, show
 
 __all__ = ["validate_k_schedule", "k_schedule_lookup", "draft_feature", "EstimatorState",
            "estimator_init", "estimator_predict", "estimator_observe", "estimator_refit",
-           "survival", "verification_budget", "admit"]
+           "survival", "verification_budget", "admit", "observe_acceptance",
+           "acceptance_rate", "choose_k"]
 
 FIELD = "num_speculative_tokens_per_batch_size"
 #: The estimator's constants (vLLM 0.34 ``acceptance_estimator.py``).
 REFIT_INTERVAL, RIDGE, DAMPING, MAX_FEATURE = 100, 1e-3, 50.0, 40.0
 OMEGA0, BETA0 = 0.5, -0.2
+#: The policy's per-step decay of a request's evidence: recent steps weigh more, and a
+#: request drafting nothing drifts back to the (optimistic) prior, so K = 0 is retried.
+DECAY = 0.9
+#: The acceptance prior: mean and weight in trials (optimistic, so a request with little
+#: evidence drafts and gathers some).
+PRIOR, PRIOR_WEIGHT = 0.8, 2.0
 
 
 def validate_k_schedule(schedule: Any) -> list[tuple[int, int, int]]:
@@ -184,3 +188,29 @@ def admit(surv: jax.Array, num_drafts: jax.Array, budget: jax.Array) -> jax.Arra
     keep = (rank < budget).reshape(bsz, k) & valid
     return jnp.sum(jnp.cumprod(keep, axis=1), axis=1).astype(jnp.int32)
 
+
+
+def observe_acceptance(hits: np.ndarray, trials: np.ndarray, drafts: np.ndarray,
+                       accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One step's evidence per request (``[n]`` each): ``accepted`` of ``drafts`` verified
+    drafts were accepted, so ``min(accepted + 1, drafts)`` positions were tried (the chain
+    stops at its first rejection). Old evidence decays by :data:`DECAY`."""
+    tried = np.minimum(accepted + 1, drafts)
+    return DECAY * hits + accepted, DECAY * trials + tried
+
+
+def acceptance_rate(hits: np.ndarray, trials: np.ndarray) -> np.ndarray:
+    """The conditional acceptance estimate ``(hits + PRIOR * w) / (trials + w)``, w the
+    prior's weight."""
+    return ((np.asarray(hits, np.float64) + PRIOR * PRIOR_WEIGHT)
+            / (np.asarray(trials, np.float64) + PRIOR_WEIGHT))
+
+
+def choose_k(rates: np.ndarray, caps: np.ndarray, cost: np.ndarray) -> int:
+    """``argmax_K sum_r E(a_r, min(K, cap_r)) / cost[K]`` over ``K = 0..len(cost) - 1``,
+    ``E(a, K) = (1 - a^(K+1)) / (1 - a)`` the tokens a step emits at conditional rate a;
+    ties to the smaller K."""
+    a = np.clip(np.asarray(rates, np.float64), 0.0, 1.0 - 1e-9)[:, None]
+    ks = np.minimum(np.arange(len(cost))[None, :], np.asarray(caps)[:, None])
+    gain = ((1 - a ** (ks + 1)) / (1 - a)).sum(0)
+    return int(np.argmax(gain / np.asarray(cost, np.float64)))

@@ -42,6 +42,7 @@ class _InFlight(NamedTuple):
     out: Any
     state: Any
     t_dispatch: float
+    k: int | None = None    # adaptive_k's K for this call (None: off)
 
 
 Results = list[tuple[SpecDecodingStats | None, list[_Request]]]
@@ -53,6 +54,7 @@ class DeviceLoopDriver:
 
     def __init__(self, engine) -> None:
         self._e = weakref.proxy(engine)
+        self.k_policy: int | None = None     # adaptive_k's K of the last loop_state
 
     @functools.cached_property
     def idle_early_exit(self) -> bool:
@@ -75,7 +77,9 @@ class DeviceLoopDriver:
             if not sched.loop_blocks(r, ahead * e.options.steps_per_sync):
                 raise RuntimeError("the KV pool cannot hold this device-loop call: the engine "
                                    "reserves its blocks first (Scheduler.reserve_loop)")
+        e._k_now = self.k_policy = e.policy_k(running)
         caps = [e.k_for(r, len(running)) for r in running]
+        e._k_now = None
         B, Q, C = sched.buckets(len(running), max(caps) + 1, max(len(r.blocks) for r in running),
                                 max(caps))
         hist = ([sched.tok_buf[r.row, : r.num_tokens] for r in running]
@@ -97,7 +101,8 @@ class DeviceLoopDriver:
         return dataclasses.replace(state, num_logprobs=logprobs_bucket(
             [r.params.logprobs for r in running]))
 
-    def dispatch(self, rows: list[_Request], state, stop_on_finish: bool) -> _InFlight:
+    def dispatch(self, rows: list[_Request], state, stop_on_finish: bool,
+                 prev_k: int | None = None) -> _InFlight:
         """Dispatch one call (not waiting for it). ``state``: the previous call's device
         state to continue from (its block table refreshed for blocks two calls ahead), or
         None to build it from the host's requests."""
@@ -106,7 +111,9 @@ class DeviceLoopDriver:
         t = time.perf_counter()
         if state is None:
             state = self.loop_state(rows)
+            k = self.k_policy
         else:
+            k = prev_k
             _, _, C = sched.buckets(len(rows), e.k + 1, max(len(r.blocks) for r in rows))
             table = np.zeros((state.num_reqs_pad, C), _I32)
             for i, r in enumerate(rows):
@@ -121,7 +128,7 @@ class DeviceLoopDriver:
         for x in jax.tree.leaves(out):      # the next call may donate the state: not its drafts
             x.copy_to_host_async()
         e.host_s += time.perf_counter() - t
-        return _InFlight(list(rows), out, state, t)
+        return _InFlight(list(rows), out, state, t, k)
 
     def commit(self, f: _InFlight, last: bool = True) -> Results:
         """Wait for a dispatched call and commit its iterations (``CommitRule.loop``).
@@ -134,6 +141,11 @@ class DeviceLoopDriver:
             drafts, num_drafts = jax.device_get((f.state.drafts, f.state.num_drafts))
         t1 = time.perf_counter()
         e.wait_s += t1 - t
+        if e.options.adaptive_k:
+            for t in range(int(out.num_iters)):
+                for i, r in enumerate(f.rows):
+                    if out.counts[t, i]:
+                        e.observe(r, int(out.num_drafts[t, i]), int(out.num_accepted[t, i]))
         results = e.commit_rule.loop(f.rows, out, e.scheduler.tok_buf)
         if last:
             for i, r in enumerate(f.rows):
@@ -170,7 +182,9 @@ class DeviceLoopDriver:
             # a call dispatched after this one would only run masked iterations, or the pool
             # cannot give it blocks: drain (the next sync point may preempt)
             return self.commit(inflight), None
-        nxt = self.dispatch(inflight.rows, inflight.state, stop_on_finish)
+        if self._e.options.adaptive_k and self._e.policy_k(inflight.rows) != inflight.k:
+            return self.commit(inflight), None      # K changes: the next call starts afresh
+        nxt = self.dispatch(inflight.rows, inflight.state, stop_on_finish, inflight.k)
         results = self.commit(inflight, last=False)
         if any(fin for _, fin in results) or all(r.finish_reason for r in nxt.rows):
             results += self.commit(nxt)

@@ -27,7 +27,7 @@ from specjax.engine.types import (GenerateResult, RequestMetrics, RequestOutput,
                                   TargetModel)
 from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
-from specjax.adaptive_k import k_schedule_lookup
+from specjax.adaptive_k import acceptance_rate, choose_k, k_schedule_lookup, observe_acceptance
 from specjax.runtime.batch import trim_drafts
 from specjax.runtime.decode_loop import decode_loop, loop_cache_size, loop_support, make_loop_state
 from specjax.runtime.step import StepBatch, StepOutput, make_step, params_kv_dtype, step_cache_size
@@ -146,6 +146,9 @@ class Engine:
         #: ``dense[n]``: k after a step of n requests (None: always k)
         self.k_lookup = None if sched_k is None else k_schedule_lookup(
             sched_k, self.max_num_seqs, self.k)
+        #: ``adaptive_k``'s seconds per step: batch bucket -> ``[k + 1]`` (K = 0..k)
+        self.k_costs: dict[int, np.ndarray] = {}
+        self._k_now: int | None = None       # adaptive_k's choice for the step being set up
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
         self.scheduler = Scheduler(max_model_len=self.max_model_len, block_size=self.block_size,
@@ -238,8 +241,53 @@ class Engine:
         k = self.k
         if self.k_lookup is not None:
             k = min(k, int(self.k_lookup[min(max(num_reqs, 1), self.max_num_seqs)]))
+        if self._k_now is not None:
+            k = min(k, self._k_now)
         nk = r.params.num_speculative_tokens
         return k if nk is None else min(k, nk)
+
+    def policy_k(self, running: list[_Request]) -> int | None:
+        """``LoopOptions.adaptive_k``'s k for the next step of ``running`` (None: off, or
+        nothing drafts): :func:`~specjax.adaptive_k.choose_k` over their acceptance
+        estimates, capped as :meth:`k_for` caps them, and this batch bucket's cost table."""
+        if not self.options.adaptive_k or self.k == 0 or not running:
+            return None
+        b = self.scheduler.buckets(len(running), 1, 1)[0]
+        if b not in self.k_costs:
+            self.profile_k_costs([b])
+        self._k_now = None
+        caps = np.array([self.k_for(r, len(running)) for r in running])
+        rates = acceptance_rate(np.array([r.acc_hits for r in running]),
+                                np.array([r.acc_trials for r in running]))
+        return choose_k(rates, caps, self.k_costs[b])
+
+    def observe(self, r: _Request, drafts: int, accepted: int) -> None:
+        """One step's acceptance evidence of ``r`` (``LoopOptions.adaptive_k``)."""
+        if self.options.adaptive_k:
+            h, t = observe_acceptance(np.float64(r.acc_hits), np.float64(r.acc_trials),
+                                      np.int64(drafts), np.int64(accepted))
+            r.acc_hits, r.acc_trials = float(h), float(t)
+
+    def profile_k_costs(self, batch_sizes: Sequence[int], reps: int = 3) -> dict:
+        """Measure ``k_costs[B][K]``: the median seconds of a decode step of ``B`` padded rows
+        verifying K drafts each (rows of the bucket of K + 1 tokens, the widest context),
+        K = 0..k, for each batch bucket of ``batch_sizes``. Returns ``k_costs``."""
+        sched = self.scheduler
+        for n in batch_sizes:
+            b = sched.buckets(check_int("batch_sizes[]", n, 1), 1, 1)[0]
+            cost = np.zeros(self.k + 1)
+            for kk in range(self.k + 1):
+                q = sched.buckets(b, kk + 1, 1, kk)[1]
+                batch = sched.dummy_batch(b, q, sched.max_blocks_per_req)
+                jax.block_until_ready(self._run(batch))
+                times = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    jax.block_until_ready(self._run(batch))
+                    times.append(time.perf_counter() - t)
+                cost[kk] = float(np.median(times))
+            self.k_costs[b] = cost
+        return self.k_costs
 
     # -- public --------------------------------------------------------------------
 
@@ -376,7 +424,8 @@ class Engine:
             jax.block_until_ready(self._run(dataclasses.replace(batch, num_logprobs=lp)))
         if opts.steps_per_sync > 1 or opts.overlap:   # the device loop runs
             if num_speculative_tokens is None:
-                ks = [self.k] if self.k_lookup is None else sorted(set(self.k_lookup[1:].tolist()))
+                ks = (list(range(self.k + 1)) if opts.adaptive_k else [self.k]
+                      if self.k_lookup is None else sorted(set(self.k_lookup[1:].tolist())))
             else:
                 ks = [check_int(f"num_speculative_tokens[{i}]", x, 0, self.k)
                       for i, x in enumerate(num_speculative_tokens)]
@@ -396,7 +445,10 @@ class Engine:
                     self.draft_state, dataclasses.replace(state, all_greedy=bool(g), num_logprobs=lp),
                     steps_per_sync=opts.steps_per_sync, early_exit=ee)
                 jax.block_until_ready(out)
-        return step_cache_size() + loop_cache_size() - before
+        n = step_cache_size() + loop_cache_size() - before
+        if opts.adaptive_k and self.k:
+            self.profile_k_costs(batch_sizes)
+        return n
 
     # -- one step ------------------------------------------------------------------
 
@@ -432,6 +484,7 @@ class Engine:
                 r.drafts = []
         running = reqs
         t0 = time.perf_counter()
+        before = [(r.num_drafted, r.num_accepted) for r in running]
         batch, qlens, b_pad = self.scheduler.build_batch(running, tree_verify=tree_verify)
         partial = [q < r.num_tokens - r.num_computed for q, r in zip(qlens, running)]
         dev = self._run(batch)
@@ -458,8 +511,12 @@ class Engine:
             tok, cnt = np.asarray(drafted.token_ids), np.asarray(drafted.num_drafts)
             for j, i in enumerate(alive):
                 running[i].drafts = tok[j, : int(cnt[j])].tolist()
+        for r, (d0, a0) in zip(running, before):
+            self.observe(r, r.num_drafted - d0, r.num_accepted - a0)
+        self._k_now = self.policy_k([running[i] for i in alive])
         for i in alive:
             running[i].drafts = self._trim(running[i], running[i].drafts, len(running))
+        self._k_now = None
         self.host_s += (t1 - t0) + (time.perf_counter() - t2)
         return stats, finished
 

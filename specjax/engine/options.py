@@ -60,7 +60,10 @@ class LoopOptions:
       max_num_batched_tokens, enable_chunked_prefill, long_prefill_token_threshold: vLLM's
         scheduling (docs/scheduling.md): a step's token budget (None: 2048 on a CPU target,
         else 16384), prompts split over steps (False: whole, the budget must hold
-        ``max_model_len``), prompt tokens one request takes per step at most (0: no cap)."""
+        ``max_model_len``), prompt tokens one request takes per step at most (0: no cap).
+      adaptive_k: each step verifies the k maximising expected tokens per second, from each
+        request's recent acceptance and the step's measured cost per k
+        (``specjax.adaptive_k.choose_k``; ``Engine.k_costs``, profiled when first needed)."""
 
     steps_per_sync: int | None = None
     early_exit: bool | None = None
@@ -76,6 +79,7 @@ class LoopOptions:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    adaptive_k: bool = False
 
     def __post_init__(self) -> None:
         from specjax.sampling.logits_processors import check_limits
@@ -98,5 +102,6 @@ class LoopOptions:
                                                     self.max_num_batched_tokens, 1, 1 << 30))
         put("enable_chunked_prefill", check_bool("enable_chunked_prefill",
                                                  self.enable_chunked_prefill))
+        put("adaptive_k", check_bool("adaptive_k", self.adaptive_k))
         put("long_prefill_token_threshold", check_int(
             "long_prefill_token_threshold", self.long_prefill_token_threshold, 0, 1 << 30))

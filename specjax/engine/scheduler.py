@@ -41,6 +41,8 @@ class _Request:
     token_times: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     k_cap: int = -1             # drafts it verifies next (Engine.k_for); -1: the engine's k
+    acc_hits: float = 0.0       # decayed acceptance evidence (LoopOptions.adaptive_k)
+    acc_trials: float = 0.0
     num_drafted: int = 0
     num_accepted: int = 0
     proc: Any = None            # specjax.sampling.logits_processors.RequestProcessing

@@ -130,3 +130,54 @@ def test_device_loop_rows_shrink_to_the_k_in_force(monkeypatch):
     out = eng.generate(PROMPTS[:3], sps)
     assert out.token_ids == _run(None, sps + [SamplingParams()], 1, False).token_ids[:3]
     assert (3, 1) in seen and (1, 4) in seen and all(q == (4 if n == 1 else 1) for n, q in seen)
+
+
+# -- LoopOptions(adaptive_k=True): the policy --------------------------------------------------
+
+def test_choose_k_and_the_acceptance_estimate():
+    from specjax import adaptive_k as ak
+
+    cost = np.array([1.0, 1.2, 1.4, 1.6])          # each draft costs 20% of a step
+    assert ak.choose_k(np.array([0.05] * 4), np.array([3] * 4), cost) == 0
+    assert ak.choose_k(np.array([0.95] * 4), np.array([3] * 4), cost) == 3
+    assert ak.choose_k(np.array([0.95] * 4), np.array([1] * 4), cost) == 1     # caps bind
+    # E(0.5, 1) / 1.2 = 1.25 > E(0.5, 2) / 1.4 = 1.25 (tie: the smaller K) > 1
+    assert ak.choose_k(np.array([0.5]), np.array([3]), cost) == 1
+    h, t = ak.observe_acceptance(np.zeros(2), np.zeros(2), np.array([3, 3]), np.array([3, 1]))
+    assert h.tolist() == [3, 1] and t.tolist() == [3, 2]
+    assert np.allclose(ak.acceptance_rate(h, t), [(3 + 1.6) / 5, (1 + 1.6) / 4])
+    assert ak.acceptance_rate(np.zeros(1), np.zeros(1))[0] == pytest.approx(ak.PRIOR)
+    h2, t2 = ak.observe_acceptance(h, t, np.array([0, 0]), np.array([0, 0]))   # no drafts
+    assert np.allclose(h2, 0.9 * h) and np.allclose(t2, 0.9 * t)
+
+
+@pytest.mark.parametrize("n,overlap", [(1, False), (4, False), (4, True)])
+@pytest.mark.parametrize("method", ("draft_model", "eagle3"))
+def test_adaptive_k_keeps_greedy_output_and_follows_acceptance(method, n, overlap):
+    """Drafts cost 50% of a step each (a hand-set table): the target drafting for itself
+    (every draft accepted) keeps k = 3; a random EAGLE-3 head (drafts rejected) drops to
+    K = 0 after its first steps and retries only as its evidence decays."""
+    sps = [SamplingParams(max_tokens=24)] * 4
+    plain = _run(None, sps, n, overlap)
+    eng = Engine(target(), build(method, 3), max_num_seqs=4,
+                 **fixed(steps_per_sync=n, overlap=overlap, adaptive_k=True))
+    eng.k_costs[4] = np.array([1.0, 1.5, 2.0, 2.5])
+    logs: list = []
+    out = eng.generate(PROMPTS, sps, stat_loggers=[logs.append])
+    assert out.token_ids == plain.token_ids
+    s = out.spec_stats
+    if method == "draft_model":
+        assert s.num_accepted_tokens == s.num_draft_tokens and s.num_draft_tokens > 3 * 4 * 2
+    else:
+        drafted = [x.num_draft_tokens for x in logs]
+        assert sum(drafted[len(drafted) // 2:]) < sum(drafted[: len(drafted) // 2]) + 4
+        assert sum(d > 0 for d in drafted) < len(drafted) / 2
+
+
+def test_adaptive_k_warmup_profiles_and_compiles_every_k():
+    prop = build("eagle3", 3)
+    eng = Engine(target(), prop, max_num_seqs=4, **fixed(steps_per_sync=4, adaptive_k=True))
+    log = io.StringIO()
+    out = bench.run(eng, iters=30, log=log, vocab=64, max_prompt=14, max_tokens=32)
+    assert set(eng.k_costs) == {4} and eng.k_costs[4].shape == (4,) and (eng.k_costs[4] > 0).all()
+    assert out["compiles"] == 0 and out["compile_logs"] == [], log.getvalue()
