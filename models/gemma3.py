@@ -24,7 +24,7 @@ from specjax.kernels.paged_attention import KVCache
 from specjax.models import params as mp, rope
 from specjax.models.config import ModelConfig
 from specjax.models.layers import MLP, Attention
-from specjax.models.llama import DecoderLM
+from specjax.models.llama import DecoderBody, DecoderLM
 from specjax.models.tensors import Entry, layer_entries
 
 __all__ = ["Gemma3LM", "GemmaRMSNorm", "tensor_table"]
@@ -65,13 +65,11 @@ class Gemma3Layer(nnx.Module):
         return h, cache
 
 
-class Gemma3Body(nnx.Module):
-    """``layers.{i}`` and the final ``norm``."""
+class Gemma3Body(DecoderBody):
+    """``layers.{i}`` (Gemma3Layer) and the final ``norm``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([Gemma3Layer(cfg, rngs, layer=i)
-                                for i in range(cfg.num_hidden_layers)])
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    layer_class = Gemma3Layer
+    norm_class = GemmaRMSNorm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from specjax.models.config import ModelConfig
 from specjax.models.layers import Attention, DecoderLayer, linear
-from specjax.models.llama import DecoderLM
+from specjax.models.llama import DecoderBody, DecoderLM
 from specjax.models.moe import Experts, top_k_softmax
 from specjax.models.tensors import Entry, layer_entries
 
@@ -78,13 +78,11 @@ class GptOssLayer(DecoderLayer):
         self.mlp = GptOssMLP(cfg, rngs)
 
 
-class GptOssBody(nnx.Module):
-    """``layers.{i}`` and the final ``norm``."""
+class GptOssBody(DecoderBody):
+    """``layers.{i}`` (GptOssLayer) and the final ``norm``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([GptOssLayer(cfg, rngs, layer=i)
-                                for i in range(cfg.num_hidden_layers)])
-        self.norm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    layer_class = GptOssLayer
+    norm_class = GptOssRMSNorm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,12 +25,16 @@ from specjax.models.tensors import Entry, layer_entries
 
 
 class DecoderBody(nnx.Module):
-    """``layers.{i}`` and the final ``norm`` (embedding and head are handled by the runner)."""
+    """``layers.{i}`` (``layer_class``) and the final ``norm`` (``norm_class``); embedding
+    and head are handled by the runner. A family subclasses it naming its two classes."""
+
+    layer_class: ClassVar[type] = DecoderLayer
+    norm_class: ClassVar[type] = RMSNorm
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, layer=i)
-                                  for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nnx.List([self.layer_class(cfg, rngs, layer=i)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 def check_aux_ids(aux_layer_ids, num_layers: int) -> tuple[int, ...]:

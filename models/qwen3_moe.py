@@ -14,8 +14,8 @@ import dataclasses
 from flax import nnx
 
 from specjax.models.config import ModelConfig
-from specjax.models.layers import DecoderLayer, RMSNorm
-from specjax.models.llama import DecoderLM
+from specjax.models.layers import DecoderLayer
+from specjax.models.llama import DecoderBody, DecoderLM
 from specjax.models.moe import SparseMoeBlock
 from specjax.models.tensors import Entry, layer_entries
 
@@ -33,13 +33,10 @@ class Qwen3MoeLayer(DecoderLayer):
                                       cfg.norm_topk_prob, rngs)
 
 
-class Qwen3MoeBody(nnx.Module):
-    """``layers.{i}`` and the final ``norm``."""
+class Qwen3MoeBody(DecoderBody):
+    """``layers.{i}`` (Qwen3MoeLayer) and the final ``norm``."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.layers = nnx.List([Qwen3MoeLayer(cfg, rngs, layer=i)
-                                for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    layer_class = Qwen3MoeLayer
 
 
 @dataclasses.dataclass(frozen=True)
