@@ -174,6 +174,15 @@ def _drop(tensors: Tensors, pred: Callable[[str], bool], why: str, notes: list[s
     return {k: v for k, v in tensors.items() if k not in dropped}
 
 
+def _drop_tied_head(cfg: dict, tensors: Tensors, notes: list[str]) -> Tensors:
+    """A decoder's ``lm_head.weight`` dropped when ``tie_word_embeddings`` (the head is the
+    embedding)."""
+    if not cfg["tie_word_embeddings"]:
+        return tensors
+    return _drop(tensors, lambda k: k == "lm_head.weight",
+                 "tie_word_embeddings: the head is model.embed_tokens", notes)
+
+
 def _int32_map(tensors: Tensors, key: str, notes: list[str]) -> None:
     """``d2t`` / ``token_map`` are int64 on disk; JAX runs without x64, so store int32."""
     ref = tensors.get(key)

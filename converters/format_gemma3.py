@@ -6,7 +6,8 @@ from __future__ import annotations
 import copy
 
 from specjax.converters.errors import CheckpointError
-from specjax.converters.format_common import Format, Probe, Tensors, _drop, _drop_inv_freq
+from specjax.converters.format_common import (Format, Probe, Tensors, _drop, _drop_inv_freq,
+                                              _drop_tied_head)
 
 _ARCHS = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 #: Where a ConditionalGeneration checkpoint keeps the language model (transformers 4,
@@ -54,9 +55,7 @@ def read(cfg: dict, tensors: Tensors, notes: list[str]) -> tuple[dict, Tensors]:
     if out.keys() != tensors.keys():
         notes.append("renamed the language model's keys to model.* / lm_head.weight")
     out = _drop_inv_freq(out, notes)
-    if cfg["tie_word_embeddings"]:
-        out = _drop(out, lambda k: k == "lm_head.weight",
-                    "tie_word_embeddings: the head is model.embed_tokens", notes)
+    out = _drop_tied_head(cfg, out, notes)
     return cfg, out
 
 

@@ -12,8 +12,8 @@ from specjax.converters.format_common import (
     Probe,
     Tensors,
     _decoder_fields,
-    _drop,
     _drop_inv_freq,
+    _drop_tied_head,
     _hf_fields,
 )
 
@@ -98,9 +98,7 @@ def read(cfg: dict, tensors: Tensors, notes: list[str]) -> tuple[dict, Tensors]:
     cfg = _decoder_fields(cfg, notes)
     cfg["model_type"] = "gpt_oss"
     tensors = _dequantize(_drop_inv_freq(tensors, notes), notes)
-    if cfg["tie_word_embeddings"]:
-        tensors = _drop(tensors, lambda k: k == "lm_head.weight",
-                        "tie_word_embeddings: the head is model.embed_tokens", notes)
+    tensors = _drop_tied_head(cfg, tensors, notes)
     return cfg, tensors
 
 

@@ -8,8 +8,8 @@ from specjax.converters.format_common import (
     Probe,
     Tensors,
     _decoder_fields,
-    _drop,
     _drop_inv_freq,
+    _drop_tied_head,
     _hf_fields,
 )
 
@@ -33,9 +33,7 @@ def read(kind: str):
             notes.append("added the 'model.' prefix (a bare-decoder checkpoint)")
             tensors = {k if k == "lm_head.weight" else "model." + k: v
                        for k, v in tensors.items()}
-        if cfg["tie_word_embeddings"]:
-            tensors = _drop(tensors, lambda k: k == "lm_head.weight",
-                            "tie_word_embeddings: the head is model.embed_tokens", notes)
+        tensors = _drop_tied_head(cfg, tensors, notes)
         return cfg, tensors
     return normalize
 

@@ -14,8 +14,8 @@ from specjax.converters.format_common import (
     Probe,
     Tensors,
     _decoder_fields,
-    _drop,
     _drop_inv_freq,
+    _drop_tied_head,
     _hf_fields,
 )
 from specjax.converters.tensor_ref import TensorRef
@@ -83,9 +83,7 @@ def read(cfg: dict, tensors: Tensors, notes: list[str]) -> tuple[dict, Tensors]:
     cfg["model_type"] = "qwen3_moe"
     cfg.setdefault("attention_bias", False)
     tensors = _stack_experts(_drop_inv_freq(tensors, notes), notes)
-    if cfg["tie_word_embeddings"]:
-        tensors = _drop(tensors, lambda k: k == "lm_head.weight",
-                        "tie_word_embeddings: the head is model.embed_tokens", notes)
+    tensors = _drop_tied_head(cfg, tensors, notes)
     return cfg, tensors
 
 
