@@ -181,3 +181,16 @@ def test_adaptive_k_warmup_profiles_and_compiles_every_k():
     out = bench.run(eng, iters=30, log=log, vocab=64, max_prompt=14, max_tokens=32)
     assert set(eng.k_costs) == {4} and eng.k_costs[4].shape == (4,) and (eng.k_costs[4] > 0).all()
     assert out["compiles"] == 0 and out["compile_logs"] == [], log.getvalue()
+
+
+@pytest.mark.slow
+def test_thousand_iterations_no_recompile_while_k_changes(tmp_path):
+    """Issue 55's proof: 1,000 iterations of joins and leaves with the schedule and the
+    policy both changing K, zero compiles after warm-up."""
+    prop = build("eagle3", 3, num_speculative_tokens_per_batch_size=SCHED)
+    eng = Engine(target(), prop, max_num_seqs=4, **fixed(steps_per_sync=8, adaptive_k=True))
+    path = tmp_path / "recompiles.log"
+    with open(path, "w") as log:
+        out = bench.run(eng, iters=1000, log=log, vocab=64, max_prompt=14, max_tokens=32)
+    assert out["iterations"] >= 1000 and out["joins"] > 100
+    assert out["compiles"] == 0 and out["compile_logs"] == [], path.read_text()
