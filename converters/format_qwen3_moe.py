@@ -31,10 +31,8 @@ _PER_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_pr
 
 
 def _stack_experts(tensors: Tensors, notes: list[str]) -> Tensors:
-    """The Hub's per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` -> the canonical
-    stacked ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``down_proj
-    [E, H, I]`` (lazy; read one layer at a time). Raises naming a layer whose experts are
-    not 0..E-1 with all three projections of one shape, or that is also stored fused."""
+    """The Hub's per-expert tensors -> the canonical stacked ``gate_up_proj [E, 2I, H]`` /
+    ``down_proj [E, H, I]`` (lazy, a layer at a time); CheckpointError naming a bad layer."""
     groups: dict[str, dict[int, dict[str, TensorRef]]] = {}
     out: Tensors = {}
     for k, v in tensors.items():

@@ -84,8 +84,7 @@ def _included(x: Entry, config: ModelConfig) -> bool:
 
 
 def param_shape(x: Entry) -> tuple[int, ...]:
-    """The params-side shape of ``x``: ``linear`` reversed (``[in, out]``), the ``experts*``
-    conversions with their last two axes swapped (``[E, in, out]``), others as stored."""
+    """The params-side shape of ``x`` (``linear`` reversed, ``experts*`` last axes swapped)."""
     if x.conv == "linear":
         return x.shape[::-1]
     if x.conv in ("experts", "experts_gate_up"):

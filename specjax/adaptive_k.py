@@ -35,9 +35,8 @@ PRIOR, PRIOR_WEIGHT = 0.8, 2.0
 
 
 def validate_k_schedule(schedule: Any) -> list[tuple[int, int, int]]:
-    """vLLM's checks of a ``[lo, hi, K]`` schedule (each message names the field):
-    non-empty list of 3-item entries, ``0 < lo <= hi``, ``K >= 0``, sorted non-overlapping
-    ranges, the first starting at 1. Returns the entries sorted."""
+    """vLLM's checks of a ``[lo, hi, K]`` schedule (messages name the field); the entries
+    sorted."""
     if schedule is None:
         raise ArgumentError(f"{FIELD} is required for dynamic speculative decoding")
     if not isinstance(schedule, (list, tuple)):
@@ -162,11 +161,8 @@ def verification_budget(surv: jax.Array, num_drafts: jax.Array, n0: jax.Array,
                         draft_cost: jax.Array, verify_cost: jax.Array,
                         non_draft_tokens: jax.Array, cap: jax.Array) -> jax.Array:
     """``b* = argmax_b (n0 + sum of the top b survivals) / (draft_cost + verify_cost[
-    non_draft_tokens + b])`` over ``0 <= b <= min(sum(num_drafts), cap)``.
-
-    ``surv [B, k]``, ``num_drafts [B]`` (slots past a row's count are not candidates);
-    ``verify_cost [T]``: the verify step's cost at T tokens, covering every T up to
-    ``non_draft_tokens + cap`` (indices past its end read its last entry)."""
+    non_draft_tokens + b])``, ``0 <= b <= min(sum(num_drafts), cap)``; ``verify_cost [T]``
+    covers every T used (past its end: its last entry)."""
     k = surv.shape[1]
     valid = jnp.arange(k) < num_drafts[:, None]
     s = jnp.sort(jnp.where(valid, surv, -1.0).reshape(-1))[::-1]
@@ -192,9 +188,8 @@ def admit(surv: jax.Array, num_drafts: jax.Array, budget: jax.Array) -> jax.Arra
 
 def observe_acceptance(hits: np.ndarray, trials: np.ndarray, drafts: np.ndarray,
                        accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One step's evidence per request (``[n]`` each): ``accepted`` of ``drafts`` verified
-    drafts were accepted, so ``min(accepted + 1, drafts)`` positions were tried (the chain
-    stops at its first rejection). Old evidence decays by :data:`DECAY`."""
+    """One step's evidence per request: ``accepted`` of ``drafts`` means
+    ``min(accepted + 1, drafts)`` positions tried. Old evidence decays by :data:`DECAY`."""
     tried = np.minimum(accepted + 1, drafts)
     return DECAY * hits + accepted, DECAY * trials + tried
 
@@ -207,9 +202,8 @@ def acceptance_rate(hits: np.ndarray, trials: np.ndarray) -> np.ndarray:
 
 
 def choose_k(rates: np.ndarray, caps: np.ndarray, cost: np.ndarray) -> int:
-    """``argmax_K sum_r E(a_r, min(K, cap_r)) / cost[K]`` over ``K = 0..len(cost) - 1``,
-    ``E(a, K) = (1 - a^(K+1)) / (1 - a)`` the tokens a step emits at conditional rate a;
-    ties to the smaller K."""
+    """``argmax_K sum_r E(a_r, min(K, cap_r)) / cost[K]``, ``E(a, K) = (1 - a^(K+1)) /
+    (1 - a)`` (ties: the smaller K)."""
     a = np.clip(np.asarray(rates, np.float64), 0.0, 1.0 - 1e-9)[:, None]
     ks = np.minimum(np.arange(len(cost))[None, :], np.asarray(caps)[:, None])
     gain = ((1 - a ** (ks + 1)) / (1 - a)).sum(0)

@@ -241,7 +241,8 @@ FLAG_ARGV = ["--max-tokens", "6", "--temperature", "0.7", "--top-k", "5", "--top
 NOT_FLAGS = {"seed": "--seed seeds generate(), which draws each request's seed",
              "logits_processor": "a Python function", "logits_processor_params": "idem",
              "n": "refused", "best_of": "refused", "prompt_logprobs": "refused",
-             "structured_outputs": "refused", "stop": "refused"}
+             "structured_outputs": "refused", "stop": "refused",
+             "num_speculative_tokens": "--speculative-config's k serves every prompt alike"}
 
 
 def _parse(*argv):

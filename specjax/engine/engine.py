@@ -229,15 +229,13 @@ class Engine:
         return out, sps
 
     def _k_rises(self, n: int) -> bool:
-        """Whether a request finishing among ``n`` would raise the schedule's K (the device
-        loop then stops at the finish, so each call runs one K)."""
+        """Whether a finish among ``n`` requests would raise the schedule's K."""
         return self.k_lookup is not None and 1 < n <= self.max_num_seqs and \
             int(self.k_lookup[1:n].max()) > int(self.k_lookup[n])
 
     def k_for(self, r: _Request, num_reqs: int) -> int:
-        """The drafts ``r`` verifies after a step of ``num_reqs`` requests: the engine's k,
-        capped by ``num_speculative_tokens_per_batch_size`` and the request's own
-        ``num_speculative_tokens``."""
+        """Drafts ``r`` verifies after a step of ``num_reqs`` requests: k capped by the
+        schedule, ``adaptive_k``'s choice and the request's ``num_speculative_tokens``."""
         k = self.k
         if self.k_lookup is not None:
             k = min(k, int(self.k_lookup[min(max(num_reqs, 1), self.max_num_seqs)]))
@@ -247,9 +245,8 @@ class Engine:
         return k if nk is None else min(k, nk)
 
     def policy_k(self, running: list[_Request]) -> int | None:
-        """``LoopOptions.adaptive_k``'s k for the next step of ``running`` (None: off, or
-        nothing drafts): :func:`~specjax.adaptive_k.choose_k` over their acceptance
-        estimates, capped as :meth:`k_for` caps them, and this batch bucket's cost table."""
+        """``adaptive_k``'s K for the next step of ``running`` (None: off):
+        :func:`~specjax.adaptive_k.choose_k` under this batch bucket's ``k_costs``."""
         if not self.options.adaptive_k or self.k == 0 or not running:
             return None
         b = self.scheduler.buckets(len(running), 1, 1)[0]
@@ -269,9 +266,8 @@ class Engine:
             r.acc_hits, r.acc_trials = float(h), float(t)
 
     def profile_k_costs(self, batch_sizes: Sequence[int], reps: int = 3) -> dict:
-        """Measure ``k_costs[B][K]``: the median seconds of a decode step of ``B`` padded rows
-        verifying K drafts each (rows of the bucket of K + 1 tokens, the widest context),
-        K = 0..k, for each batch bucket of ``batch_sizes``. Returns ``k_costs``."""
+        """Measure ``k_costs[B][K]`` (K = 0..k), the median seconds of a dummy decode step of
+        each batch bucket B with rows of K + 1 tokens. Returns ``k_costs``."""
         sched = self.scheduler
         for n in batch_sizes:
             b = sched.buckets(check_int("batch_sizes[]", n, 1), 1, 1)[0]
