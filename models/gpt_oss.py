@@ -17,9 +17,9 @@ from flax import nnx
 
 from specjax.models.config import ModelConfig
 from specjax.models.layers import Attention, DecoderLayer, linear
-from specjax.models.llama import DecoderBody, DecoderLM
+from specjax.models.llama import DecoderBody, DecoderLM, tensor_table as llama_table
 from specjax.models.moe import Experts, top_k_softmax
-from specjax.models.tensors import Entry, layer_entries
+from specjax.models.tensors import Entry
 
 __all__ = ["GptOssLM", "GptOssRMSNorm", "GptOssMLP", "clamped_swiglu", "SWIGLU_ALPHA",
            "tensor_table"]
@@ -109,16 +109,4 @@ def expert_entries(prefix: str, path: tuple, c: ModelConfig) -> list[Entry]:
 def tensor_table(c: ModelConfig) -> list[Entry]:
     """The canonical tensors of a gpt-oss decoder (transformers' names, experts bf16
     dequantized)."""
-    h, v = c.hidden_size, c.vocab_size
-    e = [Entry("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy")]
-    for i in range(c.num_hidden_layers):
-        pre, path = f"model.layers.{i}.", ("layers", i)
-        layer = [x for x in layer_entries(pre, path, c, in_features=h)
-                 if not x.key.startswith(f"{pre}mlp.")]
-        e += layer + expert_entries(pre, path, c)
-    e.append(Entry("model.norm.weight", ("norm", "weight"), (h,), "copy"))
-    if c.tie_word_embeddings:
-        e.append(Entry("lm_head.weight", None, (v, h), "linear", required=False))
-    else:
-        e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (v, h), "linear"))
-    return e
+    return llama_table(c, expert_entries, lambda i: True)

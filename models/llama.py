@@ -127,12 +127,18 @@ class DecoderLM(PagedCache):
 # --- canonical tensors (models/CANONICAL.md) ----------------------------------------
 
 
-def tensor_table(c: ModelConfig) -> list[Entry]:
-    """The canonical tensors of a Llama / Qwen2 / Qwen3 decoder (HF names)."""
+def tensor_table(c: ModelConfig, sparse_mlp=None, sparse=None) -> list[Entry]:
+    """The canonical tensors of a Llama / Qwen2 / Qwen3 decoder (HF names); layer i's MLP
+    entries replaced by ``sparse_mlp(prefix, path, c)`` where ``sparse(i)`` (MoE families)."""
     h, v = c.hidden_size, c.vocab_size
     e = [Entry("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy")]
     for i in range(c.num_hidden_layers):
-        e += layer_entries(f"model.layers.{i}.", ("layers", i), c, in_features=h)
+        pre, path = f"model.layers.{i}.", ("layers", i)
+        layer = layer_entries(pre, path, c, in_features=h)
+        if sparse_mlp is not None and sparse(i):
+            layer = [x for x in layer if not x.key.startswith(f"{pre}mlp.")]
+            layer += sparse_mlp(pre, path, c)
+        e += layer
     e.append(Entry("model.norm.weight", ("norm", "weight"), (h,), "copy"))
     if c.tie_word_embeddings:
         e.append(Entry("lm_head.weight", None, (v, h), "linear", required=False))

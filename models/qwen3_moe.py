@@ -15,9 +15,9 @@ from flax import nnx
 
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer
-from specjax.models.llama import DecoderBody, DecoderLM
+from specjax.models.llama import DecoderBody, DecoderLM, tensor_table as llama_table
 from specjax.models.moe import SparseMoeBlock
-from specjax.models.tensors import Entry, layer_entries
+from specjax.models.tensors import Entry
 
 __all__ = ["Qwen3MoeLM", "tensor_table"]
 
@@ -61,18 +61,4 @@ def expert_entries(prefix: str, path: tuple, c: ModelConfig) -> list[Entry]:
 
 def tensor_table(c: ModelConfig) -> list[Entry]:
     """The canonical tensors of a Qwen3-MoE decoder (the Hub checkpoints' names)."""
-    h, v = c.hidden_size, c.vocab_size
-    e = [Entry("model.embed_tokens.weight", ("embed_tokens", "embedding"), (v, h), "copy")]
-    for i in range(c.num_hidden_layers):
-        pre, path = f"model.layers.{i}.", ("layers", i)
-        layer = layer_entries(pre, path, c, in_features=h)
-        if c.layer_sparse(i):
-            layer = [x for x in layer if not x.key.startswith(f"{pre}mlp.")]
-            layer += expert_entries(pre, path, c)
-        e += layer
-    e.append(Entry("model.norm.weight", ("norm", "weight"), (h,), "copy"))
-    if c.tie_word_embeddings:
-        e.append(Entry("lm_head.weight", None, (v, h), "linear", required=False))
-    else:
-        e.append(Entry("lm_head.weight", ("lm_head", "kernel"), (v, h), "linear"))
-    return e
+    return llama_table(c, expert_entries, c.layer_sparse)
