@@ -19,7 +19,7 @@ from specjax.checks import ArgumentError, ArgumentTypeError, show
 
 __all__ = ["validate_k_schedule", "k_schedule_lookup", "draft_feature", "EstimatorState",
            "estimator_init", "estimator_predict", "estimator_observe", "estimator_refit",
-           "survival", "verification_budget", "admit", "observe_acceptance",
+           "survival", "verification_budget", "admit", "rectangle_budget", "observe_acceptance",
            "acceptance_rate", "choose_k"]
 
 FIELD = "num_speculative_tokens_per_batch_size"
@@ -184,6 +184,17 @@ def admit(surv: jax.Array, num_drafts: jax.Array, budget: jax.Array) -> jax.Arra
     keep = (rank < budget).reshape(bsz, k) & valid
     return jnp.sum(jnp.cumprod(keep, axis=1), axis=1).astype(jnp.int32)
 
+
+def rectangle_budget(surv: np.ndarray, num_drafts: np.ndarray, n0: int,
+                     cost: np.ndarray) -> int:
+    """The budget for a ``[B, K + 1]`` verify step costing ``cost[K]``: ``K* = argmax_K (n0 +
+    sum_r sum_{j < min(K, num_drafts[r])} surv[r, j]) / cost[K]`` (ties: the smaller K)."""
+    surv = np.asarray(surv, np.float64)
+    k = surv.shape[1]
+    valid = np.arange(k)[None, :] < np.asarray(num_drafts)[:, None]
+    gain = n0 + np.concatenate([[0.0], np.cumsum(np.where(valid, surv, 0.0).sum(0))])
+    kk = min(k, len(cost) - 1)
+    return int(np.argmax(gain[:kk + 1] / np.asarray(cost, np.float64)[:kk + 1]))
 
 
 def observe_acceptance(hits: np.ndarray, trials: np.ndarray, drafts: np.ndarray,

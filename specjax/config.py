@@ -23,6 +23,8 @@ from specjax.method_registry import (HEAD_METHODS, METHODS, MODEL_FREE_METHODS, 
 #: Methods built on vLLM's SpecDecodeBaseProposer, the only ones that can draft in parallel.
 PARALLEL_DRAFTING_METHODS = ("eagle", "eagle3", "draft_model", "dflash")
 TREE_METHODS = ("eagle", "eagle3")
+#: Methods whose drafts come from a distribution ``enable_adaptive_verification`` scores.
+ADAPTIVE_VERIFICATION_METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash", "medusa")
 REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "synthetic")
 
 #: specjax's limits (vLLM has none; a larger value would build a k^2 tree string or a
@@ -121,6 +123,7 @@ class SpeculativeConfig:
     max_model_len: int | None = None
     speculator_options: Any = None
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    enable_adaptive_verification: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731
@@ -150,7 +153,8 @@ class SpeculativeConfig:
         if method in ("ngram", "ngram_gpu", "suffix", "extract_hidden_states") and self.model is None:
             set_("model", method)
 
-        for f in ("parallel_drafting", "disable_padded_drafter_batch", "use_local_argmax_reduction"):
+        for f in ("parallel_drafting", "disable_padded_drafter_batch", "use_local_argmax_reduction",
+                  "enable_adaptive_verification"):
             check_bool(f, getattr(self, f))
 
         # --- suffix decoding fields (checked for every method, as vLLM does)
@@ -278,6 +282,8 @@ class SpeculativeConfig:
             if self.speculative_token_tree is not None and not is_chain:
                 raise ValueError("num_speculative_tokens_per_batch_size cannot be combined with "
                                  "a branching speculative_token_tree (its k is a node count)")
+        if self.enable_adaptive_verification:
+            _check_adaptive_verification(self, method)
 
     # --- vLLM helpers --------------------------------------------------------------
 
@@ -491,3 +497,17 @@ def resolve_synthetic_acceptance_rates(k: int, rates: Any, length: Any) -> tuple
                              f"rates, as vLLM), got {show(rates)}: [{i}]={rates[i]} > "
                              f"[{i - 1}]={rates[i - 1]}")
     return rates
+
+
+def _check_adaptive_verification(cfg: SpeculativeConfig, method: str) -> None:
+    """``enable_adaptive_verification=True`` needs a model method's chain, no local argmax."""
+    name = "enable_adaptive_verification=True"
+    if method not in ADAPTIVE_VERIFICATION_METHODS:
+        raise ValueError(f"{name} needs a method whose drafts have a distribution, one of "
+                         f"{ADAPTIVE_VERIFICATION_METHODS}; got method={method!r}")
+    tree = cfg.speculative_token_tree
+    if tree is not None and parse_token_tree(tree) != _chain_tree(cfg.num_speculative_tokens):
+        raise ValueError(f"{name} cannot be combined with a branching speculative_token_tree")
+    if cfg.use_local_argmax_reduction:
+        raise ValueError(f"{name} cannot be combined with use_local_argmax_reduction=True (its "
+                         "confidence needs the whole draft distribution; vLLM refuses it too)")

@@ -164,3 +164,23 @@ def test_budget_stops_where_drafts_stop_paying_and_zero_budget():
     assert np.asarray(ak.admit(surv, jnp.asarray([3]), 0)).tolist() == [0]
     ties = jnp.asarray([[0.5, 0.25], [0.5, 0.25]])
     assert np.asarray(ak.admit(ties, jnp.asarray([2, 2]), 1)).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rectangle_budget_against_every_admission(seed):
+    """Every admission of per-request prefixes: gain ``n0 + sum of admitted survivals``,
+    cost ``cost[widest prefix]``; the rule's K* (each keeps ``min(K*, drafts)``) attains
+    the best ratio."""
+    rng = np.random.default_rng(seed)
+    b, k = 3, 3
+    surv = np.cumprod(rng.uniform(0.05, 1.0, (b, k)), axis=1)
+    nd = rng.integers(0, k + 1, b)
+    cost = np.cumsum(np.r_[1.0, rng.uniform(0.02, 0.6, k)])
+    best = 0.0
+    for pre in itertools.product(*[range(n + 1) for n in nd]):
+        gain = 2 + sum(surv[r, :p].sum() for r, p in enumerate(pre))
+        best = max(best, gain / cost[max(pre)])
+    kk = ak.rectangle_budget(surv, nd, 2, cost)
+    keep = np.minimum(kk, nd)
+    got = (2 + sum(surv[r, :p].sum() for r, p in enumerate(keep))) / cost[kk]
+    assert got == pytest.approx(best)

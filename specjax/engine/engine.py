@@ -23,6 +23,7 @@ from specjax.engine.options import (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS,
                                     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_STEPS_PER_SYNC,
                                     LoopOptions)
 from specjax.engine.scheduler import Scheduler, _pick, _Request
+from specjax.engine.verification import AdaptiveVerifier
 from specjax.engine.types import (GenerateResult, RequestMetrics, RequestOutput, SamplingParams,
                                   TargetModel)
 from specjax.metrics import SpecDecodingStats
@@ -149,6 +150,12 @@ class Engine:
         #: ``adaptive_k``'s seconds per step: batch bucket -> ``[k + 1]`` (K = 0..k)
         self.k_costs: dict[int, np.ndarray] = {}
         self._k_now: int | None = None       # adaptive_k's choice for the step being set up
+        av = getattr(getattr(self.proposer, "config", None), "enable_adaptive_verification", False)
+        if av and opts.adaptive_k:
+            raise ValueError("options.adaptive_k=True and enable_adaptive_verification=True both "
+                             "choose the drafts each step verifies: set one")
+        #: vLLM's adaptive verification (``enable_adaptive_verification``), else None
+        self.verifier = AdaptiveVerifier(self.k) if av else None
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
         self.scheduler = Scheduler(max_model_len=self.max_model_len, block_size=self.block_size,
@@ -249,14 +256,19 @@ class Engine:
         :func:`~specjax.adaptive_k.choose_k` under this batch bucket's ``k_costs``."""
         if not self.options.adaptive_k or self.k == 0 or not running:
             return None
-        b = self.scheduler.buckets(len(running), 1, 1)[0]
-        if b not in self.k_costs:
-            self.profile_k_costs([b])
+        cost = self._costs(len(running))
         self._k_now = None
         caps = np.array([self.k_for(r, len(running)) for r in running])
         rates = acceptance_rate(np.array([r.acc_hits for r in running]),
                                 np.array([r.acc_trials for r in running]))
-        return choose_k(rates, caps, self.k_costs[b])
+        return choose_k(rates, caps, cost)
+
+    def _costs(self, n: int) -> np.ndarray:
+        """``k_costs`` of the batch bucket of ``n`` requests (profiled when first needed)."""
+        b = self.scheduler.buckets(n, 1, 1)[0]
+        if b not in self.k_costs:
+            self.profile_k_costs([b])
+        return self.k_costs[b]
 
     def observe(self, r: _Request, drafts: int, accepted: int) -> None:
         """One step's acceptance evidence of ``r`` (``LoopOptions.adaptive_k``)."""
@@ -442,7 +454,7 @@ class Engine:
                     steps_per_sync=opts.steps_per_sync, early_exit=ee)
                 jax.block_until_ready(out)
         n = step_cache_size() + loop_cache_size() - before
-        if opts.adaptive_k and self.k:
+        if (opts.adaptive_k or self.verifier is not None) and self.k:
             self.profile_k_costs(batch_sizes)
         return n
 
@@ -490,11 +502,16 @@ class Engine:
         self.wait_s += t2 - t1
         tok_buf = self.scheduler.tok_buf
         stats, finished, gained = self.commit_rule.step(running, out, qlens, tok_buf)
+        if self.verifier is not None:
+            self.verifier.observe(running, [r.num_drafted - d for r, (d, _) in zip(running, before)],
+                                  [r.num_accepted - a for r, (_, a) in zip(running, before)])
         # a partial prefill drafts nothing (its drafter only wrote the chunk's KV)
         alive = [i for i, r in enumerate(running) if not r.finish_reason and not partial[i]]
         if self.drafts_in in ("step", "split"):
             for i in alive:
                 running[i].drafts = out.drafts[i, : int(out.num_drafts[i])].tolist()
+                if self.verifier is not None:
+                    running[i].draft_features = _features(out, self.proposer)[i]
         elif self.drafts_in == "history" and alive:
             rows = [running[i].row for i in alive]
             hist = TokenHistory(
@@ -513,8 +530,19 @@ class Engine:
         for i in alive:
             running[i].drafts = self._trim(running[i], running[i].drafts, len(running))
         self._k_now = None
+        if self.verifier is not None and alive:
+            self.verifier.admit([running[i] for i in alive], len(alive),
+                                self._costs(len(running)))
         self.host_s += (t1 - t0) + (time.perf_counter() - t2)
         return stats, finished
+
+
+def _features(out: StepOutput, proposer: Any) -> np.ndarray:
+    """The step's ``[B, k]`` draft features; an error naming the proposer when it gave none."""
+    if out.features is None:
+        raise RuntimeError(f"enable_adaptive_verification=True: the proposer "
+                           f"{type(proposer).__name__} returned no DraftOutput.features")
+    return out.features
 
 
 def _check_budget(opts: LoopOptions, max_model_len: int, block_size: int) -> None:

@@ -43,6 +43,7 @@ class _Request:
     k_cap: int = -1             # drafts it verifies next (Engine.k_for); -1: the engine's k
     acc_hits: float = 0.0       # decayed acceptance evidence (LoopOptions.adaptive_k)
     acc_trials: float = 0.0
+    draft_features: Any = None  # [k] float32 of its drafts (enable_adaptive_verification)
     num_drafted: int = 0
     num_accepted: int = 0
     proc: Any = None            # specjax.sampling.logits_processors.RequestProcessing

@@ -122,10 +122,10 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
                 block_size: int, max_model_len: int, backend: str) -> tuple[jax.Array, Any]:
     """Fill columns ``1..k-1`` of ``drafts [B, k]`` (column 0 given) with single-token steps
     of ``step`` on the previous draft, in one ``lax.fori_loop``; positions past
-    ``max_model_len`` get slot -1. ``positions [B]`` / ``seq_lens [B]``: each request's
+    ``max_model_len`` get slot -1. ``drafts`` may be ``(tokens, features)`` (:func:`with_features`). ``positions [B]`` / ``seq_lens [B]``: each request's
     last sampled token's.
     """
-    b, k = drafts.shape
+    b, k = (drafts[0] if isinstance(drafts, tuple) else drafts).shape
     n = cad.num_reqs
     # One query per row, padding rows included (vLLM's step uses ``arange(B + 1)`` too).
     # Padding rows have seq_len 0 and slot -1: they attend to no key and write nothing.
@@ -139,9 +139,11 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
         max_seq_len = jnp.minimum(max_seq_len + 1, max_model_len)
         md = cad.replace(query_start_loc=step_qsl, seq_lens=seq_lens, slot_mapping=slots,
                          num_actual_tokens=n, max_seq_len=max_seq_len, max_query_len=1, causal=True)
-        prev = jax.lax.dynamic_index_in_dim(drafts, i - 1, axis=1, keepdims=False)
+        tokens = drafts[0] if isinstance(drafts, tuple) else drafts
+        prev = jax.lax.dynamic_index_in_dim(tokens, i - 1, axis=1, keepdims=False)
         tok, hidden, caches = step(params, prev, positions, hidden, caches, md)
-        drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, i, axis=1)
+        drafts = jax.tree.map(lambda d, t: jax.lax.dynamic_update_index_in_dim(d, t, i, axis=1),
+                              drafts, tok)
         return drafts, positions, hidden, seq_lens, max_seq_len, caches
 
     # Unrolled for the usual small k: an XLA while loop costs a device->host predicate
@@ -166,19 +168,35 @@ def shift_in_next_tokens(token_ids: jax.Array, sample_idx: jax.Array, next_token
     return jnp.where(jnp.any(hit, axis=1), new, jnp.roll(token_ids, -1))
 
 
-def drafts_with_first(first: jax.Array, k: int) -> jax.Array:
+def drafts_with_first(first: Any, k: int) -> Any:
     """``[B, k]`` drafts: column 0 ``first [B]``, the rest -1, for :func:`chain_steps`
-    (a concatenate, which fuses)."""
-    return jnp.concatenate([first[:, None].astype(_I32),
-                            jnp.full((first.shape[0], k - 1), DRAFT_PADDING_ID, _I32)], axis=1)
+    (a concatenate, which fuses); ``(tokens, features)`` pairs column by column."""
+    def col0(f):
+        f = f.astype(_I32) if jnp.issubdtype(f.dtype, jnp.integer) else f
+        return jnp.concatenate([f[:, None], jnp.full((f.shape[0], k - 1), DRAFT_PADDING_ID,
+                                                     f.dtype)], axis=1)
+    return jax.tree.map(col0, first)
 
 
-def draft_output(drafts: jax.Array, num_reqs: jax.Array) -> DraftOutput:
-    """``drafts [B, k]`` -> ``DraftOutput`` with -1 / 0 on rows past ``num_reqs``."""
+def with_features(proposer: Any, tokens: jax.Array, logits: jax.Array) -> Any:
+    """``tokens``, or ``(tokens, draft_feature(logits))`` when the proposer's config sets
+    ``enable_adaptive_verification`` (its verifier scores every draft)."""
+    if not getattr(proposer.config, "enable_adaptive_verification", False):
+        return tokens
+    from specjax.adaptive_k import draft_feature
+
+    return tokens, draft_feature(logits)
+
+
+def draft_output(drafts: Any, num_reqs: jax.Array) -> DraftOutput:
+    """``drafts [B, k]`` (or ``(tokens, features)``) -> ``DraftOutput`` with -1 / 0 on rows
+    past ``num_reqs``."""
+    drafts, feats = drafts if isinstance(drafts, tuple) else (drafts, None)
     b, k = drafts.shape
     real = jnp.arange(b, dtype=_I32) < num_reqs
     return DraftOutput(jnp.where(real[:, None], drafts, DRAFT_PADDING_ID).astype(_I32),
-                       jnp.where(real, k, 0).astype(_I32))
+                       jnp.where(real, k, 0).astype(_I32),
+                       None if feats is None else jnp.where(real[:, None], feats, 0.0))
 
 
 # ---------------------------------------------------------------------------------------

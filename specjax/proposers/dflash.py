@@ -29,6 +29,7 @@ from specjax.proposers.common import (
     draft_output,
     init_kv_caches,
     set_head_attention,
+    with_features,
 )
 from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax
 
@@ -151,5 +152,6 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         hidden, caches = model.forward(params, ids, q_pos, caches, md)
 
         logits = model.compute_logits(params, hidden[sample_idx])
-        drafts = proposer_argmax(self, logits).reshape(b, k)
+        drafts = jax.tree.map(lambda x: x.reshape(b, k),
+                              with_features(self, proposer_argmax(self, logits), logits))
         return draft_output(drafts, n), DFlashState(caches)

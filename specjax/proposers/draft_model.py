@@ -30,6 +30,7 @@ from specjax.proposers.common import (
     draft_output,
     drafts_with_first,
     init_kv_caches,
+    with_features,
 )
 from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax
 
@@ -155,12 +156,13 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         md = K.extend_all_queries_by_N(cad, p, slots)
         hidden, _, caches = model.forward(params, ids, positions, state.kv_caches, md)
         new_token_indices = new_token_indices.reshape(b, p)
-        first = self._greedy(params, hidden[new_token_indices.reshape(-1)]).reshape(b, p)
+        first = jax.tree.map(lambda x: x.reshape(b, p),
+                             self._greedy(params, hidden[new_token_indices.reshape(-1)]))
 
         if p > 1 or k == 1:     # parallel drafting (p == k) or a single draft
             drafts = first
         else:
-            drafts = drafts_with_first(first[:, 0], k)
+            drafts = drafts_with_first(jax.tree.map(lambda x: x[:, 0], first), k)
             seq_lens = md.seq_lens if rejected is None else md.seq_lens - rejected
             drafts, caches = chain_steps(
                 self._step, params, drafts, positions[new_token_indices[:, 0]], None, seq_lens,
@@ -172,12 +174,13 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         h, _, caches = self.model.forward(params, prev, positions, caches, md)
         return self._greedy(params, h), hidden, caches
 
-    def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
+    def _greedy(self, params: dict, hidden: jax.Array) -> Any:
         """Argmax token of each row of ``hidden [N, H]`` (the draft's own lm_head; columns
-        past its ``vocab_size`` are padding)."""
+        past its ``vocab_size`` are padding; :func:`with_features`)."""
         logits = self.model.compute_logits(params, hidden)
         v = self.target_vocab_size
-        return proposer_argmax(self, logits if logits.shape[-1] == v else logits[:, :v])
+        logits = logits if logits.shape[-1] == v else logits[:, :v]
+        return with_features(self, proposer_argmax(self, logits), logits)
 
 
 def _check_draft(prop: DraftModelProposer) -> None:

@@ -35,6 +35,7 @@ from specjax.proposers.common import (
     init_kv_caches,
     set_head_attention,
     shift_in_next_tokens,
+    with_features,
 )
 from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax, proposer_top_k
 from specjax.proposers.tree_drafting import tree_drafts
@@ -222,7 +223,8 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
                                            num_new_tokens=net, max_model_len=self.max_model_len)
         md = K.extend_all_queries_by_N(cad, net, slots)
         logits_h, _, caches = self.model.forward(params, ids, positions, h, state.kv_caches, md)
-        drafts = self._greedy(params, logits_h[new_token_indices]).reshape(b, k)
+        drafts = jax.tree.map(lambda x: x.reshape(b, k),
+                              self._greedy(params, logits_h[new_token_indices]))
         return draft_output(drafts, n), EagleState(caches)
 
     def _step(self, params, prev, positions, hidden, caches, md):
@@ -240,12 +242,16 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             return self.model.draft_to_target_ids(params, d).astype(_I32)
         return proposer_top_k(self, self.model.compute_logits(params, hidden), c)
 
-    def _greedy(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """Argmax token (target vocabulary) of each row of ``hidden [N, H]``."""
+    def _greedy(self, params: dict, hidden: jax.Array) -> Any:
+        """Argmax token (target vocabulary) of each row of ``hidden [N, H]``
+        (:func:`with_features`)."""
         if self.config.method == "eagle3":
-            d = proposer_argmax(self, self.model.compute_draft_logits(params, hidden))
-            return self.model.draft_to_target_ids(params, d).astype(_I32)
-        return proposer_argmax(self, self.model.compute_logits(params, hidden))
+            logits = self.model.compute_draft_logits(params, hidden)
+            d = proposer_argmax(self, logits)
+            return with_features(self, self.model.draft_to_target_ids(params, d).astype(_I32),
+                                 logits)
+        logits = self.model.compute_logits(params, hidden)
+        return with_features(self, proposer_argmax(self, logits), logits)
 
 
 def prepare_inputs(attn_metadata: CommonAttentionMetadata, sampled_token_ids: Sequence[Sequence[int]],

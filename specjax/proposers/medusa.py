@@ -19,7 +19,7 @@ from specjax.config import SpeculativeConfig
 from specjax.models import params as mp
 from specjax.models.medusa import MedusaHeads
 from specjax.proposers.common import (AheadOfTimeCompile, PaddedBatchHelpers, check_proposer,
-                                      draft_output)
+                                      draft_output, with_features)
 from specjax.proposers.types import DraftOutput, ProposerInputs
 
 _I32 = jnp.int32
@@ -90,6 +90,7 @@ class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         drafts = jnp.argmax(logits, axis=-1).astype(_I32).T            # [B, k]
         if token_map is not None:   # truncated head: map its argmax to target ids
             drafts = token_map.astype(_I32)[drafts]
+        drafts = jax.tree.map(lambda x: x.T, with_features(self, drafts.T, logits))
         return draft_output(drafts, cad.num_reqs), state
 
     def _first_heads(self, params: dict, k: int):

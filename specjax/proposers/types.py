@@ -23,10 +23,13 @@ class DraftOutput(NamedTuple):
       token_ids: ``[B, k]`` int32, row ``b``'s drafts in its first ``num_drafts[b]``
         columns, -1 after.
       num_drafts: ``[B]`` int32 in ``[0, k]``.
+      features: ``[B, k]`` float32 ``logit(q_max)`` of each draft's distribution
+        (``enable_adaptive_verification``), else None.
     """
 
     token_ids: Any
     num_drafts: Any
+    features: Any = None
 
     @classmethod
     def from_lists(cls, drafts: Sequence[Sequence[int]], k: int) -> "DraftOutput":

@@ -426,6 +426,9 @@ def loop_support(step) -> str | None:
     if feed is None:
         return None
     method = getattr(prop, "method", "?")
+    if getattr(getattr(prop, "config", None), "enable_adaptive_verification", False):
+        return ("enable_adaptive_verification=True admits each step's drafts on the host "
+                "(use steps_per_sync=1)")
     if feed.drafts_in == "split":
         return (f"disable_padded_drafter_batch=True (method={method!r}) drafts after the host's "
                 f"prepare_inputs; the device loop needs the padded drafter batch (use "

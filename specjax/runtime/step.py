@@ -88,12 +88,14 @@ jax.tree_util.register_dataclass(
 
 class StepOutput:
     """One step's results: a pytree over ONE packed ``[B, 2k + 3] int32`` array (one
-    device-to-host copy; fields are views), plus ``logprobs``.
+    device-to-host copy; fields are views; ``[B, 3k + 3]`` with ``features``), plus
+    ``logprobs``.
 
     Fields:
       sampled: ``[B, k+1]``, the accepted drafts then the recovered / bonus token, -1 after
         (padding rows all -1). drafts: ``[B, k]``, the next step's drafts (-1 padded; all -1
         for a ``"history"`` proposer), ``num_drafts [B]`` of them valid. num_accepted: ``[B]``.
+        features: ``[B, k]`` float32, the drafts' ``DraftOutput.features``, else None.
       logprobs: ``specjax.sampling.logprobs.Logprobs`` (``[B, k+1, n+1]`` ids and values,
         ``[B, k+1]`` ranks) when the batch set ``num_logprobs``, else None.
       accepted_nodes: ``[B, depth] int32`` the accepted path's node indices (-1 past
@@ -122,6 +124,14 @@ class StepOutput:
     @property
     def num_accepted(self):
         return self.packed[:, 2 * self.k + 2]
+
+    @property
+    def features(self):
+        if self.packed.shape[1] == 2 * self.k + 3:
+            return None
+        f = self.packed[:, 2 * self.k + 3:]
+        return f.view(np.float32) if isinstance(f, np.ndarray) else \
+            jax.lax.bitcast_convert_type(f, jnp.float32)
 
     def _asdict(self) -> dict:
         return {f: getattr(self, f) for f in self._fields}
@@ -160,7 +170,8 @@ def _sampling(b: StepBatch, processors: tuple = ()) -> SamplingMetadata:
                             processors=processors if b.procs is not None else ())
 
 
-def _output(sampled, drafts=None, num_drafts=None, k: int = 0, lp=None) -> StepOutput:
+def _output(sampled, drafts=None, num_drafts=None, k: int = 0, lp=None,
+            features=None) -> StepOutput:
     """Pack one step's results (one output buffer: one device-to-host copy)."""
     bp = sampled.shape[0]
     n_acc = jnp.maximum(jnp.sum(sampled != PLACEHOLDER_TOKEN_ID, axis=1, dtype=jnp.int32) - 1, 0)
@@ -169,7 +180,15 @@ def _output(sampled, drafts=None, num_drafts=None, k: int = 0, lp=None) -> StepO
         num_drafts = jnp.zeros((bp,), jnp.int32)
     packed = jnp.concatenate([sampled.astype(jnp.int32), drafts.astype(jnp.int32),
                               num_drafts.astype(jnp.int32)[:, None], n_acc[:, None]], axis=1)
-    return StepOutput(packed, drafts.shape[1], lp)
+    return StepOutput(_with_features(packed, features), drafts.shape[1], lp)
+
+
+def _with_features(packed, features):
+    """``packed`` with ``features [B, k]`` float32 bitcast on as int32 columns."""
+    if features is None:
+        return packed
+    return jnp.concatenate([packed, jax.lax.bitcast_convert_type(
+        features.astype(jnp.float32), jnp.int32)], axis=1)
 
 
 def _propose_padded(spec: _Spec, dparams, draft_state, sampled, b: StepBatch, hidden, aux):
@@ -216,7 +235,8 @@ def verify_chain(spec: _Spec, dparams, draft_state, b: StepBatch, logits, hidden
         b.sdm, logits, sampling, sampled, num_logprobs=b.num_logprobs, mode=spec.logprobs_mode)
     if spec.drafts_in == "step":
         drafts, draft_state = _propose_padded(spec, dparams, draft_state, sampled, b, hidden, aux)
-        return _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp), draft_state, None
+        return _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp,
+                       features=drafts.features), draft_state, None
     extra = (hidden if spec.hidden else None, aux if spec.aux else None) \
         if spec.drafts_in == "split" else None
     return _output(sampled, k=spec.k, lp=lp), draft_state, extra
@@ -311,7 +331,7 @@ def _split_propose(impl, dparams, draft_state, out: StepOutput, input_ids, posit
     k = out.k
     packed = out.packed.at[:, k + 1: 2 * k + 1].set(drafts.token_ids.astype(jnp.int32))
     packed = packed.at[:, 2 * k + 1].set(drafts.num_drafts.astype(jnp.int32))
-    return StepOutput(packed, k, out.logprobs), draft_state
+    return StepOutput(_with_features(packed, drafts.features), k, out.logprobs), draft_state
 
 
 _split_propose_jit = jax.jit(_split_propose, static_argnums=0, donate_argnums=(2, 3))

@@ -1,0 +1,69 @@
+"""vLLM's adaptive verification (``enable_adaptive_verification``) on the engine's step loop:
+each step verifies only the drafts that pay. docs/adaptive_k.md."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from specjax.adaptive_k import (estimator_init, estimator_observe, estimator_predict,
+                                estimator_refit, rectangle_budget)
+from specjax.engine.scheduler import _Request
+from specjax.constants import next_power_of_2
+
+__all__ = ["AdaptiveVerifier"]
+
+
+def _update(st, features, num_accepted, num_verified):
+    return estimator_refit(estimator_observe(st, features, num_accepted, num_verified))
+
+
+_update_jit = jax.jit(_update)
+_predict_jit = jax.jit(estimator_predict)
+
+
+class AdaptiveVerifier:
+    """The online estimator's state (on the CPU) and the per-step admission
+    (:func:`~specjax.adaptive_k.rectangle_budget` on the drafts' survival)."""
+
+    def __init__(self, k: int):
+        self.k = int(k)
+        self.cpu = jax.devices("cpu")[0]
+        self.state = jax.device_put(estimator_init(self.k), self.cpu)
+        #: the K* of each admission so far (what the policy chose, for tests and benchmarks)
+        self.history: list[int] = []
+
+    def _rows(self, reqs: Sequence[_Request], cols: Any) -> Any:
+        """``[B_pad, k]`` float32 features of ``reqs`` (rows past them 0), on the CPU."""
+        b = next_power_of_2(max(len(reqs), 1))
+        f = np.zeros((b, self.k), np.float32)
+        for i, (r, n) in enumerate(zip(reqs, cols)):
+            if n:
+                f[i, :n] = r.draft_features[:n]
+        return jax.device_put(f, self.cpu)
+
+    def admit(self, reqs: Sequence[_Request], n0: int, cost: np.ndarray) -> int:
+        """Trim each of ``reqs``' drafts (their ``draft_features`` set) to ``K*`` under the
+        step costs ``cost [k + 1]`` (K = 0..k) with ``n0`` requests decoding; returns K*."""
+        if not reqs:
+            return 0
+        nd = np.array([len(r.drafts) for r in reqs])
+        conf = np.asarray(_predict_jit(self.state, self._rows(reqs, nd)))[: len(reqs)]
+        kk = rectangle_budget(np.cumprod(conf, axis=1), nd, n0, cost)   # survival
+        for r in reqs:
+            r.drafts, r.k_cap = r.drafts[:kk], min(r.k_cap, kk)
+        self.history.append(kk)
+        return kk
+
+    def observe(self, reqs: Sequence[_Request], verified: Sequence[int],
+                accepted: Sequence[int]) -> None:
+        """Fold ``verified[i]`` drafts of ``reqs[i]``, ``accepted[i]`` accepted, in."""
+        if not any(verified):
+            return
+        b = next_power_of_2(max(len(reqs), 1))
+        pad = lambda x: jax.device_put(  # noqa: E731
+            np.pad(np.asarray(x, np.int32), (0, b - len(reqs))), self.cpu)
+        self.state = _update_jit(self.state, self._rows(reqs, verified), pad(accepted),
+                                 pad(verified))
