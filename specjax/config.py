@@ -23,8 +23,9 @@ from specjax.method_registry import (HEAD_METHODS, METHODS, MODEL_FREE_METHODS, 
 #: Methods built on vLLM's SpecDecodeBaseProposer, the only ones that can draft in parallel.
 PARALLEL_DRAFTING_METHODS = ("eagle", "eagle3", "draft_model", "dflash")
 TREE_METHODS = ("eagle", "eagle3")
-#: Methods whose drafts come from a distribution ``enable_adaptive_verification`` scores.
-ADAPTIVE_VERIFICATION_METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash", "medusa")
+#: Model methods drafting chains from a distribution (adaptive verification, sampled
+#: drafts, ``history_first``'s second stage).
+MODEL_CHAIN_METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash", "medusa")
 REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "synthetic")
 
 #: specjax's limits (vLLM has none; a larger value would build a k^2 tree string or a
@@ -124,6 +125,8 @@ class SpeculativeConfig:
     speculator_options: Any = None
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     enable_adaptive_verification: bool = False
+    history_first: str | None = None
+    draft_sample_method: str = "greedy"
 
     def __post_init__(self) -> None:
         set_ = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731
@@ -187,9 +190,10 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be 1 for method='extract_hidden_states', "
                              f"got {k}")
 
+        _check_history_first(self, method)
         # --- n-gram lookup window (each given value is checked before one copies the other)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if method in ("ngram", "ngram_gpu"):
+        if method in ("ngram", "ngram_gpu") or _history_ngram(self.history_first):
             lo = check_opt_int("prompt_lookup_min", lo, 1, MAX_PROMPT_LOOKUP)
             hi = check_opt_int("prompt_lookup_max", hi, 1, MAX_PROMPT_LOOKUP)
             if lo is None and hi is None:
@@ -204,7 +208,8 @@ class SpeculativeConfig:
             for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
                 if v not in (None, 0):
                     raise ValueError(f"{name}={show(v)} is only for methods 'ngram' / 'ngram_gpu', "
-                                     f"not method={method!r}")
+                                     f"not method={method!r} (or for history_first='ngram' / "
+                                     f"'ngram_gpu', not {self.history_first!r})")
             lo = hi = 0
         set_("prompt_lookup_min", lo)
         set_("prompt_lookup_max", hi)
@@ -284,6 +289,8 @@ class SpeculativeConfig:
                                  "a branching speculative_token_tree (its k is a node count)")
         if self.enable_adaptive_verification:
             _check_adaptive_verification(self, method)
+        if self.draft_sample_method != "greedy":
+            _check_draft_sample_method(self, method)
 
     # --- vLLM helpers --------------------------------------------------------------
 
@@ -502,12 +509,76 @@ def resolve_synthetic_acceptance_rates(k: int, rates: Any, length: Any) -> tuple
 def _check_adaptive_verification(cfg: SpeculativeConfig, method: str) -> None:
     """``enable_adaptive_verification=True`` needs a model method's chain, no local argmax."""
     name = "enable_adaptive_verification=True"
-    if method not in ADAPTIVE_VERIFICATION_METHODS:
+    if method not in MODEL_CHAIN_METHODS:
         raise ValueError(f"{name} needs a method whose drafts have a distribution, one of "
-                         f"{ADAPTIVE_VERIFICATION_METHODS}; got method={method!r}")
+                         f"{MODEL_CHAIN_METHODS}; got method={method!r}")
     tree = cfg.speculative_token_tree
     if tree is not None and parse_token_tree(tree) != _chain_tree(cfg.num_speculative_tokens):
         raise ValueError(f"{name} cannot be combined with a branching speculative_token_tree")
     if cfg.use_local_argmax_reduction:
         raise ValueError(f"{name} cannot be combined with use_local_argmax_reduction=True (its "
                          "confidence needs the whole draft distribution; vLLM refuses it too)")
+
+
+#: ``history_first``'s first stages.
+HISTORY_FIRST_STAGES = (None, "ngram", "ngram_gpu", "suffix")
+
+
+def _history_ngram(v: Any) -> bool:
+    return isinstance(v, str) and v in ("ngram", "ngram_gpu")
+
+
+def _check_history_first(cfg: SpeculativeConfig, method: str) -> None:
+    """``history_first`` (specjax's): a history proposer drafts first, a model chain elsewhere."""
+    v = cfg.history_first
+    if v is None:
+        return
+    if not isinstance(v, str):
+        raise ArgumentTypeError(f"history_first={show(v)}; allowed values: "
+                                f"{HISTORY_FIRST_STAGES}")
+    if v not in HISTORY_FIRST_STAGES:
+        raise ValueError(f"history_first={show(v)}; allowed values: {HISTORY_FIRST_STAGES}")
+    name = f"history_first={v!r}"
+    if method not in MODEL_CHAIN_METHODS:
+        raise ValueError(f"{name} needs a model method drafting a chain, one of "
+                         f"{MODEL_CHAIN_METHODS}; got method={method!r}")
+    tree = cfg.speculative_token_tree
+    if isinstance(tree, (str, list, tuple)) and \
+            parse_token_tree(tree) != _chain_tree(len(parse_token_tree(tree))):
+        raise ValueError(f"{name} cannot be combined with a branching speculative_token_tree "
+                         "(the first stage drafts chains)")
+    if cfg.enable_adaptive_verification:
+        raise ValueError(f"{name} cannot be combined with enable_adaptive_verification=True (the "
+                         "first stage's drafts have no confidence features)")
+    if cfg.disable_padded_drafter_batch:
+        raise ValueError(f"{name} cannot be combined with disable_padded_drafter_batch=True (the "
+                         "model drafter must run on every row inside the step)")
+    sampled = cfg.draft_sample_method
+    if sampled != "greedy":
+        raise ValueError(f"{name} cannot be combined with draft_sample_method={sampled!r} (the "
+                         "first stage's drafts have no distribution to verify against)")
+
+
+def _check_draft_sample_method(cfg: SpeculativeConfig, method: str) -> None:
+    """``draft_sample_method="probabilistic"`` needs a model method's chain whose drafts the
+    standard rejection sampler verifies with their probabilities."""
+    from specjax.sampling.draft_sample import DRAFT_SAMPLE_METHODS
+
+    v = cfg.draft_sample_method
+    if not isinstance(v, str) or v not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"draft_sample_method={show(v)}; allowed values: {DRAFT_SAMPLE_METHODS}")
+    name = f"draft_sample_method={v!r}"
+    tree = cfg.speculative_token_tree
+    why = (f"method={method!r} has no draft distribution (greedy only)"
+           if method not in MODEL_CHAIN_METHODS else
+           "a branching speculative_token_tree: sampled siblings need a multi-draft "
+           "verification specjax does not implement" if tree is not None and
+           parse_token_tree(tree) != _chain_tree(cfg.num_speculative_tokens) else
+           "use_local_argmax_reduction=True (vLLM refuses it too)"
+           if cfg.use_local_argmax_reduction else
+           "rejection_sample_method='synthetic' (it ignores the drafts' probabilities)"
+           if cfg.rejection_sample_method == "synthetic" else
+           "disable_padded_drafter_batch=True (the split drafter is greedy only)"
+           if cfg.disable_padded_drafter_batch else None)
+    if why is not None:
+        raise ValueError(f"{name} cannot be used with {why}")

@@ -234,7 +234,7 @@ def test_from_vllm_bad_arguments(tmp_path):
          "revision"),
         ({"method": "eagle3", "num_speculative_tokens": 3, "tensor_parallel_size": 2}, ValueError,
          "tensor_parallel_size"),
-        ({"method": "eagle3", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
+        ({"method": "eagle3", "num_speculative_tokens": 3, "draft_sample_method": "gumbel"},
          ValueError, "draft_sample_method"),
         ({"method": "eagle3", "num_speculative_tokens": 3, "bogus": 1}, ValueError, "bogus"),
         ({"method": "eagle3", "num_speculative_tokens": 3, "enforce_eager": True}, ValueError,

@@ -31,7 +31,8 @@ from specjax.runtime.batch import build_batch
 from specjax.config import SpeculativeConfig
 from specjax.engine import Engine, GenerateResult, SamplingParams, TargetModel, generate
 from specjax.proposers import Feed, Proposer, make_proposer
-from specjax.runtime.step import Step, StepBatch, StepOutput, make_step
+from specjax.runtime.output import StepOutput
+from specjax.runtime.step import Step, StepBatch, make_step
 
 EVERY_NAME = [{names}]
 

@@ -142,9 +142,10 @@ def demo_target():
 
 
 def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL_LEN,
-                  block_size: int = BLOCK_SIZE, tree: str | None = None):
+                  block_size: int = BLOCK_SIZE, tree: str | None = None, **options):
     """The demo's proposer of ``method`` with ``k`` speculative tokens (shipped weights);
-    ``tree``: a ``speculative_token_tree`` for ``eagle`` / ``eagle3`` (``k`` then ignored)."""
+    ``tree``: a ``speculative_token_tree`` for ``eagle`` / ``eagle3`` (``k`` then ignored);
+    ``options``: further ``SpeculativeConfig`` fields of a model method."""
     from specjax import demo_models
     from specjax.proposers import make_proposer
 
@@ -173,7 +174,7 @@ def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL
 
         extra["speculative_token_tree"] = tree
         k = TokenTree.from_choices(tree).num_nodes
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, **extra)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, **extra, **options)
     return make_proposer(spec, draft=cfg, draft_params=params, **common)
 
 

@@ -31,7 +31,8 @@ from specjax.proposers import Proposer, TokenHistory
 from specjax.adaptive_k import acceptance_rate, choose_k, k_schedule_lookup, observe_acceptance
 from specjax.runtime.batch import trim_drafts
 from specjax.runtime.decode_loop import decode_loop, loop_cache_size, loop_support, make_loop_state
-from specjax.runtime.step import StepBatch, StepOutput, make_step, params_kv_dtype, step_cache_size
+from specjax.runtime.output import StepOutput
+from specjax.runtime.step import StepBatch, make_step, params_kv_dtype, step_cache_size
 from specjax.sampling.logits_processors import check_request
 from specjax.sampling.logprobs import check_logprobs_mode, check_num_logprobs, logprobs_bucket
 from specjax.target import check_target
@@ -162,6 +163,7 @@ class Engine:
                                    max_num_seqs=self.max_num_seqs, num_blocks=self.num_blocks,
                                    k=self.k, lookahead=self.lookahead, tree=self.tree,
                                    options=opts)
+        self.scheduler.draft_slots = self.step._spec.draft_sampling
         self.commit_rule = CommitRule(self.max_model_len, self.tree,
                                       None if self.proposer is None else self.num_spec_positions)
         self.driver = DeviceLoopDriver(self)
@@ -191,8 +193,8 @@ class Engine:
         return Diagnostics(self)
 
     def _reset_cache(self) -> None:
-        self.target_kv, self.draft_state = self.step.init_caches(self.num_blocks, self.block_size,
-                                                                 self.kv_dtype)
+        self.target_kv, self.draft_state = self.step.init_caches(
+            self.num_blocks, self.block_size, self.kv_dtype, max_num_seqs=self.max_num_seqs)
         self.scheduler.reset()
 
     def _check_inputs(self, prompts, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -512,14 +514,13 @@ class Engine:
                 running[i].drafts = out.drafts[i, : int(out.num_drafts[i])].tolist()
                 if self.verifier is not None:
                     running[i].draft_features = _features(out, self.proposer)[i]
+            if getattr(self.proposer, "first_stage", None) is not None and alive:  # history_first
+                new = self.proposer.redraft(_history(running, alive, gained, tok_buf, b_pad),
+                                            [running[i].drafts for i in alive])
+                for i, d in zip(alive, new):
+                    running[i].drafts = d
         elif self.drafts_in == "history" and alive:
-            rows = [running[i].row for i in alive]
-            hist = TokenHistory(
-                req_ids=[running[i].req_id for i in alive],
-                token_ids=tok_buf[rows],
-                num_tokens=np.array([running[i].num_tokens for i in alive], _I32),
-                num_prompt_tokens=np.array([len(running[i].prompt) for i in alive], _I32),
-                sampled_token_ids=[gained[i] for i in alive], rows_pad=b_pad)
+            hist = _history(running, alive, gained, tok_buf, b_pad)
             drafted = self.proposer.propose_from_history(hist)
             tok, cnt = np.asarray(drafted.token_ids), np.asarray(drafted.num_drafts)
             for j, i in enumerate(alive):
@@ -535,6 +536,15 @@ class Engine:
                                 self._costs(len(running)))
         self.host_s += (t1 - t0) + (time.perf_counter() - t2)
         return stats, finished
+
+
+def _history(running: list[_Request], alive: list[int], gained, tok_buf, b_pad) -> TokenHistory:
+    """The ``TokenHistory`` of the ``alive`` rows of ``running`` after a step."""
+    return TokenHistory(
+        req_ids=[running[i].req_id for i in alive], token_ids=tok_buf[[running[i].row for i in alive]],
+        num_tokens=np.array([running[i].num_tokens for i in alive], _I32),
+        num_prompt_tokens=np.array([len(running[i].prompt) for i in alive], _I32),
+        sampled_token_ids=[gained[i] for i in alive], rows_pad=b_pad)
 
 
 def _features(out: StepOutput, proposer: Any) -> np.ndarray:

@@ -97,6 +97,8 @@ class Scheduler:
         self.threshold = options.long_prefill_token_threshold
         #: requests preempted so far (vLLM's ``num_preemptions``)
         self.num_preemptions = 0
+        #: batches carry each request's row as its draft slot (probabilistic drafting)
+        self.draft_slots = False
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.reset()
 
@@ -144,6 +146,8 @@ class Scheduler:
         the front of ``waiting`` with nothing computed; its output and drafts are kept (its
         prompt and output are prefilled again, then its drafts verified as before)."""
         self.release(r)
+        if self.draft_slots:      # its drafts' probabilities stay with the row it leaves
+            r.drafts = []
         r.num_computed = r.sched = 0
         r.num_preemptions += 1
         self.num_preemptions += 1
@@ -302,7 +306,7 @@ class Scheduler:
             tree=self.tree if tree_verify else None, procs=self.procs(reqs, B),
             discard=partial if any(partial) else None)
         batch = dataclasses.replace(batch, num_logprobs=logprobs_bucket(
-            [r.params.logprobs for r in reqs]))
+            [r.params.logprobs for r in reqs]), slots=self._slots([r.row for r in reqs], B))
         if any(partial):      # a partial prefill's drafter reads the next prompt token
             backup = np.array(batch.backup_next, copy=True)
             for i, (r, p) in enumerate(zip(reqs, partial)):
@@ -334,4 +338,10 @@ class Scheduler:
                             block_size=self.block_size, num_reqs_pad=B, query_len_pad=Q,
                             blocks_per_req_pad=C, max_spec_len=self.k, num_tokens_pad=num_tokens,
                             tree=self.tree if tree_verify else None)
-        return dataclasses.replace(batch, all_greedy=all_greedy)
+        return dataclasses.replace(batch, all_greedy=all_greedy, slots=self._slots([], B))
+
+    def _slots(self, rows: list[int], B: int) -> np.ndarray | None:
+        """``[B] int32`` draft slots (padding: ``max_num_seqs``), None unless ``draft_slots``."""
+        if not self.draft_slots:
+            return None
+        return np.array(rows + [self.max_num_seqs] * (B - len(rows)), _I32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,10 @@ from specjax.config import SpeculativeConfig
 from specjax.constants import check_index_range
 from specjax.metadata import SpecDecodeMetadata
 from specjax.checks import check_int
+from specjax.adaptive_k import draft_feature
 from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
+from specjax.sampling.draft_sample import sample_draft
+from specjax.sharding.vocab import proposer_argmax
 
 _I32 = jnp.int32
 
@@ -122,10 +125,10 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
                 block_size: int, max_model_len: int, backend: str) -> tuple[jax.Array, Any]:
     """Fill columns ``1..k-1`` of ``drafts [B, k]`` (column 0 given) with single-token steps
     of ``step`` on the previous draft, in one ``lax.fori_loop``; positions past
-    ``max_model_len`` get slot -1. ``drafts`` may be ``(tokens, features)`` (:func:`with_features`). ``positions [B]`` / ``seq_lens [B]``: each request's
-    last sampled token's.
+    ``max_model_len`` get slot -1; ``step`` gets the column as ``col``. ``drafts`` may be
+    :class:`Drafts`. ``positions [B]`` / ``seq_lens [B]``: each request's last sampled token's.
     """
-    b, k = (drafts[0] if isinstance(drafts, tuple) else drafts).shape
+    b, k = _tokens(drafts).shape
     n = cad.num_reqs
     # One query per row, padding rows included (vLLM's step uses ``arange(B + 1)`` too).
     # Padding rows have seq_len 0 and slot -1: they attend to no key and write nothing.
@@ -139,9 +142,8 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
         max_seq_len = jnp.minimum(max_seq_len + 1, max_model_len)
         md = cad.replace(query_start_loc=step_qsl, seq_lens=seq_lens, slot_mapping=slots,
                          num_actual_tokens=n, max_seq_len=max_seq_len, max_query_len=1, causal=True)
-        tokens = drafts[0] if isinstance(drafts, tuple) else drafts
-        prev = jax.lax.dynamic_index_in_dim(tokens, i - 1, axis=1, keepdims=False)
-        tok, hidden, caches = step(params, prev, positions, hidden, caches, md)
+        prev = jax.lax.dynamic_index_in_dim(_tokens(drafts), i - 1, axis=1, keepdims=False)
+        tok, hidden, caches = step(params, prev, positions, hidden, caches, md, col=i)
         drafts = jax.tree.map(lambda d, t: jax.lax.dynamic_update_index_in_dim(d, t, i, axis=1),
                               drafts, tok)
         return drafts, positions, hidden, seq_lens, max_seq_len, caches
@@ -170,33 +172,67 @@ def shift_in_next_tokens(token_ids: jax.Array, sample_idx: jax.Array, next_token
 
 def drafts_with_first(first: Any, k: int) -> Any:
     """``[B, k]`` drafts: column 0 ``first [B]``, the rest -1, for :func:`chain_steps`
-    (a concatenate, which fuses); ``(tokens, features)`` pairs column by column."""
+    (a concatenate, which fuses); a :class:`Drafts` column by column."""
     def col0(f):
         f = f.astype(_I32) if jnp.issubdtype(f.dtype, jnp.integer) else f
-        return jnp.concatenate([f[:, None], jnp.full((f.shape[0], k - 1), DRAFT_PADDING_ID,
-                                                     f.dtype)], axis=1)
+        return jnp.concatenate([f[:, None], jnp.full((f.shape[0], k - 1) + f.shape[1:],
+                                                     DRAFT_PADDING_ID, f.dtype)], axis=1)
     return jax.tree.map(col0, first)
 
 
-def with_features(proposer: Any, tokens: jax.Array, logits: jax.Array) -> Any:
-    """``tokens``, or ``(tokens, draft_feature(logits))`` when the proposer's config sets
-    ``enable_adaptive_verification`` (its verifier scores every draft)."""
-    if not getattr(proposer.config, "enable_adaptive_verification", False):
-        return tokens
-    from specjax.adaptive_k import draft_feature
+class Drafts(NamedTuple):
+    """Drafts with what the verifier reads besides the tokens (a pytree; unused: None):
+    ``features`` (``enable_adaptive_verification``), ``probs`` over the target vocabulary
+    (``draft_sample_method="probabilistic"``)."""
 
-    return tokens, draft_feature(logits)
+    tokens: Any
+    features: Any = None
+    probs: Any = None
+
+
+def _tokens(drafts: Any) -> jax.Array:
+    return drafts.tokens if isinstance(drafts, Drafts) else drafts
+
+
+def pick(proposer: Any, logits: jax.Array, sampling: Any = None, col: Any = 0,
+         to_target: Callable | None = None, vocab: int | None = None) -> Any:
+    """Each row's draft from ``logits [N, Vd]``: the argmax, or with ``sampling``
+    (``DraftSampling``, rows as ``logits``) a sample at column ``col`` (int or ``[N]``).
+    ``to_target`` maps draft ids to the target's ``vocab`` ids. Returns the tokens ``[N]``,
+    or :class:`Drafts` when features or probabilities are asked for."""
+    av = getattr(proposer.config, "enable_adaptive_verification", False)
+    probs = None
+    if sampling is None:
+        tok = proposer_argmax(proposer, logits)
+    else:
+        tok, probs = sample_draft(logits, sampling, col)
+    if to_target is not None:
+        if probs is not None:
+            ids = to_target(jnp.arange(logits.shape[-1], dtype=_I32))
+            probs = jnp.zeros((probs.shape[0], vocab), probs.dtype).at[:, ids].set(probs)
+        tok = to_target(tok)
+    if not av and probs is None:
+        return tok
+    t = 1.0 if sampling is None else sampling.temperature
+    return Drafts(tok, draft_feature(logits, t) if av else None, probs)
+
+
+def repeat_sampling(sampling: Any, n: int) -> Any:
+    """``DraftSampling`` rows repeated ``n`` times each (parallel drafting's ``[B * n]``
+    rows), or None."""
+    return None if sampling is None else jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), sampling)
 
 
 def draft_output(drafts: Any, num_reqs: jax.Array) -> DraftOutput:
-    """``drafts [B, k]`` (or ``(tokens, features)``) -> ``DraftOutput`` with -1 / 0 on rows
-    past ``num_reqs``."""
-    drafts, feats = drafts if isinstance(drafts, tuple) else (drafts, None)
-    b, k = drafts.shape
+    """``drafts [B, k]`` (or :class:`Drafts`) -> ``DraftOutput`` with -1 / 0 on rows past
+    ``num_reqs``."""
+    d = drafts if isinstance(drafts, Drafts) else Drafts(drafts)
+    b, k = d.tokens.shape
     real = jnp.arange(b, dtype=_I32) < num_reqs
-    return DraftOutput(jnp.where(real[:, None], drafts, DRAFT_PADDING_ID).astype(_I32),
+    return DraftOutput(jnp.where(real[:, None], d.tokens, DRAFT_PADDING_ID).astype(_I32),
                        jnp.where(real, k, 0).astype(_I32),
-                       None if feats is None else jnp.where(real[:, None], feats, 0.0))
+                       None if d.features is None else jnp.where(real[:, None], d.features, 0.0),
+                       d.probs)
 
 
 # ---------------------------------------------------------------------------------------

@@ -29,9 +29,10 @@ from specjax.proposers.common import (
     draft_output,
     init_kv_caches,
     set_head_attention,
-    with_features,
+    pick,
+    repeat_sampling,
 )
-from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax
+from specjax.sharding.vocab import check_vocab_sharding
 
 _I32 = jnp.int32
 
@@ -152,6 +153,7 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         hidden, caches = model.forward(params, ids, q_pos, caches, md)
 
         logits = model.compute_logits(params, hidden[sample_idx])
-        drafts = jax.tree.map(lambda x: x.reshape(b, k),
-                              with_features(self, proposer_argmax(self, logits), logits))
+        drafts = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:]), pick(
+            self, logits, repeat_sampling(inputs.draft_sampling, k),
+            jnp.tile(jnp.arange(k, dtype=_I32), b)))
         return draft_output(drafts, n), DFlashState(caches)

@@ -30,9 +30,10 @@ from specjax.proposers.common import (
     draft_output,
     drafts_with_first,
     init_kv_caches,
-    with_features,
+    pick,
+    repeat_sampling,
 )
-from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax
+from specjax.sharding.vocab import check_vocab_sharding
 
 _I32 = jnp.int32
 
@@ -156,8 +157,10 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         md = K.extend_all_queries_by_N(cad, p, slots)
         hidden, _, caches = model.forward(params, ids, positions, state.kv_caches, md)
         new_token_indices = new_token_indices.reshape(b, p)
-        first = jax.tree.map(lambda x: x.reshape(b, p),
-                             self._greedy(params, hidden[new_token_indices.reshape(-1)]))
+        ds = inputs.draft_sampling
+        first = jax.tree.map(lambda x: x.reshape((b, p) + x.shape[1:]), self._greedy(
+            params, hidden[new_token_indices.reshape(-1)], repeat_sampling(ds, p),
+            jnp.tile(jnp.arange(p, dtype=_I32), b)))
 
         if p > 1 or k == 1:     # parallel drafting (p == k) or a single draft
             drafts = first
@@ -165,22 +168,21 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             drafts = drafts_with_first(jax.tree.map(lambda x: x[:, 0], first), k)
             seq_lens = md.seq_lens if rejected is None else md.seq_lens - rejected
             drafts, caches = chain_steps(
-                self._step, params, drafts, positions[new_token_indices[:, 0]], None, seq_lens,
+                functools.partial(self._step, sampling=ds), params, drafts, positions[new_token_indices[:, 0]], None, seq_lens,
                 cad.replace(max_seq_len=md.max_seq_len), caches, block_size=self.block_size,
                 max_model_len=self.max_model_len, backend=self.kernel_backend)
         return draft_output(drafts, n), DraftModelState(caches)
 
-    def _step(self, params, prev, positions, hidden, caches, md):
+    def _step(self, params, prev, positions, hidden, caches, md, col=0, sampling=None):
         h, _, caches = self.model.forward(params, prev, positions, caches, md)
-        return self._greedy(params, h), hidden, caches
+        return self._greedy(params, h, sampling, col), hidden, caches
 
-    def _greedy(self, params: dict, hidden: jax.Array) -> Any:
-        """Argmax token of each row of ``hidden [N, H]`` (the draft's own lm_head; columns
-        past its ``vocab_size`` are padding; :func:`with_features`)."""
+    def _greedy(self, params: dict, hidden: jax.Array, sampling=None, col: Any = 0) -> Any:
+        """The draft of each row of ``hidden [N, H]`` (the draft's own lm_head; columns
+        past its ``vocab_size`` are padding; :func:`pick`)."""
         logits = self.model.compute_logits(params, hidden)
         v = self.target_vocab_size
-        logits = logits if logits.shape[-1] == v else logits[:, :v]
-        return with_features(self, proposer_argmax(self, logits), logits)
+        return pick(self, logits if logits.shape[-1] == v else logits[:, :v], sampling, col)
 
 
 def _check_draft(prop: DraftModelProposer) -> None:

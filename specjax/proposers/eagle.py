@@ -35,9 +35,10 @@ from specjax.proposers.common import (
     init_kv_caches,
     set_head_attention,
     shift_in_next_tokens,
-    with_features,
+    pick,
+    repeat_sampling,
 )
-from specjax.sharding.vocab import check_vocab_sharding, proposer_argmax, proposer_top_k
+from specjax.sharding.vocab import check_vocab_sharding, proposer_top_k
 from specjax.proposers.tree_drafting import tree_drafts
 from specjax.token_tree import TokenTree
 
@@ -173,7 +174,8 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
                                    real)
         logits_h, next_h, caches = model.forward(params, ids, inputs.target_positions, hidden,
                                                  state.kv_caches, cad)
-        drafts = drafts_with_first(self._greedy(params, logits_h[sample_idx]), k)
+        ds = inputs.draft_sampling
+        drafts = drafts_with_first(self._greedy(params, logits_h[sample_idx], ds), k)
 
         seq_lens = cad.seq_lens
         if inputs.num_rejected_tokens is not None:
@@ -186,7 +188,8 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             return draft_output(drafts, n), EagleState(caches)
         if k > 1:
             drafts, caches = chain_steps(
-                self._step, params, drafts, inputs.target_positions[sample_idx],
+                functools.partial(self._step, sampling=ds), params, drafts,
+                inputs.target_positions[sample_idx],
                 next_h[sample_idx], seq_lens, cad, caches, block_size=self.block_size,
                 max_model_len=self.max_model_len, backend=self.kernel_backend)
         return draft_output(drafts, n), EagleState(caches)
@@ -223,13 +226,14 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
                                            num_new_tokens=net, max_model_len=self.max_model_len)
         md = K.extend_all_queries_by_N(cad, net, slots)
         logits_h, _, caches = self.model.forward(params, ids, positions, h, state.kv_caches, md)
-        drafts = jax.tree.map(lambda x: x.reshape(b, k),
-                              self._greedy(params, logits_h[new_token_indices]))
+        drafts = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:]), self._greedy(
+            params, logits_h[new_token_indices], repeat_sampling(inputs.draft_sampling, k),
+            jnp.tile(jnp.arange(k, dtype=_I32), b)))
         return draft_output(drafts, n), EagleState(caches)
 
-    def _step(self, params, prev, positions, hidden, caches, md):
+    def _step(self, params, prev, positions, hidden, caches, md, col=0, sampling=None):
         logits_h, hidden, caches = self.model.forward(params, prev, positions, hidden, caches, md)
-        return self._greedy(params, logits_h), hidden, caches
+        return self._greedy(params, logits_h, sampling, col), hidden, caches
 
     def _top(self, params: dict, hidden: jax.Array, c: int) -> jax.Array:
         """``[N, c]`` best tokens (target ids) of each row, best first (argmax for ``c == 1``)."""
@@ -242,16 +246,13 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             return self.model.draft_to_target_ids(params, d).astype(_I32)
         return proposer_top_k(self, self.model.compute_logits(params, hidden), c)
 
-    def _greedy(self, params: dict, hidden: jax.Array) -> Any:
-        """Argmax token (target vocabulary) of each row of ``hidden [N, H]``
-        (:func:`with_features`)."""
+    def _greedy(self, params: dict, hidden: jax.Array, sampling=None, col: Any = 0) -> Any:
+        """The draft (target vocabulary) of each row of ``hidden [N, H]`` (:func:`pick`)."""
         if self.config.method == "eagle3":
-            logits = self.model.compute_draft_logits(params, hidden)
-            d = proposer_argmax(self, logits)
-            return with_features(self, self.model.draft_to_target_ids(params, d).astype(_I32),
-                                 logits)
-        logits = self.model.compute_logits(params, hidden)
-        return with_features(self, proposer_argmax(self, logits), logits)
+            return pick(self, self.model.compute_draft_logits(params, hidden), sampling, col,
+                        lambda d: self.model.draft_to_target_ids(params, d).astype(_I32),
+                        self.model.config.vocab_size)
+        return pick(self, self.model.compute_logits(params, hidden), sampling, col)
 
 
 def prepare_inputs(attn_metadata: CommonAttentionMetadata, sampled_token_ids: Sequence[Sequence[int]],

@@ -197,10 +197,16 @@ def make_proposer(config: SpeculativeConfig | Mapping[str, Any], *, target: Any 
     _proposer_class(builder, method)      # NotImplementedError first when its module is absent
     if method != "extract_hidden_states":
         draft, draft_params = _draft_from_model(config, draft, draft_params)
-    return _make_model_proposer(builder, config, target=target, target_params=target_params,
+    prop = _make_model_proposer(builder, config, target=target, target_params=target_params,
                                 draft=draft, draft_params=draft_params, block_size=block_size,
                                 max_model_len=max_model_len, aux_layer_ids=aux_layer_ids,
                                 kernel_backend=kernel_backend, options=options)
+    if config.history_first is None:
+        return prop
+    from specjax.proposers.history_first import HistoryFirstProposer, first_stage_config
+
+    first = make_proposer(first_stage_config(config), max_model_len=max_model_len)
+    return HistoryFirstProposer(prop, first)
 
 
 def _from_pretrained(name: str, model: Any, params: Any) -> tuple[Any, Any]:

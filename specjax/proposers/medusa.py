@@ -19,7 +19,7 @@ from specjax.config import SpeculativeConfig
 from specjax.models import params as mp
 from specjax.models.medusa import MedusaHeads
 from specjax.proposers.common import (AheadOfTimeCompile, PaddedBatchHelpers, check_proposer,
-                                      draft_output, with_features)
+                                      draft_output, pick)
 from specjax.proposers.types import DraftOutput, ProposerInputs
 
 _I32 = jnp.int32
@@ -87,10 +87,17 @@ class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         model, head_params, token_map = self._first_heads(params, k)
         z = model.forward(head_params, hidden[sample_idx])             # [k, B, H]
         logits = model.compute_logits(head_params, z)                  # [k, B, V or Vt]
-        drafts = jnp.argmax(logits, axis=-1).astype(_I32).T            # [B, k]
-        if token_map is not None:   # truncated head: map its argmax to target ids
-            drafts = token_map.astype(_I32)[drafts]
-        drafts = jax.tree.map(lambda x: x.T, with_features(self, drafts.T, logits))
+        if inputs.draft_sampling is None and not self.config.enable_adaptive_verification:
+            drafts = jnp.argmax(logits, axis=-1).astype(_I32).T            # [B, k]
+            if token_map is not None:   # truncated head: map its argmax to target ids
+                drafts = token_map.astype(_I32)[drafts]
+        else:       # head j drafts column j
+            if token_map is not None and inputs.draft_sampling is not None:
+                raise ValueError("draft_sample_method='probabilistic' needs Medusa heads over "
+                                 "the target's vocabulary; this checkpoint has a token_map")
+            to_t = None if token_map is None else (lambda d: token_map.astype(_I32)[d])
+            heads = [pick(self, logits[j], inputs.draft_sampling, j, to_t) for j in range(k)]
+            drafts = jax.tree.map(lambda *c: jnp.stack(c, axis=1), *heads)
         return draft_output(drafts, cad.num_reqs), state
 
     def _first_heads(self, params: dict, k: int):

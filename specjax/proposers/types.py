@@ -25,11 +25,14 @@ class DraftOutput(NamedTuple):
       num_drafts: ``[B]`` int32 in ``[0, k]``.
       features: ``[B, k]`` float32 ``logit(q_max)`` of each draft's distribution
         (``enable_adaptive_verification``), else None.
+      probs: ``[B, k, V]`` float32, each draft's distribution over the target vocabulary
+        (``draft_sample_method="probabilistic"``), else None.
     """
 
     token_ids: Any
     num_drafts: Any
     features: Any = None
+    probs: Any = None
 
     @classmethod
     def from_lists(cls, drafts: Sequence[Sequence[int]], k: int) -> "DraftOutput":
@@ -82,7 +85,8 @@ class ProposerInputs(NamedTuple):
     n_aux, Ht]``; ``next_token_ids [B_pad] int32``: each request's sampled token;
     ``token_indices_to_sample [B_pad] int32`` (None: ``query_start_loc[1:] - 1``);
     ``num_rejected_tokens [B_pad] int32`` (padded-batch mode) or None; ``attn_metadata``:
-    the target step's ``CommonAttentionMetadata``.
+    the target step's ``CommonAttentionMetadata``; ``draft_sampling``: a
+    ``specjax.sampling.draft_sample.DraftSampling`` when drafts are sampled, else None.
     """
 
     target_token_ids: Any
@@ -93,6 +97,7 @@ class ProposerInputs(NamedTuple):
     token_indices_to_sample: Any
     num_rejected_tokens: Any
     attn_metadata: Any
+    draft_sampling: Any = None
 
 
 #: Where a proposer drafts: ``"step"`` inside the fused jitted step (padded drafter batch),

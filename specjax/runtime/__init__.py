@@ -12,7 +12,8 @@ from specjax.runtime.batch import build_batch
 from specjax.runtime.decode_loop import (LoopOutput, LoopState, decode_loop, loop_blocks_needed,
                                          make_loop_state)
 from specjax.runtime.loop_rows import admit, empty_loop_state, release, warmup_loop
-from specjax.runtime.step import Step, StepBatch, StepOutput, make_step
+from specjax.runtime.output import StepOutput
+from specjax.runtime.step import Step, StepBatch, make_step
 from specjax.runtime.verify import VerifyStep, make_verify_step
 from specjax.runtime.warmup import Bucket
 

@@ -429,6 +429,12 @@ def loop_support(step) -> str | None:
     if getattr(getattr(prop, "config", None), "enable_adaptive_verification", False):
         return ("enable_adaptive_verification=True admits each step's drafts on the host "
                 "(use steps_per_sync=1)")
+    if getattr(getattr(prop, "config", None), "draft_sample_method", "") == "probabilistic":
+        return ("draft_sample_method='probabilistic' keeps its draft probabilities per request "
+                "slot on the step loop (use steps_per_sync=1)")
+    if getattr(prop, "first_stage", None) is not None:
+        return (f"history_first={prop.config.history_first!r} redrafts each step's rows on the "
+                f"host after the step (use steps_per_sync=1)")
     if feed.drafts_in == "split":
         return (f"disable_padded_drafter_batch=True (method={method!r}) drafts after the host's "
                 f"prepare_inputs; the device loop needs the padded drafter batch (use "

@@ -20,6 +20,7 @@ import numpy as np
 import specjax.kernels.paged_attention  # noqa: F401
 from specjax import _compat
 from specjax.runtime import host_transfer
+from specjax.runtime.output import StepOutput, _output, _with_features
 from specjax.runtime.checks import check_call, check_input_ids, record_pool
 from specjax.attention_metadata import CommonAttentionMetadata
 from specjax.metadata import SpecDecodeMetadata
@@ -29,9 +30,12 @@ from specjax.sampling import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_
 from specjax.sampling.logprobs import (chain_logprobs, check_logprobs_mode, check_num_logprobs,
                               tree_logprobs)
 from specjax.runtime.tree import compact_tree_kv, tree_chain_inputs
+from specjax.checks import check_int
+from specjax.sampling.draft_sample import (DraftSampling, init_draft_probs, read_draft_probs,
+                                          write_draft_probs)
 from specjax.token_tree import TokenTree
 
-__all__ = ["StepBatch", "StepOutput", "Step", "make_step", "step_cache_size"]
+__all__ = ["StepBatch", "Step", "make_step", "step_cache_size"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,8 @@ class StepBatch:
       backup_next: ``[B] int32`` last committed tokens; discard: ``[B] bool`` (sampled token
         ignored: a partial prefill).
       procs: ``specjax.sampling.logits_processors.ProcessorState`` or None (the plain program).
+      slots: ``[B] int32`` each row's request slot in a probabilistic drafter's
+        ``DraftProbState`` (padding rows: past it), else None.
       all_greedy, block_size, num_logprobs: static: every real row greedy; tokens per KV block;
         the top-n bucket of ``StepOutput.logprobs`` (None: none, the program without them)."""
 
@@ -67,6 +73,7 @@ class StepBatch:
     backup_next: Any
     discard: Any
     procs: Any = None
+    slots: Any = None
     all_greedy: bool = False
     block_size: int = 16
     num_logprobs: int | None = None
@@ -82,67 +89,9 @@ class StepBatch:
 
 jax.tree_util.register_dataclass(
     StepBatch, data_fields=["input_ids", "positions", "attn", "sdm", "temperature", "top_k",
-                            "top_p", "seeds", "counters", "backup_next", "discard", "procs"],
+                            "top_p", "seeds", "counters", "backup_next", "discard", "procs",
+                            "slots"],
     meta_fields=["all_greedy", "block_size", "num_logprobs"])
-
-
-class StepOutput:
-    """One step's results: a pytree over ONE packed ``[B, 2k + 3] int32`` array (one
-    device-to-host copy; fields are views; ``[B, 3k + 3]`` with ``features``), plus
-    ``logprobs``.
-
-    Fields:
-      sampled: ``[B, k+1]``, the accepted drafts then the recovered / bonus token, -1 after
-        (padding rows all -1). drafts: ``[B, k]``, the next step's drafts (-1 padded; all -1
-        for a ``"history"`` proposer), ``num_drafts [B]`` of them valid. num_accepted: ``[B]``.
-        features: ``[B, k]`` float32, the drafts' ``DraftOutput.features``, else None.
-      logprobs: ``specjax.sampling.logprobs.Logprobs`` (``[B, k+1, n+1]`` ids and values,
-        ``[B, k+1]`` ranks) when the batch set ``num_logprobs``, else None.
-      accepted_nodes: ``[B, depth] int32`` the accepted path's node indices (-1 past
-        ``num_accepted``) from ``VerifyStep`` on a tree batch (a stack compacts its KV with
-        them), else None."""
-
-    __slots__ = ("packed", "k", "logprobs", "accepted_nodes")
-    _fields = ("sampled", "num_accepted", "drafts", "num_drafts", "logprobs", "accepted_nodes")
-
-    def __init__(self, packed, k: int, logprobs=None, accepted_nodes=None):
-        self.packed, self.k, self.logprobs = packed, int(k), logprobs
-        self.accepted_nodes = accepted_nodes
-
-    @property
-    def sampled(self):
-        return self.packed[:, : self.k + 1]
-
-    @property
-    def drafts(self):
-        return self.packed[:, self.k + 1: 2 * self.k + 1]
-
-    @property
-    def num_drafts(self):
-        return self.packed[:, 2 * self.k + 1]
-
-    @property
-    def num_accepted(self):
-        return self.packed[:, 2 * self.k + 2]
-
-    @property
-    def features(self):
-        if self.packed.shape[1] == 2 * self.k + 3:
-            return None
-        f = self.packed[:, 2 * self.k + 3:]
-        return f.view(np.float32) if isinstance(f, np.ndarray) else \
-            jax.lax.bitcast_convert_type(f, jnp.float32)
-
-    def _asdict(self) -> dict:
-        return {f: getattr(self, f) for f in self._fields}
-
-    def __repr__(self) -> str:
-        return f"StepOutput(k={self.k}, packed={self.packed!r})"
-
-
-jax.tree_util.register_pytree_node(
-    StepOutput, lambda o: ((o.packed, o.logprobs, o.accepted_nodes), o.k),
-    lambda k, leaves: StepOutput(leaves[0], k, leaves[1], leaves[2]))
 
 
 class _Spec(NamedTuple):
@@ -160,6 +109,7 @@ class _Spec(NamedTuple):
     processors: tuple = ()      # user logits processors (static)
     logprobs_mode: str = "raw_logprobs"   # specjax.sampling.logprobs.LOGPROBS_MODES
     accept: bool = False        # call target.accept(kv, num_kept, attn) after verification
+    draft_sampling: bool = False  # draft_sample_method="probabilistic": a DraftProbState
 
 
 def _sampling(b: StepBatch, processors: tuple = ()) -> SamplingMetadata:
@@ -170,36 +120,20 @@ def _sampling(b: StepBatch, processors: tuple = ()) -> SamplingMetadata:
                             processors=processors if b.procs is not None else ())
 
 
-def _output(sampled, drafts=None, num_drafts=None, k: int = 0, lp=None,
-            features=None) -> StepOutput:
-    """Pack one step's results (one output buffer: one device-to-host copy)."""
-    bp = sampled.shape[0]
-    n_acc = jnp.maximum(jnp.sum(sampled != PLACEHOLDER_TOKEN_ID, axis=1, dtype=jnp.int32) - 1, 0)
-    if drafts is None:
-        drafts = jnp.full((bp, k), PLACEHOLDER_TOKEN_ID, jnp.int32)
-        num_drafts = jnp.zeros((bp,), jnp.int32)
-    packed = jnp.concatenate([sampled.astype(jnp.int32), drafts.astype(jnp.int32),
-                              num_drafts.astype(jnp.int32)[:, None], n_acc[:, None]], axis=1)
-    return StepOutput(_with_features(packed, features), drafts.shape[1], lp)
-
-
-def _with_features(packed, features):
-    """``packed`` with ``features [B, k]`` float32 bitcast on as int32 columns."""
-    if features is None:
-        return packed
-    return jnp.concatenate([packed, jax.lax.bitcast_convert_type(
-        features.astype(jnp.float32), jnp.int32)], axis=1)
-
-
-def _propose_padded(spec: _Spec, dparams, draft_state, sampled, b: StepBatch, hidden, aux):
+def _propose_padded(spec: _Spec, dparams, draft_state, sampled, b: StepBatch, hidden, aux,
+                    sampling=None):
     impl, cad = spec.impl, b.attn
     next_ids, valid = impl.prepare_next_token_ids_padded(
         sampled, b.discard, b.backup_next, vocab_size=spec.vocab_size, num_reqs=cad.num_reqs)
     out = impl.prepare_inputs_padded(b.sdm, valid, cad)
     tis, nrej = out[-2], out[-1]      # vLLM's form returns (cad, indices, rejected)
+    ds = DraftSampling(b.temperature, sampling.keys) if spec.draft_sampling else None
     inputs = ProposerInputs(b.input_ids, b.positions, hidden if spec.hidden else None,
-                            aux if spec.aux else None, next_ids, tis, nrej, cad)
-    return impl.propose(dparams, draft_state, inputs)
+                            aux if spec.aux else None, next_ids, tis, nrej, cad, ds)
+    if not spec.draft_sampling:
+        return impl.propose(dparams, draft_state, inputs)
+    drafts, inner = impl.propose(dparams, draft_state.inner, inputs)
+    return drafts, write_draft_probs(draft_state, inner, b.slots, drafts.probs)
 
 
 def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
@@ -230,11 +164,13 @@ def verify_chain(spec: _Spec, dparams, draft_state, b: StepBatch, logits, hidden
     rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates,
                                                                   jnp.float32)
     sampling = _sampling(b, spec.processors)
-    sampled = rejection_sample(b.sdm, None, logits, sampling, rates)
+    dprobs = read_draft_probs(draft_state, b.slots) if spec.draft_sampling else None
+    sampled = rejection_sample(b.sdm, dprobs, logits, sampling, rates)
     lp = None if b.num_logprobs is None else chain_logprobs(
         b.sdm, logits, sampling, sampled, num_logprobs=b.num_logprobs, mode=spec.logprobs_mode)
     if spec.drafts_in == "step":
-        drafts, draft_state = _propose_padded(spec, dparams, draft_state, sampled, b, hidden, aux)
+        drafts, draft_state = _propose_padded(spec, dparams, draft_state, sampled, b, hidden, aux,
+                                              sampling)
         return _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp,
                        features=drafts.features), draft_state, None
     extra = (hidden if spec.hidden else None, aux if spec.aux else None) \
@@ -419,11 +355,12 @@ class Step(_Verifier):
         return jax.device_put(params, sh.param_shardings(params, self.mesh, self.target.config,
                                                          axis=self.tp_axis))
 
-    def init_caches(self, num_blocks: int, block_size: int, kv_dtype=None, params=None):
+    def init_caches(self, num_blocks: int, block_size: int, kv_dtype=None, params=None,
+                    max_num_seqs: int | None = None):
         """``(target_kv, draft_state)`` for ``num_blocks`` blocks of ``block_size`` in
         ``kv_dtype`` (None: :func:`params_kv_dtype` of ``params``), sharded by kv head on a mesh
         (a foreign target's KV as its ``init_kv_caches`` places it); ``draft_state`` None
-        without a proposer. ValueError for another ``block_size`` than the proposer's. The
+        without a proposer; a probabilistic drafter's wrapped with ``max_num_seqs`` slots. ValueError for another ``block_size`` than the proposer's. The
         pool size is remembered: a call checks a host batch's block ids against it."""
         if self.feed is not None and self.feed.block_size not in (None, block_size):
             raise ValueError(f"the proposer was built with block_size={self.feed.block_size}, "
@@ -432,6 +369,12 @@ class Step(_Verifier):
             kv_dtype = params_kv_dtype(params)
         kv = self.target.init_kv_caches(num_blocks, block_size, kv_dtype)
         state = None if self.proposer is None else self.proposer.init_state(num_blocks, kv_dtype)
+        if self._spec.draft_sampling:
+            if max_num_seqs is None:
+                raise ValueError("init_caches: max_num_seqs is required for a proposer with "
+                                 "draft_sample_method='probabilistic' (its draft slots)")
+            state = init_draft_probs(state, check_int("max_num_seqs", max_num_seqs, 1), self.k,
+                                     self.vocab_size)
         if self.mesh is not None:
             from specjax.sharding import state_shardings
 
@@ -639,7 +582,8 @@ def make_spec(obj, target, *, accept: bool = False) -> _Spec:
         drafts_in="none" if feed is None else feed.drafts_in,
         hidden=in_step and feed.hidden_states, aux=in_step and feed.aux_hidden_states,
         tree=obj.tree, processors=obj.logits_processors, logprobs_mode=obj.logprobs_mode,
-        accept=accept)
+        accept=accept, draft_sampling=in_step and getattr(
+            obj.proposer.config, "draft_sample_method", "greedy") == "probabilistic")
 
 
 def _with_fused_params(proposer):

@@ -17,7 +17,8 @@ import numpy as np
 from specjax.proposers import Proposer
 from specjax.runtime import host_transfer
 from specjax.runtime.checks import check_draft_params, check_not_donated
-from specjax.runtime.step import (StepBatch, StepOutput, _Verifier, check_batch, configure,
+from specjax.runtime.output import StepOutput
+from specjax.runtime.step import (StepBatch, _Verifier, check_batch, configure,
                                   make_spec, split_propose, tree_logits_indices, verify_chain,
                                   verify_tree)
 
@@ -69,6 +70,10 @@ class VerifyStep(_Verifier):
                   logprobs_mode=logprobs_mode, fuse_projections=fuse_projections)
         self.move_kv = move_kv
         self._spec = make_spec(self, None)
+        if self._spec.draft_sampling:
+            raise ValueError("proposer: draft_sample_method='probabilistic' keeps per-request "
+                             "draft probabilities in the engine's step (specjax.Engine); "
+                             "VerifyStep verifies greedy drafts only")
 
     @property
     def draft_params(self):

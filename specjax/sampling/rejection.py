@@ -63,7 +63,7 @@ def rejection_sample(
     then the recovered or bonus token, -1 after (padding rows all -1).
 
     ``metadata``: where the drafts are (static ``max_spec_len <= MAX_SPEC_LEN``);
-    ``draft_probs [N_pad, V]`` or None (certain drafts); ``logits [N_pad + B_pad, V]`` rows
+    ``draft_probs [N_pad, V]``, ``[B_pad, K', V']`` per row, or None (certain drafts); ``logits [N_pad + B_pad, V]`` rows
     as ``metadata.logits_indices``; ``synthetic_conditional_rates [max_spec_len]`` float32
     for vLLM's synthetic mode, or None.
     """
@@ -117,7 +117,8 @@ def rejection_sample(
             p_d = jnp.ones_like(p_t)
             residual = jnp.where(jnp.arange(v)[None, None, :] == safe_drafts[..., None], 0.0, tgt_probs)
         else:
-            dprobs = draft_probs[flat].astype(jnp.float32)           # [B, K, V]
+            dprobs = _rows(draft_probs, k, v) if draft_probs.ndim == 3 else \
+                draft_probs[flat].astype(jnp.float32)                   # [B, K, V]
             p_d = jnp.take_along_axis(dprobs, safe_drafts[..., None], axis=-1)[..., 0]
             residual = jnp.maximum(tgt_probs - dprobs, 0.0)
         if synthetic_conditional_rates is None:
@@ -166,3 +167,9 @@ def parse_output(output_token_ids, vocab_size: int, discard_req_indices=()) -> l
     for i in discard_req_indices:
         out[i] = []
     return out
+
+
+def _rows(probs: jax.Array, k: int, v: int) -> jax.Array:
+    """Per-row ``probs [B, K', V']`` as ``[B, k, v]`` float32 (cut, or zero-padded)."""
+    p = probs[:, :k, :v].astype(jnp.float32)
+    return jnp.pad(p, ((0, 0), (0, k - p.shape[1]), (0, v - p.shape[2])))

@@ -18,7 +18,7 @@ from specjax.engine.commit import CommitRule
 from specjax.engine.scheduler import _Request
 from specjax.engine.types import SamplingParams
 from specjax.runtime.decode_loop import LoopOutput
-from specjax.runtime.step import StepOutput
+from specjax.runtime.output import StepOutput
 from specjax.sampling.logprobs import Logprobs
 from specjax.token_tree import TokenTree
 

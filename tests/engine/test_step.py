@@ -12,7 +12,8 @@ import pytest
 
 import specjax
 from specjax.runtime.batch import build_batch, trim_drafts
-from specjax.runtime.step import StepBatch, StepOutput, make_step, step_cache_size
+from specjax.runtime.output import StepOutput
+from specjax.runtime.step import StepBatch, make_step, step_cache_size
 from specjax.token_tree import TokenTree
 
 from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)

@@ -1,0 +1,164 @@
+"""``history_first`` (issue 56, "n-gram first") on a repetitive workload with the demo models.
+
+Each prompt is a held-out CPython file (``history_first_workload.json``: the demo models'
+held-out split, ``specjax.training.data``) given in full, then its first half again; greedy
+decoding continues it (up to the rest of the file). Methods: ``ngram`` alone, ``eagle3``
+alone and ``eagle3`` with ``history_first="ngram"``, each checked token-for-token against
+plain greedy decoding. One request at a time, so tokens per target forward = generated
+tokens / engine steps (the prefill step included).
+
+    python benchmarks/history_first.py                      # CPU: about a minute
+    python benchmarks/history_first.py --files 8 --max-file-bytes 320 --k 4 --json hf.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+from specjax.cli import demo
+from specjax.config import SpeculativeConfig
+from specjax.engine import Engine, LoopOptions, SamplingParams
+from specjax.proposers import make_proposer
+from specjax.tokenizer import BOS_ID
+
+WORKLOAD = Path(__file__).with_name("history_first_workload.json")
+METHODS = ("ngram", "eagle3", "eagle3+ngram")
+
+
+def _head(data: bytes, limit: int) -> bytes:
+    """``data`` up to ``limit`` bytes, cut after its last whole line when it is longer."""
+    if len(data) <= limit:
+        return data
+    cut = data[:limit]
+    return cut[: cut.rfind(b"\n") + 1] or cut
+
+
+def workload(num_files: int, max_file_bytes: int) -> tuple[list[list[int]], list[int], dict]:
+    """``(prompts, max_tokens, meta)``: BOS + file + its first half (cut at a line end);
+    ``max_tokens`` the rest of the file. Files must be in the held-out split."""
+    from specjax.training.data import split_files, stdlib_py_files, stdlib_root
+
+    spec = json.loads(WORKLOAD.read_text())
+    root = stdlib_root()
+    _, held = split_files(stdlib_py_files(root, include_tests=False), root)
+    held_rel = {p.relative_to(root).as_posix() for p in held}
+    prompts, max_tokens, names, sizes = [], [], [], []
+    for rel in spec["files"][:num_files]:
+        if rel not in held_rel:
+            raise SystemExit(f"{rel} is not a held-out file of {root} (the workload is for "
+                             f"Python {spec['python']})")
+        data = _head((root / rel).read_bytes(), max_file_bytes)
+        half = _head(data, len(data) // 2)
+        prompts.append([BOS_ID] + list(data) + list(half))
+        max_tokens.append(len(data) - len(half))
+        names.append(rel)
+        sizes.append(len(data))
+    return prompts, max_tokens, {"stdlib": str(root), "files": names, "file_bytes": sizes}
+
+
+def proposer(method: str, k: int, target, lookup: tuple[int, int]):
+    lo, hi = lookup
+    common = dict(max_model_len=demo.MAX_MODEL_LEN, block_size=demo.BLOCK_SIZE)
+    if method == "ngram":
+        return make_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=k,
+                                               prompt_lookup_min=lo, prompt_lookup_max=hi), **common)
+    from specjax import demo_models
+
+    _, cfg, params = demo_models.load("eagle3")
+    extra = dict(history_first="ngram", prompt_lookup_min=lo, prompt_lookup_max=hi) \
+        if method == "eagle3+ngram" else {}
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=k, **extra)
+    return make_proposer(spec, draft=cfg, draft_params=params, target=target.model,
+                         target_params=target.params, **common)
+
+
+def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print) -> dict:
+    target = demo.demo_target()
+    opts = LoopOptions(batch_buckets=(1,), query_buckets=demo.query_buckets(prompts),
+                       context_buckets=demo.context_buckets())
+
+    def decode(prop):
+        eng = Engine(target, prop, max_model_len=demo.MAX_MODEL_LEN, block_size=demo.BLOCK_SIZE,
+                     max_num_seqs=1, options=opts)
+        toks, steps, acc, drafts = [], 0, 0, 0
+        for p, m in zip(prompts, max_tokens):
+            res = eng.generate([p], SamplingParams(max_tokens=m))
+            toks.append(res.token_ids[0])
+            steps += res.num_steps
+            if res.spec_stats is not None:
+                acc += res.spec_stats.num_accepted_tokens
+                drafts += res.spec_stats.num_drafts
+        return toks, steps, (1 + acc / drafts) if drafts else float("nan")
+
+    t0 = time.perf_counter()
+    base, base_steps, _ = decode(None)
+    n = sum(len(t) for t in base)
+    log(f"plain: {n} tokens, {base_steps} steps ({time.perf_counter() - t0:.0f}s)")
+    rows = [{"method": "plain", "tokens": n, "steps": base_steps,
+             "tokens_per_forward": n / base_steps, "lossless": True}]
+    for m in methods:
+        t0 = time.perf_counter()
+        prop = proposer(m, k, target, lookup)
+        toks, steps, mal = decode(prop)
+        row = {"method": m, "tokens": sum(len(t) for t in toks), "steps": steps,
+               "tokens_per_forward": sum(len(t) for t in toks) / steps,
+               "mean_acceptance_length": mal, "lossless": toks == base}
+        if hasattr(prop, "counts"):
+            row.update(first_stage_rows=prop.first_stage_rows, model_rows=prop.model_rows)
+        rows.append(row)
+        log(f"{m}: {row['tokens_per_forward']:.3f} tokens / target forward "
+            f"{'OK' if row['lossless'] else 'MISMATCH'} ({time.perf_counter() - t0:.0f}s)")
+    return {"rows": rows}
+
+
+def table(rows) -> str:
+    out = ["| method | tokens / target forward | steps | mean acceptance length | lossless |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        mal = r.get("mean_acceptance_length")
+        extra = f" (n-gram rows {r['first_stage_rows']}, model rows {r['model_rows']})" \
+            if "first_stage_rows" in r else ""
+        out.append(f"| {r['method']}{extra} | {r['tokens_per_forward']:.3f} | {r['steps']} | "
+                   f"{'-' if mal is None else f'{mal:.2f}'} | {'yes' if r['lossless'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--files", type=int, default=4, help="first N files of the workload (1..8)")
+    ap.add_argument("--max-file-bytes", type=int, default=240,
+                    help="each file cut to its whole lines within this many bytes")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--prompt-lookup-min", type=int, default=3)
+    ap.add_argument("--prompt-lookup-max", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if not 1 <= a.files <= 8 or a.k < 1 or not 16 <= a.max_file_bytes <= 320:
+        ap.error("--files must be in 1..8, --k >= 1, --max-file-bytes in 16..320 (the demo's "
+                 f"max_model_len is {demo.MAX_MODEL_LEN})")
+    prompts, max_tokens, src = workload(a.files, a.max_file_bytes)
+    res = run(a.methods, a.k, prompts, max_tokens, (a.prompt_lookup_min, a.prompt_lookup_max),
+              log=lambda s: print(s, file=sys.stderr, flush=True))
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
+            "python": platform.python_version(), "jax": jax.__version__, "k": a.k,
+            "prompt_lookup": [a.prompt_lookup_min, a.prompt_lookup_max],
+            "max_file_bytes": a.max_file_bytes, **src}
+    print(table(res["rows"]))
+    print(json.dumps(meta))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, **res}, f, indent=1)
+    return 0 if all(r["lossless"] for r in res["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

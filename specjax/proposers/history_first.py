@@ -1,0 +1,81 @@
+"""``history_first``: a history proposer drafts where it matches, the model chain elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from specjax.config import SpeculativeConfig
+from specjax.proposers.interface import ModelProposer, Proposer, TokenHistory
+
+
+@dataclasses.dataclass
+class HistoryFirstCounts:
+    """Rows (request-steps) and draft tokens each stage supplied, shared by every copy."""
+
+    first_stage_rows: int = 0
+    model_rows: int = 0
+    first_stage_tokens: int = 0
+    model_tokens: int = 0
+
+
+class HistoryFirstProposer(ModelProposer):
+    """The model proposer (same Feed, state and fused step) plus ``first_stage``, whose
+    drafts replace the model's on the host for the rows where it drafts."""
+
+    first_stage: Proposer
+    counts: HistoryFirstCounts
+
+    def __init__(self, model: ModelProposer, first_stage: Proposer) -> None:
+        self.__dict__.update(vars(model))
+        self.first_stage = first_stage
+        self.counts = HistoryFirstCounts()
+
+    @property
+    def first_stage_rows(self) -> int:
+        return self.counts.first_stage_rows
+
+    @property
+    def model_rows(self) -> int:
+        return self.counts.model_rows
+
+    def redraft(self, history: TokenHistory, drafts: Sequence[list[int]]) -> list[list[int]]:
+        """``drafts`` (the model's, one per history row) with the first stage's where it drafts."""
+        out = self.first_stage.propose_from_history(history)
+        tok, cnt = np.asarray(out.token_ids), np.asarray(out.num_drafts)
+        c, res = self.counts, []
+        for j, d in enumerate(drafts):
+            n = int(cnt[j])
+            if n > 0:
+                c.first_stage_rows += 1
+                c.first_stage_tokens += n
+                res.append(tok[j, :n].tolist())
+            else:
+                c.model_rows += 1
+                c.model_tokens += len(d)
+                res.append(list(d))
+        return res
+
+    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
+        super().finish_requests(req_ids)
+        self.first_stage.finish_requests(req_ids)
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, history_first={self.config.history_first!r})"
+
+
+def first_stage_config(config: SpeculativeConfig) -> SpeculativeConfig:
+    """The config of ``config.history_first``'s proposer: same k and drafter limit."""
+    stage = config.history_first
+    ngram = stage in ("ngram", "ngram_gpu")
+    return SpeculativeConfig(
+        method=stage, num_speculative_tokens=config.num_speculative_tokens,
+        prompt_lookup_min=config.prompt_lookup_min if ngram else None,
+        prompt_lookup_max=config.prompt_lookup_max if ngram else None,
+        suffix_decoding_max_tree_depth=config.suffix_decoding_max_tree_depth,
+        suffix_decoding_max_cached_requests=config.suffix_decoding_max_cached_requests,
+        suffix_decoding_max_spec_factor=config.suffix_decoding_max_spec_factor,
+        suffix_decoding_min_token_prob=config.suffix_decoding_min_token_prob,
+        max_model_len=config.max_model_len)

@@ -1,0 +1,30 @@
+"""``benchmarks/history_first.py`` (issue 56): one tiny CPU run of every method, lossless,
+with the hybrid's stage counters in the JSON."""
+
+import suite_paths  # tests/support: where the suite's pieces are
+import json
+import sys
+
+import pytest
+
+from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse: cheap compiles)
+
+sys.path.insert(0, str(suite_paths.BENCHMARKS))
+
+import history_first  # noqa: E402
+
+
+def test_tiny_run(tmp_path, capsys):
+    out = tmp_path / "hf.json"
+    assert history_first.main(["--files", "1", "--max-file-bytes", "64", "--k", "2",
+                               "--prompt-lookup-min", "2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert set(rows) == {"plain", *history_first.METHODS}
+    assert all(r["lossless"] and r["tokens_per_forward"] >= 1 for r in rows.values())
+    hybrid = rows["eagle3+ngram"]
+    assert hybrid["first_stage_rows"] + hybrid["model_rows"] > 0
+    assert doc["meta"]["files"] == ["sre_compile.py"] and doc["meta"]["file_bytes"][0] <= 64
+    assert "tokens / target forward" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        history_first.main(["--files", "9"])

@@ -1,0 +1,149 @@
+"""``history_first`` (issue 56, "n-gram first"): a history proposer drafts the rows where it
+matches, the model chain the others, in one step. Greedy output equals plain decoding; each
+row verifies exactly the drafts of the stage that drafted it; sampling keeps the target's
+distribution; every combination it cannot serve is refused naming ``history_first``."""
+
+import pytest
+
+from specjax import SpeculativeConfig
+from specjax.engine import Engine, SamplingParams, generate
+from specjax.proposers import make_proposer
+from specjax.proposers.history_first import HistoryFirstProposer
+from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
+    FIXED, METHODS, PROMPTS_A, PARAMS_A, _chi2_first_verified, _fast_compiles, _sample_run,
+    baseline, build, fixed, run, target)
+
+NGRAM = dict(history_first="ngram", prompt_lookup_min=2, prompt_lookup_max=3)
+SUFFIX = dict(history_first="suffix", suffix_decoding_min_token_prob=0.0)
+
+
+def _has_arctic() -> bool:
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+STAGES = [pytest.param(NGRAM, id="ngram"), pytest.param(dict(NGRAM, history_first="ngram_gpu"),
+                                                      id="ngram_gpu"),
+          pytest.param(SUFFIX, id="suffix", marks=pytest.mark.skipif(
+              not _has_arctic(), reason="arctic_inference is not importable"))]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("method", ("eagle3", "draft_model"))
+def test_greedy_output_equals_plain(method, stage):
+    prop = build(method, 3, **stage)
+    assert isinstance(prop, HistoryFirstProposer)
+    assert prop.first_stage.method == stage["history_first"]
+    assert prop.feed == build(method, 3).feed           # the fused step is unchanged
+    for which in ("A", "B"):
+        out, base = run(prop, which), baseline(which)
+        assert out.token_ids == base.token_ids, f"{method} + {stage} workload {which}"
+        assert [o.finish_reason for o in out.outputs] == [o.finish_reason for o in base.outputs]
+    assert prop.first_stage_rows > 0 and prop.model_rows > 0
+
+
+def test_rows_verify_the_drafts_of_their_stage():
+    """Each alive row's drafts are the n-gram's where it drafted (equal to a standalone
+    n-gram proposer on the same history), else the model's; the counters add up."""
+    prop = build("eagle3", 3, **NGRAM)
+    eng = Engine(target(), prop, max_num_seqs=4, **fixed())
+    assert eng.options.steps_per_sync == 1 and not eng.options.overlap
+    alone = build("ngram", 3, prompt_lookup_min=2, prompt_lookup_max=3)
+    calls, trims = [], []
+    redraft, trim = eng.proposer.redraft, eng._trim
+
+    def spy_redraft(hist, drafts):
+        got = redraft(hist, drafts)
+        calls.append((hist, [list(d) for d in drafts], got))
+        return got
+
+    def spy_trim(r, drafts, n):
+        trims.append(list(drafts))
+        return trim(r, drafts, n)
+
+    eng.proposer.redraft, eng._trim = spy_redraft, spy_trim
+    c0 = (prop.first_stage_rows, prop.model_rows)
+    out = eng.generate(PROMPTS_A, PARAMS_A)
+    assert out.token_ids == baseline("A").token_ids
+    chosen, n_first, n_model = [], 0, 0
+    for hist, model, got in calls:
+        ref = alone.propose_from_history(hist).to_lists()
+        for m, r, g in zip(model, ref, got):
+            assert g == (r if r else m)
+            n_first += bool(r)
+            n_model += not r
+        chosen += got
+    assert trims == chosen                # what the engine trims and verifies next
+    assert n_first > 0 and n_model > 0
+    assert (prop.first_stage_rows - c0[0], prop.model_rows - c0[1]) == (n_first, n_model)
+    c = prop.counts
+    assert c.first_stage_rows == prop.first_stage_rows and c.first_stage_tokens >= n_first
+
+
+def test_finish_requests_reach_the_first_stage():
+    prop = build("eagle3", 2, **NGRAM)
+    seen = []
+    prop.first_stage.finish_requests = seen.extend
+    generate(target(), prop, PROMPTS_A[:2], PARAMS_A[:2], **FIXED)
+    assert len(seen) == 2
+
+
+@pytest.mark.skipif("draft_model" not in METHODS, reason="draft_model unavailable")
+def test_random_sampling_matches_target_distribution():
+    tgt = target(4.0)
+    prop = build("draft_model", 2, tgt, max_model_len=16, history_first="ngram",
+                 prompt_lookup_min=1, prompt_lookup_max=2)
+    out = _sample_run(prop)
+    assert prop.first_stage_rows > 0 and prop.model_rows > 0
+    assert _chi2_first_verified(out, tgt) > 1e-3
+
+
+def test_from_vllm_dict():
+    tgt = target()
+    d = {"method": "draft_model", "model": "target-copy", "num_speculative_tokens": 2,
+         "history_first": "ngram", "prompt_lookup_max": 4}
+    cfg = SpeculativeConfig.from_vllm(d)
+    assert (cfg.history_first, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 4, 4)
+    prop = make_proposer(d, target=tgt.model, target_params=tgt.params, draft=tgt.model,
+                         draft_params=tgt.params, max_model_len=48, block_size=8)
+    assert isinstance(prop, HistoryFirstProposer)
+    assert prop.first_stage.impl.min_n == 4
+    assert "history_first='ngram'" in repr(prop)
+
+
+BASE = dict(method="eagle3", model="head", num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(history_first="ngramm"), dict(history_first=1), dict(history_first=["ngram"]),
+    dict(BASE, method="ngram", model=None, history_first="ngram"),
+    dict(BASE, method="extract_hidden_states", model=None, num_speculative_tokens=1,
+         history_first="ngram"),
+    dict(speculative_token_tree="[(0,), (1,), (0, 0), (1, 0)]", history_first="ngram"),
+    dict(enable_adaptive_verification=True, history_first="suffix"),
+    dict(disable_padded_drafter_batch=True, history_first="ngram"),
+    dict(history_first="suffix", prompt_lookup_min=3),
+    dict(draft_sample_method="probabilistic", history_first="ngram"),
+])
+def test_refusals_name_history_first(kw):
+    with pytest.raises(ValueError, match="history_first"):
+        SpeculativeConfig(**dict(BASE, **kw))
+
+
+def test_chain_tree_and_prompt_lookup_defaults():
+    cfg = SpeculativeConfig(**BASE, history_first="ngram_gpu",
+                            speculative_token_tree="[(0,), (0, 0), (0, 0, 0)]")
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)
+    cfg = SpeculativeConfig(**dict(BASE, history_first="ngram", prompt_lookup_min=2))
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 2)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(**BASE, history_first="ngram", prompt_lookup_min=4, prompt_lookup_max=3)
+
+
+@pytest.mark.parametrize("loop", [dict(steps_per_sync=2), dict(overlap=True)])
+def test_device_loop_refused(loop):
+    with pytest.raises(ValueError, match="history_first='ngram'"):
+        Engine(target(), build("eagle3", 2, **NGRAM), max_num_seqs=4, **fixed(**loop))
