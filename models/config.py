@@ -11,7 +11,7 @@ from typing import Any
 
 #: Kinds with weights (the canonical checkpoint forms of models/CANONICAL.md).
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "qwen3_moe", "gpt_oss",
-         "eagle", "eagle3", "dflash", "medusa", "mtp")
+         "eagle", "eagle3", "dflash", "medusa", "mtp", "dspark")
 
 #: Kinds that are a plain decoder LM (target or draft model).
 DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3", "qwen3_moe",
@@ -95,6 +95,12 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     #: gpt-oss experts' clamped SwiGLU limit (0: unclamped)
     swiglu_limit: float = 0.0
+    # DSpark (kind "dspark": a DFlash head + a rank-r Markov head, models/dspark.py)
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    sample_from_anchor: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -144,7 +150,7 @@ class ModelConfig:
                      "swiglu_limit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: unused), got {getattr(self, name)}")
-        if self.kind == "dflash" and 0 < self.sliding_window < self.block_size and any(
+        if self.kind in ("dflash", "dspark") and 0 < self.sliding_window < self.block_size and any(
                 self.layer_window(i) and not self.layer_causal(i)
                 for i in range(self.num_hidden_layers)):
             raise ValueError(f"sliding_window={self.sliding_window} < block_size="
@@ -157,7 +163,12 @@ class ModelConfig:
             raise ValueError(f"MoE config needs 0 < num_experts_per_tok <= num_experts="
                              f"{self.num_experts}, moe_intermediate_size > 0 and "
                              f"decoder_sparse_step > 0")
-        if self.kind in ("eagle3", "dflash") and self.draft_vocab_size <= 0:
+        if self.kind == "dspark" and (self.markov_rank <= 0 or self.markov_head_type
+                                      not in ("vanilla", "gated", "rnn")):
+            raise ValueError(f"a DSpark head needs markov_rank > 0 (got {self.markov_rank}) and "
+                             "markov_head_type 'vanilla', 'gated' or 'rnn' (got "
+                             f"{self.markov_head_type!r})")
+        if self.kind in ("eagle3", "dflash", "dspark") and self.draft_vocab_size <= 0:
             raise ValueError(f"draft_vocab_size must be positive, got {self.draft_vocab_size}")
 
     # -- derived -------------------------------------------------------------------

@@ -12,7 +12,7 @@ import warnings
 from typing import Any, Mapping
 
 from specjax.checks import ArgumentError, ArgumentTypeError, check_int, check_number, show
-from specjax.models import dflash_config, moe_config
+from specjax.models import dflash_config, dspark_config, moe_config
 from specjax.models.config import DECODER_KINDS, KINDS, LAYER_TYPES, ModelConfig, ROPE_TYPES
 
 __all__ = ["config_from_hf", "config_to_dict", "MAX_LAYERS", "MAX_DIM"]
@@ -396,6 +396,9 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
     if not isinstance(hf_config, Mapping):
         raise ArgumentTypeError(f"hf_config must be a dict (config.json's object), got "
                                 f"{show(hf_config)}")
+    if kind == "dspark":      # a DFlash backbone + the Markov / confidence heads
+        base = config_from_hf("dflash", dspark_config.prepare(hf_config))
+        return base.replace(kind="dspark", **dspark_config.fields(hf_config))
     hf = dict(hf_config)
     speculators = "speculators_config" in hf or "speculators_model_type" in hf
     nested = hf.get("transformer_layer_config")
@@ -550,6 +553,9 @@ def config_from_hf(kind: str, hf_config: Mapping[str, Any]) -> ModelConfig:
 def config_to_dict(config: ModelConfig) -> dict[str, Any]:
     """JSON-able dict; ``config_from_hf(config.kind, config_to_dict(config)) == config``."""
     c = config
+    if c.kind == "dspark":
+        return dict(config_to_dict(c.replace(**dspark_config.reset(c))),
+                    **dspark_config.to_dict(c))
     d: dict[str, Any] = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size}
     if c.kind == "medusa":
         d.update(num_heads=c.num_heads, num_hidden_layers=c.num_hidden_layers,

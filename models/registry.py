@@ -50,6 +50,8 @@ def tensor_table(kind: str, config: ModelConfig) -> list[Entry]:
         from specjax.models.eagle import tensor_table as table
     elif kind in ("eagle3", "dflash"):
         from specjax.models.eagle3 import tensor_table as table
+    elif kind == "dspark":
+        from specjax.models.dspark import tensor_table as table
     elif kind == "medusa":
         from specjax.models.medusa import tensor_table as table
     elif kind == "mtp":
@@ -338,6 +340,9 @@ def make_model(kind: str, config: ModelConfig, **static: Any):
         return GptOssLM(config, **static)
     if kind in DECODER_KINDS:
         return DecoderLM(config, **static)
+    if kind == "dspark":
+        from specjax.models.dspark import DSparkHead
+        return DSparkHead(config, **static)
     cls = {"eagle": EagleHead, "eagle3": Eagle3Head, "dflash": DFlashHead, "medusa": MedusaHeads,
            "mtp": MTPHead}[kind]
     return cls(config, **static)

@@ -21,7 +21,7 @@ from specjax.method_registry import (HEAD_METHODS, METHODS, MODEL_FREE_METHODS, 
                                      UNSUPPORTED_METHODS, custom_method, unknown_method_message)
 
 #: Methods built on vLLM's SpecDecodeBaseProposer, the only ones that can draft in parallel.
-PARALLEL_DRAFTING_METHODS = ("eagle", "eagle3", "draft_model", "dflash")
+PARALLEL_DRAFTING_METHODS = ("eagle", "eagle3", "draft_model", "dflash", "dspark")
 TREE_METHODS = ("eagle", "eagle3")
 #: Model methods drafting chains from a distribution (adaptive verification, sampled
 #: drafts, ``history_first``'s second stage).
@@ -215,7 +215,7 @@ class SpeculativeConfig:
         set_("prompt_lookup_max", hi)
 
         # --- parallel drafting and trees
-        if method == "dflash":
+        if method in ("dflash", "dspark"):
             set_("parallel_drafting", True)
         if self.parallel_drafting and method not in PARALLEL_DRAFTING_METHODS:
             raise ValueError(f"parallel_drafting=True needs a method in {PARALLEL_DRAFTING_METHODS}, "
@@ -287,6 +287,11 @@ class SpeculativeConfig:
             if self.speculative_token_tree is not None and not is_chain:
                 raise ValueError("num_speculative_tokens_per_batch_size cannot be combined with "
                                  "a branching speculative_token_tree (its k is a node count)")
+        if method == "dspark" and (self.enable_adaptive_verification
+                                   or self.draft_sample_method != "greedy"):
+            raise ValueError("method='dspark' drafts greedily without adaptive verification in "
+                             "specjax for now: enable_adaptive_verification=True (its confidence "
+                             "head) and draft_sample_method='probabilistic' are not implemented")
         if self.enable_adaptive_verification:
             _check_adaptive_verification(self, method)
         if self.draft_sample_method != "greedy":

@@ -27,7 +27,7 @@ __all__ = ["checkpoint_dir", "read_checkpoint_config", "load_model", "load_draft
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 #: ``ModelConfig.kind`` -> the method a draft of that kind is used by.
-DRAFT_KIND_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash",
+DRAFT_KIND_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark",
                       "medusa": "medusa", "llama": "draft_model", "qwen2": "draft_model",
                       "qwen3": "draft_model", "mistral": "draft_model",
                       "ministral": "draft_model", "gemma3": "draft_model", "mtp": "mtp",

@@ -15,10 +15,10 @@ from typing import Any, Callable
 from specjax.checks import ArgumentError, ArgumentTypeError, show
 
 MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix")
-HEAD_METHODS = ("eagle", "eagle3", "dflash", "medusa", "mtp", "extract_hidden_states")
+HEAD_METHODS = ("eagle", "eagle3", "dflash", "dspark", "medusa", "mtp", "extract_hidden_states")
 METHODS = MODEL_FREE_METHODS + HEAD_METHODS + ("draft_model",)
 #: Methods vLLM accepts that specjax does not implement.
-UNSUPPORTED_METHODS = ("mlp_speculator", "dspark")
+UNSUPPORTED_METHODS = ("mlp_speculator",)
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
 

@@ -289,9 +289,12 @@ def test_v034_new_keys():
                                          "method 'eagle3'"):
         SpeculativeConfig.from_vllm({"method": "eagle3", "num_speculative_tokens": 2,
                                      "speculator_options": {"x": 1}})
-    # dspark is a vLLM 0.34 method specjax does not implement
-    with pytest.raises(ValueError, match="'dspark' is accepted by vLLM but not implemented"):
-        SpeculativeConfig.from_vllm({"method": "dspark", "num_speculative_tokens": 2})
+    # dspark: implemented (greedy, parallel drafting), adaptive verification refused by name
+    assert SpeculativeConfig.from_vllm({"method": "dspark", "num_speculative_tokens": 2}
+                                       ).parallel_drafting
+    with pytest.raises(ValueError, match="method='dspark' drafts greedily"):
+        SpeculativeConfig.from_vllm({"method": "dspark", "num_speculative_tokens": 2,
+                                     "enable_adaptive_verification": True})
 
 
 @pytest.mark.smoke

@@ -75,9 +75,13 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     needs_hidden_states = False
     needs_aux_hidden_states = True
 
+    #: the method and head class (DSpark's subclass changes them)
+    method_name = "dflash"
+    head_class: Any = DFlashHead
+
     def __post_init__(self) -> None:
-        set_head_attention(self, (DFlashHead,))
-        check_proposer(self, "dflash", DFlashHead)
+        set_head_attention(self, (self.head_class,))
+        check_proposer(self, self.method_name, self.head_class)
         mc = self.model.config
         if not 0 <= mc.mask_token_id < mc.vocab_size:
             raise ValueError(
@@ -116,16 +120,27 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         None) and ``attn_metadata``. Returns ``(DraftOutput(token_ids [B_pad, k] int32,
         num_drafts [B_pad] int32), state)``; padding rows hold -1 and 0.
         """
+        k = self.config.num_speculative_tokens
+        hidden, sample_idx, caches, b, n = self.block_forward(params, state, inputs, k)
+        logits = self.model.compute_logits(params, hidden[sample_idx])
+        drafts = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:]), pick(
+            self, logits, repeat_sampling(inputs.draft_sampling, k),
+            jnp.tile(jnp.arange(k, dtype=_I32), b)))
+        return draft_output(drafts, n), DFlashState(caches)
+
+    def block_forward(self, params: dict, state: DFlashState, inputs: ProposerInputs, k: int):
+        """Context K/V, then the ``[bonus, mask * k]`` blocks' forward -> ``(hidden [B_pad *
+        (1 + k), H], sample_idx [B_pad * k] (the mask slots), kv_caches, B_pad, num_reqs)``."""
         cad = inputs.attn_metadata
         model = self.model
-        k = self.config.num_speculative_tokens
         q = 1 + k
         b = cad.query_start_loc.shape[0] - 1
         n = cad.num_reqs
         real = jnp.arange(b, dtype=_I32) < n
 
         if inputs.aux_hidden_states is None:
-            raise ValueError("method='dflash' needs inputs.aux_hidden_states [T, n_aux, Ht]")
+            raise ValueError(f"method={self.config.method!r} needs inputs.aux_hidden_states "
+                             "[T, n_aux, Ht]")
         context_states = model.combine_hidden_states(params, inputs.aux_hidden_states)
 
         ids, ctx_pos, q_pos, ctx_slots, q_slots, sample_idx = K.copy_and_expand_dflash_inputs(
@@ -151,9 +166,4 @@ class DFlashProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             max_seq_len=jnp.minimum(cad.max_seq_len + q, limit).astype(_I32),
             max_query_len=q, causal=False)       # each layer sets its own (forward)
         hidden, caches = model.forward(params, ids, q_pos, caches, md)
-
-        logits = model.compute_logits(params, hidden[sample_idx])
-        drafts = jax.tree.map(lambda x: x.reshape((b, k) + x.shape[1:]), pick(
-            self, logits, repeat_sampling(inputs.draft_sampling, k),
-            jnp.tile(jnp.arange(k, dtype=_I32), b)))
-        return draft_output(drafts, n), DFlashState(caches)
+        return hidden, sample_idx, caches, b, n

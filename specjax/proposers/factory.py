@@ -55,6 +55,12 @@ def _dflash_cls():
     return DFlashProposer
 
 
+def _dspark_cls():
+    from specjax.proposers.dspark import DSparkProposer
+
+    return DSparkProposer
+
+
 def _medusa_cls():
     from specjax.proposers.medusa import MedusaProposer
 
@@ -87,6 +93,7 @@ _MODEL_METHODS: dict[str, ModelBuilder] = {
     "eagle": ModelBuilder(_eagle_cls, True),
     "eagle3": ModelBuilder(_eagle_cls, True),
     "dflash": ModelBuilder(_dflash_cls, True),
+    "dspark": ModelBuilder(_dspark_cls, True),
     "medusa": ModelBuilder(_medusa_cls, False),
     "mtp": ModelBuilder(_eagle_cls, True),
     "draft_model": ModelBuilder(_draft_model_cls, True),
@@ -311,7 +318,7 @@ def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params
             if method == "mtp":
                 _check_mtp_k(config.num_speculative_tokens, dcfg.n_predict)
         params = draft_params
-        if target_params is not None and method in ("eagle", "eagle3", "dflash", "mtp"):
+        if target_params is not None and method in ("eagle", "eagle3", "dflash", "dspark", "mtp"):
             params = share_target_weights(params, target_params, kind=method)
     vocab = getattr(dcfg, "vocab_size", None)
     if vocab is None and method == "draft_model" and hasattr(model, "vocab_size"):
@@ -326,7 +333,7 @@ def _make_model_proposer(builder: ModelBuilder, config, *, target, target_params
         if aux_layer_ids is None and method == "eagle3" and target_cfg is not None:
             aux_layer_ids = eagle3_default_aux_layer_ids(target_cfg.num_hidden_layers)
             source = "the EAGLE-3 default aux_layer_ids (2, L // 2, L - 3)"
-    if aux_layer_ids is not None and method in ("eagle3", "dflash", "extract_hidden_states"):
+    if aux_layer_ids is not None and method in ("eagle3", "dflash", "dspark", "extract_hidden_states"):
         _check_aux_layer_ids(method, tuple(int(i) for i in aux_layer_ids), source, dcfg, target_cfg)
     # Each proposer takes the subset of these its dataclass declares.
     offered = dict(block_size=block_size, max_model_len=max_model_len, kernel_backend=kernel_backend,
@@ -355,7 +362,7 @@ def _check_aux_layer_ids(method: str, ids: tuple[int, ...], source: str, dcfg, t
             raise ValueError(f"method={method!r}: {source} = {show(list(ids))} must be strictly "
                              f"increasing target layer ids in [0, {n - 1}] (the target has "
                              f"num_hidden_layers={n}; id k reads the input of layer k)")
-    want = getattr(dcfg, "num_aux", None) if method in ("eagle3", "dflash") else None
+    want = getattr(dcfg, "num_aux", None) if method in ("eagle3", "dflash", "dspark") else None
     if isinstance(want, int) and len(ids) != want:
         raise ValueError(f"method={method!r}: {source} has {len(ids)} ids; the head's fc reads "
                          f"{want} aux states: give {want} ids")
@@ -363,7 +370,7 @@ def _check_aux_layer_ids(method: str, ids: tuple[int, ...], source: str, dcfg, t
 
 #: The ``ModelConfig.kind`` values each model-based method accepts as its draft.
 _DRAFT_KINDS = {"eagle": ("eagle",), "eagle3": ("eagle3",), "dflash": ("dflash",),
-                "medusa": ("medusa",), "mtp": ("mtp",),
+                "dspark": ("dspark",), "medusa": ("medusa",), "mtp": ("mtp",),
                 "draft_model": ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3",
                                 "qwen3_moe", "gpt_oss")}
 
@@ -405,7 +412,7 @@ def _check_head_fits_target(method: str, dcfg, target_cfg) -> None:
         raise ValueError(f"method={method!r}: the draft's hidden_size ({dcfg.hidden_size}) "
                          f"differs from the target's hidden_size ({th}); the head reads the "
                          "target's hidden states")
-    if method in ("eagle3", "dflash"):
+    if method in ("eagle3", "dflash", "dspark"):
         got = dcfg.target_hidden_size or dcfg.hidden_size
         if got != th:
             raise ValueError(f"method={method!r}: the head's target_hidden_size ({got}) differs "

@@ -52,6 +52,9 @@ HEADS = {
                               target_hidden_size=32, eagle_aux_hidden_state_layer_ids=list(AUX))),
     "dflash": ("dflash", dict(GEO, num_hidden_layers=1, target_hidden_size=32,
                               aux_hidden_state_layer_ids=list(AUX), mask_token_id=V - 1)),
+    "dspark": ("dspark", dict(GEO, num_hidden_layers=1, target_hidden_size=32, markov_rank=8,
+                              aux_hidden_state_layer_ids=list(AUX), mask_token_id=V - 1,
+                              sample_from_anchor=False)),   # (k = 1 needs DFlash's layout)
     "medusa": ("medusa", dict(num_heads=5, num_hidden_layers=1, hidden_size=32, vocab_size=V)),
     "mtp": ("mtp", dict(GEO, num_hidden_layers=1, num_nextn_predict_layers=1)),
 }
@@ -593,7 +596,8 @@ def test_make_proposer_declarations_and_errors():
         f = p.feed
         assert p.method == m and f.num_speculative_tokens == 1
         assert (f.drafts_in == "history") == (m in ("ngram", "ngram_gpu", "suffix"))
-        assert f.aux_layer_ids == (AUX if m in ("eagle3", "dflash", "extract_hidden_states") else ())
+        assert f.aux_layer_ids == (AUX if m in ("eagle3", "dflash", "dspark",
+                                                "extract_hidden_states") else ())
         assert f.hidden_states == (m in ("eagle", "eagle3", "medusa", "mtp"))
         assert f.lookahead == 1 + p.max_new_slots + 1
         assert (f.token_tree is not None) == (m in ("eagle", "eagle3"))

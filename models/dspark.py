@@ -1,0 +1,122 @@
+"""DSpark head (vLLM 0.34 ``qwen3_dspark.py``): a DFlash backbone, then a rank-r Markov
+head drafting the block left to right and an optional confidence head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.config import ModelConfig
+from specjax.models.dflash import DFlashHead
+from specjax.models.eagle3 import tensor_table as _dflash_table
+from specjax.models.tensors import Entry
+
+#: params entries the DFlash backbone does not read
+HEAD_KEYS = ("markov_head", "confidence_head")
+_F32 = jnp.float32
+
+
+def backbone_params(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k not in HEAD_KEYS}
+
+
+def _linear(p: dict, x: jax.Array) -> jax.Array:
+    out = jnp.einsum("...i,io->...o", x.astype(_F32), p["kernel"].astype(_F32))
+    return out + p["bias"].astype(_F32) if "bias" in p else out
+
+
+def markov_step(params: dict, c: ModelConfig, prev: jax.Array, h: jax.Array,
+                state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One slot: ``prev [B]`` target ids, ``h [B, H]``, ``state [B, r]`` -> ``(m [B, r], state)``."""
+    mh = params["markov_head"]
+    e = mh["markov_w1"]["embedding"][prev].astype(_F32)
+    if c.markov_head_type == "gated":
+        return jax.nn.sigmoid(_linear(mh["gate_proj"], jnp.concatenate([h, e], -1))) * e, state
+    if c.markov_head_type == "rnn":
+        gr, cr, orr = jnp.split(_linear(mh["joint_proj"], jnp.concatenate([state, e, h], -1)), 3, -1)
+        gt = jax.nn.sigmoid(gr)
+        state = gt * state + (1 - gt) * jnp.tanh(cr)
+        return jnp.tanh(orr), state
+    return e, state
+
+
+def markov_chain(params: dict, c: ModelConfig, z: jax.Array, h: jax.Array, anchor: jax.Array
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """Greedy sequential drafting: base logits ``z [B, N, Vd]``, post-norm hidden ``h [B, N,
+    H]``, ``anchor [B]`` -> ``(drafts [B, N] int32 target ids, confidences [B, N] or None)``."""
+    w2 = params["markov_head"]["markov_w2"]["kernel"].astype(_F32)       # [r, Vd]
+    d2t = params.get("d2t")
+    conf = params.get("confidence_head") if c.enable_confidence_head else None
+    h = h.astype(_F32)
+
+    def step(carry, xs):
+        prev, state = carry
+        zi, hi = xs
+        m, state = markov_step(params, c, prev, hi, state)
+        d = jnp.argmax(zi.astype(_F32) + c.logit_scale * (m @ w2), -1).astype(jnp.int32)
+        if d2t is not None:
+            d = d + d2t[d].astype(jnp.int32)
+        ci = jnp.zeros(d.shape, _F32)
+        if conf is not None:
+            f = jnp.concatenate([hi, m], -1) if c.confidence_head_with_markov else hi
+            ci = jax.nn.sigmoid(_linear(conf["proj"], f)[..., 0])
+        return (d, state), (d, ci)
+
+    s0 = jnp.zeros((anchor.shape[0], c.markov_rank), _F32)
+    _, (d, ci) = jax.lax.scan(step, (anchor.astype(jnp.int32), s0),
+                              (jnp.swapaxes(z, 0, 1), jnp.swapaxes(h, 0, 1)))
+    return jnp.swapaxes(d, 0, 1), (jnp.swapaxes(ci, 0, 1) if conf is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkHead(DFlashHead):
+    """DFlash's context and block forward (on the backbone's params), the base logits over
+    the draft vocab, and :func:`markov_chain`."""
+
+    def combine_hidden_states(self, params, aux_hidden_states):
+        return super().combine_hidden_states(backbone_params(params), aux_hidden_states)
+
+    def precompute_and_store_context_kv(self, params, *args):
+        return super().precompute_and_store_context_kv(backbone_params(params), *args)
+
+    def forward(self, params, *args):
+        return super().forward(backbone_params(params), *args)
+
+    def compute_draft_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """``[..., H]`` -> base logits ``s * lm_head(h)`` ``[..., Vd]`` float32."""
+        from specjax.models import params as mp
+        head = mp.need(params, "lm_head", "the target's lm_head")
+        z = mp.lm_head_logits(head, hidden)
+        if z.shape[-1] != self.config.draft_vocab_size:
+            raise ValueError(f"the DSpark head's lm_head gives {z.shape[-1]} logits, its "
+                             f"draft_vocab_size is {self.config.draft_vocab_size}: a reduced-vocab "
+                             "head needs its own lm_head (the target's is shared only if Vd == V)")
+        return self.config.logit_scale * z
+
+    def draft(self, params: dict, hidden: jax.Array, anchor: jax.Array):
+        """``hidden [B, N, H]``, ``anchor [B]`` -> :func:`markov_chain`'s drafts and confidences."""
+        return markov_chain(params, self.config, self.compute_draft_logits(params, hidden),
+                            hidden, anchor)
+
+
+def tensor_table(c: ModelConfig) -> list[Entry]:
+    """DFlash's tensors plus ``markov_head.*`` and the optional ``confidence_head.proj.*``."""
+    h, v, vd, r = c.hidden_size, c.vocab_size, c.draft_vocab_size, c.markov_rank
+    e = _dflash_table(c.replace(kind="dflash"))
+    e += [Entry("markov_head.markov_w1.weight", ("markov_head", "markov_w1", "embedding"),
+                (v, r), "copy"),
+          Entry("markov_head.markov_w2.weight", ("markov_head", "markov_w2", "kernel"),
+                (vd, r), "linear")]
+    extra = {"gated": ("gate_proj", r, h + r), "rnn": ("joint_proj", 3 * r, 2 * r + h)}
+    if c.markov_head_type in extra:
+        name, o, i = extra[c.markov_head_type]
+        e += [Entry(f"markov_head.{name}.weight", ("markov_head", name, "kernel"), (o, i), "linear"),
+              Entry(f"markov_head.{name}.bias", ("markov_head", name, "bias"), (o,), "copy")]
+    if c.enable_confidence_head:
+        fi = h + r if c.confidence_head_with_markov else h
+        e += [Entry("confidence_head.proj.weight", ("confidence_head", "proj", "kernel"),
+                    (1, fi), "linear"),
+              Entry("confidence_head.proj.bias", ("confidence_head", "proj", "bias"), (1,), "copy")]
+    return e
