@@ -510,10 +510,11 @@ class Engine:
         # a partial prefill drafts nothing (its drafter only wrote the chunk's KV)
         alive = [i for i, r in enumerate(running) if not r.finish_reason and not partial[i]]
         if self.drafts_in in ("step", "split"):
+            feats = None if self.verifier is None else _features(out, self.proposer)
             for i in alive:
                 running[i].drafts = out.drafts[i, : int(out.num_drafts[i])].tolist()
-                if self.verifier is not None:
-                    running[i].draft_features = _features(out, self.proposer)[i]
+                if feats is not None:
+                    running[i].draft_features = feats[i]
             if getattr(self.proposer, "first_stage", None) is not None and alive:  # history_first
                 new = self.proposer.redraft(_history(running, alive, gained, tok_buf, b_pad),
                                             [running[i].drafts for i in alive])
