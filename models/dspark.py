@@ -4,6 +4,7 @@ head drafting the block left to right and an optional confidence head."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,32 +43,42 @@ def markov_step(params: dict, c: ModelConfig, prev: jax.Array, h: jax.Array,
     return e, state
 
 
-def markov_chain(params: dict, c: ModelConfig, z: jax.Array, h: jax.Array, anchor: jax.Array
-                 ) -> tuple[jax.Array, jax.Array | None]:
-    """Greedy sequential drafting: base logits ``z [B, N, Vd]``, post-norm hidden ``h [B, N,
-    H]``, ``anchor [B]`` -> ``(drafts [B, N] int32 target ids, confidences [B, N] or None)``."""
+def markov_chain(params: dict, c: ModelConfig, z: jax.Array, h: jax.Array, anchor: jax.Array,
+                 choose: Callable | None = None, with_confidence: bool = True):
+    """Sequential drafting: base logits ``z [B, N, Vd]``, post-norm hidden ``h [B, N, H]``,
+    ``anchor [B]`` -> ``(drafts [B, N] int32 target ids, extras, confidences [B, N] or
+    None)``. ``choose(l [B, Vd], i) -> (tokens [B] target ids, extras pytree)`` picks slot
+    ``i`` from its Markov-biased logits (default: the argmax through ``d2t``, extras None);
+    the extras come back stacked ``[B, N, ...]``."""
     w2 = params["markov_head"]["markov_w2"]["kernel"].astype(_F32)       # [r, Vd]
     d2t = params.get("d2t")
-    conf = params.get("confidence_head") if c.enable_confidence_head else None
+    conf = (params.get("confidence_head")
+            if c.enable_confidence_head and with_confidence else None)
     h = h.astype(_F32)
+
+    def argmax(l, i):
+        d = jnp.argmax(l, -1).astype(jnp.int32)
+        return (d if d2t is None else d + d2t[d].astype(jnp.int32)), None
+
+    choose = choose or argmax
 
     def step(carry, xs):
         prev, state = carry
-        zi, hi = xs
+        zi, hi, i = xs
         m, state = markov_step(params, c, prev, hi, state)
-        d = jnp.argmax(zi.astype(_F32) + c.logit_scale * (m @ w2), -1).astype(jnp.int32)
-        if d2t is not None:
-            d = d + d2t[d].astype(jnp.int32)
+        d, extra = choose(zi.astype(_F32) + c.logit_scale * (m @ w2), i)
         ci = jnp.zeros(d.shape, _F32)
         if conf is not None:
             f = jnp.concatenate([hi, m], -1) if c.confidence_head_with_markov else hi
             ci = jax.nn.sigmoid(_linear(conf["proj"], f)[..., 0])
-        return (d, state), (d, ci)
+        return (d, state), (d, extra, ci)
 
     s0 = jnp.zeros((anchor.shape[0], c.markov_rank), _F32)
-    _, (d, ci) = jax.lax.scan(step, (anchor.astype(jnp.int32), s0),
-                              (jnp.swapaxes(z, 0, 1), jnp.swapaxes(h, 0, 1)))
-    return jnp.swapaxes(d, 0, 1), (jnp.swapaxes(ci, 0, 1) if conf is not None else None)
+    cols = jnp.arange(z.shape[1], dtype=jnp.int32)
+    _, (d, extra, ci) = jax.lax.scan(step, (anchor.astype(jnp.int32), s0),
+                                     (jnp.swapaxes(z, 0, 1), jnp.swapaxes(h, 0, 1), cols))
+    extra = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), extra)
+    return jnp.swapaxes(d, 0, 1), extra, (jnp.swapaxes(ci, 0, 1) if conf is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +106,11 @@ class DSparkHead(DFlashHead):
                              "head needs its own lm_head (the target's is shared only if Vd == V)")
         return self.config.logit_scale * z
 
-    def draft(self, params: dict, hidden: jax.Array, anchor: jax.Array):
-        """``hidden [B, N, H]``, ``anchor [B]`` -> :func:`markov_chain`'s drafts and confidences."""
+    def draft(self, params: dict, hidden: jax.Array, anchor: jax.Array, **kw):
+        """``hidden [B, N, H]``, ``anchor [B]`` -> :func:`markov_chain` (``kw``: its
+        ``choose``, ``with_confidence``)."""
         return markov_chain(params, self.config, self.compute_draft_logits(params, hidden),
-                            hidden, anchor)
+                            hidden, anchor, **kw)
 
 
 def tensor_table(c: ModelConfig) -> list[Entry]:

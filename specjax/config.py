@@ -25,7 +25,7 @@ PARALLEL_DRAFTING_METHODS = ("eagle", "eagle3", "draft_model", "dflash", "dspark
 TREE_METHODS = ("eagle", "eagle3")
 #: Model methods drafting chains from a distribution (adaptive verification, sampled
 #: drafts, ``history_first``'s second stage).
-MODEL_CHAIN_METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash", "medusa")
+MODEL_CHAIN_METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash", "dspark", "medusa")
 REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "synthetic")
 
 #: specjax's limits (vLLM has none; a larger value would build a k^2 tree string or a
@@ -287,11 +287,6 @@ class SpeculativeConfig:
             if self.speculative_token_tree is not None and not is_chain:
                 raise ValueError("num_speculative_tokens_per_batch_size cannot be combined with "
                                  "a branching speculative_token_tree (its k is a node count)")
-        if method == "dspark" and (self.enable_adaptive_verification
-                                   or self.draft_sample_method != "greedy"):
-            raise ValueError("method='dspark' drafts greedily without adaptive verification in "
-                             "specjax for now: enable_adaptive_verification=True (its confidence "
-                             "head) and draft_sample_method='probabilistic' are not implemented")
         if self.enable_adaptive_verification:
             _check_adaptive_verification(self, method)
         if self.draft_sample_method != "greedy":

@@ -151,12 +151,12 @@ class Engine:
         #: ``adaptive_k``'s seconds per step: batch bucket -> ``[k + 1]`` (K = 0..k)
         self.k_costs: dict[int, np.ndarray] = {}
         self._k_now: int | None = None       # adaptive_k's choice for the step being set up
-        av = getattr(getattr(self.proposer, "config", None), "enable_adaptive_verification", False)
-        if av and opts.adaptive_k:
+        if (av := getattr(getattr(self.proposer, "config", None), "enable_adaptive_verification",
+                          False)) and opts.adaptive_k:
             raise ValueError("options.adaptive_k=True and enable_adaptive_verification=True both "
                              "choose the drafts each step verifies: set one")
         #: vLLM's adaptive verification (``enable_adaptive_verification``), else None
-        self.verifier = AdaptiveVerifier(self.k) if av else None
+        self.verifier = AdaptiveVerifier(self.k, self.proposer) if av else None
         #: length of the per-position acceptance counts: k, or the tree's depth
         self.num_spec_positions = self.k if self.tree is None else self.tree.depth
         self.scheduler = Scheduler(max_model_len=self.max_model_len, block_size=self.block_size,

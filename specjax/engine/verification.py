@@ -26,10 +26,13 @@ _predict_jit = jax.jit(estimator_predict)
 
 class AdaptiveVerifier:
     """The online estimator's state (on the CPU) and the per-step admission
-    (:func:`~specjax.adaptive_k.rectangle_budget` on the drafts' survival)."""
+    (:func:`~specjax.adaptive_k.rectangle_budget` on the drafts' survival). When
+    ``proposer.drafts_confidence`` the draft features are already per-draft acceptance
+    probabilities (a DSpark confidence head) and replace the estimator, as in vLLM 0.34."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, proposer: Any = None):
         self.k = int(k)
+        self.confidence = bool(getattr(proposer, "drafts_confidence", False))
         self.cpu = jax.devices("cpu")[0]
         self.state = jax.device_put(estimator_init(self.k), self.cpu)
         #: the K* of each admission so far (what the policy chose, for tests and benchmarks)
@@ -50,7 +53,10 @@ class AdaptiveVerifier:
         if not reqs:
             return 0
         nd = np.array([len(r.drafts) for r in reqs])
-        conf = np.asarray(_predict_jit(self.state, self._rows(reqs, nd)))[: len(reqs)]
+        rows = self._rows(reqs, nd)
+        conf = np.clip(np.asarray(rows), 0.0, 1.0) if self.confidence else \
+            np.asarray(_predict_jit(self.state, rows))
+        conf = conf[: len(reqs)]
         kk = rectangle_budget(np.cumprod(conf, axis=1), nd, n0, cost)   # survival
         for r in reqs:
             r.drafts, r.k_cap = r.drafts[:kk], min(r.k_cap, kk)
@@ -60,7 +66,7 @@ class AdaptiveVerifier:
     def observe(self, reqs: Sequence[_Request], verified: Sequence[int],
                 accepted: Sequence[int]) -> None:
         """Fold ``verified[i]`` drafts of ``reqs[i]``, ``accepted[i]`` accepted, in."""
-        if not any(verified):
+        if self.confidence or not any(verified):
             return
         b = next_power_of_2(max(len(reqs), 1))
         pad = lambda x: jax.device_put(  # noqa: E731

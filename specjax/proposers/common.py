@@ -195,12 +195,15 @@ def _tokens(drafts: Any) -> jax.Array:
 
 
 def pick(proposer: Any, logits: jax.Array, sampling: Any = None, col: Any = 0,
-         to_target: Callable | None = None, vocab: int | None = None) -> Any:
+         to_target: Callable | None = None, vocab: int | None = None,
+         features: bool | None = None) -> Any:
     """Each row's draft from ``logits [N, Vd]``: the argmax, or with ``sampling``
     (``DraftSampling``, rows as ``logits``) a sample at column ``col`` (int or ``[N]``).
-    ``to_target`` maps draft ids to the target's ``vocab`` ids. Returns the tokens ``[N]``,
-    or :class:`Drafts` when features or probabilities are asked for."""
-    av = getattr(proposer.config, "enable_adaptive_verification", False)
+    ``to_target`` maps draft ids to the target's ``vocab`` ids; ``features`` (None: the
+    config's ``enable_adaptive_verification``) asks for ``logit(q_max)``. Returns the tokens
+    ``[N]``, or :class:`Drafts` when features or probabilities are asked for."""
+    av = (getattr(proposer.config, "enable_adaptive_verification", False)
+          if features is None else features)
     probs = None
     if sampling is None:
         tok = proposer_argmax(proposer, logits)

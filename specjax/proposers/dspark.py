@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.dspark import DSparkHead
-from specjax.proposers.common import draft_output
+from specjax.proposers.common import Drafts, draft_output, pick
 from specjax.proposers.dflash import DFlashProposer, DFlashState
 from specjax.proposers.types import DraftOutput, ProposerInputs
 
@@ -22,7 +22,10 @@ _I32 = jnp.int32
 class DSparkProposer(DFlashProposer):
     """``method="dspark"``: as :class:`DFlashProposer`; the block is ``[anchor, mask * (k -
     1)]`` with every slot drafting (``sample_from_anchor``, default) or DFlash's ``[anchor,
-    mask * k]`` with the mask slots drafting. Greedy drafts only."""
+    mask * k]`` with the mask slots drafting. Drafts are picked left to right from the
+    Markov-biased logits, greedily or sampled (``draft_sample_method``). With
+    ``enable_adaptive_verification`` the draft features are the confidence head's ``c_i``
+    when the head has one (:attr:`drafts_confidence`), else ``logit(q_max)``."""
 
     method_name = "dspark"
     head_class: Any = DSparkHead
@@ -33,6 +36,13 @@ class DSparkProposer(DFlashProposer):
             raise ValueError("method='dspark' with sample_from_anchor=True needs "
                              "num_speculative_tokens >= 2 in specjax for now (a one-token block "
                              "[anchor] is not implemented); got 1")
+
+    @property
+    def drafts_confidence(self) -> bool:
+        """True: ``DraftOutput.features`` are survival probabilities from the confidence
+        head (vLLM 0.34: they replace the online acceptance estimator)."""
+        return bool(self.config.enable_adaptive_verification
+                    and self.model.config.enable_confidence_head)
 
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
     def propose(self, params: dict, state: DFlashState, inputs: ProposerInputs
@@ -45,5 +55,18 @@ class DSparkProposer(DFlashProposer):
         if anchored:                   # every slot of the k-token block
             idx = jnp.arange(b * k, dtype=_I32)
         hb = hidden[idx].reshape(b, k, hidden.shape[-1])
-        drafts, _ = self.model.draft(params, hb, jnp.asarray(inputs.next_token_ids, _I32)[:b])
+        d2t = params.get("d2t")
+        to_target = None if d2t is None else (lambda d: d + d2t[d].astype(_I32))
+        conf = self.drafts_confidence
+
+        def choose(logits, i):
+            d = pick(self, logits, inputs.draft_sampling, i, to_target,
+                     self.model.config.vocab_size, features=False if conf else None)
+            return (d.tokens, d) if isinstance(d, Drafts) else (d, None)
+
+        tokens, extra, c = self.model.draft(params, hb, jnp.asarray(inputs.next_token_ids, _I32)[:b],
+                                            choose=choose, with_confidence=conf)
+        feats = c if conf else None if extra is None else extra.features
+        probs = None if extra is None else extra.probs
+        drafts = tokens if feats is None and probs is None else Drafts(tokens, feats, probs)
         return draft_output(drafts, n), DFlashState(caches)

@@ -151,6 +151,12 @@ class ModelProposer(Proposer):
     def feed(self) -> Feed:
         return self._feed
 
+    @property
+    def drafts_confidence(self) -> bool:
+        """True when the drafts' features are acceptance probabilities (a DSpark
+        confidence head), not ``logit(q_max)``."""
+        return bool(getattr(self.impl, "drafts_confidence", False))
+
     def init_state(self, num_blocks: int, dtype=None) -> Any:
         import jax.numpy as jnp
 

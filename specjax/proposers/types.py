@@ -23,7 +23,8 @@ class DraftOutput(NamedTuple):
       token_ids: ``[B, k]`` int32, row ``b``'s drafts in its first ``num_drafts[b]``
         columns, -1 after.
       num_drafts: ``[B]`` int32 in ``[0, k]``.
-      features: ``[B, k]`` float32 ``logit(q_max)`` of each draft's distribution
+      features: ``[B, k]`` float32 ``logit(q_max)`` of each draft's distribution, or a
+        DSpark confidence head's acceptance probability (``drafts_confidence``)
         (``enable_adaptive_verification``), else None.
       probs: ``[B, k, V]`` float32, each draft's distribution over the target vocabulary
         (``draft_sample_method="probabilistic"``), else None.

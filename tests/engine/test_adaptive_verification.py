@@ -27,7 +27,8 @@ def _engine(prop, cost, **kw):
     return eng
 
 
-@pytest.mark.parametrize("method", ("eagle", "eagle3", "mtp", "draft_model", "dflash", "medusa"))
+@pytest.mark.parametrize("method", ("eagle", "eagle3", "mtp", "draft_model", "dflash", "dspark",
+                                    "medusa"))
 def test_greedy_output_equals_plain(method):
     sps = [SamplingParams(max_tokens=m) for m in (6, 9, 12, 15)]
     plain = Engine(target(), None, max_num_seqs=4, **fixed()).generate(PROMPTS, sps)

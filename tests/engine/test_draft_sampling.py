@@ -18,7 +18,7 @@ from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
     BS, N_SAMPLES, SAMPLE_PROMPT, V, _fast_compiles, _target_probs, build, fixed, target)
 
 PD = dict(draft_sample_method="probabilistic")
-METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash", "medusa")
+METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash", "dspark", "medusa")
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3], [8, 1, 6, 2, 9], [4, 4]]
 
 

@@ -1,6 +1,9 @@
 """``method="dspark"``: greedy DSpark decoding equals plain greedy decoding (random heads, with
-and without the confidence head, both block layouts, a reduced-vocab rnn head)."""
+and without the confidence head, both block layouts, a reduced-vocab rnn head); the
+confidence head decides what adaptive verification verifies (and the estimator is not
+used); sampled anchored drafts keep the target's distribution."""
 
+import numpy as np
 import pytest
 
 from specjax.config import SpeculativeConfig
@@ -13,13 +16,13 @@ from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse
 DSPARK = dict(te.HEADS["dflash"][1], markov_rank=8)
 
 
-def build(k, params=None, **hf):
-    tgt = te.target()
+def build(k, params=None, tgt=None, spec=None, mml=te.MML, **hf):
+    tgt = tgt or te.target()
     dcfg = registry.config_from_hf("dspark", dict(DSPARK, **hf))
     params = params(dcfg) if params else registry.init_params("dspark", dcfg, 1)
-    cfg = SpeculativeConfig(method="dspark", num_speculative_tokens=k)
+    cfg = SpeculativeConfig(method="dspark", num_speculative_tokens=k, **(spec or {}))
     return make_proposer(cfg, draft=dcfg, draft_params=params, target=tgt.model,
-                         target_params=tgt.params, max_model_len=te.MML, block_size=te.BS,
+                         target_params=tgt.params, max_model_len=mml, block_size=te.BS,
                          kernel_backend="xla")
 
 
@@ -43,10 +46,90 @@ def test_one_token_anchored_block_is_refused():
 
 
 def test_refusals_by_name():
-    for kw in (dict(enable_adaptive_verification=True), dict(draft_sample_method="probabilistic")):
-        with pytest.raises(ValueError, match="method='dspark' drafts greedily"):
-            SpeculativeConfig(method="dspark", num_speculative_tokens=2, **kw)
     with pytest.raises(ValueError, match="branching"):
         SpeculativeConfig(method="dspark", num_speculative_tokens=2,
                           speculative_token_tree="[(0,), (1,)]")
 
+
+CONF = dict(enable_confidence_head=True, confidence_head_with_markov=True)
+AV = dict(enable_adaptive_verification=True)
+PROMPTS = [[5, 9, 2, 7], [11, 3, 3], [8, 1, 6, 2, 9], [4, 4]]
+
+
+def _constant_confidence(bias):
+    """A confidence head answering ``sigmoid(bias)`` for every draft."""
+    def make(dcfg):
+        p = registry.init_params("dspark", dcfg, 1)
+        proj = p["confidence_head"]["proj"]
+        return dict(p, confidence_head={"proj": {"kernel": np.zeros_like(proj["kernel"]),
+                                                 "bias": np.full_like(proj["bias"], bias)}})
+    return make
+
+
+@pytest.mark.parametrize("bias,cost,verified", [
+    (8.0, [1.0, 1.01, 1.02, 1.03], "all"),      # sure drafts, cheap verification: all 3
+    (-8.0, [1.0, 1.01, 1.02, 1.03], "none"),    # hopeless drafts: none is worth a column
+    (0.0, [1.0, 1.3, 1.6, 1.9], "rectangle"),   # c = 1/2: the cost table's own answer
+])
+def test_the_confidence_head_decides_what_is_verified(monkeypatch, bias, cost, verified):
+    from specjax.adaptive_k import rectangle_budget
+    from specjax.engine import Engine, SamplingParams
+    from specjax.engine.verification import AdaptiveVerifier
+
+    feats = []
+    real = AdaptiveVerifier.admit
+
+    def spy(self, reqs, n0, cst):
+        feats.extend(np.asarray(r.draft_features[: len(r.drafts)]) for r in reqs)
+        return real(self, reqs, n0, cst)
+
+    monkeypatch.setattr(AdaptiveVerifier, "admit", spy)
+    prop = build(3, _constant_confidence(bias), spec=AV, **CONF)
+    assert prop.drafts_confidence
+    eng = Engine(te.target(), prop, max_num_seqs=4, **te.fixed())
+    eng.k_costs[4] = np.asarray(cost)
+    sps = [SamplingParams(max_tokens=m) for m in (6, 9, 12, 15)]
+    out = eng.generate(PROMPTS, sps)
+    plain = Engine(te.target(), None, max_num_seqs=4, **te.fixed()).generate(PROMPTS, sps)
+    assert out.token_ids == plain.token_ids
+    c = 1.0 / (1.0 + np.exp(-bias))
+    assert feats and all(np.allclose(f, c, atol=1e-6) for f in feats)
+    first = eng.verifier.history[0]
+    want = {"all": 3, "none": 0,
+            "rectangle": rectangle_budget(np.cumprod(np.full((4, 3), c), 1), np.full(4, 3), 4,
+                                          np.asarray(cost))}[verified]
+    assert first == want
+    if verified == "rectangle":
+        assert 0 < want < 3          # the case separates "all" from "none"
+    st = eng.verifier.state           # the estimator is not used with a confidence head
+    assert int(st.refits) == 0 and int(np.asarray(st.count).sum()) == 0
+
+
+def test_without_a_confidence_head_the_estimator_scores_the_markov_logits():
+    from specjax.engine import Engine, SamplingParams
+
+    prop = build(3, spec=AV)
+    assert not prop.drafts_confidence
+    eng = Engine(te.target(), prop, max_num_seqs=4, **te.fixed())
+    eng.k_costs[4] = np.asarray([1.0, 1.0, 1.0, 1.0])
+    sps = [SamplingParams(max_tokens=m) for m in (6, 9, 12, 15)]
+    out = eng.generate(PROMPTS, sps)
+    plain = Engine(te.target(), None, max_num_seqs=4, **te.fixed()).generate(PROMPTS, sps)
+    assert out.token_ids == plain.token_ids
+    assert int(np.asarray(eng.verifier.state.count).sum()) > 0
+
+
+@pytest.mark.parametrize("hf", [{}, dict(CONF)])
+def test_anchored_sampled_drafts_keep_the_target_distribution(hf):
+    """Chi-square on the first verified token, drafts sampled from the Markov-biased logits
+    of an anchored block (every slot drafting), T = 1."""
+    from specjax.engine import LoopOptions, SamplingParams, generate
+    from test_draft_sampling import _chi2
+
+    tgt = te.target(4.0)
+    prop = build(2, tgt=tgt, mml=16, spec=dict(draft_sample_method="probabilistic"), **hf)
+    sps = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(te.N_SAMPLES)]
+    out = generate(tgt, prop, [te.SAMPLE_PROMPT] * te.N_SAMPLES, sps, max_model_len=16,
+                   block_size=te.BS, options=LoopOptions(query_buckets=(8,), context_buckets=(2,)))
+    assert out.spec_stats.num_accepted_tokens > 0
+    assert _chi2(out, tgt, 1.0) > 1e-3

@@ -45,6 +45,10 @@ def test_greedy_output_equals_plain(method, stage):
     assert prop.first_stage_rows > 0 and prop.model_rows > 0
 
 
+def test_dspark_behind_an_ngram_stage_equals_plain():
+    test_greedy_output_equals_plain("dspark", NGRAM)
+
+
 def test_rows_verify_the_drafts_of_their_stage():
     """Each alive row's drafts are the n-gram's where it drafted (equal to a standalone
     n-gram proposer on the same history), else the model's; the counters add up."""
