@@ -157,6 +157,11 @@ class Models:
                                   if self.size == "8b" else {})),
                 "dflash": dict(g, num_hidden_layers=1, target_hidden_size=h,
                                aux_hidden_state_layer_ids=list(self.aux), mask_token_id=0),
+                # SpecForge's Qwen3-8B DSpark: rank 256, confidence head on [h, m]
+                "dspark": dict(g, num_hidden_layers=1, target_hidden_size=h,
+                               aux_hidden_state_layer_ids=list(self.aux), mask_token_id=0,
+                               markov_rank=256, enable_confidence_head=True,
+                               confidence_head_with_markov=True),
                 "medusa": dict(num_heads=max(k, 4), num_hidden_layers=1, hidden_size=h,
                                vocab_size=g["vocab_size"]),
                 # MiMo MTP: one Qwen2 block (q/k/v bias), the target's embedding and lm_head

@@ -14,7 +14,7 @@ Tree drafting (``--tree "[(0,), (1,), (0, 0), (1, 0)]"``, repeatable): the first
 one forward per further level over every node drafted so far (vLLM's ``propose_tree``); its
 floor counts the weights once per level and each level's context plus nodes.
 
-Every model-based method (``--methods eagle eagle3 dflash medusa mtp draft_model
+Every model-based method (``--methods eagle eagle3 dflash dspark medusa mtp draft_model
 extract_hidden_states``): built as ``benchmarks/e2e.py`` builds them against an 8B-shaped
 target (EAGLE-1 and Medusa read the target's full-vocabulary lm_head; the draft model is
 Llama-3.2-1B-shaped); floor per method in ``method_case``.
@@ -141,7 +141,7 @@ def method_case(models, method: str, b: int, k: int, ctx: int):
     Floor bytes: the draft's weights read once per forward (an embedding table only when it
     is also the lm_head; gathered rows are ignored; EAGLE-3's fc only in the first pass;
     Medusa: its first ``k`` heads), times the forwards of the method (chain methods: ``k``;
-    DFlash, Medusa: 1), plus each
+    DFlash, DSpark, Medusa: 1; DSpark's Markov ``W2`` once per slot), plus each
     forward's cached K/V of the draft's layers (extract-hidden-states: the aux states it
     stores).
     """
@@ -187,9 +187,13 @@ def method_case(models, method: str, b: int, k: int, ctx: int):
                                    once_bytes=first_fc)
     elif method == "extract_hidden_states":
         floor = b * q * aux[0] * aux[1] * 2               # the stored aux states (bf16)
-    else:                                                 # one forward: dflash, medusa
+    else:                                                 # one forward: dflash, dspark, medusa
         if method == "medusa":                            # only heads 0 .. k-1 run
             weight = weight * k // impl.model.config.num_heads
+        if method == "dspark":                            # W1: rows gathered; W2 read per slot
+            w1 = sum(x.size * x.dtype.itemsize for n, x in names if "markov_w1" in n)
+            w2 = sum(x.size * x.dtype.itemsize for n, x in names if "markov_w2" in n)
+            weight += (k - 1) * w2 - w1
         floor = floors.floor_bytes(weight, kv_tok, b, ctx, q)
     return impl, params, state, inputs, floor
 
@@ -227,7 +231,7 @@ def main(argv=None):
     ap.add_argument("--target", choices=("8b", "1b"), default="8b",
                     help="with --methods: the target shape the drafts are built for")
     ap.add_argument("--methods", nargs="+", default=None,
-                    help="time these methods instead (eagle eagle3 dflash medusa mtp draft_model "
+                    help="time these methods instead (eagle eagle3 dflash dspark medusa mtp draft_model "
                          "extract_hidden_states), built as benchmarks/e2e.py builds them")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -23,7 +23,8 @@ def backbone_params(params: dict) -> dict:
     return {k: v for k, v in params.items() if k not in HEAD_KEYS}
 
 
-def _linear(p: dict, x: jax.Array) -> jax.Array:
+def affine(p: dict, x: jax.Array) -> jax.Array:
+    """``x @ kernel + bias`` in float32."""
     out = jnp.einsum("...i,io->...o", x.astype(_F32), p["kernel"].astype(_F32))
     return out + p["bias"].astype(_F32) if "bias" in p else out
 
@@ -34,9 +35,9 @@ def markov_step(params: dict, c: ModelConfig, prev: jax.Array, h: jax.Array,
     mh = params["markov_head"]
     e = mh["markov_w1"]["embedding"][prev].astype(_F32)
     if c.markov_head_type == "gated":
-        return jax.nn.sigmoid(_linear(mh["gate_proj"], jnp.concatenate([h, e], -1))) * e, state
+        return jax.nn.sigmoid(affine(mh["gate_proj"], jnp.concatenate([h, e], -1))) * e, state
     if c.markov_head_type == "rnn":
-        gr, cr, orr = jnp.split(_linear(mh["joint_proj"], jnp.concatenate([state, e, h], -1)), 3, -1)
+        gr, cr, orr = jnp.split(affine(mh["joint_proj"], jnp.concatenate([state, e, h], -1)), 3, -1)
         gt = jax.nn.sigmoid(gr)
         state = gt * state + (1 - gt) * jnp.tanh(cr)
         return jnp.tanh(orr), state
@@ -70,7 +71,7 @@ def markov_chain(params: dict, c: ModelConfig, z: jax.Array, h: jax.Array, ancho
         ci = jnp.zeros(d.shape, _F32)
         if conf is not None:
             f = jnp.concatenate([hi, m], -1) if c.confidence_head_with_markov else hi
-            ci = jax.nn.sigmoid(_linear(conf["proj"], f)[..., 0])
+            ci = jax.nn.sigmoid(affine(conf["proj"], f)[..., 0])
         return (d, state), (d, extra, ci)
 
     s0 = jnp.zeros((anchor.shape[0], c.markov_rank), _F32)

@@ -294,6 +294,28 @@ def dflash_blocks(params: dict, cfg: ModelConfig, aux: Array, anchors: Array,
     return norm(params["norm"], h, eps).reshape(b, m, kb, -1)
 
 
+def dspark_markov(params: dict, cfg: ModelConfig, h: Array, prev: Array) -> tuple[Array, Array]:
+    """DSpark's biased logits under teacher forcing: post-norm block hidden ``h [..., S, H]``,
+    the true previous tokens ``prev [..., S]`` -> ``(s * (lm_head(h) + W2 m) [..., S, Vd],
+    m [..., S, r])``, the Markov state carried left to right over ``S`` as at inference."""
+    from specjax.models.dspark import markov_step
+
+    lead, n = h.shape[:-2], h.shape[-2]
+    hs = h.reshape((-1, n, h.shape[-1])).astype(jnp.float32)
+
+    def step(state, xs):
+        m, state = markov_step(params, cfg, xs[0], xs[1], state)
+        return state, m
+
+    s0 = jnp.zeros((hs.shape[0], cfg.markov_rank), jnp.float32)
+    _, m = jax.lax.scan(step, s0, (jnp.swapaxes(prev.reshape(hs.shape[:2]), 0, 1),
+                                   jnp.swapaxes(hs, 0, 1)))
+    m = jnp.swapaxes(m, 0, 1).reshape(lead + (n, -1))
+    w2 = params["markov_head"]["markov_w2"]["kernel"].astype(jnp.float32)     # [r, Vd]
+    z = mp.lm_head_logits(params["lm_head"], h).astype(jnp.float32)
+    return cfg.logit_scale * (z + m @ w2), m
+
+
 # ------------------------------------------------------------------------------ Medusa
 
 
@@ -310,4 +332,5 @@ def medusa_forward(params: dict, cfg: ModelConfig, hidden: Array) -> Array:
 
 
 __all__ = ["decoder_forward", "decoder_logits", "eagle_ttt", "ttt_masks", "dflash_blocks",
+           "dspark_markov",
            "medusa_forward", "attention", "cast", "linear", "norm"]

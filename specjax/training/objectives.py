@@ -170,5 +170,61 @@ def dflash(config: ModelConfig, target: TargetSetup, *, anchors_per_seq: int = 3
     return loss
 
 
-__all__ = ["TargetSetup", "target_lm", "eagle", "medusa", "draft_model", "dflash",
+def dspark(config: ModelConfig, target: TargetSetup, *, anchors_per_seq: int = 32,
+           confidence_weight: float = 1.0) -> Objective:
+    """DSpark (DeepSpec's loss): DFlash's blocks of random length (``1..K`` anchored, slot
+    ``j`` predicting ``x_{p+1+j}``; ``2..K`` in DFlash's layout), each slot's logits biased
+    by the Markov head fed the true previous token (teacher forcing), soft cross-entropy on
+    the biased logits; the confidence head learns ``alpha_j = 1 - TV(softmax(l_j), p_target)``
+    (its acceptance probability under speculative sampling) by BCE, weighted
+    ``confidence_weight``. A reduced draft vocabulary is refused."""
+    from specjax.models.dspark import affine
+
+    if config.has_d2t or config.draft_vocab_size != config.vocab_size:
+        raise ValueError("the dspark objective trains a full-vocabulary head (draft_vocab_size "
+                         f"== vocab_size), got draft_vocab_size={config.draft_vocab_size}")
+    cdt = target.compute_dtype
+    kb = config.block_size
+    first = 0 if config.sample_from_anchor else 1
+
+    def loss(params, frozen, tokens, key):
+        _, aux, tl = target.run(frozen, tokens)
+        b, t = tokens.shape
+        ka, kl = jax.random.split(key)
+        anchors = jax.random.randint(ka, (b, anchors_per_seq), 1, t - kb + 1, dtype=jnp.int32)
+        lens = jax.random.randint(kl, (b, anchors_per_seq), 1 + first, kb + 1, dtype=jnp.int32)
+        p = F.cast(share_target_weights(params, frozen["target"]), cdt)
+        h = F.dflash_blocks(p, config, aux, anchors, jnp.take_along_axis(tokens, anchors, 1),
+                            lens)[:, :, first:].astype(jnp.float32)         # [B, M, S, H]
+        j = jnp.arange(first, kb, dtype=jnp.int32)
+        idx = anchors[:, :, None] + j - first             # label row of tl; the previous token
+        labels = jax.vmap(lambda row, i: row[i])(tl, idx)                   # [B, M, S, V]
+        prev = jax.vmap(lambda row, i: row[i])(tokens, idx)                 # [B, M, S]
+        valid = j[None, None, :] < lens[:, :, None]
+        logits, m = F.dspark_markov(p, config, h, prev)
+        ce, top1 = soft_cross_entropy(logits, labels, valid)
+        metrics = {"ce": ce, "top1": top1}
+        for jj in range(min(kb - first, 4)):
+            _, metrics[f"top1_{jj + 1}"] = soft_cross_entropy(logits[:, :, jj], labels[:, :, jj],
+                                                              valid[:, :, jj])
+        total = ce
+        if config.enable_confidence_head:
+            tv = 0.5 * jnp.abs(jax.nn.softmax(logits, -1)
+                               - jax.nn.softmax(labels.astype(jnp.float32), -1)).sum(-1)
+            alpha = jax.lax.stop_gradient(jnp.clip(1.0 - tv, 0.0, 1.0))
+            f = jnp.concatenate([h, m], -1) if config.confidence_head_with_markov else h
+            x = affine(p["confidence_head"]["proj"], f)[..., 0]
+            bce = masked_mean(jax.nn.softplus(x) - alpha * x, valid) - masked_mean(
+                -(alpha * jnp.log(jnp.maximum(alpha, 1e-12))
+                  + (1 - alpha) * jnp.log(jnp.maximum(1 - alpha, 1e-12))), valid)
+            metrics["conf_bce_excess"] = bce                # 0 at a perfect confidence head
+            metrics["conf_abs_err"] = masked_mean(jnp.abs(jax.nn.sigmoid(x) - alpha), valid)
+            total = total + confidence_weight * bce
+        metrics["loss"] = total
+        return total, metrics
+
+    return loss
+
+
+__all__ = ["TargetSetup", "target_lm", "eagle", "medusa", "draft_model", "dflash", "dspark",
            "soft_cross_entropy", "next_token_loss", "masked_mean"]

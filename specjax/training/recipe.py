@@ -38,6 +38,7 @@ from specjax.training.trainer import TrainConfig, evaluate, init_params, train
 AUX_LAYER_IDS = (1, 2, 3)
 DRAFT_VOCAB_SIZE = 128
 DFLASH_BLOCK_SIZE = 8
+DSPARK_MARKOV_RANK = 64
 MEDUSA_HEADS = 5
 TTT_DEPTH = 4
 
@@ -66,6 +67,12 @@ HEADS_HF = {
                                         aux_hidden_state_layer_ids=list(AUX_LAYER_IDS),
                                         block_size=DFLASH_BLOCK_SIZE, mask_token_id=MASK_ID,
                                         rope_theta=10000.0)),
+    "dspark": ("dspark", "dspark", dict(_HEAD, num_hidden_layers=2, target_hidden_size=256,
+                                        aux_hidden_state_layer_ids=list(AUX_LAYER_IDS),
+                                        block_size=DFLASH_BLOCK_SIZE, mask_token_id=MASK_ID,
+                                        rope_theta=10000.0, markov_rank=DSPARK_MARKOV_RANK,
+                                        markov_head_type="vanilla", enable_confidence_head=True,
+                                        confidence_head_with_markov=True)),
 }
 HEAD_NAMES = tuple(HEADS_HF)
 
@@ -84,6 +91,8 @@ SCHEDULES = {
                                    warmup_steps=100, log_every=250, seed=4),
         "dflash": TrainConfig(steps=1500, batch_size=64, seq_len=512, lr=2e-3, warmup_steps=100,
                               log_every=250, seed=5),
+        "dspark": TrainConfig(steps=1500, batch_size=64, seq_len=512, lr=2e-3, warmup_steps=100,
+                              log_every=250, seed=6),
     },
     "smoke": {name: TrainConfig(steps=3, batch_size=2, seq_len=64, lr=1e-3, warmup_steps=1,
                                 log_every=1, seed=i)
@@ -152,7 +161,7 @@ def head_setup(name: str, target_cfg, target_params, corp: Corpus):
     cfg = registry.config_from_hf(kind, hf)
     if kind == "eagle3":
         cfg = dataclasses.replace(cfg, has_d2t=True)               # reduced draft vocab
-    aux = AUX_LAYER_IDS if kind in ("eagle3", "dflash") else ()
+    aux = AUX_LAYER_IDS if kind in ("eagle3", "dflash", "dspark") else ()
     tgt = O.TargetSetup(target_cfg, aux)
     frozen = {"target": target_params}
     lm = target_params["lm_head"]["kernel"]                       # [H, V]
@@ -169,6 +178,8 @@ def head_setup(name: str, target_cfg, target_params, corp: Corpus):
         obj = O.medusa(cfg, tgt)
     elif kind == "llama":
         obj = O.draft_model(cfg, tgt)
+    elif kind == "dspark":
+        obj = O.dspark(cfg, tgt)
     else:
         obj = O.dflash(cfg, tgt)
     params = init_params(kind, cfg, jax.random.key(zlib.crc32(name.encode())), overrides=overrides)
@@ -200,7 +211,7 @@ def export(name: str, kind: str, fmt: str, cfg, params, out: Path, report: dict)
                          "heldout": report.get("heldout")}}
     if kind == "medusa":
         extra["base_model_name_or_path"] = "specjax/demo_models/target"
-    if kind == "dflash":
+    if kind in ("dflash", "dspark"):
         extra["num_target_layers"] = TARGET_HF["num_hidden_layers"]
     return export_checkpoint(kind, cfg, params, out / name, format=fmt, dtype=EXPORT_DTYPE,
                              overwrite=True, extra_config=extra)

@@ -67,7 +67,8 @@ def test_kinds_and_configs(loaded):
     kinds = {n: k for n, (k, _, _) in loaded.items()}
     assert kinds == {"target": "llama", "eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa",
                      "draft_model": "llama", "dflash": "dflash"}
-    for n in HEADS_HF:
+    assert set(demo_models.NAMES) <= {"target", *HEADS_HF}     # the recipe makes every one
+    for n in demo_models.NAMES[1:]:
         assert loaded[n][1].vocab_size == VOCAB_SIZE == TARGET_HF["vocab_size"]
     assert loaded["eagle3"][1].aux_layer_ids == AUX_LAYER_IDS == loaded["dflash"][1].aux_layer_ids
     assert loaded["dflash"][1].mask_token_id == MASK_ID

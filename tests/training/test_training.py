@@ -101,6 +101,31 @@ def test_soft_cross_entropy_against_numpy():
     assert float(top1) == pytest.approx((a.argmax(-1) == b.argmax(-1))[mask].mean())
 
 
+def test_dspark_objective_learns_the_target_and_its_own_confidence():
+    """A DSpark head distilled from a target trained on a period-5 sequence: the biased
+    logits' cross-entropy falls, and so does the confidence head's BCE in excess of the
+    entropy of alpha (>= 0 by Gibbs' inequality, which checks the formula)."""
+    cfg = registry.config_from_hf("llama", SMALL)
+    tokens = np.tile(np.array([3, 1, 4, 1, 5, 9, 2], np.int32), 400)
+    tc = TrainConfig(steps=60, batch_size=8, seq_len=16, lr=1e-2, warmup_steps=5, log_every=60)
+    tparams, _ = train(O.target_lm(cfg, "float32"), init_params("llama", cfg, jax.random.key(0)),
+                       {}, tokens, tc, log=None)
+    hcfg = registry.config_from_hf("dspark", dict(SMALL, num_hidden_layers=1, target_hidden_size=32,
+                                                  aux_hidden_state_layer_ids=[0, 1], block_size=4,
+                                                  mask_token_id=31, markov_rank=4,
+                                                  enable_confidence_head=True,
+                                                  confidence_head_with_markov=True))
+    obj = O.dspark(hcfg, O.TargetSetup(cfg, (0, 1), "float32"), anchors_per_seq=4)
+    tc = dataclasses.replace(tc, steps=80, log_every=10)
+    _, hist = train(obj, init_params("dspark", hcfg, jax.random.key(1)), {"target": tparams},
+                    tokens, tc, log=None)
+    assert all(h["conf_bce_excess"] > -1e-4 for h in hist)
+    assert hist[-1]["ce"] < 0.5 * hist[0]["ce"], [h["ce"] for h in hist]
+    assert hist[-1]["conf_bce_excess"] < 0.5 * hist[0]["conf_bce_excess"]
+    with pytest.raises(ValueError, match="full-vocabulary"):
+        O.dspark(dataclasses.replace(hcfg, draft_vocab_size=16), O.TargetSetup(cfg, (0, 1)))
+
+
 def test_draft_vocab_is_most_frequent_sorted():
     toks = np.array([5] * 10 + [7] * 3 + [2] * 3 + [9], np.int32)
     np.testing.assert_array_equal(R.draft_vocab(toks, 3), [2, 5, 7])     # tie 2 vs 7: both in

@@ -143,3 +143,27 @@ def test_ttt_masks_depth_pattern():
     assert np.flatnonzero(m[0][0, 4]).tolist() == [0, 1, 2]
     assert np.flatnonzero(m[1][0, 4]).tolist() == [3]
     assert np.flatnonzero(m[2][0, 4]).tolist() == [4]
+
+
+@pytest.mark.parametrize("hf", [dict(markov_head_type="rnn"),
+                                dict(enable_confidence_head=True, confidence_head_with_markov=True,
+                                     markov_head_type="gated")])
+def test_dspark_markov_matches_the_inference_chain(hf):
+    """The teacher-forced Markov logits equal what the inference chain computes when it
+    drafts the true tokens (a chooser forcing them), slot by slot, state carried."""
+    from specjax.models.dspark import markov_chain
+
+    cfg = registry.config_from_hf("dspark", dict(G, num_hidden_layers=1, target_hidden_size=H,
+                                                 aux_hidden_state_layer_ids=list(AUX),
+                                                 mask_token_id=V - 1, markov_rank=6,
+                                                 has_lm_head=True, **hf))
+    p = registry.init_params("dspark", cfg, 5)
+    rng = np.random.default_rng(0)
+    n, s = 3, 5
+    h = jnp.asarray(rng.standard_normal((n, s, H)), jnp.float32)
+    truth = jnp.asarray(rng.integers(0, V, (n, s + 1)), jnp.int32)   # anchor, then the drafts
+    z = registry.make_model("dspark", cfg).compute_draft_logits(p, h)
+    _, logits, _ = markov_chain(p, cfg, z, h, truth[:, 0],
+                                choose=lambda lg, i: (truth[:, i + 1], lg))
+    got, _ = F.dspark_markov(p, cfg, h, truth[:, :-1])
+    close(got, logits)
