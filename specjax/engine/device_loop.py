@@ -99,7 +99,7 @@ class DeviceLoopDriver:
             top_k=[r.params.top_k for r in running], top_p=[r.params.top_p for r in running],
             seeds=[r.seed for r in running], history=hist, procs=sched.procs(running, B))
         return dataclasses.replace(state, num_logprobs=logprobs_bucket(
-            [r.params.logprobs for r in running]))
+            [r.params.logprobs for r in running]), slots=sched.slot_rows([r.row for r in running], B))
 
     def dispatch(self, rows: list[_Request], state, stop_on_finish: bool,
                  prev_k: int | None = None) -> _InFlight:

@@ -306,7 +306,7 @@ class Scheduler:
             tree=self.tree if tree_verify else None, procs=self.procs(reqs, B),
             discard=partial if any(partial) else None)
         batch = dataclasses.replace(batch, num_logprobs=logprobs_bucket(
-            [r.params.logprobs for r in reqs]), slots=self._slots([r.row for r in reqs], B))
+            [r.params.logprobs for r in reqs]), slots=self.slot_rows([r.row for r in reqs], B))
         if any(partial):      # a partial prefill's drafter reads the next prompt token
             backup = np.array(batch.backup_next, copy=True)
             for i, (r, p) in enumerate(zip(reqs, partial)):
@@ -338,9 +338,9 @@ class Scheduler:
                             block_size=self.block_size, num_reqs_pad=B, query_len_pad=Q,
                             blocks_per_req_pad=C, max_spec_len=self.k, num_tokens_pad=num_tokens,
                             tree=self.tree if tree_verify else None)
-        return dataclasses.replace(batch, all_greedy=all_greedy, slots=self._slots([], B))
+        return dataclasses.replace(batch, all_greedy=all_greedy, slots=self.slot_rows([], B))
 
-    def _slots(self, rows: list[int], B: int) -> np.ndarray | None:
+    def slot_rows(self, rows: list[int], B: int) -> np.ndarray | None:
         """``[B] int32`` draft slots (padding: ``max_num_seqs``), None unless ``draft_slots``."""
         if not self.draft_slots:
             return None

@@ -40,7 +40,9 @@ class LoopState:
     ``max_tokens [B]``, ``stop_ids [B, S]`` (EOS included, -1 padded), ``finished [B]``
     (padding True), ``block_table [B, C]``, ``sampling`` (``SamplingState``; ``counters``:
     tokens generated), ``history [B, W]`` (a device token-history proposer's) or None,
-    ``num_reqs`` (0-d), ``k_cap [B]`` (drafts each row verifies at most) or None; static: ``all_greedy``, ``max_model_len``, ``block_size``,
+    ``num_reqs`` (0-d), ``k_cap [B]`` (drafts each row verifies at most) or None, ``slots
+    [B]`` (each row's request slot in a probabilistic drafter's ``DraftProbState``; padding
+    rows past it) or None; static: ``all_greedy``, ``max_model_len``, ``block_size``,
     ``query_len_pad``, ``num_logprobs`` (top-n bucket or None), ``drafter_max_model_len``."""
 
     last_token: Any
@@ -55,6 +57,7 @@ class LoopState:
     history: Any
     num_reqs: Any
     k_cap: Any = None
+    slots: Any = None
     all_greedy: bool = True
     max_model_len: int = 2048
     block_size: int = 16
@@ -70,7 +73,7 @@ class LoopState:
 jax.tree_util.register_dataclass(
     LoopState, data_fields=["last_token", "num_computed", "drafts", "num_drafts", "max_tokens",
                             "stop_ids", "finished", "block_table", "sampling", "history",
-                            "num_reqs", "k_cap"],
+                            "num_reqs", "k_cap", "slots"],
     meta_fields=["all_greedy", "max_model_len", "block_size", "query_len_pad", "num_logprobs",
                  "drafter_max_model_len"])
 
@@ -310,7 +313,7 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[
         top_k=s.top_k, top_p=s.top_p, seeds=s.seeds, counters=s.counters,
         backup_next=jnp.where(real, st.last_token, 0).astype(jnp.int32),
         discard=jnp.zeros((b,), jnp.bool_), procs=s.procs, all_greedy=st.all_greedy,
-        block_size=bs, num_logprobs=st.num_logprobs)
+        block_size=bs, num_logprobs=st.num_logprobs, slots=st.slots)
     return batch, nd
 
 
@@ -429,9 +432,6 @@ def loop_support(step) -> str | None:
     if getattr(getattr(prop, "config", None), "enable_adaptive_verification", False):
         return ("enable_adaptive_verification=True admits each step's drafts on the host "
                 "(use steps_per_sync=1)")
-    if getattr(getattr(prop, "config", None), "draft_sample_method", "") == "probabilistic":
-        return ("draft_sample_method='probabilistic' keeps its draft probabilities per request "
-                "slot on the step loop (use steps_per_sync=1)")
     if getattr(prop, "first_stage", None) is not None:
         return (f"history_first={prop.config.history_first!r} redrafts each step's rows on the "
                 f"host after the step (use steps_per_sync=1)")
@@ -467,6 +467,10 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
     if not isinstance(state, LoopState):
         raise ValueError(f"state must be a LoopState (specjax.runtime.decode_loop.make_loop_state), got "
                          f"{type(state).__name__}")
+    if step._spec.draft_sampling and state.slots is None:
+        raise ValueError("draft_sample_method='probabilistic' keeps draft probabilities per "
+                         "request slot: give the LoopState slots ([B] int32, padding rows past "
+                         "the step's max_num_seqs)")
     if np.shape(state.drafts)[1] != step.k:
         raise ValueError(f"state was built for k={np.shape(state.drafts)[1]}; the step verifies "
                          f"k={step.k}")

@@ -133,3 +133,14 @@ def test_anchored_sampled_drafts_keep_the_target_distribution(hf):
                    block_size=te.BS, options=LoopOptions(query_buckets=(8,), context_buckets=(2,)))
     assert out.spec_stats.num_accepted_tokens > 0
     assert _chi2(out, tgt, 1.0) > 1e-3
+
+
+@pytest.mark.parametrize("loop", [dict(steps_per_sync=4), dict(steps_per_sync=4, overlap=True)])
+def test_dspark_in_the_device_loop_equals_plain(loop):
+    from specjax.engine import Engine, SamplingParams
+
+    sps = [SamplingParams(max_tokens=m) for m in (6, 9, 12, 15)]
+    plain = Engine(te.target(), None, max_num_seqs=4, **te.fixed()).generate(PROMPTS, sps)
+    out = Engine(te.target(), build(3, **CONF), max_num_seqs=4, **te.fixed(**loop)).generate(
+        PROMPTS, sps)
+    assert out.token_ids == plain.token_ids and out.spec_stats.num_draft_tokens > 0
