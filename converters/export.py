@@ -152,7 +152,7 @@ def _comparable(c) -> dict:
     d = registry.config_to_dict(c)
     for f in ("has_embed_tokens", "has_lm_head", "has_d2t", "has_token_map"):
         d.pop(f, None)
-    if c.kind in ("eagle3", "dflash") and not d.get("target_hidden_size"):
+    if c.kind in ("eagle3", "dflash", "dspark") and not d.get("target_hidden_size"):
         d["target_hidden_size"] = c.hidden_size  # 0 means "= hidden_size"
     if c.kind == "medusa" and d.get("truncated_vocab_size") in (0, c.vocab_size):
         d.pop("truncated_vocab_size", None)  # 0 or vocab_size: no truncation

@@ -82,7 +82,8 @@ def _refuse_variants(cfg: dict) -> None:
     found = [k for k in _DSPARK_KEYS if k in cfg or k in dcfg or k in scfg]
     if found or any("DSpark" in a for a in archs):
         raise CheckpointError(f"config: architectures={archs}: a DSpark head ({', '.join(found)}"
-                              ": Markov and confidence heads) is not supported by specjax")
+                              ": Markov and confidence heads), not DFlash: convert it with "
+                              "--format dspark")
 
 
 def read(cfg: dict, tensors: Tensors, notes: list[str]):

@@ -13,6 +13,7 @@ import numpy as np
 
 from specjax.converters import (
     format_dflash,
+    format_dspark,
     format_eagle,
     format_eagle3,
     format_gemma3,
@@ -84,14 +85,15 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     format_hf.FORMATS + format_gemma3.FORMATS + format_qwen3_moe.FORMATS + format_gpt_oss.FORMATS
     + format_mimo.FORMATS
     + format_eagle.FORMATS + format_eagle3.FORMATS
-    + format_dflash.FORMATS + format_medusa.FORMATS)}
+    + format_dflash.FORMATS + format_dspark.FORMATS + format_medusa.FORMATS)}
 #: The order ``detect_format`` asks the formats in (the first that recognises a
 #: checkpoint wins): speculators configs, then key patterns from the most specific. A MiMo
 #: checkpoint: ``mimo-mtp`` for a head-only export (MTP modules, no decoder layers), else
 #: ``mimo`` (the target; ``--format mimo-mtp`` takes its head), before the plain decoders.
-DETECTION_ORDER = ("eagle3-speculators", "dflash-speculators", "eagle3", "dflash", "medusa",
-                   "medusa-vllm", "eagle", "mimo-mtp", "mimo", "llama", "qwen2", "qwen3_moe",
-                   "gpt_oss", "qwen3", "mistral", "ministral", "gemma3")
+#: ``dspark`` before ``eagle3`` / ``dflash``, whose key rules a DSpark head also meets.
+DETECTION_ORDER = ("eagle3-speculators", "dflash-speculators", "dspark", "eagle3", "dflash",
+                   "medusa", "medusa-vllm", "eagle", "mimo-mtp", "mimo", "llama", "qwen2",
+                   "qwen3_moe", "gpt_oss", "qwen3", "mistral", "ministral", "gemma3")
 assert sorted(DETECTION_ORDER) == sorted(FORMATS)
 
 

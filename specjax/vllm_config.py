@@ -36,6 +36,19 @@ _HEAD_ARCH = (("eagle3", "eagle3"), ("dflash", "dflash"), ("medusa", "medusa"),
               ("eagle", "eagle"))
 
 
+def _is_dspark(cfg: Mapping[str, Any]) -> bool:
+    """A DSpark config: a DSpark architecture, ``dspark_config``, or ``markov_rank`` /
+    ``projector_type: dspark`` at the top level or in ``dflash_config`` (its DFlash keys then
+    name no other method)."""
+    dcfg = cfg.get("dflash_config")
+    dcfg = dcfg if isinstance(dcfg, Mapping) else {}
+    archs = cfg.get("architectures")
+    return (isinstance(archs, list) and any("dspark" in str(a).lower() for a in archs)) \
+        or isinstance(cfg.get("dspark_config"), Mapping) or any(
+            d.get("markov_rank") is not None or d.get("projector_type") == "dspark"
+            for d in (cfg, dcfg))
+
+
 def _from_config(cfg: Mapping[str, Any]) -> set[str]:
     """Methods the draft's own config names (empty: it says nothing)."""
     found: set[str] = set()
@@ -69,7 +82,9 @@ def _from_config(cfg: Mapping[str, Any]) -> set[str]:
             found.add(low)
         elif low == "mtp" or low.endswith("_mtp"):     # vLLM's MTPModelTypes -> "mtp"
             found.add("mtp")
-    if isinstance(cfg.get("dflash_config"), Mapping):
+    if _is_dspark(cfg):
+        found.add("dspark")
+    elif isinstance(cfg.get("dflash_config"), Mapping):
         found.add("dflash")
     return found
 
@@ -119,6 +134,8 @@ def detect_method(model: str, config: Mapping[str, Any] | None = None) -> str:
         return "eagle3"
     if "dflash" in low:
         return "dflash"
+    if "dspark" in low:          # vLLM 0.34: after dflash
+        return "dspark"
     return "draft_model"
 
 
@@ -164,8 +181,8 @@ def from_vllm(d: Mapping[str, Any], fields: tuple[str, ...], **overrides: Any) -
         if method is None:
             kw["method"] = detect_method(model, cfg)
             logger.info("speculative_config: method %r detected for model %r", kw["method"], model)
-        elif cfg is not None and method in ("eagle", "eagle3", "dflash", "medusa", "mtp",
-                                            "draft_model"):
+        elif cfg is not None and method in ("eagle", "eagle3", "dflash", "dspark", "medusa",
+                                            "mtp", "draft_model"):
             found = _from_config(cfg)
             if not (method == "mtp" and "mtp" in found):
                 found |= {_from_tensors(model)} - {None}

@@ -354,3 +354,62 @@ def test_v034_detection_order_when_the_config_names_several(tmp_path):
     c = SpeculativeConfig.from_vllm({"method": "dflash", "model": str(tmp_path / "eagle3-0"),
                                      "num_speculative_tokens": 2})
     assert c.method == "dflash"
+
+
+# --- vLLM 0.34: DSpark checkpoints (issue 57) -------------------------------------------
+
+
+def _dspark_dirs(tmp_path):
+    """The three DSpark config styles (tests/support/converter_cases.py) under a path whose
+    own rule would say eagle3: the config and tensors decide."""
+    from converter_cases import CASES
+
+    return [CASES[n].write(tmp_path / "eagle3-x")[0]
+            for n in ("dspark_deepspec", "dspark_specforge", "dspark_qwen36")]
+
+
+@pytest.mark.smoke
+def test_v034_dspark_path_rule_comes_after_dflash():
+    """The draft-path substrings in vLLM 0.34's order: eagle-, eagle3, dflash, dspark."""
+    assert detect_method("org/Qwen3-8B-DSpark", {}) == "dspark"
+    assert detect_method("org/dflash-or-dspark", {}) == "dflash"
+    assert detect_method("org/eagle3-dspark", {}) == "eagle3"
+    assert detect_method("org/plain-draft", {}) == "draft_model"
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("cfg", [
+    {"architectures": ["Qwen3DSparkModel"]},
+    {"architectures": ["DSparkDraftModel"], "dflash_config": {"mask_token_id": 1}},
+    {"dflash_config": {"markov_rank": 4, "projector_type": "dspark"}},
+    {"dflash_config": {"mask_token_id": 1}, "dspark_config": {"markov_rank": 4}},
+    {"markov_rank": 4, "dflash_config": {"mask_token_id": 1}},
+])
+def test_v034_dspark_configs_name_dspark_alone(cfg):
+    """A DSpark config names dspark only (its dflash_config is not a DFlash signal)."""
+    assert detect_method("org/eagle3-x", cfg) == "dspark"
+
+
+def test_v034_dspark_checkpoints_are_detected(tmp_path):
+    for d in _dspark_dirs(tmp_path):
+        assert detect_method(str(d)) == "dspark", d
+        c = SpeculativeConfig.from_vllm({"model": str(d), "num_speculative_tokens": 2})
+        assert c.method == "dspark", d
+
+
+def test_v034_configured_method_is_checked_never_changed(tmp_path):
+    """dflash on a DSpark checkpoint and dspark on a DFlash one are refused; dspark on a
+    DSpark checkpoint stays dspark."""
+    from converter_cases import CASES
+
+    spark = _dspark_dirs(tmp_path)[1]
+    flash = CASES["dflash"].write(tmp_path / "other")[0]
+    with pytest.raises(ValueError, match="method='dflash' but .* is a 'dspark' checkpoint"):
+        SpeculativeConfig.from_vllm({"method": "dflash", "model": str(spark),
+                                     "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="method='dspark' but .* is a 'dflash' checkpoint"):
+        SpeculativeConfig.from_vllm({"method": "dspark", "model": str(flash),
+                                     "num_speculative_tokens": 2})
+    c = SpeculativeConfig.from_vllm({"method": "dspark", "model": str(spark),
+                                     "num_speculative_tokens": 2})
+    assert c.method == "dspark"

@@ -40,6 +40,13 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "hidden_norm", "norm", 
           "token_layernorm", "hidden_layernorm", "final_layernorm",
           "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
+#: DSpark's Markov and confidence heads (models/dspark.py): their leaves, all replicated.
+_DSPARK_HEADS = {
+    "markov_head": (("markov_w1", "embedding"), ("markov_w2", "kernel"), ("gate_proj", "kernel"),
+                    ("gate_proj", "bias"), ("joint_proj", "kernel"), ("joint_proj", "bias")),
+    "confidence_head": (("proj", "kernel"), ("proj", "bias")),
+}
+
 
 def _axis_size(mesh: Any, axis: str) -> int:
     if not isinstance(axis, str) or axis not in mesh.axis_names:
@@ -130,6 +137,11 @@ class _Rules:
         col = {"kernel": P(None, a), "bias": P(a)}
         if top in ("d2t", "token_map", "mask_hidden"):
             return P()
+        if top in _DSPARK_HEADS:     # replicated as in vLLM: no all-reduce per Markov step
+            if path[1:] not in _DSPARK_HEADS[top]:
+                raise ValueError(f"unknown params entry {name!r} (a DSpark {top} holds "
+                                 f"{', '.join('.'.join(p) for p in _DSPARK_HEADS[top])})")
+            return P()
         if top == "embed_tokens":
             if last != "embedding":
                 raise ValueError(f"unknown params entry {name!r} (embed_tokens holds 'embedding')")
@@ -192,8 +204,8 @@ class _Rules:
             self._dim(name, shape, 0, "intermediate size")
             return P(a, None)
         raise ValueError(f"no tensor-parallel rule for params entry {name!r} (shape {shape}); "
-                         "specjax.sharding knows the Llama / EAGLE / EAGLE-3 / DFlash / Medusa / "
-                         "MTP / Qwen3-MoE / gpt-oss params trees")
+                         "specjax.sharding knows the Llama / EAGLE / EAGLE-3 / DFlash / DSpark / "
+                         "Medusa / MTP / Qwen3-MoE / gpt-oss params trees")
 
 
 def param_specs(params: Mapping, config: ModelConfig, axis_size: int, *, axis: str = TP_AXIS,

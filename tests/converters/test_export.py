@@ -69,6 +69,13 @@ CASES = {
                                           aux_hidden_state_layer_ids=[0, 3],
                                           draft_vocab_size=40, has_d2t=True, has_lm_head=True,
                                           causal=True), "model.safetensors"),
+    # an rnn Markov head, a confidence head on [h, m], a reduced vocab, anchors not sampled
+    "dspark": ("dspark", dict(BASE, head_dim=16, block_size=4, mask_token_id=63,
+                              aux_hidden_state_layer_ids=[1, 3, 5], markov_rank=8,
+                              markov_head_type="rnn", enable_confidence_head=True,
+                              confidence_head_with_markov=True, sample_from_anchor=False,
+                              draft_vocab_size=40, has_d2t=True, has_lm_head=True),
+               "model.safetensors"),
     "medusa": ("medusa", dict(MEDUSA, num_hidden_layers=1, medusa_fc_bias=True),
                "medusa_lm_head.safetensors"),
     "medusa-vllm": ("medusa", dict(MEDUSA, num_hidden_layers=2, truncated_vocab_size=40,

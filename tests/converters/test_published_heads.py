@@ -412,7 +412,7 @@ def test_refused_dspark(tmp_path):
     hf = dict(GEO, architectures=["Qwen3DSparkModel"], model_type="qwen3", num_hidden_layers=1,
               head_dim=16, block_size=7, mask_token_id=1, target_layer_ids=[1, 4], markov_rank=4,
               markov_head_type="low_rank", enable_confidence_head=True, projector_type="dspark")
-    _refused(tmp_path, hf, _df_tensors(), "DSpark head.*markov_rank")
+    _refused(tmp_path, hf, _df_tensors(), "markov_head_type='low_rank' is not a DSpark head type")
     (tmp_path / "head").rename(tmp_path / "old")
     spec = dict(speculators_model_type="dspark", transformer_layer_config=dict(GEO))
     _refused(tmp_path, spec, _df_tensors(), "speculators model type 'dspark'")

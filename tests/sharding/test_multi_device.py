@@ -511,11 +511,50 @@ def _wait(proc: subprocess.Popen) -> str:
     return out
 
 
+#: DSpark (DFlash's backbone split as DFlash's; the Markov and confidence heads replicated):
+#: tp=2 drafts equal one device's, for a gated and an rnn head with a confidence head.
+DSPARK_TP_BODY = TP_HELPERS + """
+from specjax.config import SpeculativeConfig
+from specjax.models import registry, share_target_weights
+from specjax.proposers.dspark import DSparkProposer
+from test_proposers_warmup import GEO, HT, K, MML, V, _target
+from test_proposers_warmup import BS as PAGE
+
+bucket = _tuple(BUCKETS[1])
+rng = np.random.default_rng(12)
+mesh = Mesh(DEV[:2], ("tp",))
+for head in ("gated", "rnn"):
+    mc = registry.config_from_hf("dspark", dict(
+        GEO, num_hidden_layers=1, vocab_size=V, target_hidden_size=HT, block_size=4,
+        aux_hidden_state_layer_ids=[1, 3, 5], mask_token_id=V - 1, markov_rank=8,
+        markov_head_type=head, enable_confidence_head=True, confidence_head_with_markov=True))
+    params = share_target_weights(registry.init_params("dspark", mc, 1), _target(mc.hidden_size))
+    prop = DSparkProposer(SpeculativeConfig(method="dspark", num_speculative_tokens=K),
+                          registry.make_model("dspark", mc), block_size=PAGE, max_model_len=MML,
+                          kernel_backend="xla")
+    batches = [make_inputs("dflash", bucket, n, rng) for n in (4, 2)]
+    want, state = [], prop.init_state(NUM_BLOCKS)
+    for inp in batches:
+        out, state = prop.propose(params, state, inp)
+        want.append(out)
+    p, sp, ss = tensor_parallel(prop, params, prop.init_state(NUM_BLOCKS), mesh)
+    specs = param_specs(params, mc, 2)
+    for x, s in zip(jax.tree.leaves(sp), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, s), x.ndim), (head, x.sharding, s)
+    for x in jax.tree.leaves((sp["markov_head"], sp["confidence_head"])):
+        assert x.sharding.is_fully_replicated, head
+    assert sp["lm_head"]["kernel"].sharding.spec == P(None, "tp"), head
+    run_and_compare(p.propose, sp, ss, batches, want, state, state_specs(ss, 2), mesh, head)
+    print("dspark tp ok", head, flush=True)
+"""
+
+
 #: The subprocess each test of this module reads (the fixture starts only those whose tests
 #: were selected: ``-m smoke`` runs one of them).
 JOB_OF_TEST = {
     "test_eagle_tensor_and_data_parallel_match_one_device": "tp",
     "test_dflash_and_draft_model_tensor_parallel_match_one_device": "tp_more",
+    "test_dspark_tensor_parallel_matches_one_device": "dspark_tp",
     "test_eagle_tree_drafting_tensor_parallel_matches_one_device": "tp_tree_parallel",
     "test_eagle3_parallel_drafting_tensor_parallel_matches_one_device": "tp_tree_parallel",
     "test_engine_tensor_parallel_generates_the_one_device_tokens": "engine_tp",
@@ -533,6 +572,7 @@ def jobs(request, tmp_path_factory):
     starters = {
         "tp": lambda: _start(f"CASES = {TP_CASES!r}\n" + TP_BODY, 4),
         "tp_more": lambda: _start(f"CASES = {TP_CASES_MORE!r}\n" + TP_BODY, 4),
+        "dspark_tp": lambda: _start(DSPARK_TP_BODY, 2),
         "tp_tree_parallel": lambda: _start(
             f"CASES = {TP_TREE_PARALLEL_CASES!r}\n" + TP_TREE_PARALLEL_BODY, 4),
         "engine_tp": lambda: _start(f"CASES = {ENGINE_TP_CASES!r}\n" + ENGINE_TP_BODY, 4),
@@ -564,6 +604,11 @@ def test_dflash_and_draft_model_tensor_parallel_match_one_device(jobs):
     out = _wait(jobs[0]["tp_more"])
     for m, n, flag in TP_CASES_MORE:
         assert f"tp ok {m} tp={n} local_argmax={flag}" in out, out
+
+
+def test_dspark_tensor_parallel_matches_one_device(jobs):
+    out = _wait(jobs[0]["dspark_tp"])
+    assert "dspark tp ok gated" in out and "dspark tp ok rnn" in out, out
 
 
 def test_eagle_tree_drafting_tensor_parallel_matches_one_device(jobs):
@@ -787,3 +832,40 @@ def test_proposer_level_argument_checks():
     dp = DataParallel(dataclasses.replace(prop), Mesh(np.array(jax.devices()[:1]), ("dp",)))
     with pytest.raises(ValueError, match="one pytree per shard"):
         dp.stack([1, 2])
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_dspark_rules(head):
+    """DSpark: the DFlash backbone split as DFlash's (fc and norms replicated, attention and
+    MLP Megatron-split); markov_w1, markov_w2, the gate / joint projection and the confidence
+    head replicated, as vLLM keeps them; an unknown entry under them is named."""
+    cfg = _cfg("dspark", num_key_value_heads=2, aux_hidden_state_layer_ids=[1, 3],
+               mask_token_id=59, markov_rank=4, markov_head_type=head,
+               enable_confidence_head=True, confidence_head_with_markov=head != "rnn")
+    specs = _flat(param_specs(registry.abstract_params("dspark", cfg), cfg, 2))
+    L = "layers.0."
+    extra = {"gated": "gate_proj", "rnn": "joint_proj"}.get(head)
+    want = {
+        "fc.kernel": P(), "hidden_norm.weight": P(), "norm.weight": P(),
+        L + "input_layernorm.weight": P(), L + "post_attention_layernorm.weight": P(),
+        L + "self_attn.q_norm.weight": P(), L + "self_attn.k_norm.weight": P(),
+        L + "self_attn.q_proj.kernel": P(None, "tp"), L + "self_attn.k_proj.kernel": P(None, "tp"),
+        L + "self_attn.v_proj.kernel": P(None, "tp"), L + "self_attn.o_proj.kernel": P("tp", None),
+        L + "mlp.gate_proj.kernel": P(None, "tp"), L + "mlp.up_proj.kernel": P(None, "tp"),
+        L + "mlp.down_proj.kernel": P("tp", None),
+        "markov_head.markov_w1.embedding": P(), "markov_head.markov_w2.kernel": P(),
+        "confidence_head.proj.kernel": P(), "confidence_head.proj.bias": P(),
+    }
+    if extra:
+        want.update({f"markov_head.{extra}.kernel": P(), f"markov_head.{extra}.bias": P()})
+    assert specs == want
+    # the same tree with the DFlash backbone's own rules: identical outside the two heads
+    base = cfg.replace(kind="dflash", markov_rank=0, markov_head_type="vanilla",
+                       enable_confidence_head=False, confidence_head_with_markov=False)
+    flash = _flat(param_specs(registry.abstract_params("dflash", base), base, 2))
+    assert {k: v for k, v in specs.items() if not k.startswith(("markov", "confidence"))} == flash
+    bad = {"markov_head": {"markov_w3": {"kernel": jnp.zeros((4, 60))}}}
+    with pytest.raises(ValueError, match=r"unknown params entry 'markov_head.markov_w3.kernel' "
+                       r"\(a DSpark markov_head holds markov_w1.embedding"):
+        param_specs(bad, cfg, 2)

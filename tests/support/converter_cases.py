@@ -27,6 +27,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 H, NH, NKV, HD, I, V, VD = 16, 4, 2, 4, 24, 48, 32
+R = 6  # DSpark markov_rank
 STORAGE_TYPES = {
     np.dtype(np.float32): "FloatStorage", np.dtype(np.float16): "HalfStorage",
     np.dtype(ml_dtypes.bfloat16): "BFloat16Storage", np.dtype(np.int64): "LongStorage",
@@ -495,6 +496,7 @@ def cases() -> list[Case]:
                     _identity(shapes, drop=["t2d"]),
                     hf_checks={"aux_hidden_state_layer_ids": [2, 4, 6], "block_size": 8,
                                "draft_vocab_size": VD}))
+    out += dspark_cases()
     # Medusa-1 (FasterDecoding): medusa_lm_head.pt; config undercounts heads.
     shapes = {}
     canonical = {}
@@ -522,6 +524,69 @@ def cases() -> list[Case]:
     out.append(Case("medusa_vllm", "medusa-vllm", "medusa", cfg, shapes, _identity(shapes),
                     hf_checks={"num_heads": 2, "num_hidden_layers": 2,
                                "medusa_fc_bias": False}))
+    return out
+
+
+def dspark_cases() -> list[Case]:
+    """DSpark (research/vllm_delta_0.34.md section 3): its three config styles, each head
+    type, the confidence head on [h] / [h, m] / off (its tensors then dropped)."""
+    out = []
+    base = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+            "markov_head.markov_w1.weight": (V, R), "markov_head.markov_w2.weight": (V, R)}
+    for i in range(2):
+        base.update(decoder_layer(f"layers.{i}.", qk_norm=True))
+    conf = {"confidence_head.proj.weight": (1, H), "confidence_head.proj.bias": (1,)}
+    # DeepSpec: Qwen3DSparkModel, every key at the top level; vanilla, confidence on [h].
+    cfg = llama_config(architectures=["Qwen3DSparkModel"], model_type="qwen3", head_dim=HD,
+                       block_size=4, mask_token_id=V - 1, target_layer_ids=[1, 3, 5],
+                       num_target_layers=8, num_anchors=32, markov_rank=R,
+                       markov_head_type="vanilla", enable_confidence_head=True,
+                       confidence_head_with_markov=False)
+    shapes = {**base, **conf}
+    out.append(Case("dspark_deepspec", "dspark", "dspark", cfg, shapes, _identity(shapes),
+                    dtype=ml_dtypes.bfloat16,
+                    hf_checks={"aux_hidden_state_layer_ids": [2, 4, 6], "block_size": 4,
+                               "mask_token_id": V - 1, "markov_rank": R,
+                               "markov_head_type": "vanilla", "enable_confidence_head": True,
+                               "confidence_head_with_markov": False, "dflash_config": {}}))
+    # SpecForge qwen3-8b: DSparkDraftModel, the DSpark keys in dflash_config; gated head,
+    # confidence on [h, m].
+    dcfg = {"mask_token_id": 3, "target_layer_ids": [0, 2], "projector_type": "dspark",
+            "markov_rank": R, "markov_head_type": "gated", "confidence_head_alpha": 1.0,
+            "enable_confidence_head": True, "confidence_head_with_markov": True}
+    cfg = llama_config(architectures=["DSparkDraftModel"], model_type="qwen3", head_dim=HD,
+                       block_size=16, dflash_config=dcfg)
+    shapes = {**base, "fc.weight": (H, 2 * H), "markov_head.gate_proj.weight": (R, H + R),
+              "markov_head.gate_proj.bias": (R,), "confidence_head.proj.weight": (1, H + R),
+              "confidence_head.proj.bias": (1,)}
+    out.append(Case("dspark_specforge", "dspark", "dspark", cfg, shapes, _identity(shapes),
+                    hf_checks={"aux_hidden_state_layer_ids": [1, 3], "block_size": 16,
+                               "mask_token_id": 3, "markov_head_type": "gated",
+                               "confidence_head_with_markov": True, "dflash_config": {}}))
+    # SpecForge qwen3.6: mask / ids in dflash_config, Markov keys in dspark_config; an rnn
+    # head under Mistral-Large-4's name, a reduced vocab (lm_head, d2t; t2d dropped) and
+    # confidence tensors with the head off (dropped, as vLLM does).
+    cfg = llama_config(architectures=["DSparkDraftModel"], model_type="qwen3", head_dim=HD,
+                       dflash_config={"mask_token_id": 5, "target_layer_ids": [1, 3, 5],
+                                      "projector_type": "dspark", "attention_mode": "gqa",
+                                      "block_size": 8},
+                       dspark_config={"markov_rank": R, "markov_head_type": "rnn",
+                                      "enable_confidence_head": False,
+                                      "sample_from_anchor": False},
+                       draft_vocab_size=VD)
+    shapes = {**base, **conf, "markov_head.markov_w2.weight": (VD, R),
+              "autoregressive_head.joint_proj.weight": (3 * R, 2 * R + H),
+              "autoregressive_head.joint_proj.bias": (3 * R,), "lm_head.weight": (VD, H),
+              "d2t": ((VD,), np.int64), "t2d": ((V,), np.bool_)}
+    canonical = _identity(shapes, drop=["t2d", *conf])
+    for k in ("weight", "bias"):
+        canonical[f"autoregressive_head.joint_proj.{k}"] = f"markov_head.joint_proj.{k}"
+    out.append(Case("dspark_qwen36", "dspark", "dspark", cfg, shapes, canonical,
+                    layout="safetensors-sharded",
+                    hf_checks={"aux_hidden_state_layer_ids": [2, 4, 6], "block_size": 8,
+                               "mask_token_id": 5, "markov_head_type": "rnn",
+                               "enable_confidence_head": False, "sample_from_anchor": False,
+                               "draft_vocab_size": VD}))
     return out
 
 
