@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe|kgrid]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe|kgrid|dspark]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -30,7 +30,10 @@
 # with and without chunked prefill (tokens/s, TTFT, ITL, preemptions); SCHED_ARGS adds flags:
 # "--parts itl" or "--parts mixed" (one part), "--rate 8 --num-requests 128", "--warmup full";
 # moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH); kgrid: issue 55's cost table
-# (benchmarks/k_grid.py, KGRID_BATCH, KGRID_ARGS); none of these is part of `all`,
+# (benchmarks/k_grid.py, KGRID_BATCH, KGRID_ARGS); dspark: issue 57, the demo DSpark head
+# trained by the recipe (DFlash's budget; $OUT/heads/dspark, copy it to
+# specjax/demo_models/dspark) and DSpark's propose beside DFlash's at B = 1, 8, 32 (8B-shaped,
+# rank 256, goal <= 1.1x); none of these is part of `all`,
 # each needs several minutes). `tests` runs every GPU test
 # but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
@@ -70,6 +73,12 @@ if [ "$what" = moe ]; then
   # torch._grouped_mm in its own process first) and the engine's plain / EAGLE-3 decode
   timeout "${MOE_S:-540}" python benchmarks/moe.py --batch "${MOE_BATCH:-1,8,32}" --torch \
     --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | tail -40
+fi
+if [ "$what" = dspark ]; then
+  timeout "${TRAIN_S:-300}" python -m specjax.training.recipe --out "$OUT/heads" --stage heads \
+    --target specjax/demo_models/target --heads dspark 2>&1 | tee "$OUT/train_dspark.log" | tail -12
+  timeout "${PROP_S:-240}" python benchmarks/proposers.py --methods dflash dspark --batches 1,8,32 \
+    --json "$OUT/proposers_dspark.json" 2>&1 | tee "$OUT/proposers_dspark.log" | tail -10
 fi
 if [ "$what" = kgrid ]; then
   # issue 55: iteration time per (B, k), 8B target, EAGLE-3 synthetic; best static k per
