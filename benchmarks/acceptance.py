@@ -24,7 +24,8 @@ import jax
 from specjax.cli import demo
 from specjax.engine import Engine, LoopOptions, SamplingParams
 
-METHODS = ("ngram", "suffix", "eagle", "eagle3", "medusa", "draft_model", "dflash")
+METHODS = ("ngram", "suffix", "suffix_arctic", "eagle", "eagle3", "medusa", "draft_model",
+           "dflash")
 
 
 def heldout_prompts(num: int, prompt_bytes: int, seed: int) -> tuple[list[list[int]], dict]:
@@ -55,7 +56,9 @@ def run(methods, ks, prompts, max_tokens, log=print, trees=()) -> dict:
     for m in methods:
         for k in ks:
             t0 = time.perf_counter()
-            res = engine(demo.demo_proposer(m, k, target)).generate(prompts, sp)
+            res = engine(demo.demo_proposer(m.split("_")[0] if m == "suffix_arctic" else m, k,
+                                            target, **({"suffix_backend": "arctic"} if m ==
+                                                       "suffix_arctic" else {}))).generate(prompts, sp)
             ok = res.token_ids == base.token_ids
             rows.append({"method": m, "k": k, "mean_acceptance_length": res.mean_acceptance_length,
                          "per_position": res.acceptance_rate_per_position, "lossless": ok,

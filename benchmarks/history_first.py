@@ -3,8 +3,9 @@
 Each prompt is a held-out CPython file (``history_first_workload.json``: the demo models'
 held-out split, ``specjax.training.data``) given in full, then its first half again; greedy
 decoding continues it (up to the rest of the file). Methods: ``ngram`` alone, ``eagle3``
-alone and ``eagle3`` with ``history_first="ngram"``, each checked token-for-token against
-plain greedy decoding. One request at a time, so tokens per target forward = generated
+alone, ``eagle3`` with ``history_first="ngram"``, and suffix decoding on the device
+(``suffix``) and with Arctic Inference (``suffix_arctic``), whose corpus / cache keeps the
+earlier requests' responses; each checked token-for-token against plain greedy decoding. One request at a time, so tokens per target forward = generated
 tokens / engine steps (the prefill step included).
 
     python benchmarks/history_first.py                      # CPU: about a minute
@@ -29,7 +30,7 @@ from specjax.proposers import make_proposer
 from specjax.tokenizer import BOS_ID
 
 WORKLOAD = Path(__file__).with_name("history_first_workload.json")
-METHODS = ("ngram", "eagle3", "eagle3+ngram")
+METHODS = ("ngram", "eagle3", "eagle3+ngram", "suffix", "suffix_arctic")
 
 
 def _head(data: bytes, limit: int) -> bytes:
@@ -69,6 +70,10 @@ def proposer(method: str, k: int, target, lookup: tuple[int, int]):
     if method == "ngram":
         return make_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=k,
                                                prompt_lookup_min=lo, prompt_lookup_max=hi), **common)
+    if method.startswith("suffix"):     # the device backend (vLLM 0.34) or Arctic Inference's
+        backend = "arctic" if method == "suffix_arctic" else "device"
+        return make_proposer(SpeculativeConfig(method="suffix", num_speculative_tokens=k,
+                                               suffix_backend=backend), **common)
     from specjax import demo_models
 
     _, cfg, params = demo_models.load("eagle3")

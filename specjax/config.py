@@ -14,8 +14,8 @@ from typing import Any, Literal, Mapping
 
 import numpy as np
 
-from specjax.checks import (ArgumentTypeError, check_bool, check_int, check_number,
-                            check_opt_int, is_int, show)
+from specjax.checks import (ArgumentTypeError, check_bool, check_choice, check_int,
+                            check_number, check_opt_int, is_int, show)
 
 from specjax.method_registry import (HEAD_METHODS, METHODS, MODEL_FREE_METHODS,  # noqa: F401
                                      UNSUPPORTED_METHODS, custom_method, unknown_method_message)
@@ -101,6 +101,8 @@ class SpeculativeConfig:
     ``specjax.register_speculative_method``; ``speculator_options`` (vLLM 0.34) are read by
     its config class and stored as its value. ``num_speculative_tokens_per_batch_size``:
     vLLM's ``[lo, hi, K]`` schedule (``specjax.adaptive_k``), stored as sorted tuples.
+    ``suffix_backend`` (specjax's): ``"device"`` (vLLM 0.34), ``"arctic"`` (vLLM 0.20) or
+    None, resolved for suffix decoding (``_resolve_suffix_backend``).
     """
 
     method: str | None = None
@@ -127,6 +129,8 @@ class SpeculativeConfig:
     enable_adaptive_verification: bool = False
     history_first: str | None = None
     draft_sample_method: str = "greedy"
+    suffix_decoding_corpus_tokens: int = 1 << 20
+    suffix_backend: str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731
@@ -166,9 +170,20 @@ class SpeculativeConfig:
                   why="0 disables the global tree")
         check_number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0.0)
         check_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0.0, 1.0)
+        check_int("suffix_decoding_corpus_tokens", self.suffix_decoding_corpus_tokens, 0,
+                  (1 << 31) - 1, why="0: per-request matching only")
+        if self.suffix_decoding_corpus_tokens == 0:      # vLLM 0.34: both mean no corpus
+            set_("suffix_decoding_max_cached_requests", 0)
+        set_("suffix_backend", _resolve_suffix_backend(self, method))
 
         # --- k
         k = self.num_speculative_tokens
+        if k is None and method == "suffix" and self.suffix_backend == "device":
+            k = min(8, self.suffix_decoding_max_tree_depth)      # vLLM 0.34, with its warning
+            warnings.warn(f"num_speculative_tokens defaults to {k} for suffix decoding (vLLM "
+                          "0.34: min(8, suffix_decoding_max_tree_depth)); every slot is verified, "
+                          "so a deep default costs throughput at high concurrency", UserWarning,
+                          stacklevel=3)
         if k is None and method == "suffix":
             if _is_int(self.suffix_decoding_max_tree_depth) and \
                     self.suffix_decoding_max_tree_depth > MAX_SPECULATIVE_TOKENS:
@@ -395,8 +410,7 @@ DETECTION_ORDER = ("eagle", "eagle3", "dflash", "dspark", "mtp")
 
 def _vllm_034(d: Mapping[str, Any]) -> dict:
     """vLLM 0.34's keys in a ``speculative_config`` dict: removed ones refused naming their
-    replacement; ``suffix_decoding_corpus_tokens`` (0 honoured, other values warned as having
-    no effect), ``draft_decode_context_parallel_size`` (1 only), ``custom_method``,
+    replacement; ``draft_decode_context_parallel_size`` (1 only), ``custom_method``,
     ``parallel_drafting=None`` read; the method of several a draft's config names picked by
     :data:`DETECTION_ORDER`. docs/vllm_config.md, "vLLM 0.34"."""
     d = dict(d)
@@ -412,19 +426,6 @@ def _vllm_034(d: Mapping[str, Any]) -> dict:
         raise ValueError(f"draft_decode_context_parallel_size={dcp} is not supported: specjax has "
                          "no decode context parallelism (the target's size is 1, and vLLM allows "
                          "only 1 or the target's); allowed values: None, 1")
-    no_effect = []
-    if "suffix_decoding_corpus_tokens" in d:
-        n = check_int("suffix_decoding_corpus_tokens", d.pop("suffix_decoding_corpus_tokens"), 0,
-                      (1 << 31) - 1)
-        if n == 0:                           # vLLM: matching within each request only
-            d["suffix_decoding_max_cached_requests"] = 0
-        elif n != 1 << 20:
-            no_effect.append(f"suffix_decoding_corpus_tokens={n} (specjax's suffix cache holds "
-                             "suffix_decoding_max_cached_requests responses, not a token count; "
-                             "only 0 is read)")
-    if no_effect:
-        warnings.warn("speculative_config: these keys have no effect in specjax: "
-                      + "; ".join(no_effect), UserWarning, stacklevel=3)
     name = d.pop("custom_method", None)
     if name is not None:
         if custom_method(name) is None:
@@ -526,6 +527,46 @@ HISTORY_FIRST_STAGES = (None, "ngram", "ngram_gpu", "suffix")
 
 def _history_ngram(v: Any) -> bool:
     return isinstance(v, str) and v in ("ngram", "ngram_gpu")
+
+
+#: ``suffix_backend``: vLLM 0.34's device speculator or vLLM 0.20's Arctic Inference trees.
+SUFFIX_BACKENDS = (None, "device", "arctic")
+#: Suffix keys only Arctic Inference reads (no effect in vLLM 0.34) -> their defaults.
+SUFFIX_ARCTIC_ONLY = {"suffix_decoding_max_spec_factor": 1.0,
+                      "suffix_decoding_min_token_prob": 0.1}
+
+
+def _resolve_suffix_backend(cfg: SpeculativeConfig, method: str) -> str | None:
+    """``suffix_backend`` for a config using suffix decoding (as given otherwise): None ->
+    ``"device"``, or ``"arctic"`` (warning, naming the keys) when an Arctic-only key is set
+    off its default; a key the chosen backend does not read warns, naming it."""
+    backend = check_choice("suffix_backend", cfg.suffix_backend, SUFFIX_BACKENDS)
+    if method != "suffix" and cfg.history_first != "suffix":
+        return backend
+    arctic_only = [f"{f}={show(getattr(cfg, f))}" for f, default in SUFFIX_ARCTIC_ONLY.items()
+                   if getattr(cfg, f) != default]
+    if cfg.suffix_decoding_max_cached_requests not in (0, 10000):   # 0 is read by both
+        arctic_only.append(f"suffix_decoding_max_cached_requests="
+                           f"{cfg.suffix_decoding_max_cached_requests}")
+    if backend is None and arctic_only:
+        warnings.warn(f"suffix_backend=None resolves to 'arctic' (Arctic Inference suffix trees) "
+                      f"because {', '.join(arctic_only)} is set, which the device suffix "
+                      "speculator (vLLM 0.34's) does not read; set suffix_backend to choose",
+                      UserWarning, stacklevel=4)
+        return "arctic"
+    backend = backend or "device"
+    if backend == "device" and arctic_only:
+        warnings.warn(f"suffix_backend='device' does not read {', '.join(arctic_only)} (as in "
+                      "vLLM 0.34: it drafts num_speculative_tokens tokens and keeps "
+                      "suffix_decoding_corpus_tokens tokens); these keys have no effect",
+                      UserWarning, stacklevel=4)
+    corpus = cfg.suffix_decoding_corpus_tokens
+    if backend == "arctic" and corpus not in (0, 1 << 20):
+        warnings.warn(f"suffix_decoding_corpus_tokens={corpus} has no effect with "
+                      "suffix_backend='arctic' (its cache holds "
+                      "suffix_decoding_max_cached_requests responses; only 0 is read)",
+                      UserWarning, stacklevel=4)
+    return backend
 
 
 def _check_history_first(cfg: SpeculativeConfig, method: str) -> None:

@@ -47,7 +47,7 @@ E = dict(method="eagle", num_speculative_tokens=3)
     (dict(E, speculative_token_tree=5), TypeError, "speculative_token_tree"),
     (dict(E, num_speculative_tokens=2000, speculative_token_tree=str([(i,) for i in range(2000)])),
      ValueError, "speculative_token_tree|num_speculative_tokens"),
-    (dict(method="suffix", suffix_decoding_max_tree_depth=10**6), ValueError,
+    (dict(method="suffix", suffix_backend="arctic", suffix_decoding_max_tree_depth=10**6), ValueError,
      "suffix_decoding_max_tree_depth|num_speculative_tokens"),
 ])
 def test_speculative_config(kwargs, exc, name):

@@ -21,8 +21,14 @@ def test_method_inference_and_repr():
 
 
 def test_suffix_k_default_and_dflash_forces_parallel():
-    assert SpeculativeConfig(method="suffix").num_speculative_tokens == 24
-    assert SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=7).num_speculative_tokens == 7
+    with pytest.warns(UserWarning, match="defaults to 8 for suffix decoding"):
+        assert SpeculativeConfig(method="suffix").num_speculative_tokens == 8    # vLLM 0.34
+    with pytest.warns(UserWarning, match="defaults to 7"):
+        assert SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=7
+                                 ).num_speculative_tokens == 7
+    arctic = dict(method="suffix", suffix_backend="arctic")          # vLLM 0.20: the depth
+    assert SpeculativeConfig(**arctic).num_speculative_tokens == 24
+    assert SpeculativeConfig(**arctic, suffix_decoding_max_tree_depth=7).num_speculative_tokens == 7
     d = SpeculativeConfig(method="dflash", num_speculative_tokens=4)
     assert d.parallel_drafting and d.use_dflash() and d.use_eagle()
     assert d.max_num_new_slots_for_drafting() == 3

@@ -260,8 +260,8 @@ _NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 def test_v034_new_keys():
     import warnings
 
-    # suffix_decoding_corpus_tokens: 0 (per-request matching only) is honoured as no global
-    # cache; vLLM's default reads as nothing; other values warn, naming the key
+    # suffix_decoding_corpus_tokens: a field with vLLM's meaning (the device suffix corpus's
+    # tokens); 0 (per-request matching only) also empties Arctic's global cache
     c = SpeculativeConfig.from_vllm({**_NGRAM, "suffix_decoding_corpus_tokens": 0})
     assert c.suffix_decoding_max_cached_requests == 0
     with warnings.catch_warnings():
@@ -270,11 +270,15 @@ def test_v034_new_keys():
                                          "draft_decode_context_parallel_size": 1,
                                          "parallel_drafting": None, "custom_method": None,
                                          "speculator_options": None})
-    assert c == SpeculativeConfig.from_vllm(_NGRAM)
-    with pytest.warns(UserWarning, match=r"no effect in specjax: suffix_decoding_corpus_tokens="
-                                         r"4096 \(") as rec:
-        c = SpeculativeConfig.from_vllm({**_NGRAM, "suffix_decoding_corpus_tokens": 4096})
-    assert len(rec) == 1 and c == SpeculativeConfig.from_vllm(_NGRAM)
+        assert c == SpeculativeConfig.from_vllm(_NGRAM)
+        c = SpeculativeConfig.from_vllm({"method": "suffix", "num_speculative_tokens": 4,
+                                         "suffix_decoding_corpus_tokens": 4096})
+    assert c.suffix_decoding_corpus_tokens == 4096 and c.suffix_backend == "device"
+    with pytest.warns(UserWarning, match="suffix_decoding_corpus_tokens=4096 has no effect with "
+                                         "suffix_backend='arctic'"):
+        SpeculativeConfig.from_vllm({"method": "suffix", "num_speculative_tokens": 4,
+                                     "suffix_backend": "arctic",
+                                     "suffix_decoding_corpus_tokens": 4096})
     for bad in (-1, 1 << 31, 1.5):
         with pytest.raises(ValueError, match="suffix_decoding_corpus_tokens"):
             SpeculativeConfig.from_vllm({**_NGRAM, "suffix_decoding_corpus_tokens": bad})
@@ -289,12 +293,14 @@ def test_v034_new_keys():
                                          "method 'eagle3'"):
         SpeculativeConfig.from_vllm({"method": "eagle3", "num_speculative_tokens": 2,
                                      "speculator_options": {"x": 1}})
-    # dspark: implemented (greedy, parallel drafting), adaptive verification refused by name
-    assert SpeculativeConfig.from_vllm({"method": "dspark", "num_speculative_tokens": 2}
-                                       ).parallel_drafting
-    with pytest.raises(ValueError, match="method='dspark' drafts greedily"):
+    # dspark: parallel drafting, with adaptive verification and sampled drafts
+    c = SpeculativeConfig.from_vllm({"method": "dspark", "num_speculative_tokens": 2,
+                                     "enable_adaptive_verification": True,
+                                     "draft_sample_method": "probabilistic"})
+    assert c.parallel_drafting and c.enable_adaptive_verification
+    with pytest.raises(ValueError, match="dspark_draft_topk"):
         SpeculativeConfig.from_vllm({"method": "dspark", "num_speculative_tokens": 2,
-                                     "enable_adaptive_verification": True})
+                                     "dspark_draft_topk": 64})
 
 
 @pytest.mark.smoke

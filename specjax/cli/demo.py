@@ -145,7 +145,7 @@ def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL
                   block_size: int = BLOCK_SIZE, tree: str | None = None, **options):
     """The demo's proposer of ``method`` with ``k`` speculative tokens (shipped weights);
     ``tree``: a ``speculative_token_tree`` for ``eagle`` / ``eagle3`` (``k`` then ignored);
-    ``options``: further ``SpeculativeConfig`` fields of a model method."""
+    ``options``: further ``SpeculativeConfig`` fields (model methods, suffix)."""
     from specjax import demo_models
     from specjax.proposers import make_proposer
 
@@ -155,7 +155,8 @@ def demo_proposer(method: str, k: int, target, *, max_model_len: int = MAX_MODEL
                                 prompt_lookup_max=5)
         return make_proposer(cfg, **common)
     if method == "suffix":
-        return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k), **common)
+        return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                               **options), **common)
     tm, tp = target
     common.update(target=tm, target_params=tp)
     if method == "extract_hidden_states":

@@ -124,7 +124,8 @@ class DeviceLoopDriver:
         out, e.target_kv, e.draft_state, state = decode_loop(
             e.step, e.target.params, e.step.draft_params, e.target_kv, e.draft_state, state,
             steps_per_sync=n, stop_on_finish=stop_on_finish,
-            early_exit=(stop_on_finish or self.idle_early_exit) if ee is None else ee)
+            early_exit=(stop_on_finish or self.idle_early_exit) if ee is None else ee,
+            drafter_state=getattr(e.proposer, "device_drafter_state", None))
         for x in jax.tree.leaves(out):      # the next call may donate the state: not its drafts
             x.copy_to_host_async()
         e.host_s += time.perf_counter() - t

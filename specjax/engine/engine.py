@@ -373,6 +373,8 @@ class Engine:
                         r.finished_time = t
                         running.remove(r)
                         sched.release(r)
+                    if finished and self.proposer is not None:   # (a suffix corpus learns now)
+                        self.proposer.finish_requests(*_Request.documents(finished))
                     done += len(finished)
                     if progress is not None:
                         progress(done, len(reqs), sum(len(r.output) for r in reqs))
@@ -510,7 +512,7 @@ class Engine:
         # a partial prefill drafts nothing (its drafter only wrote the chunk's KV)
         alive = [i for i, r in enumerate(running) if not r.finish_reason and not partial[i]]
         if self.drafts_in in ("step", "split"):
-            feats = None if self.verifier is None else _features(out, self.proposer)
+            feats = None if self.verifier is None else self.verifier.features(out, self.proposer)
             for i in alive:
                 running[i].drafts = out.drafts[i, : int(out.num_drafts[i])].tolist()
                 if feats is not None:
@@ -546,14 +548,6 @@ def _history(running: list[_Request], alive: list[int], gained, tok_buf, b_pad) 
         num_tokens=np.array([running[i].num_tokens for i in alive], _I32),
         num_prompt_tokens=np.array([len(running[i].prompt) for i in alive], _I32),
         sampled_token_ids=[gained[i] for i in alive], rows_pad=b_pad)
-
-
-def _features(out: StepOutput, proposer: Any) -> np.ndarray:
-    """The step's ``[B, k]`` draft features; an error naming the proposer when it gave none."""
-    if out.features is None:
-        raise RuntimeError(f"enable_adaptive_verification=True: the proposer "
-                           f"{type(proposer).__name__} returned no DraftOutput.features")
-    return out.features
 
 
 def _check_budget(opts: LoopOptions, max_model_len: int, block_size: int) -> None:

@@ -57,6 +57,13 @@ class _Request:
         p = len(self.prompt)
         return self.prompt[i] if i < p else self.output[i - p]
 
+    @staticmethod
+    def documents(reqs: Sequence["_Request"]) -> tuple[list, dict]:
+        """``(req_ids, {req_id: (prompt length, prompt + output)})`` of finished requests,
+        ``Proposer.finish_requests``' arguments."""
+        return [r.req_id for r in reqs], {r.req_id: (len(r.prompt), list(r.prompt) + list(r.output))
+                                          for r in reqs}
+
 
 def _pick(buckets: Sequence[int] | None, n: int, cap: int | None = None,
           name: str = "buckets", what: str = "") -> int:

@@ -38,6 +38,15 @@ class AdaptiveVerifier:
         #: the K* of each admission so far (what the policy chose, for tests and benchmarks)
         self.history: list[int] = []
 
+    @staticmethod
+    def features(out: Any, proposer: Any) -> np.ndarray:
+        """The step's ``[B, k]`` draft features (``StepOutput.features``); an error naming
+        the proposer when it gave none."""
+        if out.features is None:
+            raise RuntimeError(f"enable_adaptive_verification=True: the proposer "
+                               f"{type(proposer).__name__} returned no DraftOutput.features")
+        return out.features
+
     def _rows(self, reqs: Sequence[_Request], cols: Any) -> Any:
         """``[B_pad, k]`` float32 features of ``reqs`` (rows past them 0), on the CPU."""
         b = next_power_of_2(max(len(reqs), 1))

@@ -5,7 +5,6 @@ when called, so ``import specjax.proposers`` pulls in neither numba nor the mode
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,9 +33,13 @@ def _ngram_gpu(config: SpeculativeConfig, *, max_model_len: int) -> Proposer:
 
 
 def _suffix(config: SpeculativeConfig, *, max_model_len: int) -> Proposer:
-    from specjax.proposers.suffix import SuffixProposerAdapter
+    if config.suffix_backend == "arctic":
+        from specjax.proposers.suffix import SuffixProposerAdapter
 
-    return SuffixProposerAdapter(config, max_model_len=max_model_len)
+        return SuffixProposerAdapter(config, max_model_len=max_model_len)
+    from specjax.proposers.suffix_gpu import SuffixGPUProposerAdapter
+
+    return SuffixGPUProposerAdapter(config, max_model_len=max_model_len)
 
 
 #: The token-history methods and their builders (each imports its module when called).
@@ -107,16 +110,14 @@ BUILDERS: dict[str, Any] = {**_HISTORY_METHODS, **_MODEL_METHODS}
 
 def available_methods() -> tuple[str, ...]:
     """Methods ``make_proposer`` can build in this install (the proposer module imports,
-    and arctic-inference for ``suffix``), then those registered with
+    ``suffix`` on the device whether or not arctic-inference imports), then those registered with
     ``specjax.register_speculative_method``."""
     from specjax.method_registry import registered_methods
 
     out = []
     for m, b in BUILDERS.items():
         try:
-            if m == "suffix":
-                importlib.import_module("arctic_inference.suffix_decoding")
-            elif isinstance(b, ModelBuilder):
+            if isinstance(b, ModelBuilder):
                 b.proposer_class()
         except ImportError:
             continue

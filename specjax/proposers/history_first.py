@@ -58,24 +58,30 @@ class HistoryFirstProposer(ModelProposer):
                 res.append(list(d))
         return res
 
-    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
-        super().finish_requests(req_ids)
-        self.first_stage.finish_requests(req_ids)
+    def finish_requests(self, req_ids: Sequence[Hashable], documents=None) -> None:
+        super().finish_requests(req_ids, documents)
+        self.first_stage.finish_requests(req_ids, documents)
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, history_first={self.config.history_first!r})"
 
 
 def first_stage_config(config: SpeculativeConfig) -> SpeculativeConfig:
-    """The config of ``config.history_first``'s proposer: same k and drafter limit."""
+    """The config of ``config.history_first``'s proposer: same k and drafter limit, the
+    suffix keys and the already resolved ``suffix_backend``."""
+    import warnings
+
     stage = config.history_first
     ngram = stage in ("ngram", "ngram_gpu")
-    return SpeculativeConfig(
-        method=stage, num_speculative_tokens=config.num_speculative_tokens,
-        prompt_lookup_min=config.prompt_lookup_min if ngram else None,
-        prompt_lookup_max=config.prompt_lookup_max if ngram else None,
-        suffix_decoding_max_tree_depth=config.suffix_decoding_max_tree_depth,
-        suffix_decoding_max_cached_requests=config.suffix_decoding_max_cached_requests,
-        suffix_decoding_max_spec_factor=config.suffix_decoding_max_spec_factor,
-        suffix_decoding_min_token_prob=config.suffix_decoding_min_token_prob,
-        max_model_len=config.max_model_len)
+    with warnings.catch_warnings():       # the outer config has warned about its suffix keys
+        warnings.simplefilter("ignore", UserWarning)
+        return SpeculativeConfig(
+            method=stage, num_speculative_tokens=config.num_speculative_tokens,
+            prompt_lookup_min=config.prompt_lookup_min if ngram else None,
+            prompt_lookup_max=config.prompt_lookup_max if ngram else None,
+            suffix_decoding_max_tree_depth=config.suffix_decoding_max_tree_depth,
+            suffix_decoding_max_cached_requests=config.suffix_decoding_max_cached_requests,
+            suffix_decoding_max_spec_factor=config.suffix_decoding_max_spec_factor,
+            suffix_decoding_min_token_prob=config.suffix_decoding_min_token_prob,
+            suffix_decoding_corpus_tokens=config.suffix_decoding_corpus_tokens,
+            suffix_backend=config.suffix_backend, max_model_len=config.max_model_len)

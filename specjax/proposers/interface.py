@@ -4,7 +4,7 @@ see), the padded-batch helpers and the base of the token-history adapters."""
 
 from __future__ import annotations
 
-from typing import Any, Hashable, NamedTuple, Sequence
+from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -106,8 +106,12 @@ class Proposer:
     def propose_from_history(self, history: TokenHistory) -> DraftOutput:
         raise NotImplementedError(f"method={self.method!r} does not draft from token history")
 
-    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
-        """The loop calls this when requests leave for good (per-request host state)."""
+    def finish_requests(self, req_ids: Sequence[Hashable],
+                        documents: Mapping[Hashable, tuple[int, Sequence[int]]] | None = None
+                        ) -> None:
+        """The loop calls this when requests leave for good (per-request host state);
+        ``documents``: ``req_id -> (prompt length, prompt + output)`` of those that finished
+        (not aborted), for proposers that learn from finished responses."""
 
     def on_mesh(self, mesh: Any, axis: str = "tp") -> "Proposer":
         """This proposer for tensor parallelism over ``mesh[axis]`` (itself for

@@ -516,6 +516,6 @@ class NgramGPUProposerAdapter(HistoryProposer):
                                             jnp.asarray(num))
         self.num_context_uploads += len(which)
 
-    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
+    def finish_requests(self, req_ids: Sequence[Hashable], documents=None) -> None:
         for rid in req_ids:
             self._release(rid)

@@ -215,7 +215,7 @@ class SuffixProposerAdapter(HistoryProposer):
                                         history.num_tokens, history.token_ids,
                                         history.num_prompt_tokens)
 
-    def finish_requests(self, req_ids: Sequence[Hashable]) -> None:
+    def finish_requests(self, req_ids: Sequence[Hashable], documents=None) -> None:
         cache = self.impl.suffix_cache
         for r in req_ids:
             if r in cache.active_requests:

@@ -5,7 +5,7 @@ over a :class:`LoopState` on the device and returns every iteration's tokens at 
 (:class:`LoopOutput`): one host sync instead of ``N``. Requests must be decoding (prefill
 per step, then ``make_loop_state``, or ``specjax.runtime.loop_rows.admit`` into a kept
 state); seeded sampling gives the per-step path's tokens.
-Host n-gram, suffix and the non-padded drafter batch are refused (``loop_support``)."""
+Host n-gram, Arctic suffix and the non-padded drafter batch are refused (``loop_support``)."""
 
 from __future__ import annotations
 
@@ -345,7 +345,7 @@ def _commit(st: LoopState, sampled, k: int):
 
 
 def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, target_kv,
-          draft_state, st: LoopState, stop_on_finish):
+          draft_state, st: LoopState, stop_on_finish, drafter_state=None):
     k = spec.k
     b = st.last_token.shape[0]
     real = jnp.arange(b, dtype=jnp.int32) < st.num_reqs
@@ -385,7 +385,8 @@ def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, targe
             col = jnp.where(jj < emit[:, None], st.num_computed[:, None] + 1 + jj, w)
             rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], col.shape)
             hist = hist.at[rows, col].set(emitted, mode="drop")
-            d = drafter.search(hist, nc + 1, real & ~finished)
+            d = (drafter.search(hist, nc + 1, real & ~finished) if drafter_state is None else
+                 drafter.draft(drafter_state, hist, nc + 1, real & ~finished))
             drafts, num_drafts = d.token_ids.astype(jnp.int32), d.num_drafts.astype(jnp.int32)
         elif k:
             drafts, num_drafts = out.drafts, out.num_drafts
@@ -441,19 +442,22 @@ def loop_support(step) -> str | None:
                 f"steps_per_sync=1)")
     if feed.drafts_in == "history" and getattr(prop, "device_drafter", None) is None:
         return (f"method={method!r} drafts on the host from the token history; only device "
-                f"proposers (and ngram_gpu) run in the device loop (use steps_per_sync=1)")
+                f"proposers (and ngram_gpu, suffix_backend='device') run in the device loop (use "
+                f"steps_per_sync=1)")
     return None
 
 
 def decode_loop(step, target_params, draft_params, target_kv, draft_state, state: LoopState, *,
-                steps_per_sync: int, stop_on_finish: bool = False, early_exit: bool = True
-                ) -> tuple[LoopOutput, Any, Any, LoopState]:
+                steps_per_sync: int, stop_on_finish: bool = False, early_exit: bool = True,
+                drafter_state: Any = None) -> tuple[LoopOutput, Any, Any, LoopState]:
     """Up to ``steps_per_sync`` decoding iterations of ``step`` on the device in one call;
     ``target_kv``, ``draft_state`` and ``state`` are donated. Returns ``(LoopOutput, target_kv,
     draft_state, state)``; the state continues the loop once the requests hold
     ``loop_blocks_needed`` blocks. ``stop_on_finish``: end once a request finishes.
     ``early_exit``: True, a ``while_loop``; False, exactly ``steps_per_sync`` iterations (no
-    predicate read back), those after the end masked; same tokens. Raises ValueError, before
+    predicate read back), those after the end masked; same tokens. ``drafter_state``: a
+    stateful device history drafter's state (``proposer.device_drafter_state``, e.g. the
+    suffix corpus), read, not changed, by every iteration. Raises ValueError, before
     anything runs, for a proposer the loop does not run, a state of another ``k`` / block
     size, a bad ``steps_per_sync``, and ``Step.__call__``'s argument checks: caches or state
     donated to an earlier call, params missing or not the step's, a host state's block id past
@@ -484,6 +488,9 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
     drafter = None
     if feed is not None and feed.drafts_in == "history":
         drafter = step.proposer.device_drafter
+        if getattr(drafter, "stateful", False) and drafter_state is None:
+            raise ValueError(f"method={step.proposer.method!r} drafts from a device state: give "
+                             "decode_loop(..., drafter_state=proposer.device_drafter_state)")
         if state.history is None:
             raise ValueError("this proposer drafts from the token history: build the state with "
                              "make_loop_state(history=...)")
@@ -502,4 +509,5 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
     with _compat.use_mesh(getattr(step, "mesh", None)):     # read by MoE experts
         return _loop_jit(spec, int(steps_per_sync), drafter, bool(early_exit), target_params,
                          dparams, target_kv, draft_state, state,
-                         jnp.asarray(bool(stop_on_finish)))
+                         jnp.asarray(bool(stop_on_finish)),
+                         drafter_state if getattr(drafter, "stateful", False) else None)

@@ -90,9 +90,14 @@ def test_rows_verify_the_drafts_of_their_stage():
 def test_finish_requests_reach_the_first_stage():
     prop = build("eagle3", 2, **NGRAM)
     seen = []
-    prop.first_stage.finish_requests = seen.extend
-    generate(target(), prop, PROMPTS_A[:2], PARAMS_A[:2], **FIXED)
-    assert len(seen) == 2
+    prop.first_stage.finish_requests = lambda ids, docs=None: seen.append((list(ids), docs))
+    out = generate(target(), prop, PROMPTS_A[:2], PARAMS_A[:2], **FIXED)
+    finished = {r for ids, docs in seen if docs for r in ids}       # as each one finished
+    assert len(finished) == 2 and len(seen[-1][0]) == 2              # then all, at the end
+    for ids, docs in seen[:-1]:
+        for r in ids:
+            i = sorted(finished).index(r)                    # ids in prompt order
+            assert docs[r] == (len(PROMPTS_A[i]), list(PROMPTS_A[i]) + out.token_ids[i])
 
 
 @pytest.mark.skipif("draft_model" not in METHODS, reason="draft_model unavailable")

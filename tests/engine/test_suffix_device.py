@@ -1,0 +1,81 @@
+"""``method="suffix"`` on the device backend (vLLM 0.34's GPU suffix speculator) in the engine:
+greedy output equals plain decoding on the step loop and the device loop; a finished request's
+response joins the corpus as it finishes, so a later request of the same ``generate`` drafts
+from it; seeded sampling keeps the target's distribution (chi-square); the device loop refuses
+a stateful drafter without its state."""
+
+import numpy as np
+import pytest
+
+from specjax import SpeculativeConfig
+from specjax.engine import Engine, LoopOptions, SamplingParams, generate
+from specjax.proposers import make_proposer
+from specjax.proposers.suffix_gpu import SuffixGPUProposerAdapter
+from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
+    BS, MML, N_SAMPLES, SAMPLE_PROMPT, _chi2_first_verified, _fast_compiles, baseline, fixed,
+    run, target)
+
+
+def build(k=4, mml=MML, **kw):
+    cfg = SpeculativeConfig(method="suffix", num_speculative_tokens=k, **kw)
+    prop = make_proposer(cfg, max_model_len=mml, block_size=BS)
+    assert isinstance(prop, SuffixGPUProposerAdapter) and cfg.suffix_backend == "device"
+    return prop
+
+
+@pytest.mark.parametrize("which", ["A", "B"])
+def test_greedy_output_equals_plain(which):
+    out = run(build(), which)
+    base = baseline(which)
+    assert out.token_ids == base.token_ids
+    assert [o.finish_reason for o in out.outputs] == [o.finish_reason for o in base.outputs]
+
+
+@pytest.mark.parametrize("loop", [dict(steps_per_sync=4), dict(steps_per_sync=4, overlap=True)])
+def test_the_device_loop_drafts_from_the_corpus(loop):
+    """Same prompt three times, one request at a time: greedy output equals plain decoding on
+    the device loop, and the later requests, whose first response is in the corpus by then,
+    accept more drafts than the first."""
+    prompts = [[5, 9, 2, 7, 11, 3]] * 3
+    sps = [SamplingParams(max_tokens=24, ignore_eos=True)] * 3
+    plain = Engine(target(), None, max_num_seqs=1, **fixed()).generate(prompts, sps)
+    for opts in ({}, loop):
+        prop = build()
+        out = Engine(target(), prop, max_num_seqs=1, **fixed(**opts)).generate(prompts, sps)
+        assert out.token_ids == plain.token_ids, opts
+        acc = [o.num_accepted_tokens for o in out.outputs]
+        assert acc[1] > acc[0] and acc[2] > acc[0], (opts, acc)
+        assert int(np.asarray(prop.state.doc_seq)) == 3          # each response ingested once
+
+
+def test_without_the_corpus_nothing_is_learned_across_requests():
+    prompts = [[5, 9, 2, 7, 11, 3]] * 2
+    sps = [SamplingParams(max_tokens=24, ignore_eos=True)] * 2
+    out = Engine(target(), build(suffix_decoding_corpus_tokens=0), max_num_seqs=1,
+                 **fixed()).generate(prompts, sps)
+    acc = [o.num_accepted_tokens for o in out.outputs]
+    assert acc[0] == acc[1]
+
+
+def test_sampling_keeps_the_target_distribution():
+    """Chi-square at alpha = 1e-3 on the first verified token (the own-history match of
+    the repeated prompt drafts it)."""
+    tgt = target(4.0)
+    sps = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(N_SAMPLES)]
+    out = generate(tgt, build(2, 16), [SAMPLE_PROMPT] * N_SAMPLES, sps, max_model_len=16,
+                   block_size=BS, options=LoopOptions(query_buckets=(8,), context_buckets=(2,)))
+    assert out.spec_stats.num_draft_tokens > 0
+    assert _chi2_first_verified(out, tgt) > 1e-3
+
+
+def test_the_device_loop_needs_the_drafter_state():
+    from specjax.runtime.decode_loop import decode_loop, make_loop_state
+
+    eng = Engine(target(), build(), max_num_seqs=1, **fixed(steps_per_sync=4))
+    st = make_loop_state(last_token=[3], num_computed=[5], drafts=[[]], max_tokens=[4],
+                         num_output=[0], block_ids=[[1]], k=4, num_reqs_pad=1,
+                         blocks_per_req_pad=MML // BS, query_len_pad=8, max_model_len=MML,
+                         block_size=BS, history=[[5, 9, 2, 7, 11, 3]])
+    with pytest.raises(ValueError, match="drafter_state=proposer.device_drafter_state"):
+        decode_loop(eng.step, eng.target.params, eng.step.draft_params, eng.target_kv,
+                    eng.draft_state, st, steps_per_sync=4)
