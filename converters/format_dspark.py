@@ -42,7 +42,8 @@ _KEYS = {"markov_rank": None, "markov_head_type": "vanilla", "enable_confidence_
 #: Training-side keys (not read by vLLM): ignored with a note.
 _TRAINING = ("confidence_head_alpha", "num_anchors", "num_target_layers")
 #: Keys that change the drafts in ways specjax does not implement: refused by name.
-_REFUSED = {"dspark_draft_topk": "top-k Markov evaluation (truncated base logits)",
+_REFUSED = {"dspark_draft_topk": "top-k Markov evaluation read from the checkpoint (give it as "
+                                 "SpeculativeConfig(dspark_draft_topk=...), which vLLM also reads)",
             "dspark_draft_input": "per-slot mask embeddings (Mistral-Large-4)",
             "dspark_head_type": "Mistral-Large-4's head key (write markov_head_type)"}
 #: The extra Markov projection of each head type (models/dspark.py).

@@ -45,12 +45,15 @@ def markov_step(params: dict, c: ModelConfig, prev: jax.Array, h: jax.Array,
 
 
 def markov_chain(params: dict, c: ModelConfig, z: jax.Array, h: jax.Array, anchor: jax.Array,
-                 choose: Callable | None = None, with_confidence: bool = True):
+                 choose: Callable | None = None, with_confidence: bool = True,
+                 topk: int | None = None):
     """Sequential drafting: base logits ``z [B, N, Vd]``, post-norm hidden ``h [B, N, H]``,
     ``anchor [B]`` -> ``(drafts [B, N] int32 target ids, extras, confidences [B, N] or
     None)``. ``choose(l [B, Vd], i) -> (tokens [B] target ids, extras pytree)`` picks slot
     ``i`` from its Markov-biased logits (default: the argmax through ``d2t``, extras None);
-    the extras come back stacked ``[B, N, ...]``."""
+    the extras come back stacked ``[B, N, ...]``. ``topk`` (vLLM's ``dspark_draft_topk``):
+    only each slot's top-``topk`` base logits get the bias (``W2`` rows gathered, not the
+    ``[Vd, r]`` product), the rest are -inf."""
     w2 = params["markov_head"]["markov_w2"]["kernel"].astype(_F32)       # [r, Vd]
     d2t = params.get("d2t")
     conf = (params.get("confidence_head")
@@ -61,13 +64,28 @@ def markov_chain(params: dict, c: ModelConfig, z: jax.Array, h: jax.Array, ancho
         d = jnp.argmax(l, -1).astype(jnp.int32)
         return (d if d2t is None else d + d2t[d].astype(jnp.int32)), None
 
-    choose = choose or argmax
+    default, choose = choose is None, choose or argmax
+
+    def biased(zi, m):
+        if topk is None:
+            return zi.astype(_F32) + c.logit_scale * (m @ w2)
+        vals, idx = jax.lax.top_k(zi.astype(_F32), topk)                    # [B, K]
+        sub = vals + c.logit_scale * jnp.einsum("rbk,br->bk", w2[:, idx], m)
+        if default:                 # the argmax among the K: no [B, Vd] array
+            return idx, sub
+        rows = jnp.arange(zi.shape[0])[:, None]
+        return jnp.full(zi.shape, -jnp.inf, _F32).at[rows, idx].set(sub)
 
     def step(carry, xs):
         prev, state = carry
         zi, hi, i = xs
         m, state = markov_step(params, c, prev, hi, state)
-        d, extra = choose(zi.astype(_F32) + c.logit_scale * (m @ w2), i)
+        if default and topk is not None:
+            idx, sub = biased(zi, m)
+            d = jnp.take_along_axis(idx, jnp.argmax(sub, -1)[:, None], 1)[:, 0].astype(jnp.int32)
+            d, extra = (d if d2t is None else d + d2t[d].astype(jnp.int32)), None
+        else:
+            d, extra = choose(biased(zi, m), i)
         ci = jnp.zeros(d.shape, _F32)
         if conf is not None:
             f = jnp.concatenate([hi, m], -1) if c.confidence_head_with_markov else hi

@@ -102,7 +102,8 @@ class SpeculativeConfig:
     its config class and stored as its value. ``num_speculative_tokens_per_batch_size``:
     vLLM's ``[lo, hi, K]`` schedule (``specjax.adaptive_k``), stored as sorted tuples.
     ``suffix_backend`` (specjax's): ``"device"`` (vLLM 0.34), ``"arctic"`` (vLLM 0.20) or
-    None, resolved for suffix decoding (``_resolve_suffix_backend``).
+    None, resolved for suffix decoding (``_resolve_suffix_backend``). ``dspark_draft_topk``
+    (vLLM 0.34, DSpark only): the Markov bias is evaluated on the base logits' top-k only.
     """
 
     method: str | None = None
@@ -131,6 +132,7 @@ class SpeculativeConfig:
     draft_sample_method: str = "greedy"
     suffix_decoding_corpus_tokens: int = 1 << 20
     suffix_backend: str | None = None
+    dspark_draft_topk: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda f, v: object.__setattr__(self, f, v)  # noqa: E731
@@ -302,6 +304,11 @@ class SpeculativeConfig:
             if self.speculative_token_tree is not None and not is_chain:
                 raise ValueError("num_speculative_tokens_per_batch_size cannot be combined with "
                                  "a branching speculative_token_tree (its k is a node count)")
+        if self.dspark_draft_topk is not None:      # vLLM 0.34's message for other methods
+            if method != "dspark":
+                raise ValueError(f"dspark_draft_topk is not supported with speculative method "
+                                 f"{method!r}")
+            check_int("dspark_draft_topk", self.dspark_draft_topk, 1)
         if self.enable_adaptive_verification:
             _check_adaptive_verification(self, method)
         if self.draft_sample_method != "greedy":

@@ -28,7 +28,7 @@ VLLM_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "index_share_for_mtp_iteration": (None,), "disable_eagle_block_drop": (False,),
     "disable_lookahead_block_hashes": (False,), "draft_lm_head_quantization": (None,),
     "use_heterogeneous_vocab": (False,),
-    "dspark_draft_topk": (None,), "xpress_topc": (None,), "fly_window_size": (None,),
+    "xpress_topc": (None,), "fly_window_size": (None,),
     "fly_entropy_threshold": (0.3,), "fly_entropy_top_k": (3,),
 }
 

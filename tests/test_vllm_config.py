@@ -298,9 +298,14 @@ def test_v034_new_keys():
                                      "enable_adaptive_verification": True,
                                      "draft_sample_method": "probabilistic"})
     assert c.parallel_drafting and c.enable_adaptive_verification
-    with pytest.raises(ValueError, match="dspark_draft_topk"):
-        SpeculativeConfig.from_vllm({"method": "dspark", "num_speculative_tokens": 2,
+    assert SpeculativeConfig.from_vllm({"method": "dspark", "num_speculative_tokens": 2,
+                                        "dspark_draft_topk": 64}).dspark_draft_topk == 64
+    with pytest.raises(ValueError, match="dspark_draft_topk is not supported with speculative "
+                                         "method 'eagle3'"):
+        SpeculativeConfig.from_vllm({"method": "eagle3", "num_speculative_tokens": 2,
                                      "dspark_draft_topk": 64})
+    with pytest.raises(ValueError, match="dspark_draft_topk"):
+        SpeculativeConfig(method="dspark", num_speculative_tokens=2, dspark_draft_topk=0)
 
 
 @pytest.mark.smoke

@@ -64,8 +64,13 @@ class DSparkProposer(DFlashProposer):
                      self.model.config.vocab_size, features=False if conf else None)
             return (d.tokens, d) if isinstance(d, Drafts) else (d, None)
 
+        cfg = self.config        # plain: markov_chain's own argmax (top-k without [B, Vd])
+        plain = inputs.draft_sampling is None and not cfg.use_local_argmax_reduction and (
+            conf or not cfg.enable_adaptive_verification)
         tokens, extra, c = self.model.draft(params, hb, jnp.asarray(inputs.next_token_ids, _I32)[:b],
-                                            choose=choose, with_confidence=conf)
+                                            choose=None if plain else choose,
+                                            with_confidence=conf,
+                                            topk=cfg.dspark_draft_topk)
         feats = c if conf else None if extra is None else extra.features
         probs = None if extra is None else extra.probs
         drafts = tokens if feats is None and probs is None else Drafts(tokens, feats, probs)

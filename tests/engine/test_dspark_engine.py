@@ -119,7 +119,22 @@ def test_without_a_confidence_head_the_estimator_scores_the_markov_logits():
     assert int(np.asarray(eng.verifier.state.count).sum()) > 0
 
 
-@pytest.mark.parametrize("hf", [{}, dict(CONF)])
+def test_topk_markov_is_lossless():
+    """``dspark_draft_topk``: greedy output equals plain decoding; the drafts differ from
+    the full evaluation's (a strong Markov bias, top-2 base logits only)."""
+    def strong(dcfg):
+        p = registry.init_params("dspark", dcfg, 1)
+        mh = p["markov_head"]
+        w2 = {"kernel": np.asarray(mh["markov_w2"]["kernel"]) * 50}
+        return dict(p, markov_head=dict(mh, markov_w2=w2))
+
+    topk = te.run(build(3, strong, spec=dict(dspark_draft_topk=2)), "A")
+    full = te.run(build(3, strong), "A")
+    assert texts(topk) == texts(full) == texts(te.baseline("A"))
+    assert topk.spec_stats.num_accepted_tokens != full.spec_stats.num_accepted_tokens
+
+
+@pytest.mark.parametrize("hf", [{}, dict(CONF), dict(topk=3)])
 def test_anchored_sampled_drafts_keep_the_target_distribution(hf):
     """Chi-square on the first verified token, drafts sampled from the Markov-biased logits
     of an anchored block (every slot drafting), T = 1."""
@@ -127,7 +142,9 @@ def test_anchored_sampled_drafts_keep_the_target_distribution(hf):
     from test_draft_sampling import _chi2
 
     tgt = te.target(4.0)
-    prop = build(2, tgt=tgt, mml=16, spec=dict(draft_sample_method="probabilistic"), **hf)
+    hf = dict(hf)
+    spec = dict(draft_sample_method="probabilistic", dspark_draft_topk=hf.pop("topk", None))
+    prop = build(2, tgt=tgt, mml=16, spec=spec, **hf)
     sps = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(te.N_SAMPLES)]
     out = generate(tgt, prop, [te.SAMPLE_PROMPT] * te.N_SAMPLES, sps, max_model_len=16,
                    block_size=te.BS, options=LoopOptions(query_buckets=(8,), context_buckets=(2,)))

@@ -21,7 +21,7 @@ def sig(x):
     return 1 / (1 + np.exp(-x))
 
 
-def oracle(t, c, z, h, anchor):
+def oracle(t, c, z, h, anchor, topk=None):
     w1, w2 = t["markov_head.markov_w1.weight"], t["markov_head.markov_w2.weight"]
     d2t = t.get("d2t")
     drafts, confs = np.zeros((B, N), np.int64), np.zeros((B, N))
@@ -41,7 +41,11 @@ def oracle(t, c, z, h, anchor):
                 m = np.tanh(j[2 * R:])
             else:
                 m = e
-            d = int(np.argmax(z[b, i] + w2 @ m))
+            if topk is None:
+                d = int(np.argmax(z[b, i] + w2 @ m))
+            else:       # vLLM's dspark_draft_topk: the bias on the base top-k only
+                top = np.argsort(-z[b, i], kind="stable")[:topk]
+                d = int(top[np.argmax(z[b, i, top] + w2[top] @ m)])
             if d2t is not None:
                 d = d + int(d2t[d])
             if c.enable_confidence_head:
@@ -76,6 +80,36 @@ def test_markov_chain_matches_numpy(head, conf, reduced):
     else:
         np.testing.assert_allclose(np.asarray(ci), want_c, rtol=1e-4, atol=1e-5)
     assert d.shape == (B, N) and d.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("head,topk,reduced", [("vanilla", 4, False), ("rnn", 1, True),
+                                               ("gated", 7, False)])
+def test_topk_markov_matches_numpy(head, topk, reduced):
+    """``dspark_draft_topk``: the bias evaluated on each slot's top-k base logits only; with
+    a sampler (``choose``) the other logits are -inf."""
+    hf = dict(GEO, markov_head_type=head)
+    if reduced:
+        hf.update(draft_vocab_size=20, has_d2t=True)
+    c = registry.config_from_hf("dspark", hf)
+    t = registry.random_tensors("dspark", c, 4)
+    w2 = "markov_head.markov_w2.weight"          # a strong bias: truncation then matters
+    t[w2] = np.asarray(t[w2]) * 20
+    p = registry.params_from_tensors("dspark", c, t)
+    rng = np.random.default_rng(1)
+    z = rng.standard_normal((B, N, c.draft_vocab_size)).astype(np.float32)
+    h = rng.standard_normal((B, N, H)).astype(np.float32)
+    anchor = rng.integers(0, V, B)
+    args = (p, c, jnp.asarray(z), jnp.asarray(h), jnp.asarray(anchor, jnp.int32))
+    d, _, _ = markov_chain(*args, topk=topk)
+    want, _ = oracle({k: np.asarray(v, np.float64) for k, v in t.items()}, c,
+                     z.astype(np.float64), h.astype(np.float64), anchor, topk=topk)
+    np.testing.assert_array_equal(np.asarray(d), want)
+    full, _, _ = markov_chain(*args)
+    if topk > 1:
+        assert (np.asarray(full) != want).any()      # the truncation changes drafts here
+    d2, seen, _ = markov_chain(*args, topk=topk,
+                               choose=lambda lg, i: (d[:, i], jnp.isfinite(lg).sum(-1)))
+    assert (np.asarray(seen) == topk).all()
 
 
 def test_config_roundtrip_and_refusals():
