@@ -141,6 +141,9 @@ class Models:
                                  aux_layer_ids=self.aux, **common)
         g = {key: v for key, v in self.geo.items() if key != "tie_word_embeddings"}
         h = g["hidden_size"]
+        extra = {}
+        if method.startswith("dspark-top"):      # dspark-topN: dspark_draft_topk=N
+            method, extra = "dspark", {"dspark_draft_topk": int(method[len("dspark-top"):])}
         if method == "draft_model":
             kind = "llama"
             if self.size == "8b":    # Llama-3.2-1B shape, the usual draft of Llama-3.1-8B
@@ -173,7 +176,7 @@ class Models:
             from specjax.token_tree import TokenTree
             k = TokenTree.from_choices(tree).num_nodes
         spec = SpeculativeConfig(method=method, num_speculative_tokens=k, speculative_token_tree=tree,
-                                 **({"model": "draft"} if method == "draft_model" else {}))
+                                 **({"model": "draft"} if method == "draft_model" else {}), **extra)
         return make_proposer(spec, draft=cfg, draft_params=params, **common)
 
 

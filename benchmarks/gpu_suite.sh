@@ -77,7 +77,7 @@ fi
 if [ "$what" = dspark ]; then
   timeout "${TRAIN_S:-300}" python -m specjax.training.recipe --out "$OUT/heads" --stage heads \
     --target specjax/demo_models/target --heads dspark 2>&1 | tee "$OUT/train_dspark.log" | tail -12
-  timeout "${PROP_S:-240}" python benchmarks/proposers.py --methods dflash dspark --batches 1,8,32 \
+  timeout "${PROP_S:-240}" python benchmarks/proposers.py --methods dflash dspark dspark-top64 --batches 1,8,32 \
     --json "$OUT/proposers_dspark.json" 2>&1 | tee "$OUT/proposers_dspark.log" | tail -10
 fi
 if [ "$what" = kgrid ]; then

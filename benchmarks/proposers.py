@@ -187,13 +187,17 @@ def method_case(models, method: str, b: int, k: int, ctx: int):
                                    once_bytes=first_fc)
     elif method == "extract_hidden_states":
         floor = b * q * aux[0] * aux[1] * 2               # the stored aux states (bf16)
-    else:                                                 # one forward: dflash, dspark, medusa
+    else:                                        # one forward: dflash, dspark(-topN), medusa
         if method == "medusa":                            # only heads 0 .. k-1 run
             weight = weight * k // impl.model.config.num_heads
         if method == "dspark":                            # W1: rows gathered; W2 read per slot
+            # (dspark-topN gathers N rows of W2 per slot: counted as none)
             w1 = sum(x.size * x.dtype.itemsize for n, x in names if "markov_w1" in n)
             w2 = sum(x.size * x.dtype.itemsize for n, x in names if "markov_w2" in n)
             weight += (k - 1) * w2 - w1
+        elif method.startswith("dspark-top"):
+            weight -= sum(x.size * x.dtype.itemsize for n, x in names
+                          if "markov_w1" in n or "markov_w2" in n)
         floor = floors.floor_bytes(weight, kv_tok, b, ctx, q)
     return impl, params, state, inputs, floor
 
