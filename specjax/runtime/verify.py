@@ -70,10 +70,24 @@ class VerifyStep(_Verifier):
                   logprobs_mode=logprobs_mode, fuse_projections=fuse_projections)
         self.move_kv = move_kv
         self._spec = make_spec(self, None)
-        if self._spec.draft_sampling:
-            raise ValueError("proposer: draft_sample_method='probabilistic' keeps per-request "
-                             "draft probabilities in the engine's step (specjax.Engine); "
-                             "VerifyStep verifies greedy drafts only")
+
+    def init_draft_state(self, num_blocks: int, dtype=None, *, max_num_seqs: int | None = None):
+        """The proposer's state for ``num_blocks`` KV blocks (None without a proposer);
+        with ``draft_sample_method="probabilistic"`` wrapped with ``max_num_seqs`` request
+        slots of draft probabilities (``batch.slots`` names each row's)."""
+        if self.proposer is None:
+            return None
+        state = self.proposer.init_state(num_blocks, dtype)
+        if not self._spec.draft_sampling:
+            return state
+        from specjax.checks import check_int
+        from specjax.sampling.draft_sample import init_draft_probs
+
+        if max_num_seqs is None:
+            raise ValueError("init_draft_state: max_num_seqs is required for a proposer with "
+                             "draft_sample_method='probabilistic' (its draft slots)")
+        return init_draft_probs(state, check_int("max_num_seqs", max_num_seqs, 1), self.k,
+                                self.vocab_size)
 
     @property
     def draft_params(self):
@@ -95,8 +109,9 @@ class VerifyStep(_Verifier):
         :meth:`logits_indices`) and draft the next ones from ``hidden [T, H]`` / ``aux [T,
         n_aux, H]`` of every scheduled token (each required when the proposer reads it).
         ``kv``: the target's KV, compacted by ``move_kv`` on a tree batch (None: the caller
-        compacts it from ``StepOutput.accepted_nodes``). ``draft_state`` and ``kv`` are
-        donated. Returns ``(StepOutput, draft_state, kv)``; ValueError naming a wrong or
+        compacts it from ``StepOutput.accepted_nodes``). ``draft_state`` (from
+        :meth:`init_draft_state`) and ``kv`` are donated; sampled drafts
+        (``draft_sample_method="probabilistic"``) need ``batch.slots``. Returns ``(StepOutput, draft_state, kv)``; ValueError naming a wrong or
         missing argument before anything runs (``draft_state`` / ``kv`` donated to an earlier
         call, ``draft_params`` None or not shaped as ``vs.draft_params``, a host batch's token
         id outside ``vocab_size``)."""
@@ -104,6 +119,16 @@ class VerifyStep(_Verifier):
         check_not_donated(draft_state=draft_state, kv=kv)
         check_draft_params(self, draft_params)
         spec = self._spec
+        if spec.draft_sampling:
+            from specjax.sampling.draft_sample import DraftProbState
+
+            if batch.slots is None or np.shape(batch.slots) != np.shape(batch.temperature):
+                raise ValueError("draft_sample_method='probabilistic': batch.slots must give each "
+                                 "row's request slot ([B] int32; padding rows past the slots)")
+            if not isinstance(draft_state, DraftProbState):
+                raise ValueError("draft_sample_method='probabilistic': draft_state must hold the "
+                                 "draft probabilities: build it with vs.init_draft_state(..., "
+                                 "max_num_seqs=)")
         n = int(np.shape(self.logits_indices(batch))[0])
         if np.ndim(logits) != 2 or np.shape(logits)[0] != n or np.shape(logits)[1] < self.vocab_size:
             raise ValueError(f"logits must be [{n}, V'] with V' >= vocab_size={self.vocab_size} "

@@ -175,9 +175,14 @@ def test_refused_by_name():
     with pytest.raises(ValueError, match="draft_sample_method='gumbel'; allowed"):
         SpeculativeConfig(method="eagle3", num_speculative_tokens=3, draft_sample_method="gumbel")
     prop = build("eagle3", 3, **PD)
+    from specjax.runtime.batch import build_batch
     from specjax.runtime.verify import make_verify_step
 
-    with pytest.raises(ValueError, match="VerifyStep verifies greedy drafts only"):
-        make_verify_step(prop, vocab_size=V)
+    vs = make_verify_step(prop, vocab_size=V)
+    batch = build_batch([[1, 2]], num_computed=[0], num_drafts=[0], block_ids=[[1]], block_size=BS,
+                        num_reqs_pad=1, query_len_pad=4, blocks_per_req_pad=2, max_spec_len=3)
+    state = vs.init_draft_state(8, max_num_seqs=2)
+    with pytest.raises(ValueError, match="batch.slots must give each row's request slot"):
+        vs(vs.draft_params, state, batch, np.zeros((4, V), np.float32), aux=np.zeros((4, 3, 32)))
     cfg = SpeculativeConfig.from_vllm({"method": "eagle3", "num_speculative_tokens": 3, **PD})
     assert cfg.draft_sample_method == "probabilistic"

@@ -7,6 +7,8 @@ refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,17 +43,22 @@ def _close(a, b):
                                    rtol=1e-5, atol=1e-5)
 
 
-def run_both(prop, steps=5, tree=None, caller_compacts=False, prompts=PROMPTS, **step_kw):
+def run_both(prop, steps=5, tree=None, caller_compacts=False, prompts=PROMPTS, sampled=False,
+             **step_kw):
     """Drive the fused step and the verify step on the same batches; compare every output.
-    Returns the committed token lists and the number of drafts accepted."""
+    ``sampled``: seeded requests at temperature 1, each row's draft slot its index (a
+    probabilistic drafter). Returns the committed token lists and the number of drafts
+    accepted."""
     tgt = target()
     step = make_step(tgt.model, prop, **step_kw)
     tparams = step.place_target_params(tgt.params)
     vs = make_verify_step(prop, vocab_size=tgt.model.vocab_size,
                           move_kv=None if caller_compacts else step.target.move_kv, **step_kw)
     assert vs.k == step.k and vs.tree == step.tree
-    kv, state = step.init_caches(NB, BS)
-    kv2, state2 = jax.tree.map(jnp.copy, (kv, state))
+    kv, state = step.init_caches(NB, BS, max_num_seqs=4 if sampled else None)
+    kv2 = jax.tree.map(jnp.copy, kv)
+    state2 = jax.tree.map(jnp.copy, state) if state is None or not sampled else \
+        vs.init_draft_state(NB, max_num_seqs=4)
     fwd = _forward(step.target)
     seqs = [list(p) for p in prompts]
     computed, drafts, accepted, trees = [0] * len(seqs), [[] for _ in seqs], 0, 0
@@ -62,7 +69,13 @@ def run_both(prop, steps=5, tree=None, caller_compacts=False, prompts=PROMPTS, *
                             block_ids=blocks, block_size=BS, num_reqs_pad=4, query_len_pad=16,
                             blocks_per_req_pad=MML // BS, max_spec_len=step.k,
                             tree=tree if all(len(s) - c == 1 for s, c in zip(seqs, computed))
-                            else None)    # the prompts prefill as a chain batch
+                            else None,    # the prompts prefill as a chain batch
+                            **(dict(temperature=[1.0] * len(seqs), seeds=list(range(len(seqs))),
+                                    num_output_tokens=[len(s) - len(p) for s, p in
+                                                       zip(seqs, prompts)])
+                               if sampled else {}))
+        if sampled:
+            batch = dataclasses.replace(batch, slots=np.array([0, 1, 4, 4][:4], np.int32))
         out, kv, state = step(tparams, step.draft_params, kv, state, batch)
         logits, hidden, aux, kv2 = fwd(tparams, batch.input_ids, batch.positions, kv2, batch.attn,
                                        vs.logits_indices(batch))
@@ -110,6 +123,17 @@ def test_model_proposers_give_the_fused_steps_outputs(method):
     _, accepted = run_both(build(method, 3))
     if method == "draft_model":       # the draft IS the target: every draft accepted
         assert accepted >= 3 * 2 * 3
+
+
+@pytest.mark.parametrize("method", [m for m in ("eagle3", "dspark") if m in METHODS])
+def test_sampled_drafts_give_the_fused_steps_outputs(method):
+    """``draft_sample_method="probabilistic"``: the draft probabilities kept per request slot
+    (``batch.slots``, ``init_draft_state``) verify as in the fused step, token for token."""
+    run_both(build(method, 2, draft_sample_method="probabilistic"), sampled=True)
+    vs = make_verify_step(build(method, 2, draft_sample_method="probabilistic"),
+                          vocab_size=target().model.vocab_size)
+    with pytest.raises(ValueError, match="max_num_seqs is required"):
+        vs.init_draft_state(NB)
 
 
 @pytest.mark.parametrize("caller_compacts", [False, True])
