@@ -91,12 +91,10 @@ class MedusaProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             drafts = jnp.argmax(logits, axis=-1).astype(_I32).T            # [B, k]
             if token_map is not None:   # truncated head: map its argmax to target ids
                 drafts = token_map.astype(_I32)[drafts]
-        else:       # head j drafts column j
-            if token_map is not None and inputs.draft_sampling is not None:
-                raise ValueError("draft_sample_method='probabilistic' needs Medusa heads over "
-                                 "the target's vocabulary; this checkpoint has a token_map")
+        else:       # head j drafts column j (a truncated head's probs scattered to target ids)
             to_t = None if token_map is None else (lambda d: token_map.astype(_I32)[d])
-            heads = [pick(self, logits[j], inputs.draft_sampling, j, to_t) for j in range(k)]
+            heads = [pick(self, logits[j], inputs.draft_sampling, j, to_t,
+                          self.model.config.vocab_size) for j in range(k)]
             drafts = jax.tree.map(lambda *c: jnp.stack(c, axis=1), *heads)
         return draft_output(drafts, cad.num_reqs), state
 

@@ -97,6 +97,36 @@ def test_the_device_loop_keeps_draft_probabilities_per_slot(loop):
     assert dev.spec_stats.num_accepted_tokens > 0
 
 
+def test_truncated_medusa_heads_sample_over_the_target_vocabulary():
+    """A Medusa checkpoint with a ``token_map`` (heads over 48 of the 64 ids): its draft
+    probabilities are scattered to target ids, the output passes the chi-square test, and
+    greedy output is unchanged."""
+    from specjax.models import registry
+    from specjax.proposers import make_proposer
+
+    def medusa(tgt, **spec):
+        cfg = registry.config_from_hf("medusa", dict(num_heads=3, num_hidden_layers=1,
+                                                     hidden_size=32, vocab_size=V,
+                                                     truncated_vocab_size=48, has_token_map=True))
+        p = registry.init_params("medusa", cfg, 1)
+        assert np.asarray(p["token_map"]).shape == (48,)
+        return make_proposer(SpeculativeConfig(method="medusa", num_speculative_tokens=2, **spec),
+                             draft=cfg, draft_params=p, target=tgt.model, target_params=tgt.params,
+                             max_model_len=16, block_size=BS, kernel_backend="xla")
+
+    tgt = target(4.0)
+    sps = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(N_SAMPLES)]
+    out = generate(tgt, medusa(tgt, **PD), [SAMPLE_PROMPT] * N_SAMPLES, sps, max_model_len=16,
+                   block_size=BS, options=LoopOptions(query_buckets=(8,), context_buckets=(2,)))
+    assert out.spec_stats.num_draft_tokens > 0
+    assert _chi2(out, tgt, 1.0) > 1e-3
+    greedy = [SamplingParams(max_tokens=8)]
+    plain = generate(tgt, None, [SAMPLE_PROMPT], greedy, max_model_len=16, block_size=BS)
+    got = generate(tgt, medusa(tgt, **PD), [SAMPLE_PROMPT], greedy, max_model_len=16,
+                   block_size=BS)
+    assert got.token_ids == plain.token_ids
+
+
 def test_wrong_draft_probabilities_fail_the_test(monkeypatch):
     """The mutation: verification with probabilities other than the drafts' (uniform) is
     biased, and the chi-square catches it."""
