@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe|kgrid|dspark]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe|kgrid|dspark|suffix]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -33,7 +33,9 @@
 # (benchmarks/k_grid.py, KGRID_BATCH, KGRID_ARGS); dspark: issue 57, the demo DSpark head
 # trained by the recipe (DFlash's budget; $OUT/heads/dspark, copy it to
 # specjax/demo_models/dspark) and DSpark's propose beside DFlash's at B = 1, 8, 32 (8B-shaped,
-# rank 256, goal <= 1.1x); none of these is part of `all`,
+# rank 256, goal <= 1.1x); suffix: issue 58, the device suffix speculator inside the device
+# loop beside ngram_gpu and plain decoding, 8B-shaped target, B = 1, 64, 256 (SUFFIX_BATCH),
+# synthetic acceptance; none of these is part of `all`,
 # each needs several minutes). `tests` runs every GPU test
 # but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
 # Triton kernels, the EAGLE-3 propose per backend; its two-GPU cases need nvidia-h200-x2):
@@ -79,6 +81,11 @@ if [ "$what" = dspark ]; then
     --target specjax/demo_models/target --heads dspark 2>&1 | tee "$OUT/train_dspark.log" | tail -12
   timeout "${PROP_S:-240}" python benchmarks/proposers.py --methods dflash dspark dspark-top64 --batches 1,8,32 \
     --json "$OUT/proposers_dspark.json" 2>&1 | tee "$OUT/proposers_dspark.log" | tail -10
+fi
+if [ "$what" = suffix ]; then
+  timeout "${SUFFIX_S:-560}" python benchmarks/loop.py --target 8b --batch "${SUFFIX_BATCH:-1,64,256}" \
+    --n 8 --iters 100 --repeat 1 --methods plain ngram_gpu suffix --out "$OUT/loop_suffix.json" \
+    2>&1 | tee "$OUT/loop_suffix.log" | tail -20
 fi
 if [ "$what" = kgrid ]; then
   # issue 55: iteration time per (B, k), 8B target, EAGLE-3 synthetic; best static k per

@@ -100,7 +100,13 @@ def build_target(size: str, dtype, unfused: bool = False) -> tuple[TargetModel, 
 def drafter(method: str, target: TargetModel, geo: dict, size: str, k: int, rates, mml: int,
             dtype):
     """The ``method`` proposer (``eagle3``: the 8B-shaped EAGLE-3 head; ``mtp``: a MiMo MTP
-    module of the target's shape), synthetic acceptance at ``rates``."""
+    module of the target's shape; ``ngram_gpu``, ``suffix``: the device history matchers,
+    suffix with vLLM 0.34's default corpus), synthetic acceptance at ``rates``."""
+    synthetic = dict(rejection_sample_method="synthetic", synthetic_acceptance_rates=tuple(rates))
+    if method in ("ngram_gpu", "suffix"):
+        lookup = dict(prompt_lookup_min=2, prompt_lookup_max=5) if method == "ngram_gpu" else {}
+        return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k, **lookup,
+                                               **synthetic), max_model_len=mml, block_size=BS)
     g = {key: v for key, v in geo.items() if key != "tie_word_embeddings"}
     if method == "mtp":
         hf = dict(g, num_hidden_layers=1, num_nextn_predict_layers=1)
@@ -375,7 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", choices=("8b", "1b", "tiny"), default="8b" if gpu else "tiny")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--n", default="1,4,8,16,32", help="steps_per_sync values (1: per-step)")
-    ap.add_argument("--methods", nargs="+", choices=("plain", "eagle3", "mtp"), default=["plain", "eagle3"],
+    ap.add_argument("--methods", nargs="+", choices=("plain", "eagle3", "mtp", "ngram_gpu", "suffix"),
+                    default=["plain", "eagle3"],
                     help="speed-up columns need plain in the same run")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--k", type=int, default=3)
