@@ -517,9 +517,12 @@ def resolve_synthetic_acceptance_rates(k: int, rates: Any, length: Any) -> tuple
 def _check_adaptive_verification(cfg: SpeculativeConfig, method: str) -> None:
     """``enable_adaptive_verification=True`` needs a model method's chain, no local argmax."""
     name = "enable_adaptive_verification=True"
+    if method == "suffix" and cfg.suffix_backend == "device":
+        return              # vLLM 0.34: the suffix speculator's acceptance statistics
     if method not in MODEL_CHAIN_METHODS:
         raise ValueError(f"{name} needs a method whose drafts have a distribution, one of "
-                         f"{MODEL_CHAIN_METHODS}; got method={method!r}")
+                         f"{MODEL_CHAIN_METHODS}, or method='suffix' on the device backend; got "
+                         f"method={method!r}")
     tree = cfg.speculative_token_tree
     if tree is not None and parse_token_tree(tree) != _chain_tree(cfg.num_speculative_tokens):
         raise ValueError(f"{name} cannot be combined with a branching speculative_token_tree")

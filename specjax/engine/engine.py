@@ -526,8 +526,10 @@ class Engine:
             hist = _history(running, alive, gained, tok_buf, b_pad)
             drafted = self.proposer.propose_from_history(hist)
             tok, cnt = np.asarray(drafted.token_ids), np.asarray(drafted.num_drafts)
+            feats = None if self.verifier is None else self.verifier.features(drafted, self.proposer)
             for j, i in enumerate(alive):
                 running[i].drafts = tok[j, : int(cnt[j])].tolist()
+                running[i].draft_features = None if feats is None else np.asarray(feats[j])
         for r, (d0, a0) in zip(running, before):
             self.observe(r, r.num_drafted - d0, r.num_accepted - a0)
         self._k_now = self.policy_k([running[i] for i in alive])

@@ -33,6 +33,8 @@ class AdaptiveVerifier:
     def __init__(self, k: int, proposer: Any = None):
         self.k = int(k)
         self.confidence = bool(getattr(proposer, "drafts_confidence", False))
+        #: a confidence source's own statistics (suffix decoding's), fed what was verified
+        self._observe_hook = getattr(proposer, "observe_verification", None)
         self.cpu = jax.devices("cpu")[0]
         self.state = jax.device_put(estimator_init(self.k), self.cpu)
         #: the K* of each admission so far (what the policy chose, for tests and benchmarks)
@@ -40,8 +42,8 @@ class AdaptiveVerifier:
 
     @staticmethod
     def features(out: Any, proposer: Any) -> np.ndarray:
-        """The step's ``[B, k]`` draft features (``StepOutput.features``); an error naming
-        the proposer when it gave none."""
+        """The step's ``[B, k]`` draft features (``StepOutput.features`` or a history
+        proposer's ``DraftOutput.features``); an error naming the proposer when it gave none."""
         if out.features is None:
             raise RuntimeError(f"enable_adaptive_verification=True: the proposer "
                                f"{type(proposer).__name__} returned no DraftOutput.features")
@@ -74,7 +76,10 @@ class AdaptiveVerifier:
 
     def observe(self, reqs: Sequence[_Request], verified: Sequence[int],
                 accepted: Sequence[int]) -> None:
-        """Fold ``verified[i]`` drafts of ``reqs[i]``, ``accepted[i]`` accepted, in."""
+        """Fold ``verified[i]`` drafts of ``reqs[i]``, ``accepted[i]`` accepted, in (a
+        confidence source that keeps statistics gets them instead of the estimator)."""
+        if self.confidence and self._observe_hook is not None:
+            self._observe_hook([r.req_id for r in reqs], list(verified), list(accepted))
         if self.confidence or not any(verified):
             return
         b = next_power_of_2(max(len(reqs), 1))

@@ -38,6 +38,16 @@ from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput
 NUM_CANDIDATES = 2 * NUM_SLOTS
 #: ``SuffixMatch.source`` values.
 SOURCE_NONE, SOURCE_OWN, SOURCE_CORPUS = -1, 0, 1
+#: vLLM 0.34's match-length buckets of the confidence statistics: 1..6 each, 7-10, 11-20, 21+.
+NUM_LENGTH_BUCKETS = 9
+#: Steps after which the statistics halve.
+STATS_HALF_LIFE = 1024
+
+
+def confidence_bucket(match_len: int) -> int:
+    """The statistics bucket of a match of ``match_len >= 1`` tokens (0 for 0)."""
+    return max(match_len, 1) - 1 if match_len <= 6 else 6 if match_len <= 10 else \
+        7 if match_len <= 20 else 8
 
 
 class SuffixMatch(NamedTuple):
@@ -384,6 +394,11 @@ class SuffixGPUProposerAdapter(HistoryProposer):
         self._rows = NgramGPUProposer(num_speculative_tokens=config.num_speculative_tokens,
                                       max_model_len=max_model_len)
         self.state = self.impl.init_state()      # SuffixGPUState
+        #: adaptive verification's counts [source (own, corpus), length bucket, slot,
+        #: (observed, accepted)] and each request's last (source, bucket, num_valid)
+        self._stats = np.zeros((2, NUM_LENGTH_BUCKETS, config.num_speculative_tokens, 2), np.int64)
+        self._last: dict = {}
+        self._observed_steps = 0
         self.buffer = None                       # NgramGPUState [capacity, max_model_len]
         self._slots: dict = {}                   # req_id -> [row, length held on the device]
         self._free_rows: list[int] = []
@@ -469,8 +484,38 @@ class SuffixGPUProposerAdapter(HistoryProposer):
                 packed[j, 2 : 2 + counts[j]] = sampled[j]
         out, self.buffer = self.impl.propose_packed(self.buffer, self.state, jnp.asarray(packed))
         out = np.asarray(out)[:b]
-        self.last_match = SuffixMatch(out[:, k + 1], out[:, k + 2], out[:, k + 3])
-        return DraftOutput(out[:, :k], out[:, k])
+        self.last_match = m = SuffixMatch(out[:, k + 1], out[:, k + 2], out[:, k + 3])
+        if not self.drafts_confidence:
+            return DraftOutput(out[:, :k], out[:, k])
+        feats = np.zeros((b, k), np.float32)
+        for j, rid in enumerate(ids):
+            src, bkt, nv = int(m.source[j]), confidence_bucket(int(m.match_len[j])), int(m.num_valid[j])
+            self._last[rid] = (src, bkt, nv)
+            if src >= 0 and nv:      # Laplace on the (source, length) bucket; fillers 0
+                st = self._stats[src, bkt, :nv]
+                feats[j, :nv] = (st[:, 1] + 1) / (st[:, 0] + 2)
+        return DraftOutput(out[:, :k], out[:, k], feats)
+
+    @property
+    def drafts_confidence(self) -> bool:
+        """True with ``enable_adaptive_verification``: the drafts' features are acceptance
+        probabilities from the speculator's own statistics (vLLM 0.34's suffix confidences)."""
+        return bool(self.config.enable_adaptive_verification)
+
+    def observe_verification(self, req_ids: Sequence[Hashable], verified: Sequence[int],
+                             accepted: Sequence[int]) -> None:
+        """Fold one step's outcome into the statistics: for each request's last drafts, slots
+        ``i <= accepted``, ``i < verified``, ``i < num_valid`` are observed, ``i < accepted``
+        accepted; every :data:`STATS_HALF_LIFE` calls the counts halve."""
+        for rid, v, a in zip(req_ids, verified, accepted):
+            src, bkt, nv = self._last.pop(rid, (SOURCE_NONE, 0, 0))
+            n = min(int(v), nv, int(a) + 1)
+            if src >= 0 and n > 0:
+                self._stats[src, bkt, :n, 0] += 1
+                self._stats[src, bkt, : min(int(a), n), 1] += 1
+        self._observed_steps += 1
+        if self._observed_steps % STATS_HALF_LIFE == 0:
+            self._stats //= 2
 
     def _upload(self, history: TokenHistory, which: list[int], rows: np.ndarray,
                 base: np.ndarray) -> None:

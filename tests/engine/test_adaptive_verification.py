@@ -110,7 +110,7 @@ def test_sampling_keeps_the_target_distribution():
 
 
 def test_refused_by_name():
-    for bad in (dict(method="ngram"), dict(method="suffix"),
+    for bad in (dict(method="ngram"), dict(method="suffix", suffix_backend="arctic"),
                 dict(method="eagle3", speculative_token_tree="[(0,), (1,), (0, 0), (1, 0)]"),
                 dict(method="eagle3", use_local_argmax_reduction=True)):
         kw = dict(num_speculative_tokens=3, **AV, **bad)

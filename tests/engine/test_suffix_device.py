@@ -79,3 +79,62 @@ def test_the_device_loop_needs_the_drafter_state():
     with pytest.raises(ValueError, match="drafter_state=proposer.device_drafter_state"):
         decode_loop(eng.step, eng.target.params, eng.step.draft_params, eng.target_kv,
                     eng.draft_state, st, steps_per_sync=4)
+
+
+def test_confidence_buckets():
+    from specjax.proposers.suffix_gpu import confidence_bucket
+
+    got = [confidence_bucket(n) for n in (1, 2, 6, 7, 10, 11, 20, 21, 500)]
+    assert got == [0, 1, 5, 6, 6, 7, 7, 8, 8]
+
+
+def test_observed_statistics_follow_vllms_rule():
+    """Slots ``i <= accepted``, ``i < verified``, ``i < num_valid`` observed; ``i < accepted``
+    accepted; features are Laplace ``(acc + 1) / (obs + 2)`` on the real drafts, 0 on
+    fillers; the counts halve every STATS_HALF_LIFE steps."""
+    from specjax.proposers import suffix_gpu as sg
+
+    prop = build(4, enable_adaptive_verification=True)
+    assert prop.drafts_confidence
+    prop._last = {"a": (sg.SOURCE_OWN, 2, 3), "b": (sg.SOURCE_CORPUS, 8, 4),
+                  "c": (sg.SOURCE_NONE, 0, 0)}
+    prop.observe_verification(["a", "b", "c"], [4, 2, 4], [1, 2, 4])
+    st = prop._stats
+    assert st[0, 2, :, 0].tolist() == [1, 1, 0, 0] and st[0, 2, :, 1].tolist() == [1, 0, 0, 0]
+    assert st[1, 8, :, 0].tolist() == [1, 1, 0, 0] and st[1, 8, :, 1].tolist() == [1, 1, 0, 0]
+    assert st.sum() == 7 and prop._last == {}
+    prop._observed_steps = sg.STATS_HALF_LIFE - 1
+    prop._stats[0, 2, 0] = [9, 5]
+    prop.observe_verification([], [], [])
+    assert prop._stats[0, 2, 0].tolist() == [4, 2]
+
+
+def test_adaptive_verification_on_suffix_statistics(monkeypatch):
+    """``enable_adaptive_verification`` with the device suffix speculator: greedy output
+    equals plain decoding, the features seen by the admission are the Laplace confidences of
+    the statistics (0 for fillers), and the statistics fill as drafts are verified."""
+    from specjax.engine.verification import AdaptiveVerifier
+
+    seen = []
+    real = AdaptiveVerifier.admit
+
+    def spy(self, reqs, n0, cost):
+        seen.extend(np.asarray(r.draft_features) for r in reqs)
+        return real(self, reqs, n0, cost)
+
+    monkeypatch.setattr(AdaptiveVerifier, "admit", spy)
+    prompts = [[5, 9, 2, 7, 11, 3, 5, 9, 2], [4, 4, 4, 4]] * 2
+    sps = [SamplingParams(max_tokens=20, ignore_eos=True)] * 4
+    plain = Engine(target(), None, max_num_seqs=4, **fixed()).generate(prompts, sps)
+    prop = build(4, enable_adaptive_verification=True)
+    eng = Engine(target(), prop, max_num_seqs=4, **fixed())
+    eng.k_costs[4] = np.asarray([1.0, 1.05, 1.1, 1.15, 1.2])
+    out = eng.generate(prompts, sps)
+    assert out.token_ids == plain.token_ids
+    assert prop._stats[..., 0].sum() > 0 and eng.verifier.history
+    feats = np.concatenate(seen)
+    assert ((feats == 0) | ((feats > 0) & (feats < 1))).all() and (feats == 0.5).any()
+    assert int(eng.verifier.state.refits) == 0       # the estimator is not used
+    with pytest.raises(ValueError, match="method='suffix' on the device backend"):
+        SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_backend="arctic",
+                          enable_adaptive_verification=True)
