@@ -25,7 +25,7 @@ from specjax.cli import demo
 from specjax.engine import Engine, LoopOptions, SamplingParams
 
 METHODS = ("ngram", "suffix", "suffix_arctic", "eagle", "eagle3", "medusa", "draft_model",
-           "dflash")
+           "dflash", "dspark")
 
 
 def heldout_prompts(num: int, prompt_bytes: int, seed: int) -> tuple[list[list[int]], dict]:

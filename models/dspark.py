@@ -94,8 +94,10 @@ def markov_chain(params: dict, c: ModelConfig, z: jax.Array, h: jax.Array, ancho
 
     s0 = jnp.zeros((anchor.shape[0], c.markov_rank), _F32)
     cols = jnp.arange(z.shape[1], dtype=jnp.int32)
+    # unrolled: an XLA while loop reads its predicate back to the host each iteration on GPU
     _, (d, extra, ci) = jax.lax.scan(step, (anchor.astype(jnp.int32), s0),
-                                     (jnp.swapaxes(z, 0, 1), jnp.swapaxes(h, 0, 1), cols))
+                                     (jnp.swapaxes(z, 0, 1), jnp.swapaxes(h, 0, 1), cols),
+                                     unroll=True)
     extra = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), extra)
     return jnp.swapaxes(d, 0, 1), extra, (jnp.swapaxes(ci, 0, 1) if conf is not None else None)
 

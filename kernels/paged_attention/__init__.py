@@ -15,7 +15,8 @@ Backends, one function: ``"xla"`` (``reference.py``: the specification, the CPU 
 ``flash.py``'s kernel for queries of any length) and ``"triton"`` (``triton.py``, GPU only),
 the kernels equal to the reference up to float rounding; shapes they cannot take
 (``limits.py``) run ``"xla"``. ``"auto"``: a kernel on the GPU for ``max_query_len <=
-AUTO_MAX_QUERY_LEN`` (:func:`auto_kernel_backend`), else ``"xla"``. Chosen per call
+AUTO_MAX_QUERY_LEN`` (:func:`auto_kernel_backend`), ``flash.py``'s kernel (``"pallas"``)
+past the decode kernel's rows, else ``"xla"``. Chosen per call
 (``backend=``), else by :mod:`specjax.kernels.backend`'s process default, at trace time.
 On several devices the kernels run through ``partition.py``, split by kv heads.
 """
@@ -63,7 +64,7 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
     reason = unsupported_reason(num_heads=nh, num_kv_heads=cache_shape[2], head_dim=hd,
                                 max_query_len=md.max_query_len, tree_mask=md.tree_mask,
                                 dtype=dtype)
-    if reason is not None and not (backend == "pallas"
+    if reason is not None and not (backend in ("pallas", "auto")
                                    and _flash_takes(q_shape, cache_shape, md, dtype)):
         return "xla"
     if backend == "triton":
@@ -78,8 +79,11 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
                              "(GPU, jax-triton), 'xla' or 'auto'")
     if backend in ("pallas", "triton"):
         return backend
-    if _platform() != "gpu" or md.max_query_len > AUTO_MAX_QUERY_LEN:
+    if _platform() != "gpu":
         return "xla"
+    if md.max_query_len > AUTO_MAX_QUERY_LEN:     # prefill: the flash kernel where it takes over
+        return ("pallas" if _compat.pallas_triton()[0] is not None
+                and _flash_takes(q_shape, cache_shape, md, dtype) else "xla")
     return auto_kernel_backend()
 
 

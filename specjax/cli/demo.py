@@ -42,7 +42,7 @@ PROMPTS = (
 )
 
 #: Every method, in table order.
-ALL_METHODS = ("ngram", "ngram_gpu", "suffix", "eagle", "eagle3", "dflash", "medusa",
+ALL_METHODS = ("ngram", "ngram_gpu", "suffix", "eagle", "eagle3", "dflash", "dspark", "medusa",
                "draft_model", "extract_hidden_states")
 
 NOTE = ("Models: the shipped demo weights (specjax/demo_models: a byte-level Llama target trained "

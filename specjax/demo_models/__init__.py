@@ -2,7 +2,7 @@
 
 A byte-level Llama target trained on CPython's standard-library sources and one draft of
 every kind trained against it (``eagle``, ``eagle3``, ``medusa``, ``draft_model``,
-``dflash``), each in its real upstream checkpoint layout, fp16; :func:`load` reads one
+``dflash``, ``dspark``), each in its real upstream checkpoint layout, fp16; :func:`load` reads one
 through ``specjax.load_pretrained``. Reproduce them with ``python -m
 specjax.training.recipe --out DIR`` (docs/training.md).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 #: Every shipped model, target first.
-NAMES = ("target", "eagle", "eagle3", "medusa", "draft_model", "dflash")
+NAMES = ("target", "eagle", "eagle3", "medusa", "draft_model", "dflash", "dspark")
 
 ROOT = Path(__file__).resolve().parent
 

@@ -533,6 +533,17 @@ def test_default_backend_on_cpu_is_xla():
         assert attn.resolve_attention_backend((14, 2, 48), (9, 4, 2, 48), big) == "xla"
     with K.default_backend("xla"):
         assert attn.resolve_attention_backend(q.shape, cache.k.shape, md) == "xla"
+    # "auto" on the GPU: the flash kernel once a prefill exceeds the decode kernel's rows,
+    # the reference between AUTO_MAX_QUERY_LEN and that, and on shapes flash cannot take
+    import unittest.mock as um
+
+    with um.patch.object(attn, "_platform", lambda: "gpu"), \
+            um.patch.object(attn._compat, "pallas_triton", lambda: (object(), None)):
+        big = md.replace(max_query_len=200)
+        assert attn.resolve_attention_backend(q.shape, cache.k.shape, big) == "pallas"
+        assert attn.resolve_attention_backend(q.shape, cache.k.shape,
+                                              md.replace(max_query_len=17)) == "xla"
+        assert attn.resolve_attention_backend((14, 2, 48), (9, 4, 2, 48), big) == "xla"
     with K.default_backend("triton"):
         # unsupported shapes fall back to the reference here too; supported ones need a GPU
         assert attn.resolve_attention_backend((4, 2, 8), (9, 4, 2, 8), md) == "xla"

@@ -66,7 +66,7 @@ def test_reference_was_made_from_the_shipped_files():
 def test_kinds_and_configs(loaded):
     kinds = {n: k for n, (k, _, _) in loaded.items()}
     assert kinds == {"target": "llama", "eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa",
-                     "draft_model": "llama", "dflash": "dflash"}
+                     "draft_model": "llama", "dflash": "dflash", "dspark": "dspark"}
     assert set(demo_models.NAMES) <= {"target", *HEADS_HF}     # the recipe makes every one
     for n in demo_models.NAMES[1:]:
         assert loaded[n][1].vocab_size == VOCAB_SIZE == TARGET_HF["vocab_size"]
