@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Hashable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -407,39 +407,27 @@ def _check_batch(state: NgramGPUState, sampled, num_sampled) -> None:
 # the adapter a decoding loop drives (``make_proposer``)
 
 
-class NgramGPUProposerAdapter(HistoryProposer):
-    """``method="ngram_gpu"``: the device n-gram search over a device token buffer.
+class DeviceRowsAdapter(HistoryProposer):
+    """A history proposer over per-request rows of a device token buffer (``self.buffer``,
+    an :class:`NgramGPUState` grown by powers of two; ``self._rows`` its
+    :class:`NgramGPUProposer`): each request owns a row for its life, per call only its new
+    tokens go up, and a new or out-of-sync request has its whole context uploaded first.
+    Requests absent from a call have left; their rows are reused."""
 
-    Each request owns a buffer row for its life; per call only its new tokens go up
-    (:meth:`NgramGPUProposer.propose_packed`), and a new or out-of-sync request has its whole
-    context uploaded first. Requests absent from a call have left; their rows are reused.
-    """
-
-    def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
-        self.config = config
-        self._feed = history_feed(config, max_model_len)
-        self.impl = NgramGPUProposer(num_speculative_tokens=config.num_speculative_tokens,
-                                     max_model_len=max_model_len,
-                                     prompt_lookup_min=config.prompt_lookup_min,
-                                     prompt_lookup_max=config.prompt_lookup_max)
-        self.state = None                 # NgramGPUState, [capacity, max_model_len]
+    def _init_rows(self, rows: NgramGPUProposer) -> None:
+        self._rows = rows
+        self.buffer = None                # NgramGPUState, [capacity, max_model_len]
         self._slots: dict = {}            # req_id -> [row, length held on the device]
         self._free_rows: list[int] = []
         self.num_context_uploads = 0      # contexts uploaded whole (joins and re-syncs)
 
-    @property
-    def device_drafter(self) -> NgramGPUProposer:
-        """Hashable drafter with a traceable ``search(token_ids, num_tokens, valid)``, for
-        the device decode loop."""
-        return self.impl
-
     def _ensure_rows(self, needed: int) -> None:
-        cap = 0 if self.state is None else int(self.state.num_tokens.shape[0])
+        cap = 0 if self.buffer is None else int(self.buffer.num_tokens.shape[0])
         if needed <= cap:
             return
         new_cap = next_power_of_2(needed)
-        self.state = (self.impl.init_state(new_cap) if self.state is None
-                      else self.impl.grow_state(self.state, new_cap))
+        self.buffer = (self._rows.init_state(new_cap) if self.buffer is None
+                       else self._rows.grow_state(self.buffer, new_cap))
         self._free_rows.extend(range(new_cap - 1, cap - 1, -1))   # pop() -> lowest first
 
     def _release(self, req_id) -> None:
@@ -447,9 +435,12 @@ class NgramGPUProposerAdapter(HistoryProposer):
         if slot is not None:
             self._free_rows.append(slot[0])
 
-    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
-        import jax.numpy as jnp
-
+    def _pack(self, history: TokenHistory, k: int, seen: Callable | None = None
+              ) -> tuple[list, np.ndarray]:
+        """Rows for ``history``'s requests (contexts uploaded where needed) and the call's
+        ``packed [B_pad, 2 + S]`` int32 (buffer row or -1, ``num_sampled``, the new tokens;
+        ``S >= k + 1``); ``seen(j, req_id, n, c)`` is told each request's length and new
+        tokens first. ValueError on disagreeing lengths or repeated ids."""
         ids = list(history.req_ids)
         b = len(ids)
         sampled = history.sampled_token_ids
@@ -458,7 +449,7 @@ class NgramGPUProposerAdapter(HistoryProposer):
                              f"{len(history.num_tokens)} lengths; they must agree")
         if len(set(ids)) != b:
             raise ValueError("req_ids must be distinct")
-        k, width = self.impl.k, self.max_model_len
+        width = self.max_model_len
         present = set(ids)
         for rid in [r for r in self._slots if r not in present]:
             self._release(rid)
@@ -472,6 +463,8 @@ class NgramGPUProposerAdapter(HistoryProposer):
         uploads = []
         for j, rid in enumerate(ids):
             n, c = int(lengths[j]), int(counts[j])
+            if seen is not None:
+                seen(j, rid, n, c)
             slot = self._slots.get(rid)
             if slot is None:
                 slot = self._slots[rid] = [self._free_rows.pop(), -1]
@@ -494,9 +487,7 @@ class NgramGPUProposerAdapter(HistoryProposer):
         for j in range(b):
             if counts[j]:
                 packed[j, 2 : 2 + counts[j]] = sampled[j]
-        out, self.state = self.impl.propose_packed(self.state, jnp.asarray(packed))
-        out = np.asarray(out)
-        return DraftOutput(out[:b, :k], out[:b, k])
+        return ids, packed
 
     def _upload(self, history: TokenHistory, which: list[int], rows: np.ndarray,
                 base: np.ndarray) -> None:
@@ -512,10 +503,39 @@ class NgramGPUProposerAdapter(HistoryProposer):
             n = int(base[j])
             tok[i, :n] = history.token_ids[j, :n]
             row_ids[i], num[i] = rows[j], n
-        self.state = self.impl.add_requests(self.state, jnp.asarray(row_ids), jnp.asarray(tok),
-                                            jnp.asarray(num))
+        self.buffer = self._rows.add_requests(self.buffer, jnp.asarray(row_ids), jnp.asarray(tok),
+                                              jnp.asarray(num))
         self.num_context_uploads += len(which)
 
     def finish_requests(self, req_ids: Sequence[Hashable], documents=None) -> None:
         for rid in req_ids:
             self._release(rid)
+
+
+class NgramGPUProposerAdapter(DeviceRowsAdapter):
+    """``method="ngram_gpu"``: the device n-gram search (:meth:`NgramGPUProposer.
+    propose_packed`) over the rows of a device token buffer."""
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
+        self.config = config
+        self._feed = history_feed(config, max_model_len)
+        self.impl = NgramGPUProposer(num_speculative_tokens=config.num_speculative_tokens,
+                                     max_model_len=max_model_len,
+                                     prompt_lookup_min=config.prompt_lookup_min,
+                                     prompt_lookup_max=config.prompt_lookup_max)
+        self._init_rows(self.impl)
+
+    @property
+    def device_drafter(self) -> NgramGPUProposer:
+        """Hashable drafter with a traceable ``search(token_ids, num_tokens, valid)``, for
+        the device decode loop."""
+        return self.impl
+
+    def propose_from_history(self, history: TokenHistory) -> DraftOutput:
+        import jax.numpy as jnp
+
+        k = self.impl.k
+        ids, packed = self._pack(history, k)
+        out, self.buffer = self.impl.propose_packed(self.buffer, jnp.asarray(packed))
+        out = np.asarray(out)
+        return DraftOutput(out[: len(ids), :k], out[: len(ids), k])

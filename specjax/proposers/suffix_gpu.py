@@ -22,10 +22,10 @@ from jax import lax
 
 from specjax.checks import check_int
 from specjax.config import SpeculativeConfig
-from specjax.constants import INT32_LIMIT, next_power_of_2
+from specjax.constants import INT32_LIMIT
 from specjax.proposers import suffix_gpu_corpus as corpus_ops
-from specjax.proposers.interface import HistoryProposer, TokenHistory, history_feed
-from specjax.proposers.ngram_gpu import NgramGPUProposer, NgramGPUState
+from specjax.proposers.interface import TokenHistory, history_feed
+from specjax.proposers.ngram_gpu import DeviceRowsAdapter, NgramGPUProposer, NgramGPUState
 from specjax.proposers.suffix_gpu_corpus import (
     KEY_LENS,
     NUM_SLOTS,
@@ -372,7 +372,7 @@ def _sorted_ids(req_ids: Sequence[Hashable]) -> list:
 # the adapter a decoding loop drives (``make_proposer``)
 
 
-class SuffixGPUProposerAdapter(HistoryProposer):
+class SuffixGPUProposerAdapter(DeviceRowsAdapter):
     """``method="suffix"`` with ``suffix_backend="device"``: :func:`suffix_search` over a
     device token buffer (one row per request, only new tokens uploaded per call) and a device
     corpus that :meth:`finish_requests` fills. A host copy of each request's tokens and prompt
@@ -391,20 +391,16 @@ class SuffixGPUProposerAdapter(HistoryProposer):
                                       max_depth=config.suffix_decoding_max_tree_depth,
                                       corpus_tokens=corpus_tokens)
         # the token buffer's bookkeeping (its search is not used)
-        self._rows = NgramGPUProposer(num_speculative_tokens=config.num_speculative_tokens,
-                                      max_model_len=max_model_len)
+        self._init_rows(NgramGPUProposer(num_speculative_tokens=config.num_speculative_tokens,
+                                         max_model_len=max_model_len))
         self.state = self.impl.init_state()      # SuffixGPUState
         #: adaptive verification's counts [source (own, corpus), length bucket, slot,
         #: (observed, accepted)] and each request's last (source, bucket, num_valid)
         self._stats = np.zeros((2, NUM_LENGTH_BUCKETS, config.num_speculative_tokens, 2), np.int64)
         self._last: dict = {}
         self._observed_steps = 0
-        self.buffer = None                       # NgramGPUState [capacity, max_model_len]
-        self._slots: dict = {}                   # req_id -> [row, length held on the device]
-        self._free_rows: list[int] = []
         self._host: dict = {}                    # req_id -> [prompt_len, token list]
         self.last_match: SuffixMatch | None = None
-        self.num_context_uploads = 0
 
     @property
     def device_drafter(self) -> SuffixGPUProposer:
@@ -416,72 +412,22 @@ class SuffixGPUProposerAdapter(HistoryProposer):
         """The corpus the device loop drafts from."""
         return self.state
 
-    def _ensure_rows(self, needed: int) -> None:
-        cap = 0 if self.buffer is None else int(self.buffer.num_tokens.shape[0])
-        if needed <= cap:
-            return
-        new_cap = next_power_of_2(needed)
-        self.buffer = (self._rows.init_state(new_cap) if self.buffer is None
-                       else self._rows.grow_state(self.buffer, new_cap))
-        self._free_rows.extend(range(new_cap - 1, cap - 1, -1))   # pop() -> lowest first
-
-    def _release(self, req_id) -> None:
-        slot = self._slots.pop(req_id, None)
-        if slot is not None:
-            self._free_rows.append(slot[0])
-
     def propose_from_history(self, history: TokenHistory) -> DraftOutput:
-        ids = list(history.req_ids)
-        b = len(ids)
-        sampled = history.sampled_token_ids
-        if len(sampled) != b or len(history.num_tokens) != b or len(history.num_prompt_tokens) != b:
-            raise ValueError(f"history has {b} req_ids, {len(sampled)} sampled lists, "
-                             f"{len(history.num_tokens)} lengths and {len(history.num_prompt_tokens)} "
-                             "prompt lengths; they must agree")
-        if len(set(ids)) != b:
-            raise ValueError("req_ids must be distinct")
-        k, width = self.impl.k, self.max_model_len
-        present = set(ids)
-        for rid in [r for r in self._slots if r not in present]:
-            self._release(rid)                   # left the batch; its host copy stays
-        pad = history.rows_pad if (history.rows_pad or 0) >= b else next_power_of_2(max(b, 1))
-        self._ensure_rows(pad)
-        counts = np.fromiter((len(s) for s in sampled), np.int64, count=b)
-        lengths = np.asarray(history.num_tokens, np.int64)
-        if b and ((counts > lengths).any() or (lengths > history.token_ids.shape[1]).any()):
-            raise ValueError("need len(sampled_token_ids[b]) <= num_tokens[b] <= token_ids.shape[1]")
-        rows = np.empty(b, np.int64)
-        uploads = []
-        for j, rid in enumerate(ids):
-            n, c = int(lengths[j]), int(counts[j])
+        if len(history.num_prompt_tokens) != len(history.req_ids):
+            raise ValueError(f"history has {len(history.req_ids)} req_ids and "
+                             f"{len(history.num_prompt_tokens)} prompt lengths; they must agree")
+        k = self.impl.k
+
+        def seen(j, rid, n, c):                  # the host copy, for the request's document
             host = self._host.get(rid)
             if host is None or len(host[1]) != n - c:
                 self._host[rid] = [int(history.num_prompt_tokens[j]),
                                    history.token_ids[j, :n].tolist()]
             elif c:
-                host[1].extend(int(t) for t in sampled[j])
-            slot = self._slots.get(rid)
-            if slot is None:
-                slot = self._slots[rid] = [self._free_rows.pop(), -1]
-            rows[j] = slot[0]
-            if n > width:                        # past max_model_len: no draft; forget the row
-                slot[1] = -1
-                counts[j] = 0
-                continue
-            if slot[1] != n - c:
-                uploads.append(j)
-            slot[1] = n
-        if uploads:
-            self._upload(history, uploads, rows, lengths - counts)
-        s = max(k + 1, int(counts.max(initial=1)))
-        s = s if s == k + 1 else next_power_of_2(s)
-        packed = np.full((pad, 2 + s), -1, np.int32)
-        packed[:b, 0] = rows
-        packed[:, 1] = 0
-        packed[:b, 1] = counts
-        for j in range(b):
-            if counts[j]:
-                packed[j, 2 : 2 + counts[j]] = sampled[j]
+                host[1].extend(int(t) for t in history.sampled_token_ids[j])
+
+        ids, packed = self._pack(history, k, seen)
+        b = len(ids)
         out, self.buffer = self.impl.propose_packed(self.buffer, self.state, jnp.asarray(packed))
         out = np.asarray(out)[:b]
         self.last_match = m = SuffixMatch(out[:, k + 1], out[:, k + 2], out[:, k + 3])
@@ -516,22 +462,6 @@ class SuffixGPUProposerAdapter(HistoryProposer):
         self._observed_steps += 1
         if self._observed_steps % STATS_HALF_LIFE == 0:
             self._stats //= 2
-
-    def _upload(self, history: TokenHistory, which: list[int], rows: np.ndarray,
-                base: np.ndarray) -> None:
-        """Write whole contexts (minus this step's new tokens) into their rows."""
-        r = next_power_of_2(len(which))
-        w = min(next_power_of_2(max(int(base[which].max(initial=1)), 1)), self.max_model_len)
-        tok = np.zeros((r, w), np.int32)
-        row_ids = np.full(r, -1, np.int32)
-        num = np.zeros(r, np.int32)
-        for i, j in enumerate(which):
-            n = int(base[j])
-            tok[i, :n] = history.token_ids[j, :n]
-            row_ids[i], num[i] = rows[j], n
-        self.buffer = self._rows.add_requests(self.buffer, jnp.asarray(row_ids), jnp.asarray(tok),
-                                              jnp.asarray(num))
-        self.num_context_uploads += len(which)
 
     def finish_requests(self, req_ids: Sequence[Hashable],
                         documents: Mapping[Hashable, tuple[int, Sequence[int]]] | None = None

@@ -110,7 +110,7 @@ def test_device_history_drafts_equal_reupload_and_cpu(k, min_n, max_n, vocab):
     # Whole contexts went up only when requests joined; every other step sent new tokens.
     assert prop.num_context_uploads == joins
     # Rows are reused: the buffer never grew past the largest batch bucket.
-    assert prop.state.token_ids.shape == (8, mml)
+    assert prop.buffer.token_ids.shape == (8, mml)
     prop.finish_requests(list(prop._slots))
     assert not prop._slots and len(prop._free_rows) == 8
 
