@@ -1,7 +1,8 @@
 """``method="dspark"``: greedy DSpark decoding equals plain greedy decoding (random heads, with
 and without the confidence head, both block layouts, a reduced-vocab rnn head); the
 confidence head decides what adaptive verification verifies (and the estimator is not
-used); sampled anchored drafts keep the target's distribution."""
+used); sampled anchored drafts keep the target's distribution; a head whose drafts are
+forced right accepts every draft."""
 
 import numpy as np
 import pytest
@@ -161,3 +162,49 @@ def test_dspark_in_the_device_loop_equals_plain(loop):
     out = Engine(te.target(), build(3, **CONF), max_num_seqs=4, **te.fixed(**loop)).generate(
         PROMPTS, sps)
     assert out.token_ids == plain.token_ids and out.spec_stats.num_draft_tokens > 0
+
+
+def test_a_head_whose_drafts_are_forced_right_accepts_the_whole_block():
+    """A structured pair: a target whose next token depends on the current one only (every
+    layer's output projections zero: the residual stream is the embedding), and a DSpark
+    head with zero base logits whose rank-V Markov table holds exactly that bigram map.
+    Every draft is then the target's own greedy continuation: each step accepts all k."""
+    import jax.numpy as jnp
+
+    from specjax.engine import Engine, SamplingParams, TargetModel
+
+    tgt = te.target()
+    tp = dict(tgt.params, layers={i: dict(lp, self_attn=dict(lp["self_attn"], o_proj={
+        "kernel": jnp.zeros_like(lp["self_attn"]["o_proj"]["kernel"])}), mlp=dict(
+            lp["mlp"], down_proj={"kernel": jnp.zeros_like(lp["mlp"]["down_proj"]["kernel"])}))
+        for i, lp in tgt.params["layers"].items()})
+    bigram = TargetModel(tgt.model, tp)
+    v = te.V
+    ids = jnp.arange(v, dtype=jnp.int32)
+    hid, _, _ = tgt.model.forward(tp, ids, jnp.zeros(v, jnp.int32),
+                                  tgt.model.init_kv_caches(v, te.BS), _one_token_rows(v))
+    nxt = np.asarray(jnp.argmax(tgt.model.compute_logits(tp, hid), -1))    # f(token)
+
+    def forced(dcfg):
+        p = registry.init_params("dspark", dcfg, 1)
+        w2 = np.zeros((v, v), np.float32)
+        w2[np.arange(v), nxt] = 30.0                 # W2 . W1[p] peaks at f(p)
+        return dict(p, lm_head={"kernel": np.zeros_like(p["lm_head"]["kernel"])},
+                    markov_head={"markov_w1": {"embedding": np.eye(v, dtype=np.float32)},
+                                 "markov_w2": {"kernel": w2}})
+
+    prop = build(3, forced, tgt=bigram, markov_rank=v, has_lm_head=True)
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (13, 17, 9, 21)]
+    plain = Engine(bigram, None, max_num_seqs=4, **te.fixed()).generate(PROMPTS, sps)
+    out = Engine(bigram, prop, max_num_seqs=4, **te.fixed()).generate(PROMPTS, sps)
+    assert out.token_ids == plain.token_ids
+    st = out.spec_stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
+
+
+def _one_token_rows(n):
+    """Attention metadata of ``n`` one-token requests at position 0 (a dense probe)."""
+    from specjax.attention_metadata import CommonAttentionMetadata
+
+    table = np.arange(1, n + 1, dtype=np.int32)[:, None]
+    return CommonAttentionMetadata.from_query_lens([1] * n, [1] * n, table, block_size=te.BS)
