@@ -66,13 +66,14 @@ def markov_chain(params: dict, c: ModelConfig, z: jax.Array, h: jax.Array, ancho
 
     default, choose = choose is None, choose or argmax
 
-    def biased(zi, m):
+    def top(zi, m):             # ids [B, K] of the top-k base logits and their biased values
+        vals, idx = jax.lax.top_k(zi.astype(_F32), topk)
+        return idx, vals + c.logit_scale * jnp.einsum("rbk,br->bk", w2[:, idx], m)
+
+    def biased(zi, m):          # [B, Vd]; with top-k, -inf outside it
         if topk is None:
             return zi.astype(_F32) + c.logit_scale * (m @ w2)
-        vals, idx = jax.lax.top_k(zi.astype(_F32), topk)                    # [B, K]
-        sub = vals + c.logit_scale * jnp.einsum("rbk,br->bk", w2[:, idx], m)
-        if default:                 # the argmax among the K: no [B, Vd] array
-            return idx, sub
+        idx, sub = top(zi, m)
         rows = jnp.arange(zi.shape[0])[:, None]
         return jnp.full(zi.shape, -jnp.inf, _F32).at[rows, idx].set(sub)
 
@@ -80,8 +81,8 @@ def markov_chain(params: dict, c: ModelConfig, z: jax.Array, h: jax.Array, ancho
         prev, state = carry
         zi, hi, i = xs
         m, state = markov_step(params, c, prev, hi, state)
-        if default and topk is not None:
-            idx, sub = biased(zi, m)
+        if default and topk is not None:        # the argmax among the K: no [B, Vd] array
+            idx, sub = top(zi, m)
             d = jnp.take_along_axis(idx, jnp.argmax(sub, -1)[:, None], 1)[:, 0].astype(jnp.int32)
             d, extra = (d if d2t is None else d + d2t[d].astype(jnp.int32)), None
         else:
@@ -129,7 +130,7 @@ class DSparkHead(DFlashHead):
 
     def draft(self, params: dict, hidden: jax.Array, anchor: jax.Array, **kw):
         """``hidden [B, N, H]``, ``anchor [B]`` -> :func:`markov_chain` (``kw``: its
-        ``choose``, ``with_confidence``)."""
+        ``choose``, ``with_confidence``, ``topk``)."""
         return markov_chain(params, self.config, self.compute_draft_logits(params, hidden),
                             hidden, anchor, **kw)
 
