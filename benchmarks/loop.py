@@ -23,7 +23,8 @@ until ``--iters`` (rounded up to a multiple of N) more iterations have been deli
                   waits, which is every iteration here; w on a CPU target), - = N = 1
     speed-up    = tokens/s / plain decoding's tokens/s at the same B, N, form and overlap
                   (and, the last column, plain's at N = 1 without overlap: the per-step loop)
-    TTFT ms     = start of generate -> first token (the prefill step, compiled already)
+    TTFT ms     = start of generate -> every request's first token (the prefill steps,
+                  compiled already)
     rec.        = programs compiled during the timed runs (must be 0)
     ITL ms      = decode wall / tokens per request (mean inter-token latency); ``gap ms``:
                   the median time between host deliveries (one per sync)
@@ -125,14 +126,24 @@ def drafter(method: str, target: TargetModel, geo: dict, size: str, k: int, rate
 
 
 def measure(eng: Engine, prompts, iters: int, max_tokens: int) -> dict:
-    """One generate call cut after the first token + ``iters`` delivered iterations."""
+    """One generate call timed over ``iters`` delivered iterations that start at the end of
+    the first sync in which every request holds its first token (a prompt batch larger than
+    one step's token budget prefills over several iterations, which would otherwise fall
+    inside the window). ``iters``: a multiple of the engine's steps per sync, so the window
+    also ends on a sync (tokens are counted as each sync delivers them)."""
     marks: list[tuple[float, int, int]] = []   # (time, generated, sync) after each iteration
     split: list[tuple[float, float]] = []      # (engine host s, engine wait s) at each mark
+    b = len(prompts)
+    start: list[int] = []                      # the first mark at which all b have a token
 
-    def progress(done, total, generated):
+    def progress(done, total, generated, started):
         marks.append((time.perf_counter(), generated, eng.num_syncs))
         split.append((eng.host_s, eng.wait_s))
-        if len(marks) > iters:
+        if not start and started == b:
+            start.append(len(marks) - 1)
+        elif start and marks[-1][2] == marks[start[0]][2]:     # (the same fetch: its end)
+            start[0] = len(marks) - 1
+        if start and len(marks) > start[0] + iters:
             raise _Stop
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -141,11 +152,12 @@ def measure(eng: Engine, prompts, iters: int, max_tokens: int) -> dict:
         eng.generate(prompts, sp, progress=progress)
     except _Stop:
         pass
-    if len(marks) <= iters:
-        raise RuntimeError(f"the run ended after {len(marks)} iterations, before {iters} + 1")
+    if not start or len(marks) <= start[0] + iters:
+        raise RuntimeError(f"the run ended after {len(marks)} iterations, before every request's "
+                           f"first token + {iters}")
+    marks, split = marks[start[0]:], split[start[0]:]
     (t_first, g_first, s_first), (t_last, g_last, s_last) = marks[0], marks[iters]
     wall = t_last - t_first
-    b = len(prompts)
     tokens = g_last - g_first
     # a delivery: the first iteration of each sync (the rest come from the same fetch)
     times = [t for i, (t, _, s) in enumerate(marks[: iters + 1]) if i == 0 or s != marks[i - 1][2]]

@@ -254,8 +254,9 @@ class _Timer:
     def run(self, progress: _Progress | None) -> None:
         marks: list[tuple[float, int]] = []     # (time, generated tokens) after each iteration
 
-        def on_step(done, total, tokens):
-            marks.append((time.perf_counter(), tokens))
+        def on_step(done, total, tokens, started):
+            if started == total:                # every request past its prefill
+                marks.append((time.perf_counter(), tokens))
             if progress is not None:
                 progress.update(done, total, tokens)
 
@@ -263,7 +264,7 @@ class _Timer:
         if self.runs and res.token_ids != self.runs[0].token_ids:
             raise RuntimeError("a repeated run gave different tokens (greedy or seeded)")
         self.runs.append(res)
-        # after the first prefill step: (tokens per request per iteration, ms per iteration)
+        # once every request has its first token: (tokens per request, ms) per iteration
         its = max(len(marks) - 1, 1)
         self.decode.append(((marks[-1][1] - marks[0][1]) / its / self.batch,
                             (marks[-1][0] - marks[0][0]) / its * 1e3))

@@ -32,7 +32,7 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": 
 def _progress(err: TextIO, total_tokens: int):
     t0 = time.perf_counter()
 
-    def show(done: int, total: int, generated: int) -> None:
+    def show(done: int, total: int, generated: int, started: int) -> None:
         width = 30
         frac = min(1.0, generated / max(1, total_tokens))
         bar = "#" * int(frac * width)

@@ -305,7 +305,7 @@ class Engine:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  eos_token_id: int | None = None, seed: int = 0,
                  stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
-                 progress: Callable[[int, int, int], None] | None = None,
+                 progress: Callable[[int, int, int, int], None] | None = None,
                  arrival_times: Sequence[float] | None = None) -> GenerateResult:
         """Generate for every prompt; see :func:`generate`."""
         prompts, sps = self._check_inputs(prompts, sampling_params)
@@ -377,7 +377,8 @@ class Engine:
                         self.proposer.finish_requests(*_Request.documents(finished))
                     done += len(finished)
                     if progress is not None:
-                        progress(done, len(reqs), sum(len(r.output) for r in reqs))
+                        progress(done, len(reqs), sum(len(r.output) for r in reqs),
+                                 sum(1 for r in reqs if r.output))
         finally:
             if self.proposer is not None:
                 self.proposer.finish_requests([r.req_id for r in reqs])
@@ -606,7 +607,7 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              eos_token_id: int | None = None, seed: int = 0,
              stat_loggers: Iterable[Callable[[SpecDecodingStats], None]] = (),
-             progress: Callable[[int, int, int], None] | None = None,
+             progress: Callable[[int, int, int, int], None] | None = None,
              arrival_times: Sequence[float] | None = None,
              **engine_options) -> GenerateResult:
     """Batched generation with speculative decoding (``proposer``) or plain decoding (None).
@@ -615,7 +616,8 @@ def generate(target, proposer: Proposer | None, prompts: Sequence[Sequence[int]]
     ``sampling_params``: one ``SamplingParams`` for all or one per prompt. ``eos_token_id``:
     a stop token of every request without ``ignore_eos``. ``seed``: draws the seeds of
     unseeded requests. ``stat_loggers``: called with each iteration's ``SpecDecodingStats``.
-    ``progress``: called after each iteration with ``(finished, total, generated_tokens)``.
+    ``progress``: called after each iteration with ``(finished, total, generated_tokens,
+    started)``, ``started`` the requests holding at least one generated token.
     ``arrival_times``: seconds after the start at which each request may be admitted (None:
     all at once); ``GenerateResult.request_metrics`` holds each one's timeline.
     ``engine_options``: :class:`Engine`'s keyword arguments (``max_model_len`` and
