@@ -396,11 +396,14 @@ def time_graph(fn, *, reps: int = 50, rounds: int = 10, replays: int = 20, warmu
         def run():
             nonlocal out
             out = fn()
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         per = []
         for _ in range(rounds):
+            sync()
             t1 = time.perf_counter()
             for _ in range(replays):
                 run()
+            sync()
             per.append((time.perf_counter() - t1) / replays * 1e3)
     outs = out if isinstance(out, tuple) else (out,)
     lat = []
