@@ -5,7 +5,8 @@ Parts (``--parts``, default all):
 
 - ``experts``: the sparse MoE blocks of every layer (router, top-k, the grouped GEMMs) over
   ``T = B * q`` tokens (q = 1: decode, q = k + 1: a verify step) as one jitted program,
-  ``jax.lax.ragged_dot`` beside JAX's Hopper Pallas example
+  ``jax.lax.ragged_dot`` (backend ``"xla"``) beside specjax's Pallas kernel (``"pallas"``,
+  ``kernels/grouped_matmul``: the GPU default) and JAX's Hopper Pallas example
   (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``, GPU only), with the experts the
   routing actually touched (``touched``: distinct experts summed over layers) and the
   floor ``touched * expert bytes / HBM_BPS``. The PyTorch anchor (``--torch``) is the same
@@ -96,7 +97,7 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[di
     gate_up = (jax.random.normal(key[1], (L, e, h, 2 * i), jnp.float32) / np.sqrt(h)).astype(dtype)
     down = (jax.random.normal(key[2], (L, e, i, h), jnp.float32) / np.sqrt(i)).astype(dtype)
     gpu = jax.default_backend() == "gpu"
-    impls = {"ragged_dot": None}
+    impls: dict = {"ragged_dot": None, "pallas": "pallas"}    # (None: backend "xla")
     if gpu:
         try:
             from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
@@ -114,13 +115,13 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[di
             r, gu, d = w
             weights, ids = moe.softmax_top_k(x.astype(jnp.float32) @ r.astype(jnp.float32), k,
                                              True)
-            if impl is None:
-                y = moe.grouped_experts(x, weights, ids, gu, d)
+            if impl is None or isinstance(impl, str):
+                y = moe.grouped_experts(x, weights, ids, gu, d, backend=impl or "xla")
             else:
                 real = jax.lax.ragged_dot
                 jax.lax.ragged_dot = impl           # the same routing and scatter, other GEMM
                 try:
-                    y = moe.grouped_experts(x, weights, ids, gu, d)
+                    y = moe.grouped_experts(x, weights, ids, gu, d, backend="xla")
                 finally:
                     jax.lax.ragged_dot = real
             touched = jnp.sum(jnp.bincount(ids.reshape(-1), length=e) > 0)

@@ -1,7 +1,7 @@
 """Every kernel of specjax, one folder per op family (``eagle_step``, ``prepare``,
-``copy_expand``, ``batch_metadata``, ``paged_attention``): its public op, whose docstrings
-are the specification, and its ``xla`` / ``pallas`` / ``triton`` versions; ``backend.py``
-picks one. The index ops are bit-identical on every backend (``xla``: the reference and the
+``copy_expand``, ``batch_metadata``, ``paged_attention``, ``grouped_matmul``): its public
+op, whose docstrings are the specification, and its ``xla`` / ``pallas`` / ``triton``
+versions; ``backend.py`` picks one. The index ops are bit-identical on every backend (``xla``: the reference and the
 CPU path), return their outputs in vLLM's ``out_*`` order and use int32 indices. Padding:
 arrays may be padded to a bucket; ``num_reqs`` (optional 0-d int32 device scalar) counts the
 real requests, and rows at or past it get fill values (slot ``-1``, position ``0``, token

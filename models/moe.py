@@ -2,7 +2,8 @@
 
 Routers: :func:`softmax_top_k` (Qwen3-MoE), :func:`top_k_softmax` (gpt-oss).
 :func:`grouped_experts` runs the T*k (token, expert) pairs sorted by expert as one
-``jax.lax.ragged_dot`` per projection, with no per-token or per-expert loop. Experts are
+:func:`specjax.kernels.grouped_matmul.grouped_matmul` per projection (``jax.lax.ragged_dot``
+or the Pallas kernel, by the kernels' backend rule), with no per-token or per-expert loop. Experts are
 stacked: ``gate_up [E, H, 2I]`` with gate and up columns interleaved (gpt-oss's layout, so a
 contiguous split of the last axis keeps each gate with its up) and ``down [E, I, H]``.
 Under a context mesh (``jax.set_mesh``) with ``"ep"`` / ``"tp"`` axes, :class:`Experts` runs
@@ -19,6 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from specjax import _compat
+from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.models.layers import linear
 
 __all__ = ["EP_AXIS", "softmax_top_k", "top_k_softmax", "swiglu", "grouped_experts",
@@ -50,11 +52,12 @@ def swiglu(gu: jax.Array) -> jax.Array:
 
 def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
                     down: jax.Array, activation: Callable[[jax.Array], jax.Array] = swiglu, *,
-                    gate_up_bias: jax.Array | None = None,
-                    down_bias: jax.Array | None = None) -> jax.Array:
+                    gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
+                    backend: str = "auto") -> jax.Array:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``: ``x [T, H]``, ``weights`` /
     ``experts [T, k]``, biases ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]``; ``activation``
-    maps ``[N, 2I]`` to ``[N, I]``. Ids outside ``[0, E)`` (another shard's) add nothing."""
+    maps ``[N, 2I]`` to ``[N, I]``; ``backend``: the grouped matmul's. Ids outside ``[0, E)``
+    (another shard's) add nothing."""
     t, k = experts.shape
     e = gate_up.shape[0]
     flat = experts.reshape(-1)                                                  # [T*k]
@@ -63,10 +66,10 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
     token = order // k
     pair_expert = jnp.clip(flat[order], 0, e - 1)
     sizes = jnp.bincount(jnp.where(local, flat, e), length=e + 1)[:e].astype(jnp.int32)
-    gu = jax.lax.ragged_dot(x[token], gate_up.astype(x.dtype), sizes)          # [T*k, 2I]
+    gu = grouped_matmul(x[token], gate_up.astype(x.dtype), sizes, backend=backend)  # [T*k, 2I]
     if gate_up_bias is not None:
         gu = gu + gate_up_bias.astype(x.dtype)[pair_expert]
-    y = jax.lax.ragged_dot(activation(gu), down.astype(x.dtype), sizes)        # [T*k, H]
+    y = grouped_matmul(activation(gu), down.astype(x.dtype), sizes, backend=backend)  # [T*k, H]
     if down_bias is not None:
         y = y + down_bias.astype(x.dtype)[pair_expert]
     w = weights.reshape(-1)[order].astype(x.dtype)[:, None]
@@ -86,14 +89,15 @@ def _expert_axes():
 
 def sharded_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
                     down: jax.Array, activation: Callable[[jax.Array], jax.Array] = swiglu,
-                    **biases) -> jax.Array:
+                    backend: str = "auto", **biases) -> jax.Array:
     """:func:`grouped_experts` in a ``shard_map`` over the context mesh's ``"ep"`` (E / n
     experts a shard, ids minus its offset) and ``"tp"`` (I / n of each expert's FFN; the
     ``down_bias`` added by shard 0) axes, partial outputs ``psum``-ed; without them plain.
     ValueError naming the size that does not divide."""
     mesh, ep, tp = _expert_axes()
     if ep is None and tp is None:
-        return grouped_experts(x, weights, experts, gate_up, down, activation, **biases)
+        return grouped_experts(x, weights, experts, gate_up, down, activation, backend=backend,
+                               **biases)
     e, inter = gate_up.shape[0], down.shape[1]
     for axis, what, size in ((ep, "experts", e), (tp, "expert FFN width", inter)):
         if axis is not None and size % mesh.shape[axis]:
@@ -107,7 +111,8 @@ def sharded_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
         if tp is not None and "down_bias" in biases:
             first = jax.lax.axis_index(tp) == 0
             biases = dict(biases, down_bias=jnp.where(first, biases["down_bias"], 0))
-        y = grouped_experts(x, weights, experts, gate_up, down, activation, **biases)
+        y = grouped_experts(x, weights, experts, gate_up, down, activation, backend=backend,
+                            **biases)
         return jax.lax.psum(y, tuple(a for a in (ep, tp) if a is not None))
 
     specs = {"gate_up_bias": P(ep, tp), "down_bias": P(ep)}

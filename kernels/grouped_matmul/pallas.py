@@ -1,0 +1,146 @@
+"""The grouped matmul as a Pallas kernel in the generic API, lowered through Triton on the
+GPU (interpret mode off it).
+
+Grid ``(P, N / block_n)`` over row tiles: tile ``p`` is ``block_m`` consecutive rows of one
+group (every group's rows split into tiles; ``P = ceil(M / block_m) + E`` bounds their
+count, programs past the last tile store nothing). A program walks K in ``block_k`` steps,
+loading its group's ``[block_k, block_n]`` weight blocks through the group index (no
+gathered copy of the weights), accumulates in float32 and stores its rows; rows past a
+group's end repeat its last row, so every store is unmasked and writes the value its row
+holds anyway. Unstored rows keep the zeros the output is aliased to.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from specjax import _compat
+from specjax.kernels.paged_attention.limits import cdiv, pow2_at_least
+
+pltr, PLTR_MISSING = _compat.pallas_triton()
+
+
+def unsupported_reason(k: int, n: int) -> str | None:
+    """Why the kernel cannot take ``[M, k] x [E, k, n]``, or ``None`` if it can."""
+    bad = [f"{name}={d}" for name, d in (("K", k), ("N", n)) if d % 16]
+    return f"{' and '.join(bad)} not a multiple of 16" if bad else None
+
+
+def _block(dim: int, cap: int) -> int:
+    """The largest power of two <= ``cap`` dividing ``dim`` (ValueError below 16)."""
+    b = cap
+    while b >= 16 and dim % b:
+        b //= 2
+    if b < 16:
+        raise ValueError(f"dimension {dim} is not a multiple of 16")
+    return b
+
+
+def tiles(*, m: int, k: int, n: int, groups: int, block_m: int | None = None,
+          block_n: int | None = None, block_k: int | None = None) -> tuple[int, int, int]:
+    """``(block_m, block_n, block_k)`` with defaults filled in: ``block_m`` the rows an average
+    group holds, as a power of two in [16, 64]; ``block_n`` / ``block_k`` the largest power of
+    two up to 128 / 64 dividing N / K. ValueError for a K or N that is not a multiple of 16
+    or a ``block_m`` that is not a power of two >= 16."""
+    if block_m is None:
+        block_m = min(64, pow2_at_least(cdiv(max(m, 1), max(groups, 1)), 16))
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m} must be a power of two >= 16")
+    block_n = _block(n, 128) if block_n is None else int(block_n)
+    block_k = _block(k, 64) if block_k is None else int(block_k)
+    for name, b, dim in (("block_n", block_n, n), ("block_k", block_k, k)):
+        if b < 16 or b & (b - 1) or dim % b:
+            raise ValueError(f"{name}={b} must be a power of two >= 16 dividing {dim}")
+    return block_m, block_n, block_k
+
+
+def _programs(group_sizes, block_m: int, num_programs: int):
+    """``[3, P]`` int32: each program's ``(group, first row of the group, first row of the
+    tile within it)``, group -1 past the last tile."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    e = sizes.shape[0]
+    ntile = cdiv(sizes, block_m)
+    cum = jnp.cumsum(ntile)
+    starts = jnp.cumsum(sizes) - sizes
+    p = jnp.arange(num_programs, dtype=jnp.int32)
+    # unrolled: the default "scan" is a while loop, a host sync per step on the GPU
+    g = jnp.searchsorted(cum, p, side="right", method="scan_unrolled").astype(jnp.int32)
+    gc = jnp.minimum(g, e - 1)
+    i0 = (p - (cum[gc] - ntile[gc])) * block_m
+    ok = g < e
+    return jnp.stack([jnp.where(ok, g, -1), jnp.where(ok, starts[gc], 0),
+                      jnp.where(ok, i0, 0)]).astype(jnp.int32)
+
+
+def _kernel(prog_ref, size_ref, lhs_ref, rhs_ref, zeros_ref, out_ref, *, block_m: int,
+            block_n: int, block_k: int, num_rows: int, precision):
+    """Program ``(p, j)``: tile ``prog[:, p]`` of the group, columns ``[j * block_n, ...)``."""
+    del zeros_ref                                   # (aliased to out_ref)
+    p = pl.program_id(0)
+    j = pl.program_id(1)
+    g_raw = prog_ref[0, p]
+    g = jnp.maximum(g_raw, 0)
+    start = prog_ref[1, p]
+    i0 = prog_ref[2, p]
+    n_rows = jnp.where(g_raw >= 0, jnp.clip(size_ref[g] - i0, 0, block_m), 0)
+    m_idx = jnp.minimum(jnp.arange(block_m, dtype=jnp.int32), jnp.maximum(n_rows - 1, 0))
+    row = jnp.clip(start + i0 + m_idx, 0, num_rows - 1)
+    col = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    kk0 = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(s, acc):
+        kk = s * block_k + kk0
+        a = pltr.load(lhs_ref.at[row[:, None], kk[None, :]])            # [BM, BK]
+        w = pltr.load(rhs_ref.at[g, kk[:, None], col[None, :]])         # [BK, BN]
+        return acc + lax.dot_general(a, w.astype(a.dtype), (((1,), (0,)), ((), ())),
+                                     precision=precision, preferred_element_type=jnp.float32)
+
+    k_steps = lhs_ref.shape[1] // block_k
+    acc = lax.fori_loop(0, jnp.where(n_rows > 0, k_steps, 0), body,
+                        jnp.zeros((block_m, block_n), jnp.float32))
+
+    def store():
+        pltr.store(out_ref.at[row[:, None], col[None, :]], acc.astype(out_ref.dtype))
+
+    lax.cond(n_rows > 0, store, lambda: None)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   block_m: int | None = None, block_n: int | None = None,
+                   block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                   interpret: bool | None = None) -> jax.Array:
+    """:func:`specjax.kernels.grouped_matmul.grouped_matmul` (rows past the groups: zeros);
+    tile sizes as :func:`tiles`; ``interpret`` defaults to off the GPU. ValueError for
+    shapes the kernel cannot take or a missing Pallas-Triton."""
+    if pltr is None:
+        raise ValueError(f"the Pallas grouped-matmul kernel is unavailable: {PLTR_MISSING}")
+    m, k = lhs.shape
+    e, _, n = rhs.shape
+    block_m, block_n, block_k = tiles(m=m, k=k, n=n, groups=e, block_m=block_m,
+                                      block_n=block_n, block_k=block_k)
+    dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    if m == 0 or e == 0:
+        return jnp.zeros((m, n), dtype)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    num_programs = cdiv(m, block_m) + e          # each group adds at most one partial tile
+    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
+                               num_rows=m, precision=lax.Precision.HIGHEST)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_programs, n // block_n),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((m, n), dtype),
+        input_output_aliases={4: 0},
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"grouped_matmul_m{block_m}_n{block_n}_k{block_k}",
+    )(_programs(group_sizes, block_m, num_programs), group_sizes.astype(jnp.int32),
+      lhs.astype(dtype), rhs, jnp.zeros((m, n), dtype))

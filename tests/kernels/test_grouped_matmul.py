@@ -1,0 +1,165 @@
+"""The grouped matmul (kernels/grouped_matmul) against a NumPy oracle written from its
+contract: rows sorted by group, ``out[i] = lhs[i] @ rhs[g(i)]``, rows past the groups zeros
+(Pallas). CPU: the Pallas kernel in interpret mode over random group sizes with empty
+groups, groups larger than a row tile, one group holding every row, and rows past the
+groups; float32 to 1e-5 and bfloat16 to its rounding; the Triton lowering for an H200 (no
+PTX) at Qwen3-30B-A3B's shapes; the backend rule; the errors; the MoE layer on either
+backend."""
+
+from __future__ import annotations
+
+import suite_paths  # noqa: F401  tests/support: where the suite's pieces are
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax.kernels as K
+from specjax.kernels.grouped_matmul import grouped_matmul, pallas, resolve_grouped_backend
+from specjax.models import moe
+
+
+def oracle(lhs, rhs, sizes):
+    """float64 per group, zeros past the last group."""
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    s = 0
+    for g, n in enumerate(sizes):
+        out[s:s + n] = lhs[s:s + n].astype(np.float64) @ rhs[g].astype(np.float64)
+        s += n
+    return out
+
+
+def case(rng, m, k, n, e, kind):
+    if kind == "one":                       # every row in one group (the last)
+        sizes = np.zeros(e, np.int32)
+        sizes[-1] = m
+    else:
+        used = m - 5 if kind == "tail" else m
+        p = rng.dirichlet(np.full(e, 0.3))  # skewed: empty groups and big ones
+        sizes = rng.multinomial(used, p).astype(np.int32)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs = (rng.standard_normal((e, k, n)) / np.sqrt(k)).astype(np.float32)
+    return lhs, rhs, sizes
+
+
+@pytest.mark.parametrize("m,k,n,e,kind,block_m", [
+    (8, 32, 64, 8, "tail", None),           # decode-sized: 1 row a group
+    (200, 64, 48, 5, "all", None),          # groups past one 64-row tile
+    (130, 16, 32, 3, "one", 16),            # one group, many tiles
+    (77, 48, 16, 16, "tail", 32),           # more groups than rows a tile
+])
+def test_matches_the_oracle_float32(m, k, n, e, kind, block_m):
+    rng = np.random.default_rng(m + e)
+    lhs, rhs, sizes = case(rng, m, k, n, e, kind)
+    out = pallas.grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes),
+                                block_m=block_m)
+    np.testing.assert_allclose(np.asarray(out), oracle(lhs, rhs, sizes), atol=1e-5, rtol=1e-5)
+    xla = grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), backend="xla")
+    used = int(sizes.sum())
+    np.testing.assert_allclose(np.asarray(out)[:used], np.asarray(xla)[:used], atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_bfloat16_to_its_rounding():
+    rng = np.random.default_rng(1)
+    lhs, rhs, sizes = case(rng, 96, 64, 128, 6, "tail")
+    lb, rb = jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16)
+    out = pallas.grouped_matmul(lb, rb, jnp.asarray(sizes))
+    assert out.dtype == jnp.bfloat16
+    want = oracle(np.asarray(lb, np.float32), np.asarray(rb, np.float32), sizes)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.smoke
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_triton_lowering_for_h200_on_cpu(monkeypatch):
+    """Lowered to Triton IR for an H200 without a GPU: catches what interpret mode does not
+    (power-of-two tensors, unsupported primitives)."""
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as reg
+        if hasattr(reg, "gpu_info_lib"):
+            from jax._src.pallas.triton import gpu_info
+            h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+            monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: h200)
+    except (ImportError, AttributeError) as e:  # pragma: no cover - JAX internals moved
+        pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
+    sds = jax.ShapeDtypeStruct
+    # Qwen3-30B-A3B: H 2048, 128 experts of width 768 (gate_up 1536), top-8; decode and prefill
+    for m, k, n in ((8, 2048, 1536), (256, 768, 2048), (8192, 2048, 1536)):
+        fn = pallas.grouped_matmul.trace(sds((m, k), jnp.bfloat16), sds((128, k, n), jnp.bfloat16),
+                                         sds((128,), jnp.int32), interpret=False)
+        assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_backend_rule():
+    assert resolve_grouped_backend("xla") == "xla"
+    assert resolve_grouped_backend("pallas") == "pallas"
+    assert resolve_grouped_backend("auto") == ("pallas" if jax.default_backend() == "gpu"
+                                               else "xla")
+    with K.default_backend("pallas"):
+        assert resolve_grouped_backend("auto") == "pallas"
+    with K.default_backend("triton"):
+        assert resolve_grouped_backend("auto") == "pallas"
+    with pytest.raises(ValueError, match="backend='triton': grouped_matmul has no Triton"):
+        resolve_grouped_backend("triton")
+    with pytest.raises(ValueError, match="backend='cuda' is not one of"):
+        resolve_grouped_backend("cuda")
+
+
+def test_errors():
+    lhs, rhs, sizes = jnp.zeros((8, 32)), jnp.zeros((4, 32, 16)), jnp.zeros((4,), jnp.int32)
+    with pytest.raises(ValueError, match="do not fit"):
+        grouped_matmul(lhs, jnp.zeros((4, 16, 16)), sizes)
+    with pytest.raises(ValueError, match="do not fit"):
+        grouped_matmul(lhs, rhs, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match=r"must be \[M, K\]"):
+        grouped_matmul(lhs[0], rhs, sizes)
+    with pytest.raises(ValueError, match="block_m=24 must be a power of two"):
+        pallas.grouped_matmul(lhs, rhs, sizes, block_m=24)
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        pallas.grouped_matmul(jnp.zeros((8, 40)), jnp.zeros((4, 40, 16)), sizes)
+    with pytest.raises(ValueError, match="block_n=32 must be a power of two >= 16 dividing 16"):
+        pallas.grouped_matmul(lhs, rhs, sizes, block_n=32)
+
+
+def test_moe_layer_on_either_backend():
+    """The routed experts (with another shard's ids and biases) give the same output."""
+    rng = np.random.default_rng(3)
+    t, h, i, e, k = 12, 32, 16, 8, 2
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    weights, ids = moe.softmax_top_k(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k,
+                                     True)
+    ids = ids.at[0, 1].set(e + 3)                            # another shard's expert
+    gate_up = jnp.asarray(rng.standard_normal((e, h, 2 * i)) / 6, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((e, i, h)) / 4, jnp.float32)
+    biases = dict(gate_up_bias=jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.float32),
+                  down_bias=jnp.asarray(rng.standard_normal((e, h)), jnp.float32))
+    got = {b: np.asarray(moe.grouped_experts(x, weights, ids, gate_up, down, backend=b,
+                                             **biases)) for b in ("xla", "pallas")}
+    np.testing.assert_allclose(got["pallas"], got["xla"], atol=1e-5, rtol=1e-5)
+    # the oracle: each (token, expert) pair directly
+    want = np.zeros((t, h))
+    for tok in range(t):
+        for j in range(k):
+            ex = int(ids[tok, j])
+            if ex >= e:
+                continue
+            gu = np.asarray(x[tok]) @ np.asarray(gate_up[ex]) + np.asarray(biases["gate_up_bias"][ex])
+            act = gu[0::2] / (1 + np.exp(-gu[0::2])) * gu[1::2]
+            y = act @ np.asarray(down[ex]) + np.asarray(biases["down_bias"][ex])
+            want[tok] += float(weights[tok, j]) * y
+    np.testing.assert_allclose(got["pallas"], want, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_falls_back_to_xla_for_shapes_the_kernel_does_not_take():
+    """A tensor split can leave K or N off the 16 multiple: "auto" (even under a "pallas"
+    process default) runs ``ragged_dot``; a call naming "pallas" refuses."""
+    rng = np.random.default_rng(4)
+    lhs, rhs, sizes = case(rng, 20, 8, 16, 4, "all")
+    with K.default_backend("pallas"):
+        out = grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes))
+    np.testing.assert_allclose(np.asarray(out), oracle(lhs, rhs, sizes), atol=1e-5, rtol=1e-5)
+    assert pallas.unsupported_reason(8, 16) == "K=8 not a multiple of 16"
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), backend="pallas")
