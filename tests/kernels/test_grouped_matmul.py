@@ -86,8 +86,9 @@ def test_triton_lowering_for_h200_on_cpu(monkeypatch):
         pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
     sds = jax.ShapeDtypeStruct
     # Qwen3-30B-A3B: H 2048, 128 experts of width 768 (gate_up 1536), top-8; decode and prefill
-    for m, k, n in ((8, 2048, 1536), (256, 768, 2048), (8192, 2048, 1536)):
-        fn = pallas.grouped_matmul.trace(sds((m, k), jnp.bfloat16), sds((128, k, n), jnp.bfloat16),
+    for m, k, n, dt in ((8, 2048, 1536, jnp.bfloat16), (256, 768, 2048, jnp.bfloat16),
+                        (8192, 2048, 1536, jnp.bfloat16), (64, 64, 48, jnp.float32)):
+        fn = pallas.grouped_matmul.trace(sds((m, k), dt), sds((128, k, n), dt),
                                          sds((128,), jnp.int32), interpret=False)
         assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
 
