@@ -20,6 +20,7 @@ order than the reference and rescales per key block).
 from __future__ import annotations
 
 import suite_paths  # tests/support: where the suite's pieces are
+from triton_lowering import fake_h200
 import dataclasses
 import os
 import subprocess
@@ -308,14 +309,7 @@ def test_no_query_by_context_array():
 def test_triton_lowering_for_h200_on_cpu(monkeypatch):
     """The non-interpreted kernel lowered to Triton IR for an H200 (no PTX): catches what
     interpret mode does not check (power-of-two tensors, unsupported primitives)."""
-    try:
-        from jax._src.pallas.triton import pallas_call_registration as reg
-        if hasattr(reg, "gpu_info_lib"):
-            from jax._src.pallas.triton import gpu_info
-            h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-            monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: h200)
-    except (ImportError, AttributeError) as e:  # pragma: no cover - JAX internals moved
-        pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
+    fake_h200(monkeypatch)
     sds = jax.ShapeDtypeStruct
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
     tree = random_tree(np.random.default_rng(0), 6)

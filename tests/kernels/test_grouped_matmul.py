@@ -9,6 +9,7 @@ backend."""
 from __future__ import annotations
 
 import suite_paths  # noqa: F401  tests/support: where the suite's pieces are
+from triton_lowering import fake_h200
 
 import jax
 import jax.numpy as jnp
@@ -76,14 +77,7 @@ def test_bfloat16_to_its_rounding():
 def test_triton_lowering_for_h200_on_cpu(monkeypatch):
     """Lowered to Triton IR for an H200 without a GPU: catches what interpret mode does not
     (power-of-two tensors, unsupported primitives)."""
-    try:
-        from jax._src.pallas.triton import pallas_call_registration as reg
-        if hasattr(reg, "gpu_info_lib"):
-            from jax._src.pallas.triton import gpu_info
-            h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-            monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: h200)
-    except (ImportError, AttributeError) as e:  # pragma: no cover - JAX internals moved
-        pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
+    fake_h200(monkeypatch)
     sds = jax.ShapeDtypeStruct
     # Qwen3-30B-A3B: H 2048, 128 experts of width 768 (gate_up 1536), top-8; decode and prefill
     for m, k, n, dt in ((8, 2048, 1536, jnp.bfloat16), (256, 768, 2048, jnp.bfloat16),

@@ -18,6 +18,7 @@ installed, and ``-m gpu`` here.
 from __future__ import annotations
 
 import suite_paths  # tests/support: where the suite's pieces are
+from triton_lowering import fake_h200
 import dataclasses
 import os
 import subprocess
@@ -266,14 +267,7 @@ def test_gqa8_past_the_decode_rows_runs_flash_with_window_and_sinks():
 def test_triton_lowering_with_window_and_sinks(monkeypatch):
     """The non-interpreted decode kernel, fused write and merge with a window and sinks,
     lowered to Triton IR for an H200 on the CPU (no PTX): head_dim 128 and 256, GQA 4, 8."""
-    try:
-        from jax._src.pallas.triton import pallas_call_registration as reg
-        if hasattr(reg, "gpu_info_lib"):
-            from jax._src.pallas.triton import gpu_info
-            h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-            monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: h200)
-    except (ImportError, AttributeError) as e:  # pragma: no cover - JAX internals moved
-        pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
+    fake_h200(monkeypatch)
     sds = jax.ShapeDtypeStruct
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
     for b, qmax, nh, nkv, hd, splits in [(1, 1, 32, 8, 128, 8), (8, 4, 64, 8, 64, 1),
