@@ -30,7 +30,8 @@
 # with and without chunked prefill (tokens/s, TTFT, ITL, preemptions); SCHED_ARGS adds flags:
 # "--parts itl" or "--parts mixed" (one part), "--rate 8 --num-requests 128", "--warmup full";
 # moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH); kgrid: issue 55's cost table
-# (benchmarks/k_grid.py, KGRID_BATCH, KGRID_ARGS); dspark: issue 57, the demo DSpark head
+# (benchmarks/k_grid.py, KGRID_BATCH, KGRID_ARGS; "--policies adaptive_k adaptive_verification"
+# adds each policy's tokens/s per (B, a) against the best static k and plain); dspark: issue 57, the demo DSpark head
 # trained by the recipe (DFlash's budget; $OUT/heads/dspark, copy it to
 # specjax/demo_models/dspark) and DSpark's propose beside DFlash's at B = 1, 8, 32 (8B-shaped,
 # rank 256, goal <= 1.1x); suffix: issue 58, the device suffix speculator inside the device

@@ -12,11 +12,14 @@ acceptance rate a at every position an iteration emits
 and the best static k of a cell is its argmax. The printed schedule per a is the
 ``num_speculative_tokens_per_batch_size`` that picks it (ranges of equal best k).
 ``--check B:a ...`` runs those cells directly (synthetic rates ``a, a^2, ...``) and
-prints measured tokens/s beside the prediction.
+prints measured tokens/s beside the prediction. ``--policies`` runs every (B, a) cell with
+k = ``--kmax`` under each adaptive policy and prints its tokens/s against the cell's best
+static k (predicted from the table) and plain decoding (issue 55's 0.95x / 0.98x goals).
 
 Usage (GPU)::
 
     python benchmarks/k_grid.py --batch 1,8,32,64,128,256 --kmax 7 --check 1:0.7 32:0.5 128:0.9
+    python benchmarks/k_grid.py --batch 1,32 --policies adaptive_k adaptive_verification
     python benchmarks/k_grid.py --target tiny --batch 1,2 --kmax 2 --iters 2   # CPU
 """
 
@@ -79,18 +82,23 @@ def run(args) -> dict:
     budget = (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS if jax.default_backend() == "cpu"
               else DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
-    def timed(b, k, rates):
+    def timed(b, k, rates, policy=None):
         # nobody finishes inside the window: the prefill steps, in which early requests
         # already decode, then the window (rounded up to a sync of at most 64 steps) and spares
         max_tokens = (args.iters + 3 + 64 + -(-b * args.context // budget)) * (args.kmax + 1)
         mml = -(-(args.context + max_tokens + 2 * args.kmax + 8) // loop.BS) * loop.BS
         prompts = [rng.integers(0, geo["vocab_size"], args.context).tolist() for _ in range(b)]
+        spec = dict(enable_adaptive_verification=True) if policy == "adaptive_verification" \
+            else {}
         prop = None if k == 0 else loop.drafter("eagle3", target, geo, args.target, k, rates,
-                                                mml, dtype)
-        eng = loop.make_engine(target, prop, b, mml, dtype)
+                                                mml, dtype, **spec)
+        eng = loop.make_engine(target, prop, b, mml, dtype,
+                               loop=dict(adaptive_k=True) if policy == "adaptive_k" else None)
         n = eng.options.steps_per_sync
         iters = -(-args.iters // n) * n                                   # ends on a sync
         loop.measure(eng, prompts, n, max_tokens)                         # compiles
+        for _ in range(-(-args.policy_warmup // iters) if policy else 0):  # the policy learns
+            loop.measure(eng, prompts, iters, max_tokens)
         before = loop_cache_size() + step_cache_size()
         r = min((loop.measure(eng, prompts, iters, max_tokens) for _ in range(args.repeat)),
                 key=lambda x: x["per_iter_ms"])
@@ -138,9 +146,29 @@ def run(args) -> dict:
         checks.append(dict(batch=b, a=a, k=k, measured_tps=r["tokens_per_s"], predicted_tps=pred))
         print(f"check B={b} a={a} k={k}: measured {r['tokens_per_s']:.0f} tok/s, predicted "
               f"{pred:.0f} ({r['tokens_per_s'] / pred:.2f}x)", flush=True)
+    policies = []
+    if args.policies:
+        print("\n| B | a | policy | tok/s | / best static k (predicted) | / plain (measured t(B, 0)) "
+              "| accepted / iteration |")
+        print("|---|---|---|---|---|---|---|")
+    for b in batches:
+        for a in rates if args.policies else ():
+            for policy in args.policies:
+                r = timed(b, args.kmax, [a ** (j + 1) for j in range(args.kmax)], policy)
+                k, tps = best_k(cost, b, a)
+                plain = b / (cost[b][0] / 1e3)
+                row = dict(batch=b, a=a, policy=policy, tokens_per_s=r["tokens_per_s"],
+                           vs_best=r["tokens_per_s"] / tps, best_k=k,
+                           vs_plain=r["tokens_per_s"] / plain,
+                           tokens_per_iter=r["tokens_per_iter"])
+                policies.append(row)
+                print(f"| {b} | {a} | {policy} | {row['tokens_per_s']:.0f} | {row['vs_best']:.3f} "
+                      f"(k={k}) | {row['vs_plain']:.3f} | {row['tokens_per_iter'] - 1:.2f} |",
+                      flush=True)
     return dict(cost_ms={str(b): v for b, v in cost.items()},
                 best={f"{b}:{a}": v for (b, a), v in best.items()},
-                schedules={str(a): s for a, s in scheds.items()}, checks=checks)
+                schedules={str(a): s for a, s in scheds.items()}, checks=checks,
+                policies=policies)
 
 
 def main(argv=None) -> int:
@@ -157,6 +185,14 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--check", nargs="*", default=[], metavar="B:a")
+    ap.add_argument("--policies", nargs="*", default=[],
+                    choices=("adaptive_k", "adaptive_verification"),
+                    help="also run each (B, a) cell with k = --kmax under these policies: "
+                         "LoopOptions(adaptive_k=True) (device loop) or vLLM's "
+                         "enable_adaptive_verification (step loop)")
+    ap.add_argument("--policy-warmup", type=int, default=200,
+                    help="iterations a policy runs before its timed window (vLLM's estimator "
+                         "refits every 100 steps)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"),
                     default="bfloat16" if gpu else "float32")
     ap.add_argument("--json", default=None)

@@ -99,10 +99,11 @@ def build_target(size: str, dtype, unfused: bool = False) -> tuple[TargetModel, 
 
 
 def drafter(method: str, target: TargetModel, geo: dict, size: str, k: int, rates, mml: int,
-            dtype):
+            dtype, **spec):
     """The ``method`` proposer (``eagle3``: the 8B-shaped EAGLE-3 head; ``mtp``: a MiMo MTP
     module of the target's shape; ``ngram_gpu``, ``suffix``: the device history matchers,
-    suffix with vLLM 0.34's default corpus), synthetic acceptance at ``rates``."""
+    suffix with vLLM 0.34's default corpus), synthetic acceptance at ``rates``; ``spec``:
+    more ``SpeculativeConfig`` fields of a model method."""
     synthetic = dict(rejection_sample_method="synthetic", synthetic_acceptance_rates=tuple(rates))
     if method in ("ngram_gpu", "suffix"):
         lookup = dict(prompt_lookup_min=2, prompt_lookup_max=5) if method == "ngram_gpu" else {}
@@ -118,10 +119,10 @@ def drafter(method: str, target: TargetModel, geo: dict, size: str, k: int, rate
                   **({"draft_vocab_size": 32000, "has_d2t": True} if size == "8b" else {}))
     cfg = registry.config_from_hf(method, hf)
     params = random_params(method, cfg, dtype, jax.random.key(1))
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=k,
-                             rejection_sample_method="synthetic",
-                             synthetic_acceptance_rates=tuple(rates))
-    return make_proposer(spec, target=target.model, target_params=target.params, draft=cfg,
+    cfg_spec = SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                 rejection_sample_method="synthetic",
+                                 synthetic_acceptance_rates=tuple(rates), **spec)
+    return make_proposer(cfg_spec, target=target.model, target_params=target.params, draft=cfg,
                          draft_params=params, max_model_len=mml, block_size=BS)
 
 

@@ -1,5 +1,6 @@
 """``benchmarks/k_grid.py`` (issue 55): the best-static-k arithmetic on a hand-made cost
-table, and one tiny CPU run producing the tables, schedules and a direct check."""
+table, and one tiny CPU run producing the tables, schedules, a direct check and the
+adaptive policies' rows."""
 
 import suite_paths  # tests/support: where the suite's pieces are
 import json
@@ -34,5 +35,12 @@ def test_tiny_run(tmp_path, capsys):
     assert set(doc["cost_ms"]["2"]) == {"0", "1"} and all(v > 0 for v in doc["cost_ms"]["2"].values())
     assert doc["schedules"]["0.5"][0][:2] == [1, 1 << 16] and len(doc["checks"]) == 1
     assert "num_speculative_tokens_per_batch_size=" in capsys.readouterr().out
+    assert k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--iters", "2",
+                        "--repeat", "1", "--context", "16", "--rates", "0.9", "--policies",
+                        "adaptive_k", "adaptive_verification", "--policy-warmup", "4",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["policies"]
+    assert [r["policy"] for r in rows] == ["adaptive_k", "adaptive_verification"]
+    assert all(r["tokens_per_s"] > 0 and r["vs_best"] > 0 and r["best_k"] in (0, 1) for r in rows)
     with pytest.raises(SystemExit):
         k_grid.main(["--rates", "1.5"])
