@@ -92,10 +92,16 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[di
     L, h, i, e, k = (geo[x] for x in ("num_hidden_layers", "hidden_size",
                                       "moe_intermediate_size", "num_experts",
                                       "num_experts_per_tok"))
-    key = jax.random.split(jax.random.key(0), 3)
-    router = (jax.random.normal(key[0], (L, h, e), jnp.float32) / np.sqrt(h)).astype(dtype)
-    gate_up = (jax.random.normal(key[1], (L, e, h, 2 * i), jnp.float32) / np.sqrt(h)).astype(dtype)
-    down = (jax.random.normal(key[2], (L, e, i, h), jnp.float32) / np.sqrt(i)).astype(dtype)
+    # one set of arrays per layer, made one layer at a time: a stacked [L, E, H, 2I] array
+    # costs 72 GiB in float32 to draw and is copied whole by XLA around a scan over layers
+    weights = []
+    for key in jax.random.split(jax.random.key(0), L):
+        kr, kg, kd = jax.random.split(key, 3)
+        weights.append(((jax.random.normal(kr, (h, e), jnp.float32) / np.sqrt(h)).astype(dtype),
+                        (jax.random.normal(kg, (e, h, 2 * i), jnp.float32)
+                         / np.sqrt(h)).astype(dtype),
+                        (jax.random.normal(kd, (e, i, h), jnp.float32)
+                         / np.sqrt(i)).astype(dtype)))
     gpu = jax.default_backend() == "gpu"
     impls: dict = {"ragged_dot": None, "pallas": "pallas"}    # (None: backend "xla")
     if gpu:
@@ -111,23 +117,22 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[di
             print(f"# pallas ragged_dot_mgpu unavailable: {err}")
 
     def stack(x, weights, impl):
-        def layer(x, w):
-            r, gu, d = w
-            weights, ids = moe.softmax_top_k(x.astype(jnp.float32) @ r.astype(jnp.float32), k,
-                                             True)
+        touched = 0
+        for r, gu, d in weights:                # unrolled, as the engine's target runs its layers
+            route, ids = moe.softmax_top_k(x.astype(jnp.float32) @ r.astype(jnp.float32),
+                                              k, True)
             if impl is None or isinstance(impl, str):
-                y = moe.grouped_experts(x, weights, ids, gu, d, backend=impl or "xla")
+                y = moe.grouped_experts(x, route, ids, gu, d, backend=impl or "xla")
             else:
                 real = jax.lax.ragged_dot
                 jax.lax.ragged_dot = impl           # the same routing and scatter, other GEMM
                 try:
-                    y = moe.grouped_experts(x, weights, ids, gu, d, backend="xla")
+                    y = moe.grouped_experts(x, route, ids, gu, d, backend="xla")
                 finally:
                     jax.lax.ragged_dot = real
-            touched = jnp.sum(jnp.bincount(ids.reshape(-1), length=e) > 0)
-            return x + y, touched
-        x, touched = jax.lax.scan(layer, x, weights)
-        return x, jnp.sum(touched)
+            touched = touched + jnp.sum(jnp.bincount(ids.reshape(-1), length=e) > 0)
+            x = x + y
+        return x, touched
 
     rows = []
     for b in batches:
@@ -137,7 +142,7 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[di
             for name, impl in impls.items():
                 # the weights are arguments: closed over, they would be compiled in as constants
                 fn = jax.jit(lambda x, w, impl=impl: stack(x, w, impl))
-                w = (router, gate_up, down)
+                w = weights
                 try:
                     out, touched = fn(x, w)
                     jax.block_until_ready(out)

@@ -101,7 +101,7 @@ def _kernel(prog_ref, size_ref, lhs_ref, rhs_ref, zeros_ref, out_ref, *, block_m
                                      precision=precision, preferred_element_type=jnp.float32)
 
     k_steps = lhs_ref.shape[1] // block_k
-    acc = lax.fori_loop(0, jnp.where(n_rows > 0, k_steps, 0), body,
+    acc = lax.fori_loop(0, jnp.minimum(n_rows, 1) * k_steps, body,         # (int32 bounds)
                         jnp.zeros((block_m, block_n), jnp.float32))
 
     def store():

@@ -1,5 +1,6 @@
 """Lowering a Pallas-Triton kernel for an H200 on a machine without a GPU (no PTX): catches
-what interpret mode does not check (power-of-two tensors, unsupported primitives)."""
+what interpret mode does not check (power-of-two tensors, unsupported primitives, and, through
+MLIR's verifier, ill-typed IR that XLA's Triton parser would refuse on the GPU)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,22 @@ import pytest
 
 
 def fake_h200(monkeypatch) -> None:
-    """Make Pallas-Triton's lowering see an H200; skips the test when JAX's internals moved."""
+    """Make Pallas-Triton's lowering see an H200 and verify every Triton module it emits;
+    skips the test when JAX's internals moved."""
     try:
         from jax._src.pallas.triton import pallas_call_registration as reg
         if hasattr(reg, "gpu_info_lib"):
             from jax._src.pallas.triton import gpu_info
             h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
             monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: h200)
+        lower = reg.lowering.lower_jaxpr_to_triton_module
     except (ImportError, AttributeError) as e:  # pragma: no cover - JAX internals moved
         pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
+
+    def verified(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        with result.module.context:
+            result.module.operation.verify()    # MLIRError naming the op and source line
+        return result
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", verified)
