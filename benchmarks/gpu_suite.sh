@@ -75,10 +75,12 @@ if [ "$what" = models ]; then
   timeout "${TRAIN_S:-240}" python benchmarks/train_step.py --steps 30 2>&1 | tee "$OUT/train_step.log" | tail -6
 fi
 if [ "$what" = moe ]; then
-  # issue 54: the Qwen3-30B-A3B-shaped MoE stack (ragged_dot, the Pallas Hopper example,
-  # torch._grouped_mm in its own process first) and the engine's plain / EAGLE-3 decode
+  # issue 54: the engine's plain / EAGLE-3 decode with the Qwen3-30B-A3B-shaped MoE target
+  # first, then its expert stack (8 layers: ragged_dot, the Pallas kernel, the Pallas Hopper
+  # example; torch._grouped_mm in its own process first); MOE_ARGS adds flags ("--parts
+  # experts --impls pallas", "--expert-layers 48"); rows print as measured
   XLA_PYTHON_CLIENT_MEM_FRACTION=$JAXMEM timeout "${MOE_S:-540}" python benchmarks/moe.py --batch "${MOE_BATCH:-1,8,32}" --torch \
-    --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | tail -40
+    --parts decode,experts ${MOE_ARGS:-} --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | grep -v '\\x' | tail -40
 fi
 if [ "$what" = dspark ]; then
   timeout "${TRAIN_S:-300}" python -m specjax.training.recipe --out "$OUT/heads" --stage heads \

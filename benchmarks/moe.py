@@ -3,7 +3,9 @@ Qwen3-30B-A3B-shaped bf16 target (random weights) against their floors and PyTor
 
 Parts (``--parts``, default all):
 
-- ``experts``: the sparse MoE blocks of every layer (router, top-k, the grouped GEMMs) over
+- ``experts``: the sparse MoE blocks of the first ``--expert-layers`` layers (default 8; 0:
+  all; each compiled grouped GEMM costs compile time, and a layer's time is every layer's)
+  (router, top-k, the grouped GEMMs) over
   ``T = B * q`` tokens (q = 1: decode, q = k + 1: a verify step) as one jitted program,
   ``jax.lax.ragged_dot`` (backend ``"xla"``) beside specjax's Pallas kernel (``"pallas"``,
   ``kernels/grouped_matmul``: the GPU default) and JAX's Hopper Pallas example
@@ -17,6 +19,9 @@ Parts (``--parts``, default all):
   MoE target, plain and EAGLE-3 (a random 1-layer head, synthetic acceptance), per delivered
   iteration, beside the step's floor: attention, router, norms and lm_head weights, the
   expected distinct experts of ``B * q`` uniformly routed tokens per layer, and the K/V.
+
+Parts run in the order ``--parts`` names them; each row is printed as it is measured (with
+its compile seconds), so a run cut short keeps what it measured.
 
 Usage (GPU)::
 
@@ -82,7 +87,14 @@ def step_floor_ms(geo: dict, batch: int, context: int, q: int) -> float:
 
 # -- part experts ---------------------------------------------------------------------------
 
-def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[dict]:
+def expert_geometry(geo: dict, layers: int) -> dict:
+    """``geo`` cut to its first ``layers`` layers (0: all)."""
+    return dict(geo, num_hidden_layers=min(layers or geo["num_hidden_layers"],
+                                           geo["num_hidden_layers"]))
+
+
+def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str,
+                 only: set | None = None) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -134,6 +146,8 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[di
             x = x + y
         return x, touched
 
+    if only is not None:
+        impls = {n: f for n, f in impls.items() if n in only}
     rows = []
     for b in batches:
         for q in qs:
@@ -143,12 +157,14 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[di
                 # the weights are arguments: closed over, they would be compiled in as constants
                 fn = jax.jit(lambda x, w, impl=impl: stack(x, w, impl))
                 w = weights
+                t0 = time.perf_counter()
                 try:
                     out, touched = fn(x, w)
                     jax.block_until_ready(out)
                 except Exception as err:  # noqa: BLE001 - a kernel that does not take this shape
                     print(f"# {name} T={t}: {type(err).__name__}: {str(err)[:160]}")
                     continue
+                compile_s = time.perf_counter() - t0
                 per = []
                 for _ in range(iters):
                     t0 = time.perf_counter()
@@ -158,7 +174,10 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str) -> list[di
                 floor = floors.floor_ms(touched * expert_bytes(geo, dtype.itemsize)
                                         + L * h * e * dtype.itemsize)
                 rows.append(dict(part="experts", impl=name, batch=b, q=q, tokens=t,
-                                 ms=statistics.median(per), touched=touched, floor_ms=floor))
+                                 ms=statistics.median(per), touched=touched, floor_ms=floor,
+                                 compile_s=compile_s))
+                print(f"# {name} T={t}: {rows[-1]['ms']:.3f} ms (floor {floor:.3f}), compile "
+                      f"{compile_s:.1f} s", flush=True)
     return rows
 
 
@@ -299,24 +318,31 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--parts", default="experts,decode")
+    ap.add_argument("--parts", default="experts,decode", help="in the order run")
+    ap.add_argument("--expert-layers", type=int, default=8, help="layers of part experts (0: all)")
+    ap.add_argument("--impls", default=None, help="part experts' JAX impls (default: all)")
     ap.add_argument("--torch", action="store_true", help="the PyTorch anchor (own process)")
     ap.add_argument("--anchor", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    parts = set(args.parts.split(","))
-    if not parts <= {"experts", "decode"} or args.k < 1 or args.iters < 2:
-        ap.error("--parts takes experts,decode; --k >= 1; --iters >= 2")
+    order = args.parts.split(",")
+    parts = set(order)
+    if not parts <= {"experts", "decode"} or args.k < 1 or args.iters < 2 \
+            or args.expert_layers < 0:
+        ap.error("--parts takes experts,decode; --k >= 1; --iters >= 2; --expert-layers >= 0")
+    only = None if args.impls is None else set(args.impls.split(","))
     batches = [int(x) for x in args.batch.split(",")]
     qs = (1, args.k + 1)
     if args.anchor:
-        print(json.dumps(anchor_rows(GEOMETRIES[args.geometry], batches, qs)))
+        print(json.dumps(anchor_rows(expert_geometry(GEOMETRIES[args.geometry],
+                                                     args.expert_layers), batches, qs)))
         return 0
     anchor = []
     if args.torch and "experts" in parts:       # first: before JAX takes the GPU's memory
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--anchor",
                               "--geometry", args.geometry or "30b-a3b", "--batch", args.batch,
-                              "--k", str(args.k)], capture_output=True, text=True)
+                              "--k", str(args.k), "--expert-layers", str(args.expert_layers)],
+                             capture_output=True, text=True)
         if out.returncode:
             print(f"# torch anchor failed: {out.stderr[-2000:]}")
         else:
@@ -330,18 +356,21 @@ def main(argv=None) -> int:
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{jax.devices()[0].device_kind}; {name} {dtype}; k={args.k}; context {args.context}")
     rows = []
-    if "experts" in parts:
-        rows += experts_rows(geo, batches, qs, args.iters, dtype) + anchor
+    for part in order:
+        if part == "decode":
+            rows += decode_rows(geo, batches, args.k, args.context, args.iters, dtype)
+            continue
+        eg = expert_geometry(geo, args.expert_layers)
+        print(f"# part experts: {eg['num_hidden_layers']} layers", flush=True)
+        got = experts_rows(eg, batches, qs, args.iters, dtype, only) + anchor
+        rows += got
         print("| impl | B | q | tokens | ms | touched | floor ms | / floor |")
         print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            if r["part"] == "experts":
-                fl = next((x["floor_ms"] for x in rows if "floor_ms" in x and x["part"] == "experts"
-                           and (x["batch"], x["q"]) == (r["batch"], r["q"])), float("nan"))
-                print(f"| {r['impl']} | {r['batch']} | {r['q']} | {r['tokens']} | {r['ms']:.3f} | "
-                      f"{r.get('touched', '-')} | {fl:.3f} | {r['ms'] / fl:.2f} |")
-    if "decode" in parts:
-        rows += decode_rows(geo, batches, args.k, args.context, args.iters, dtype)
+        for r in got:
+            fl = next((x["floor_ms"] for x in got if "floor_ms" in x
+                       and (x["batch"], x["q"]) == (r["batch"], r["q"])), float("nan"))
+            print(f"| {r['impl']} | {r['batch']} | {r['q']} | {r['tokens']} | {r['ms']:.3f} | "
+                  f"{r.get('touched', '-')} | {fl:.3f} | {r['ms'] / fl:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(argv=argv, geometry=name, rows=rows), f, indent=1)
