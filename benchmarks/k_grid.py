@@ -138,8 +138,9 @@ def run(args) -> dict:
     checks = []
     for spec in args.check:
         b, a = int(spec.split(":")[0]), float(spec.split(":")[1])
-        if b not in cost:
-            raise SystemExit(f"--check {spec}: batch {b} is not in --batch")
+        if b not in cost:      # (the suite's default cells: a run of some batches skips the rest)
+            print(f"# --check {spec}: batch {b} is not in --batch; skipped")
+            continue
         k = best_k(cost, b, a)[0]
         r = timed(b, k, [a ** (j + 1) for j in range(k)])
         pred = best_k(cost, b, a)[1]

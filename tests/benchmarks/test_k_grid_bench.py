@@ -30,11 +30,12 @@ def test_tiny_run(tmp_path, capsys):
     out = tmp_path / "kg.json"
     assert k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--iters", "2",
                         "--repeat", "1", "--context", "16", "--rates", "0.5", "--check", "2:0.5",
-                        "--json", str(out)]) == 0
+                        "128:0.9", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert set(doc["cost_ms"]["2"]) == {"0", "1"} and all(v > 0 for v in doc["cost_ms"]["2"].values())
     assert doc["schedules"]["0.5"][0][:2] == [1, 1 << 16] and len(doc["checks"]) == 1
-    assert "num_speculative_tokens_per_batch_size=" in capsys.readouterr().out
+    printed = capsys.readouterr().out           # a cell of a batch not run: skipped
+    assert "num_speculative_tokens_per_batch_size=" in printed and "128:0.9" in printed
     assert k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--iters", "2",
                         "--repeat", "1", "--context", "16", "--rates", "0.9", "--policies",
                         "adaptive_k", "adaptive_verification", "--policy-warmup", "4",
