@@ -101,6 +101,21 @@ class DeviceLoopDriver:
         return dataclasses.replace(state, num_logprobs=logprobs_bucket(
             [r.params.logprobs for r in running]), slots=sched.slot_rows([r.row for r in running], B))
 
+    def recap(self, rows: list[_Request], state, k: int):
+        """``state`` continued under ``adaptive_k``'s new K: each row's cap, the rows' token
+        bucket and the drafter's chain as :meth:`loop_state` sets them (the drafts it holds,
+        proposed under the old K, are trimmed or fall short; both lossless)."""
+        e = self._e
+        e._k_now = k
+        caps = [e.k_for(r, len(rows)) for r in rows]
+        e._k_now = None
+        _, q, _ = e.scheduler.buckets(len(rows), max(caps) + 1, 1, max(caps))
+        kc = np.zeros(state.num_reqs_pad, _I32)
+        kc[: len(caps)] = caps
+        full = min(caps) == e.k
+        return dataclasses.replace(state, k_cap=None if full else kc, query_len_pad=q,
+                                   draft_len=None if max(caps) >= e.k else max(caps))
+
     def dispatch(self, rows: list[_Request], state, stop_on_finish: bool,
                  prev_k: int | None = None) -> _InFlight:
         """Dispatch one call (not waiting for it). ``state``: the previous call's device
@@ -120,6 +135,8 @@ class DeviceLoopDriver:
                 m = min(len(r.blocks), C)
                 table[i, :m] = r.blocks[:m]
             state = dataclasses.replace(state, block_table=table)
+            if e.options.adaptive_k and (nk := e.policy_k(rows)) != k:
+                k, state = nk, self.recap(rows, state, nk)
         ee = e.options.early_exit
         out, e.target_kv, e.draft_state, state = decode_loop(
             e.step, e.target.params, e.step.draft_params, e.target_kv, e.draft_state, state,
@@ -183,8 +200,6 @@ class DeviceLoopDriver:
             # a call dispatched after this one would only run masked iterations, or the pool
             # cannot give it blocks: drain (the next sync point may preempt)
             return self.commit(inflight), None
-        if self._e.options.adaptive_k and self._e.policy_k(inflight.rows) != inflight.k:
-            return self.commit(inflight), None      # K changes: the next call starts afresh
         nxt = self.dispatch(inflight.rows, inflight.state, stop_on_finish, inflight.k)
         results = self.commit(inflight, last=False)
         if any(fin for _, fin in results) or all(r.finish_reason for r in nxt.rows):

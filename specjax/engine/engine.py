@@ -23,7 +23,7 @@ from specjax.engine.options import (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS,
                                     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_STEPS_PER_SYNC,
                                     LoopOptions)
 from specjax.engine.scheduler import Scheduler, _pick, _Request
-from specjax.engine.verification import AdaptiveVerifier
+from specjax.engine.verification import AdaptiveVerifier, profile_k_costs
 from specjax.engine.types import (GenerateResult, RequestMetrics, RequestOutput, SamplingParams,
                                   TargetModel)
 from specjax.metrics import SpecDecodingStats
@@ -280,24 +280,8 @@ class Engine:
             r.acc_hits, r.acc_trials = float(h), float(t)
 
     def profile_k_costs(self, batch_sizes: Sequence[int], reps: int = 3) -> dict:
-        """Measure ``k_costs[B][K]`` (K = 0..k), the median seconds of a dummy decode step of
-        each batch bucket B with rows of K + 1 tokens. Returns ``k_costs``."""
-        sched = self.scheduler
-        for n in batch_sizes:
-            b = sched.buckets(check_int("batch_sizes[]", n, 1), 1, 1)[0]
-            cost = np.zeros(self.k + 1)
-            for kk in range(self.k + 1):
-                q = sched.buckets(b, kk + 1, 1, kk)[1]
-                batch = sched.dummy_batch(b, q, sched.max_blocks_per_req)
-                jax.block_until_ready(self._run(batch))
-                times = []
-                for _ in range(reps):
-                    t = time.perf_counter()
-                    jax.block_until_ready(self._run(batch))
-                    times.append(time.perf_counter() - t)
-                cost[kk] = float(np.median(times))
-            self.k_costs[b] = cost
-        return self.k_costs
+        """:func:`specjax.engine.verification.profile_k_costs`."""
+        return profile_k_costs(self, batch_sizes, reps)
 
     # -- public --------------------------------------------------------------------
 
@@ -455,7 +439,8 @@ class Engine:
                     procs=sched.empty_procs(int(b)) if pr else None)
                 out, self.target_kv, self.draft_state, _ = decode_loop(
                     self.step, self.target.params, self.step.draft_params, self.target_kv,
-                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g), num_logprobs=lp),
+                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g), num_logprobs=lp,
+                                                          draft_len=None if kk == self.k else kk),
                     steps_per_sync=opts.steps_per_sync, early_exit=ee)
                 jax.block_until_ready(out)
         n = step_cache_size() + loop_cache_size() - before
@@ -465,10 +450,11 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------
 
-    def _run(self, batch: StepBatch) -> StepOutput:
+    def _run(self, batch: StepBatch, draft_len: int | None = None) -> StepOutput:
         """Run the public step on ``batch`` (caches and state donated and replaced)."""
         out, self.target_kv, self.draft_state = self.step(
-            self.target.params, self.step.draft_params, self.target_kv, self.draft_state, batch)
+            self.target.params, self.step.draft_params, self.target_kv, self.draft_state, batch,
+            draft_len=draft_len)
         return out
 
     def _trim(self, r: _Request, drafts: list[int], num_reqs: int) -> list[int]:

@@ -1,8 +1,9 @@
-"""vLLM's adaptive verification (``enable_adaptive_verification``) on the engine's step loop:
-each step verifies only the drafts that pay. docs/adaptive_k.md."""
+"""vLLM's adaptive verification (``enable_adaptive_verification``) on the engine's step loop,
+and the step costs per K it and ``adaptive_k`` weigh. docs/adaptive_k.md."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import jax
@@ -11,9 +12,33 @@ import numpy as np
 from specjax.adaptive_k import (estimator_init, estimator_observe, estimator_predict,
                                 estimator_refit, rectangle_budget)
 from specjax.engine.scheduler import _Request
+from specjax.checks import check_int
 from specjax.constants import next_power_of_2
 
-__all__ = ["AdaptiveVerifier"]
+__all__ = ["AdaptiveVerifier", "profile_k_costs"]
+
+
+def profile_k_costs(engine, batch_sizes: Sequence[int], reps: int = 3) -> dict:
+    """``engine.k_costs[B][K]`` (K = 0..k): median seconds of a dummy step of bucket B, rows
+    of K + 1 tokens, drafting K where the device loop runs (as its calls do)."""
+    sched, opts = engine.scheduler, engine.options
+    loop = opts.steps_per_sync > 1 or opts.overlap
+    for n in batch_sizes:
+        b = sched.buckets(check_int("batch_sizes[]", n, 1), 1, 1)[0]
+        cost = np.zeros(engine.k + 1)
+        for kk in range(engine.k + 1):
+            q = sched.buckets(b, kk + 1, 1, kk)[1]
+            batch = sched.dummy_batch(b, q, sched.max_blocks_per_req)
+            dl = kk if loop and kk < engine.k else None
+            jax.block_until_ready(engine._run(batch, dl))
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                jax.block_until_ready(engine._run(batch, dl))
+                times.append(time.perf_counter() - t)
+            cost[kk] = float(np.median(times))
+        engine.k_costs[b] = cost
+    return engine.k_costs
 
 
 def _update(st, features, num_accepted, num_verified):

@@ -5,6 +5,7 @@ single-token steps, output padding and ahead-of-time compilation (``warmup``).""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from typing import Any, Callable, NamedTuple
 
@@ -19,6 +20,7 @@ from specjax.constants import check_index_range
 from specjax.metadata import SpecDecodeMetadata
 from specjax.checks import check_int
 from specjax.adaptive_k import draft_feature
+from specjax.token_tree import TokenTree
 from specjax.proposers.types import DRAFT_PADDING_ID, DraftOutput, ProposerInputs
 from specjax.sampling.draft_sample import sample_draft
 from specjax.sharding.vocab import proposer_argmax
@@ -154,6 +156,44 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
         1, k, body, (drafts, positions, hidden, seq_lens, cad.max_seq_len, caches),
         unroll=k - 1 <= MAX_UNROLLED_STEPS)
     return drafts, caches
+
+
+def check_chain_len(proposer: Any) -> None:
+    """``proposer.chain_len``: None, or in ``[1, k]`` on a chain (ValueError naming it)."""
+    n, cfg = proposer.chain_len, proposer.config
+    if n is None:
+        return
+    check_int("chain_len", n, 1, cfg.num_speculative_tokens)
+    if cfg.parallel_drafting or not TokenTree(cfg.token_tree).is_chain:
+        raise ValueError("chain_len applies to chain drafting only (not parallel_drafting or a "
+                         "branching speculative_token_tree)")
+
+
+def with_chain_len(proposer: Any, n: int) -> Any:
+    """``proposer`` drafting chains of ``n`` (1..k), None for parallel drafting or a tree;
+    cached, so a jit keyed on it compiles once."""
+    cfg = proposer.config
+    if cfg.parallel_drafting or not TokenTree(cfg.token_tree).is_chain:
+        return None
+    return proposer if n == cfg.num_speculative_tokens else _chain_len_copy(proposer, n)
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_len_copy(proposer: Any, n: int) -> Any:
+    return dataclasses.replace(proposer, chain_len=n)
+
+
+def pad_draft_columns(out: DraftOutput, k: int) -> DraftOutput:
+    """``out`` of ``c <= k`` draft columns padded to ``k`` (tokens -1, the rest 0)."""
+    c = out.token_ids.shape[1]
+    if c == k:
+        return out
+
+    def pad(x, fill):
+        return None if x is None else jnp.concatenate(
+            [x, jnp.full((x.shape[0], k - c) + x.shape[2:], fill, x.dtype)], axis=1)
+    return DraftOutput(pad(out.token_ids, DRAFT_PADDING_ID), out.num_drafts,
+                       pad(out.features, 0.0), pad(out.probs, 0.0))
 
 
 def shift_in_next_tokens(token_ids: jax.Array, sample_idx: jax.Array, next_token_ids: jax.Array,

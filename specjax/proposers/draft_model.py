@@ -25,11 +25,13 @@ from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,
     chain_steps,
+    check_chain_len,
     check_parallel_drafting_token_id,
     check_proposer,
     draft_output,
     drafts_with_first,
     init_kv_caches,
+    pad_draft_columns,
     pick,
     repeat_sampling,
 )
@@ -63,6 +65,7 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
       target_vocab_size: the target's vocabulary size; must equal the draft's.
       target_tensor_parallel_size: the target's TP degree when known; a differing
         ``config.draft_tensor_parallel_size`` is refused (vLLM).
+      chain_len: as EAGLE's (drafts a chain proposes per call; None: k).
     """
 
     config: SpeculativeConfig
@@ -76,6 +79,7 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     mesh: Mesh | None = None
     vocab_axis: str = "tp"
     attention: Callable | None = None
+    chain_len: int | None = None
 
     #: What a serving loop must feed (see ``ProposerInputs``): token ids only.
     needs_hidden_states = False
@@ -85,6 +89,7 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         _check_draft(self)
         cfg = check_proposer(self, "draft_model", None,
                              ("target_vocab_size", "block_size", "max_model_len"))
+        check_chain_len(self)
         draft_vocab = int(self.model.vocab_size)
         if draft_vocab != self.target_vocab_size:
             raise ValueError(
@@ -162,16 +167,17 @@ class DraftModelProposer(PaddedBatchHelpers, AheadOfTimeCompile):
             params, hidden[new_token_indices.reshape(-1)], repeat_sampling(ds, p),
             jnp.tile(jnp.arange(p, dtype=_I32), b)))
 
-        if p > 1 or k == 1:     # parallel drafting (p == k) or a single draft
+        c = k if self.chain_len is None else self.chain_len
+        if p > 1 or c == 1:     # parallel drafting (p == k) or a single draft
             drafts = first
         else:
-            drafts = drafts_with_first(jax.tree.map(lambda x: x[:, 0], first), k)
+            drafts = drafts_with_first(jax.tree.map(lambda x: x[:, 0], first), c)
             seq_lens = md.seq_lens if rejected is None else md.seq_lens - rejected
             drafts, caches = chain_steps(
                 functools.partial(self._step, sampling=ds), params, drafts, positions[new_token_indices[:, 0]], None, seq_lens,
                 cad.replace(max_seq_len=md.max_seq_len), caches, block_size=self.block_size,
                 max_model_len=self.max_model_len, backend=self.kernel_backend)
-        return draft_output(drafts, n), DraftModelState(caches)
+        return pad_draft_columns(draft_output(drafts, n), k), DraftModelState(caches)
 
     def _step(self, params, prev, positions, hidden, caches, md, col=0, sampling=None):
         h, _, caches = self.model.forward(params, prev, positions, caches, md)

@@ -28,11 +28,13 @@ from specjax.proposers.common import (
     AheadOfTimeCompile,
     PaddedBatchHelpers,
     chain_steps,
+    check_chain_len,
     check_parallel_drafting_token_id,
     check_proposer,
     draft_output,
     drafts_with_first,
     init_kv_caches,
+    pad_draft_columns,
     set_head_attention,
     shift_in_next_tokens,
     pick,
@@ -68,6 +70,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
       attention: the head's attention, a hashable ``specjax.kernels.paged_attention.AttentionFn``
         (a stack's own kernel; set on a copy of ``model``); None: the head's own (specjax's
         backends unless the head was built with one).
+      chain_len: drafts a chain proposes per call, 1..k (None: k; ``with_chain_len``).
     """
 
     config: SpeculativeConfig
@@ -79,6 +82,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
     mesh: Mesh | None = None
     vocab_axis: str = "tp"
     attention: Any = None
+    chain_len: int | None = None
 
     #: What a serving loop must feed (see ``ProposerInputs``).
     needs_hidden_states = True
@@ -88,6 +92,7 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         method = getattr(self.config, "method", None)
         head = {"eagle3": Eagle3Head, "mtp": MTPHead}.get(method, EagleHead)
         cfg = check_proposer(self, method if method in ("eagle", "eagle3", "mtp") else "eagle", head)
+        check_chain_len(self)
         if cfg.parallel_drafting:
             if cfg.disable_padded_drafter_batch:   # SpeculativeConfig refuses it too (vLLM)
                 raise ValueError("parallel_drafting=True needs the padded drafter batch: set "
@@ -175,7 +180,8 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
         logits_h, next_h, caches = model.forward(params, ids, inputs.target_positions, hidden,
                                                  state.kv_caches, cad)
         ds = inputs.draft_sampling
-        drafts = drafts_with_first(self._greedy(params, logits_h[sample_idx], ds), k)
+        c = k if self.chain_len is None else self.chain_len
+        drafts = drafts_with_first(self._greedy(params, logits_h[sample_idx], ds), c)
 
         seq_lens = cad.seq_lens
         if inputs.num_rejected_tokens is not None:
@@ -186,13 +192,13 @@ class EagleProposer(PaddedBatchHelpers, AheadOfTimeCompile):
                 next_h[sample_idx], inputs.target_positions[sample_idx], seq_lens, cad, caches,
                 block_size=self.block_size, max_model_len=self.max_model_len)
             return draft_output(drafts, n), EagleState(caches)
-        if k > 1:
+        if c > 1:
             drafts, caches = chain_steps(
                 functools.partial(self._step, sampling=ds), params, drafts,
                 inputs.target_positions[sample_idx],
                 next_h[sample_idx], seq_lens, cad, caches, block_size=self.block_size,
                 max_model_len=self.max_model_len, backend=self.kernel_backend)
-        return draft_output(drafts, n), EagleState(caches)
+        return pad_draft_columns(draft_output(drafts, n), k), EagleState(caches)
 
     def _propose_parallel(self, params: dict, state: EagleState, inputs: ProposerInputs,
                           hidden: jax.Array) -> tuple[DraftOutput, EagleState]:

@@ -22,7 +22,7 @@ from specjax.metadata import SpecDecodeMetadata
 from specjax.sampling.logprobs import Logprobs, check_num_logprobs, mask_slots
 from specjax.sampling import PLACEHOLDER_TOKEN_ID, SamplingState
 from specjax.runtime.checks import check_loop_call, check_table, row_seeds
-from specjax.runtime.step import StepBatch, _step
+from specjax.runtime.step import StepBatch, _step, drafting
 
 __all__ = ["LoopState", "LoopOutput", "make_loop_state", "decode_loop", "device_batch",
            "loop_blocks_needed", "loop_cache_size", "loop_support"]
@@ -43,7 +43,8 @@ class LoopState:
     ``num_reqs`` (0-d), ``k_cap [B]`` (drafts each row verifies at most) or None, ``slots
     [B]`` (each row's request slot in a probabilistic drafter's ``DraftProbState``; padding
     rows past it) or None; static: ``all_greedy``, ``max_model_len``, ``block_size``,
-    ``query_len_pad``, ``num_logprobs`` (top-n bucket or None), ``drafter_max_model_len``."""
+    ``query_len_pad``, ``num_logprobs`` (top-n bucket or None), ``drafter_max_model_len``,
+    ``draft_len`` (``max(k_cap)``, None: k; what a chain drafter proposes)."""
 
     last_token: Any
     num_computed: Any
@@ -64,6 +65,7 @@ class LoopState:
     query_len_pad: int = 1
     num_logprobs: int | None = None
     drafter_max_model_len: int | None = None
+    draft_len: int | None = None
 
     @property
     def num_reqs_pad(self) -> int:
@@ -75,7 +77,7 @@ jax.tree_util.register_dataclass(
                             "stop_ids", "finished", "block_table", "sampling", "history",
                             "num_reqs", "k_cap", "slots"],
     meta_fields=["all_greedy", "max_model_len", "block_size", "query_len_pad", "num_logprobs",
-                 "drafter_max_model_len"])
+                 "drafter_max_model_len", "draft_len"])
 
 
 class LoopOutput(NamedTuple):
@@ -219,7 +221,7 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
         max_tokens=ints("max_tokens", max_tokens, 1), stop_ids=st, finished=fin,
         block_table=table, sampling=sampling, history=hist, num_reqs=np.asarray(n, _I32),
         k_cap=caps, all_greedy=bool((temp[:n] == 0).all()), max_model_len=int(max_model_len),
-        block_size=int(block_size), query_len_pad=q)
+        block_size=int(block_size), query_len_pad=q, draft_len=None if caps is None or kq >= k else kq)
 
 
 def _row_of(cu, idx):
@@ -499,7 +501,7 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
     limit = None if feed is None else feed.drafter_max_model_len
     if state.drafter_max_model_len != limit:
         state = dataclasses.replace(state, drafter_max_model_len=limit)
-    spec = step._spec
+    spec = drafting(step._spec, state.draft_len)
     dparams = draft_params if spec.impl is not None else None
     if early_exit not in (True, False):
         raise ValueError(f"early_exit must be True or False, got {early_exit!r}")

@@ -30,7 +30,7 @@ from specjax.sampling import (PLACEHOLDER_TOKEN_ID, SamplingMetadata, rejection_
 from specjax.sampling.logprobs import (chain_logprobs, check_logprobs_mode, check_num_logprobs,
                               tree_logprobs)
 from specjax.runtime.tree import compact_tree_kv, tree_chain_inputs
-from specjax.checks import check_int
+from specjax.checks import check_int, check_opt_int
 from specjax.sampling.draft_sample import (DraftSampling, init_draft_probs, read_draft_probs,
                                           write_draft_probs)
 from specjax.token_tree import TokenTree
@@ -118,6 +118,19 @@ def _sampling(b: StepBatch, processors: tuple = ()) -> SamplingMetadata:
     return SamplingMetadata(b.temperature, b.top_k, b.top_p, keys, b.procs,
                             all_greedy=b.all_greedy,
                             processors=processors if b.procs is not None else ())
+
+
+def drafting(spec: _Spec, draft_len: int | None) -> _Spec:
+    """``spec`` with its chain proposer drafting ``max(draft_len, 1)`` of ``[B, k]``."""
+    # (at 0, the drafter's first pass still keeps its KV level with the target: vLLM's K = 0)
+    if draft_len is None or spec.impl is None or draft_len >= spec.k:
+        return spec
+    chain = getattr(spec.impl, "chain_len", False)
+    if chain is False:              # (a field only the chain proposers have)
+        return spec
+    from specjax.proposers.common import with_chain_len
+    impl = with_chain_len(spec.impl, max(int(draft_len), 1))
+    return spec if impl is None else spec._replace(impl=impl)
 
 
 def _propose_padded(spec: _Spec, dparams, draft_state, sampled, b: StepBatch, hidden, aux,
@@ -391,10 +404,11 @@ class Step(_Verifier):
 
     # -- the call ------------------------------------------------------------------
 
-    def __call__(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch
-                 ) -> tuple[StepOutput, Any, Any]:
+    def __call__(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch,
+                 *, draft_len: int | None = None) -> tuple[StepOutput, Any, Any]:
         """One step; ``target_kv`` and ``draft_state`` are donated (do not reuse the ones
-        passed in). Returns ``(StepOutput, target_kv, draft_state)``. Before anything runs,
+        passed in). Returns ``(StepOutput, target_kv, draft_state)``. ``draft_len``: as
+        :func:`drafting`. Before anything runs,
         ValueError naming the argument (``specjax.runtime.checks``): a batch that does not fit
         (:func:`check_batch`), caches donated to an earlier call, ``target_params`` None (or
         not the ``DecoderLM`` target's config), ``draft_params`` None or not shaped as
@@ -402,7 +416,7 @@ class Step(_Verifier):
         KV's leaves or ``init_caches``)."""
         check_batch(self, batch)
         check_call(self, target_params, draft_params, target_kv, draft_state, batch)
-        spec = self._spec
+        spec = drafting(self._spec, check_opt_int("draft_len", draft_len, 0, self.k))
         dparams = draft_params if spec.impl is not None else None
         with _compat.use_mesh(self.mesh):     # MoE experts read it (models/moe.py)
             if host_transfer.packable(batch):      # a host batch: one transfer, not ~25

@@ -132,6 +132,24 @@ def test_device_loop_rows_shrink_to_the_k_in_force(monkeypatch):
     assert (3, 1) in seen and (1, 4) in seen and all(q == (4 if n == 1 else 1) for n, q in seen)
 
 
+def test_device_loop_drafts_only_the_k_in_force(monkeypatch):
+    """Each device-loop call's chain drafter proposes the K its steps verify: chains of 3
+    (k) alone, 2 in pairs, 1 (the first pass only) from three requests up; output unchanged."""
+    dl = sys.modules["specjax.runtime.decode_loop"]
+    seen = set()
+    real = dl._loop_jit
+
+    def spy(spec, *args):
+        seen.add(spec.impl.chain_len)
+        return real(spec, *args)
+
+    monkeypatch.setattr(dl, "_loop_jit", spy)
+    sps = [SamplingParams(max_tokens=m) for m in LENGTHS]
+    out = _run(build("draft_model", 3, num_speculative_tokens_per_batch_size=SCHED), sps, 4, False)
+    assert out.token_ids == _run(None, sps, 1, False).token_ids
+    assert seen == {None, 2, 1}
+
+
 # -- LoopOptions(adaptive_k=True): the policy --------------------------------------------------
 
 def test_choose_k_and_the_acceptance_estimate():
@@ -172,6 +190,28 @@ def test_adaptive_k_keeps_greedy_output_and_follows_acceptance(method, n, overla
         drafted = [x.num_draft_tokens for x in logs]
         assert sum(drafted[len(drafted) // 2:]) < sum(drafted[: len(drafted) // 2]) + 4
         assert sum(d > 0 for d in drafted) < len(drafted) / 2
+
+
+def test_overlapped_calls_continue_across_a_k_change(monkeypatch):
+    """A call dispatched behind one in flight takes the policy's new K and continues that
+    call's state (no commit first): the rejected random head's K falls, output unchanged."""
+    from specjax.engine import device_loop
+
+    ks = []
+    real = device_loop.DeviceLoopDriver.recap
+
+    def spy(self, rows, state, k):
+        ks.append(k)
+        return real(self, rows, state, k)
+
+    monkeypatch.setattr(device_loop.DeviceLoopDriver, "recap", spy)
+    sps = [SamplingParams(max_tokens=24)] * 4
+    eng = Engine(target(), build("eagle3", 3), max_num_seqs=4,
+                 **fixed(steps_per_sync=4, overlap=True, adaptive_k=True))
+    eng.k_costs[4] = np.array([1.0, 1.5, 2.0, 2.5])
+    out = eng.generate(PROMPTS, sps)
+    assert out.token_ids == _run(None, sps, 1, False).token_ids
+    assert ks and min(ks) < 3, ks
 
 
 def test_adaptive_k_warmup_profiles_and_compiles_every_k():

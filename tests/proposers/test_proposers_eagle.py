@@ -5,6 +5,7 @@ sequence from scratch at every draft step (a fresh dense cache: one block holdin
 sequence), with a Python loop: no paging, no slot mapping kernels, no padded batch.
 """
 
+import dataclasses
 import functools
 import zlib
 
@@ -212,6 +213,40 @@ def test_padded_prep_kernels_feed_propose():
     idx, rej = prop.prepare_inputs_padded(sdm, valid, md)
     np.testing.assert_array_equal(idx[:2], [1, 5])
     np.testing.assert_array_equal(rej[:2], [1, 0])
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+@pytest.mark.parametrize("c", [1, 2])
+def test_chain_len_drafts_the_reference_prefix(method, c):
+    """``chain_len=c`` (the device loop's K): the naive reference's first ``c`` drafts, -1
+    after, ``num_drafts`` c; ``with_chain_len`` caches its copy and refuses what has no chain."""
+    from specjax.proposers.common import with_chain_len
+
+    k = 4
+    rng = np.random.default_rng(7 + c)
+    cfg, model, params = head(method)
+    full = EagleProposer(SpeculativeConfig(method=method, num_speculative_tokens=k), model,
+                         block_size=BS, max_model_len=MML, kernel_backend="xla")
+    prop = with_chain_len(full, c)
+    assert prop.chain_len == c and with_chain_len(full, c) is prop and with_chain_len(full, k) is full
+    reqs, table = _batch(method, cfg, rng, 3, chunked=False, padded=True)
+    out, _ = prop.propose(params, prop.init_state(NUM_BLOCKS),
+                          _inputs(method, reqs, table, [(0, r["L"]) for r in reqs], True, rng))
+    got = np.asarray(out.token_ids)
+    assert got.shape == (B_PAD, k)
+    np.testing.assert_array_equal(out.num_drafts, [c] * 3 + [0] * (B_PAD - 3))
+    np.testing.assert_array_equal(got[:, c:], -1)
+    for i, r in enumerate(reqs):
+        want = naive_drafts(method, model, params, r["ids"], r["hid"], r["next"], k)
+        np.testing.assert_array_equal(got[i, :c], want[:c], err_msg=f"request {i}")
+    if method == "eagle3":
+        par = SpeculativeConfig(method=method, num_speculative_tokens=k, parallel_drafting=True)
+        par = dataclasses.replace(full, config=par, parallel_drafting_token_id=0)
+        assert with_chain_len(par, 2) is None
+        with pytest.raises(ValueError, match="chain_len applies to chain drafting only"):
+            dataclasses.replace(par, chain_len=2)
+    with pytest.raises(ValueError, match="chain_len"):
+        dataclasses.replace(full, chain_len=5)
 
 
 @pytest.mark.parametrize("kwargs, match", [
