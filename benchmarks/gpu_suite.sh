@@ -35,7 +35,8 @@
 # trained by the recipe (DFlash's budget; $OUT/heads/dspark, copy it to
 # specjax/demo_models/dspark) and DSpark's propose beside DFlash's at B = 1, 8, 32 (8B-shaped,
 # rank 256, goal <= 1.1x); suffix: issue 58, the device suffix speculator inside the device
-# loop beside ngram_gpu and plain decoding, 8B-shaped target, B = 1, 64, 256 (SUFFIX_BATCH),
+# loop beside ngram_gpu and plain decoding, 8B-shaped target, B = 1, 64, 256 (SUFFIX_BATCH;
+# SUFFIX_ITERS=30 keeps B = 256's pool inside an 80 GB H100),
 # synthetic acceptance; none of these is part of `all`,
 # each needs several minutes). `tests` runs every GPU test
 # but tests/kernels/test_paged_attention.py (~4 min), `attention` that file (~7 min: the Pallas and
@@ -90,7 +91,7 @@ if [ "$what" = dspark ]; then
 fi
 if [ "$what" = suffix ]; then
   XLA_PYTHON_CLIENT_MEM_FRACTION=$JAXMEM timeout "${SUFFIX_S:-560}" python benchmarks/loop.py --target 8b --batch "${SUFFIX_BATCH:-1,64,256}" \
-    --n 8 --iters 100 --repeat 1 --methods plain ngram_gpu suffix --out "$OUT/loop_suffix.json" \
+    --n 8 --iters "${SUFFIX_ITERS:-100}" --repeat 1 --methods plain ngram_gpu suffix --out "$OUT/loop_suffix.json" \
     2>&1 | tee "$OUT/loop_suffix.log" | tail -20
 fi
 if [ "$what" = kgrid ]; then
