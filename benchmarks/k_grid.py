@@ -15,11 +15,16 @@ and the best static k of a cell is its argmax. The printed schedule per a is the
 prints measured tokens/s beside the prediction. ``--policies`` runs every (B, a) cell with
 k = ``--kmax`` under each adaptive policy and prints its tokens/s against the cell's best
 static k (predicted from the table) and plain decoding (issue 55's 0.95x / 0.98x goals).
+``--mixed a1,a2 ...`` runs issue 55's mixed cell at every B >= 2: even rows at conditional
+rate a1, odd rows at a2 (one synthetic rate row per row class), under ``adaptive_k`` and
+at the best single static k for that mix, ``B * E_mix(k) / t(B, k)`` with ``E_mix`` the
+rows' mean ``E``.
 
 Usage (GPU)::
 
     python benchmarks/k_grid.py --batch 1,8,32,64,128,256 --kmax 7 --check 1:0.7 32:0.5 128:0.9
     python benchmarks/k_grid.py --batch 1,32 --policies adaptive_k adaptive_verification
+    python benchmarks/k_grid.py --batch 8,32 --mixed 0.9,0.3
     python benchmarks/k_grid.py --target tiny --batch 1,2 --kmax 2 --iters 2   # CPU
 """
 
@@ -82,7 +87,7 @@ def run(args) -> dict:
     budget = (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS if jax.default_backend() == "cpu"
               else DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
-    def timed(b, k, rates, policy=None):
+    def timed(b, k, rates, policy=None, rows=None):
         # nobody finishes inside the window: the prefill steps, in which early requests
         # already decode, then the window (rounded up to a sync of at most 64 steps) and spares
         max_tokens = (args.iters + 3 + 64 + -(-b * args.context // budget)) * (args.kmax + 1)
@@ -94,6 +99,9 @@ def run(args) -> dict:
                                                 mml, dtype, **spec)
         eng = loop.make_engine(target, prop, b, mml, dtype,
                                loop=dict(adaptive_k=True) if policy == "adaptive_k" else None)
+        if rows is not None and k:     # per-row-class conditional rates (``--mixed``)
+            eng.step._spec = eng.step._spec._replace(
+                synthetic_rates=tuple(tuple(r[:k]) for r in rows))
         n = eng.options.steps_per_sync
         iters = -(-args.iters // n) * n                                   # ends on a sync
         loop.measure(eng, prompts, n, max_tokens)                         # compiles
@@ -166,7 +174,27 @@ def run(args) -> dict:
                 print(f"| {b} | {a} | {policy} | {row['tokens_per_s']:.0f} | {row['vs_best']:.3f} "
                       f"(k={k}) | {row['vs_plain']:.3f} | {row['tokens_per_iter'] - 1:.2f} |",
                       flush=True)
-    return dict(cost_ms={str(b): v for b, v in cost.items()},
+    mixed = []
+    if args.mixed:
+        print("\n| B | a1, a2 | best static k (predicted tok/s) | static measured | adaptive_k "
+              "| adaptive_k / best static (predicted) |")
+        print("|---|---|---|---|---|---|")
+    for b in batches:
+        for pair in args.mixed if b >= 2 else ():
+            a1, a2 = (float(x) for x in pair.split(","))
+            n1 = -(-b // 2)
+            scores = {k: (n1 * expected_tokens(a1, k) + (b - n1) * expected_tokens(a2, k))
+                      / (t / 1e3) for k, t in cost[b].items()}
+            k = max(scores, key=scores.get)
+            rows = ((a1,) * args.kmax, (a2,) * args.kmax)
+            static = timed(b, k, [a1 ** (j + 1) for j in range(k)], None, rows)["tokens_per_s"]
+            pol = timed(b, args.kmax, [a1 ** (j + 1) for j in range(args.kmax)], "adaptive_k",
+                        rows)["tokens_per_s"]
+            mixed.append(dict(batch=b, a=[a1, a2], best_k=k, predicted_tps=scores[k],
+                              static_tps=static, adaptive_k_tps=pol))
+            print(f"| {b} | {a1}, {a2} | {k} ({scores[k]:.0f}) | {static:.0f} | {pol:.0f} | "
+                  f"{pol / scores[k]:.3f} |", flush=True)
+    return dict(cost_ms={str(b): v for b, v in cost.items()}, mixed=mixed,
                 best={f"{b}:{a}": v for (b, a), v in best.items()},
                 schedules={str(a): s for a, s in scheds.items()}, checks=checks,
                 policies=policies)
@@ -191,6 +219,8 @@ def main(argv=None) -> int:
                     help="also run each (B, a) cell with k = --kmax under these policies: "
                          "LoopOptions(adaptive_k=True) (device loop) or vLLM's "
                          "enable_adaptive_verification (step loop)")
+    ap.add_argument("--mixed", nargs="*", default=[], metavar="a1,a2",
+                    help="mixed cells: even rows at a1, odd rows at a2 (B >= 2)")
     ap.add_argument("--policy-warmup", type=int, default=200,
                     help="iterations a policy runs before its timed window (vLLM's estimator "
                          "refits every 100 steps)")
@@ -202,6 +232,13 @@ def main(argv=None) -> int:
         ap.error("--kmax >= 1, --iters >= 2, --repeat >= 1")
     if not all(0 <= float(a) < 1 for a in args.rates):
         ap.error("--rates must lie in [0, 1)")
+    for pair in args.mixed:
+        try:
+            a1, a2 = (float(x) for x in pair.split(","))
+        except ValueError:
+            ap.error(f"--mixed takes pairs a1,a2, got {pair!r}")
+        if not (0 <= a1 <= 1 and 0 <= a2 <= 1):
+            ap.error(f"--mixed rates must lie in [0, 1], got {pair!r}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{jax.devices()[0].device_kind}; target {args.target} {args.dtype}; context "
           f"{args.context}; iters {args.iters}")

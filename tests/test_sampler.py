@@ -214,3 +214,9 @@ def test_synthetic_mode_acceptance_rates():
     first_rej = (out == 1).sum(1)
     rows = first_rej < k
     assert (out[rows, first_rej[rows]] == 0).all()
+    # one rate row per batch row (benchmarks' mixed cells): even rows 0.9, odd rows 0.3
+    per_row = jnp.asarray([[0.9] * k, [0.3] * k] * (b // 2), jnp.float32)
+    out = np.asarray(rejection_sample(meta, None, logits, sm, per_row))
+    for r0, a in ((0, 0.9), (1, 0.3)):
+        assert abs((out[r0::2, 0] == 1).mean() - a) < 0.015
+        assert abs((out[r0::2, 1] == 1).mean() - a * a) < 0.015

@@ -101,7 +101,7 @@ class _Spec(NamedTuple):
     impl: Any                   # the in-step proposer (static) or None
     k: int                      # draft columns (0: plain decoding)
     vocab_size: int
-    synthetic_rates: tuple[float, ...] | None
+    synthetic_rates: tuple | None   # [k] conditional rates, or [n, k]: row r takes r % n's
     drafts_in: str              # "none" | "step" | "split" | "history"
     hidden: bool
     aux: bool
@@ -176,6 +176,9 @@ def verify_chain(spec: _Spec, dparams, draft_state, b: StepBatch, logits, hidden
     from on the host's kept tokens, else None."""
     rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates,
                                                                   jnp.float32)
+    if rates is not None and rates.ndim == 2:     # one row of rates per row class r % n
+        rows = b.sdm.num_draft_tokens.shape[0]
+        rates = rates[jnp.arange(rows) % rates.shape[0]]
     sampling = _sampling(b, spec.processors)
     dprobs = read_draft_probs(draft_state, b.slots) if spec.draft_sampling else None
     sampled = rejection_sample(b.sdm, dprobs, logits, sampling, rates)

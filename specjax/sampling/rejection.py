@@ -65,7 +65,7 @@ def rejection_sample(
     ``metadata``: where the drafts are (static ``max_spec_len <= MAX_SPEC_LEN``);
     ``draft_probs [N_pad, V]``, ``[B_pad, K', V']`` per row, or None (certain drafts); ``logits [N_pad + B_pad, V]`` rows
     as ``metadata.logits_indices``; ``synthetic_conditional_rates [max_spec_len]`` float32
-    for vLLM's synthetic mode, or None.
+    for vLLM's synthetic mode (``[B_pad, max_spec_len]``: per row), or None.
     """
     k = metadata.max_spec_len
     if k > MAX_SPEC_LEN:
@@ -97,7 +97,8 @@ def rejection_sample(
 
     if synthetic_conditional_rates is not None:
         u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(_keys(sampling.keys, _STREAM_ACCEPT, 0))
-        synth_accept = u < synthetic_conditional_rates[None, :k]
+        r = synthetic_conditional_rates
+        synth_accept = u < (r[None, :k] if r.ndim == 1 else r[:, :k])
 
     # --- greedy rows
     if synthetic_conditional_rates is None:

@@ -39,9 +39,16 @@ def test_tiny_run(tmp_path, capsys):
     assert k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--iters", "2",
                         "--repeat", "1", "--context", "16", "--rates", "0.9", "--policies",
                         "adaptive_k", "adaptive_verification", "--policy-warmup", "4",
-                        "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["policies"]
+                        "--mixed", "1.0,0.0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    (mix,) = doc["mixed"]        # even rows accept every draft, odd rows none
+    t = {int(k): v for k, v in doc["cost_ms"]["2"].items()}
+    want = max(t, key=lambda k: (k + 1 + 1) / 2 / t[k])     # E(1, k) = k + 1, E(0, k) = 1
+    assert mix["best_k"] == want and mix["static_tps"] > 0 and mix["adaptive_k_tps"] > 0
+    rows = doc["policies"]
     assert [r["policy"] for r in rows] == ["adaptive_k", "adaptive_verification"]
     assert all(r["tokens_per_s"] > 0 and r["vs_best"] > 0 and r["best_k"] in (0, 1) for r in rows)
     with pytest.raises(SystemExit):
         k_grid.main(["--rates", "1.5"])
+    with pytest.raises(SystemExit):
+        k_grid.main(["--mixed", "0.5"])
