@@ -10,6 +10,7 @@ success, 1 on a conversion error or an existing DST, 2 on bad arguments or a ref
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -131,5 +132,17 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def entry() -> None:
+    """The ``specjax-convert`` command: :func:`main`'s exit code."""
+    # a failed run skips the interpreter's teardown, where orbax's worker threads still
+    # post to its closed event loop and print tracebacks after the one-line error
+    code = main()
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
