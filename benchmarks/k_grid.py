@@ -18,13 +18,16 @@ static k (predicted from the table) and plain decoding (issue 55's 0.95x / 0.98x
 ``--mixed a1,a2 ...`` runs issue 55's mixed cell at every B >= 2: even rows at conditional
 rate a1, odd rows at a2 (one synthetic rate row per row class), under ``adaptive_k`` and
 at the best single static k for that mix, ``B * E_mix(k) / t(B, k)`` with ``E_mix`` the
-rows' mean ``E``.
+rows' mean ``E``. ``--falling a1,a2`` runs one generate call under ``adaptive_k`` whose
+rate drops from a1 to a2 mid-run (issue 55: within 0.95x of each phase's best static k after
+at most 50 iterations) and prints tokens/s per window after the switch and the K chosen.
 
 Usage (GPU)::
 
     python benchmarks/k_grid.py --batch 1,8,32,64,128,256 --kmax 7 --check 1:0.7 32:0.5 128:0.9
     python benchmarks/k_grid.py --batch 1,32 --policies adaptive_k adaptive_verification
     python benchmarks/k_grid.py --batch 8,32 --mixed 0.9,0.3
+    python benchmarks/k_grid.py --batch 1,32 --falling 0.9,0.3
     python benchmarks/k_grid.py --target tiny --batch 1,2 --kmax 2 --iters 2   # CPU
 """
 
@@ -87,10 +90,10 @@ def run(args) -> dict:
     budget = (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS if jax.default_backend() == "cpu"
               else DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
-    def timed(b, k, rates, policy=None, rows=None):
+    def build(b, k, rates, policy=None, window=args.iters):
         # nobody finishes inside the window: the prefill steps, in which early requests
         # already decode, then the window (rounded up to a sync of at most 64 steps) and spares
-        max_tokens = (args.iters + 3 + 64 + -(-b * args.context // budget)) * (args.kmax + 1)
+        max_tokens = (window + 3 + 64 + -(-b * args.context // budget)) * (args.kmax + 1)
         mml = -(-(args.context + max_tokens + 2 * args.kmax + 8) // loop.BS) * loop.BS
         prompts = [rng.integers(0, geo["vocab_size"], args.context).tolist() for _ in range(b)]
         spec = dict(enable_adaptive_verification=True) if policy == "adaptive_verification" \
@@ -99,9 +102,19 @@ def run(args) -> dict:
                                                 mml, dtype, **spec)
         eng = loop.make_engine(target, prop, b, mml, dtype,
                                loop=dict(adaptive_k=True) if policy == "adaptive_k" else None)
+        return eng, prop, prompts, max_tokens
+
+    def conditional(eng, rows):
+        """``eng``'s step spec with synthetic conditional rates ``rows`` (``[k]`` or one
+        ``[k]`` row per row class): a benchmark's swap (the step reads it at each call)."""
+        k = eng.step.k
+        rows = tuple(r[:k] for r in rows) if isinstance(rows[0], tuple) else tuple(rows[:k])
+        return eng.step._spec._replace(synthetic_rates=rows)
+
+    def timed(b, k, rates, policy=None, rows=None):
+        eng, prop, prompts, max_tokens = build(b, k, rates, policy)
         if rows is not None and k:     # per-row-class conditional rates (``--mixed``)
-            eng.step._spec = eng.step._spec._replace(
-                synthetic_rates=tuple(tuple(r[:k]) for r in rows))
+            eng.step._spec = conditional(eng, rows)
         n = eng.options.steps_per_sync
         iters = -(-args.iters // n) * n                                   # ends on a sync
         loop.measure(eng, prompts, n, max_tokens)                         # compiles
@@ -117,6 +130,59 @@ def run(args) -> dict:
         del eng, prop
         gc.collect()
         return r
+
+    def falling_cell(b, a1, a2):
+        """Issue 55's falling cell: one generate call under ``adaptive_k`` (k = --kmax) whose
+        synthetic conditional rate drops from a1 to a2 after --falling-switch iterations;
+        tokens/s per window of about 24 iterations against each phase's best static k
+        (predicted from the cost table)."""
+        n_sw, n_after = (int(x) for x in args.falling_iters.split(","))
+        k = args.kmax
+        eng, prop, prompts, max_tokens = build(b, k, [a1 ** (j + 1) for j in range(k)],
+                                               "adaptive_k", n_sw + n_after)
+        hi, lo = conditional(eng, (a1,) * k), conditional(eng, (a2,) * k)
+        n = eng.options.steps_per_sync
+        switch, total = -(-n_sw // n) * n, -(-(n_sw + n_after) // n) * n
+        eng.step._spec = lo          # phase 2's programs, every K (the policy's descent)
+        for kk in range(k + 1):
+            eng.policy_k = lambda running, kk=kk: kk
+            loop.measure(eng, prompts, n, max_tokens)
+        del eng.policy_k
+        eng.step._spec = hi          # phase 1's, with the K its policy visits
+        loop.measure(eng, prompts, -(-args.policy_warmup // n) * n, max_tokens)
+        before = loop_cache_size() + step_cache_size()
+        ks: list = []                # the policy's K per device-loop call, in order
+        policy = eng.policy_k
+
+        def logged(running):
+            ks.append(policy(running))
+            return ks[-1]
+
+        def hook(i):
+            if i == switch:
+                eng.step._spec = lo
+                ks.append("|")
+
+        eng.policy_k = logged
+
+        r = loop.measure(eng, prompts, total, max_tokens, hook)
+        recompiles = loop_cache_size() + step_cache_size() - before
+        marks = r["marks"]
+
+        def tps(i, j):
+            return (marks[j][1] - marks[i][1]) / (marks[j][0] - marks[i][0])
+
+        best1, best2 = best_k(cost, b, a1), best_k(cost, b, a2)
+        w = -(-24 // n) * n
+        windows = [tps(i, min(i + w, total)) / best2[1] for i in range(switch, total, w)]
+        settle = switch + -(-50 // n) * n
+        del eng, prop
+        gc.collect()
+        return dict(batch=b, a=[a1, a2], best_k=[best1[0], best2[0]],
+                    phase1_vs_best=tps(max(0, switch - 2 * w), switch) / best1[1],
+                    phase2_vs_best=tps(min(settle, total - n), total) / best2[1],
+                    windows_vs_best=windows, k_per_call=ks, switch=switch, iters=total,
+                    recompiles=recompiles)
 
     cost: dict[int, dict[int, float]] = {}
     for b in batches:
@@ -194,7 +260,21 @@ def run(args) -> dict:
                               static_tps=static, adaptive_k_tps=pol))
             print(f"| {b} | {a1}, {a2} | {k} ({scores[k]:.0f}) | {static:.0f} | {pol:.0f} | "
                   f"{pol / scores[k]:.3f} |", flush=True)
-    return dict(cost_ms={str(b): v for b, v in cost.items()}, mixed=mixed,
+    falling = []
+    if args.falling:
+        print("\n| B | a1 -> a2 | phase 1 / best static (k) | phase 2 from +50 / best static (k) "
+              "| windows after the switch / best (a2) | K per call (\\| = the switch) |")
+        print("|---|---|---|---|---|---|")
+    for b in batches:
+        for pair in args.falling:
+            a1, a2 = (float(x) for x in pair.split(","))
+            row = falling_cell(b, a1, a2)
+            falling.append(row)
+            print(f"| {b} | {a1} -> {a2} | {row['phase1_vs_best']:.3f} (k={row['best_k'][0]}) | "
+                  f"{row['phase2_vs_best']:.3f} (k={row['best_k'][1]}) | "
+                  f"{' '.join(f'{x:.2f}' for x in row['windows_vs_best'])} | "
+                  f"{' '.join(str(x) for x in row['k_per_call'])} |", flush=True)
+    return dict(cost_ms={str(b): v for b, v in cost.items()}, mixed=mixed, falling=falling,
                 best={f"{b}:{a}": v for (b, a), v in best.items()},
                 schedules={str(a): s for a, s in scheds.items()}, checks=checks,
                 policies=policies)
@@ -221,6 +301,10 @@ def main(argv=None) -> int:
                          "enable_adaptive_verification (step loop)")
     ap.add_argument("--mixed", nargs="*", default=[], metavar="a1,a2",
                     help="mixed cells: even rows at a1, odd rows at a2 (B >= 2)")
+    ap.add_argument("--falling", nargs="*", default=[], metavar="a1,a2",
+                    help="falling cells: adaptive_k with every row at a1, then a2 mid-run")
+    ap.add_argument("--falling-iters", default="96,160", metavar="BEFORE,AFTER",
+                    help="iterations before and after the falling cell's switch")
     ap.add_argument("--policy-warmup", type=int, default=200,
                     help="iterations a policy runs before its timed window (vLLM's estimator "
                          "refits every 100 steps)")
@@ -232,13 +316,19 @@ def main(argv=None) -> int:
         ap.error("--kmax >= 1, --iters >= 2, --repeat >= 1")
     if not all(0 <= float(a) < 1 for a in args.rates):
         ap.error("--rates must lie in [0, 1)")
-    for pair in args.mixed:
+    for pair in args.mixed + args.falling:
         try:
             a1, a2 = (float(x) for x in pair.split(","))
         except ValueError:
-            ap.error(f"--mixed takes pairs a1,a2, got {pair!r}")
+            ap.error(f"--mixed / --falling take pairs a1,a2, got {pair!r}")
         if not (0 <= a1 <= 1 and 0 <= a2 <= 1):
-            ap.error(f"--mixed rates must lie in [0, 1], got {pair!r}")
+            ap.error(f"--mixed / --falling rates must lie in [0, 1], got {pair!r}")
+    try:
+        before, after = (int(x) for x in args.falling_iters.split(","))
+    except ValueError:
+        ap.error(f"--falling-iters takes BEFORE,AFTER, got {args.falling_iters!r}")
+    if before < 1 or after < 1:
+        ap.error(f"--falling-iters: both >= 1, got {args.falling_iters!r}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{jax.devices()[0].device_kind}; target {args.target} {args.dtype}; context "
           f"{args.context}; iters {args.iters}")

@@ -126,12 +126,14 @@ def drafter(method: str, target: TargetModel, geo: dict, size: str, k: int, rate
                          draft_params=params, max_model_len=mml, block_size=BS)
 
 
-def measure(eng: Engine, prompts, iters: int, max_tokens: int) -> dict:
+def measure(eng: Engine, prompts, iters: int, max_tokens: int, hook=None) -> dict:
     """One generate call timed over ``iters`` delivered iterations that start at the end of
     the first sync in which every request holds its first token (a prompt batch larger than
     one step's token budget prefills over several iterations, which would otherwise fall
     inside the window). ``iters``: a multiple of the engine's steps per sync, so the window
-    also ends on a sync (tokens are counted as each sync delivers them)."""
+    also ends on a sync (tokens are counted as each sync delivers them). ``hook(i)`` runs
+    after window iteration i (0 = the window's start); with a hook, ``marks`` holds each
+    window iteration's ``(seconds since the start, tokens generated since it)``."""
     marks: list[tuple[float, int, int]] = []   # (time, generated, sync) after each iteration
     split: list[tuple[float, float]] = []      # (engine host s, engine wait s) at each mark
     b = len(prompts)
@@ -146,6 +148,8 @@ def measure(eng: Engine, prompts, iters: int, max_tokens: int) -> dict:
             start[0] = len(marks) - 1
         if start and len(marks) > start[0] + iters:
             raise _Stop
+        if start and hook is not None:
+            hook(len(marks) - 1 - start[0])
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -164,12 +168,14 @@ def measure(eng: Engine, prompts, iters: int, max_tokens: int) -> dict:
     times = [t for i, (t, _, s) in enumerate(marks[: iters + 1]) if i == 0 or s != marks[i - 1][2]]
     gaps = [y - x for x, y in zip(times, times[1:])]
     host_ms, wait_ms = ((split[iters][j] - split[0][j]) / iters * 1e3 for j in (0, 1))
+    extra = {} if hook is None else dict(
+        marks=[(t - t_first, g - g_first) for t, g, _ in marks[: iters + 1]])
     return dict(per_iter_ms=wall / iters * 1e3, host_ms=host_ms, wait_ms=wait_ms,
                 tokens_per_s=tokens / wall,
                 tokens_per_iter=tokens / iters / b, ttft_ms=(t_first - t0) * 1e3,
                 itl_ms=wall / (tokens / b) * 1e3, gap_ms=(statistics.median(gaps) * 1e3
                                                          if gaps else float("nan")),
-                syncs=len(times) - 1, iters=iters)
+                syncs=len(times) - 1, iters=iters, **extra)
 
 
 def _module_of(e: dict) -> str:

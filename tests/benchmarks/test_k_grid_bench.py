@@ -1,6 +1,6 @@
 """``benchmarks/k_grid.py`` (issue 55): the best-static-k arithmetic on a hand-made cost
 table, and one tiny CPU run producing the tables, schedules, a direct check and the
-adaptive policies' rows."""
+adaptive policies' rows, the mixed and the falling cells."""
 
 import suite_paths  # tests/support: where the suite's pieces are
 import json
@@ -39,12 +39,17 @@ def test_tiny_run(tmp_path, capsys):
     assert k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--iters", "2",
                         "--repeat", "1", "--context", "16", "--rates", "0.9", "--policies",
                         "adaptive_k", "adaptive_verification", "--policy-warmup", "4",
-                        "--mixed", "1.0,0.0", "--json", str(out)]) == 0
+                        "--mixed", "1.0,0.0", "--falling", "1.0,0.0", "--falling-iters", "8,16",
+                        "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     (mix,) = doc["mixed"]        # even rows accept every draft, odd rows none
     t = {int(k): v for k, v in doc["cost_ms"]["2"].items()}
     want = max(t, key=lambda k: (k + 1 + 1) / 2 / t[k])     # E(1, k) = k + 1, E(0, k) = 1
     assert mix["best_k"] == want and mix["static_tps"] > 0 and mix["adaptive_k_tps"] > 0
+    (fall,) = doc["falling"]     # every K compiled before the window; the switch inside it
+    assert fall["recompiles"] == 0 and fall["k_per_call"].count("|") == 1
+    assert fall["switch"] < fall["iters"] and len(fall["windows_vs_best"]) >= 1
+    assert all(x in (0, 1) for x in fall["k_per_call"] if x != "|")
     rows = doc["policies"]
     assert [r["policy"] for r in rows] == ["adaptive_k", "adaptive_verification"]
     assert all(r["tokens_per_s"] > 0 and r["vs_best"] > 0 and r["best_k"] in (0, 1) for r in rows)
@@ -52,3 +57,5 @@ def test_tiny_run(tmp_path, capsys):
         k_grid.main(["--rates", "1.5"])
     with pytest.raises(SystemExit):
         k_grid.main(["--mixed", "0.5"])
+    with pytest.raises(SystemExit):
+        k_grid.main(["--falling-iters", "8"])
