@@ -158,27 +158,30 @@ def chain_steps(step: StepFn, params: dict, drafts: jax.Array, positions: jax.Ar
     return drafts, caches
 
 
+def _drafts_chain(cfg: Any) -> bool:
+    return not cfg.parallel_drafting and TokenTree(cfg.token_tree).is_chain
+
+
 def check_chain_len(proposer: Any) -> None:
     """``proposer.chain_len``: None, or in ``[1, k]`` on a chain (ValueError naming it)."""
     n, cfg = proposer.chain_len, proposer.config
     if n is None:
         return
     check_int("chain_len", n, 1, cfg.num_speculative_tokens)
-    if cfg.parallel_drafting or not TokenTree(cfg.token_tree).is_chain:
+    if not _drafts_chain(cfg):
         raise ValueError("chain_len applies to chain drafting only (not parallel_drafting or a "
                          "branching speculative_token_tree)")
 
 
 def with_chain_len(proposer: Any, n: int) -> Any:
-    """``proposer`` drafting chains of ``n`` (1..k), None for parallel drafting or a tree;
-    cached, so a jit keyed on it compiles once."""
-    cfg = proposer.config
-    if cfg.parallel_drafting or not TokenTree(cfg.token_tree).is_chain:
+    """``proposer`` drafting chains of ``n`` (1..k); None for a proposer without
+    ``chain_len``, parallel drafting or a tree. Cached, so a jit keyed on it compiles once."""
+    if not hasattr(proposer, "chain_len") or not _drafts_chain(proposer.config):
         return None
-    return proposer if n == cfg.num_speculative_tokens else _chain_len_copy(proposer, n)
+    return proposer if n == proposer.config.num_speculative_tokens else _chain_len_copy(proposer, n)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _chain_len_copy(proposer: Any, n: int) -> Any:
     return dataclasses.replace(proposer, chain_len=n)
 

@@ -125,9 +125,6 @@ def drafting(spec: _Spec, draft_len: int | None) -> _Spec:
     # (at 0, the drafter's first pass still keeps its KV level with the target: vLLM's K = 0)
     if draft_len is None or spec.impl is None or draft_len >= spec.k:
         return spec
-    chain = getattr(spec.impl, "chain_len", False)
-    if chain is False:              # (a field only the chain proposers have)
-        return spec
     from specjax.proposers.common import with_chain_len
     impl = with_chain_len(spec.impl, max(int(draft_len), 1))
     return spec if impl is None else spec._replace(impl=impl)
