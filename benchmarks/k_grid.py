@@ -28,6 +28,7 @@ Usage (GPU)::
     python benchmarks/k_grid.py --batch 1,32 --policies adaptive_k adaptive_verification
     python benchmarks/k_grid.py --batch 8,32 --mixed 0.9,0.3
     python benchmarks/k_grid.py --batch 1,32 --falling 0.9,0.3
+    python benchmarks/k_grid.py --batch 1 --cost k_grid.log --policies adaptive_k   # table reused
     python benchmarks/k_grid.py --target tiny --batch 1,2 --kmax 2 --iters 2   # CPU
 """
 
@@ -71,6 +72,28 @@ def schedule(cost_ms: dict, a: float) -> list[list[int]]:
         else:
             out.append([lo, hi, k])
     return out
+
+
+def load_cost(paths, batches, kmax: int, device_kind: str) -> dict:
+    """The ``t(B, k)`` table from earlier ``k_grid`` logs (their ``t(B=.., k=..) = .. ms``
+    lines), refused unless each was measured on ``device_kind`` and together they hold every
+    (B, k) asked for."""
+    import re
+
+    cost: dict[int, dict[int, float]] = {}
+    for path in paths:
+        text = open(path).read()
+        head = re.search(r"^# [^;]*; jax [^;]*; ([^;]+);", text, re.M)
+        if head is None or head.group(1) != device_kind:
+            raise SystemExit(f"--cost {path}: measured on "
+                             f"{head.group(1) if head else 'an unknown device'!r}, this is "
+                             f"{device_kind!r}")
+        for b, k, t in re.findall(r"^t\(B=(\d+), k=(\d+)\) = ([0-9.]+) ms", text, re.M):
+            cost.setdefault(int(b), {})[int(k)] = float(t)
+    missing = [(b, k) for b in batches for k in range(kmax + 1) if k not in cost.get(b, {})]
+    if missing:
+        raise SystemExit(f"--cost {' '.join(paths)}: no t(B, k) for (B, k) in {missing[:6]}")
+    return {b: {k: cost[b][k] for k in range(kmax + 1)} for b in batches}
 
 
 def run(args) -> dict:
@@ -185,7 +208,10 @@ def run(args) -> dict:
                     recompiles=recompiles)
 
     cost: dict[int, dict[int, float]] = {}
-    for b in batches:
+    if args.cost:
+        cost = load_cost(args.cost, batches, args.kmax, jax.devices()[0].device_kind)
+        print(f"# t(B, k) from {' '.join(args.cost)}", flush=True)
+    for b in batches if not args.cost else ():
         cost[b] = {}
         for k in range(args.kmax + 1):
             cost[b][k] = timed(b, k, [0.5 ** (j + 1) for j in range(k)])["per_iter_ms"]
@@ -294,6 +320,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--check", nargs="*", default=[], metavar="B:a")
+    ap.add_argument("--cost", nargs="+", default=None, metavar="LOG",
+                    help="take t(B, k) from earlier k_grid logs of this GPU instead of measuring")
     ap.add_argument("--policies", nargs="*", default=[],
                     choices=("adaptive_k", "adaptive_verification"),
                     help="also run each (B, a) cell with k = --kmax under these policies: "

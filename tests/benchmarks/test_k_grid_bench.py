@@ -36,6 +36,18 @@ def test_tiny_run(tmp_path, capsys):
     assert doc["schedules"]["0.5"][0][:2] == [1, 1 << 16] and len(doc["checks"]) == 1
     printed = capsys.readouterr().out           # a cell of a batch not run: skipped
     assert "num_speculative_tokens_per_batch_size=" in printed and "128:0.9" in printed
+    log = tmp_path / "kg.log"        # its log's table, reused (--cost) instead of measured
+    log.write_text(printed)
+    assert k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--iters", "2",
+                        "--repeat", "1", "--context", "16", "--rates", "0.5", "--cost", str(log),
+                        "--json", str(out)]) == 0
+    reused = json.loads(out.read_text())["cost_ms"]["2"]
+    assert reused == {k: round(v, 3) for k, v in doc["cost_ms"]["2"].items()}
+    with pytest.raises(SystemExit, match=r"no t\(B, k\) for .*\(4, 0\)"):
+        k_grid.main(["--target", "tiny", "--batch", "2,4", "--kmax", "1", "--cost", str(log)])
+    log.write_text(printed.replace("; jax ", "; jax 0; Other GPU; x; ", 1))
+    with pytest.raises(SystemExit, match="measured on 'Other GPU'"):
+        k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--cost", str(log)])
     assert k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--iters", "2",
                         "--repeat", "1", "--context", "16", "--rates", "0.9", "--policies",
                         "adaptive_k", "adaptive_verification", "--policy-warmup", "4",
