@@ -29,6 +29,7 @@ Usage (GPU)::
     python benchmarks/k_grid.py --batch 8,32 --mixed 0.9,0.3
     python benchmarks/k_grid.py --batch 1,32 --falling 0.9,0.3
     python benchmarks/k_grid.py --batch 1 --cost k_grid.log --policies adaptive_k   # table reused
+    python benchmarks/k_grid.py --batch 32,64,128 --query-buckets exact   # rows not padded
     python benchmarks/k_grid.py --target tiny --batch 1,2 --kmax 2 --iters 2   # CPU
 """
 
@@ -74,10 +75,10 @@ def schedule(cost_ms: dict, a: float) -> list[list[int]]:
     return out
 
 
-def load_cost(paths, batches, kmax: int, device_kind: str) -> dict:
+def load_cost(paths, batches, kmax: int, device_kind: str, query_buckets: str = "pow2") -> dict:
     """The ``t(B, k)`` table from earlier ``k_grid`` logs (their ``t(B=.., k=..) = .. ms``
-    lines), refused unless each was measured on ``device_kind`` and together they hold every
-    (B, k) asked for."""
+    lines), refused unless each was measured on ``device_kind`` with ``query_buckets`` (a log
+    that names none: pow2) and together they hold every (B, k) asked for."""
     import re
 
     cost: dict[int, dict[int, float]] = {}
@@ -88,6 +89,10 @@ def load_cost(paths, batches, kmax: int, device_kind: str) -> dict:
             raise SystemExit(f"--cost {path}: measured on "
                              f"{head.group(1) if head else 'an unknown device'!r}, this is "
                              f"{device_kind!r}")
+        qb = re.search(r"; query buckets (\w+)", text)
+        if (qb.group(1) if qb else "pow2") != query_buckets:
+            raise SystemExit(f"--cost {path}: measured with query buckets "
+                             f"{qb.group(1) if qb else 'pow2'}, not {query_buckets}")
         for b, k, t in re.findall(r"^t\(B=(\d+), k=(\d+)\) = ([0-9.]+) ms", text, re.M):
             cost.setdefault(int(b), {})[int(k)] = float(t)
     missing = [(b, k) for b in batches for k in range(kmax + 1) if k not in cost.get(b, {})]
@@ -123,8 +128,11 @@ def run(args) -> dict:
             else {}
         prop = None if k == 0 else loop.drafter("eagle3", target, geo, args.target, k, rates,
                                                 mml, dtype, **spec)
-        eng = loop.make_engine(target, prop, b, mml, dtype,
-                               loop=dict(adaptive_k=True) if policy == "adaptive_k" else None)
+        opts = dict(adaptive_k=True) if policy == "adaptive_k" else {}
+        if args.query_buckets == "exact":    # rows of exactly K + 1 tokens; prefill: powers of 2
+            opts["query_buckets"] = tuple(range(1, args.kmax + 2)) + tuple(
+                1 << i for i in range((args.kmax + 1).bit_length(), 16))
+        eng = loop.make_engine(target, prop, b, mml, dtype, loop=opts)
         return eng, prop, prompts, max_tokens
 
     def conditional(eng, rows):
@@ -209,7 +217,8 @@ def run(args) -> dict:
 
     cost: dict[int, dict[int, float]] = {}
     if args.cost:
-        cost = load_cost(args.cost, batches, args.kmax, jax.devices()[0].device_kind)
+        cost = load_cost(args.cost, batches, args.kmax, jax.devices()[0].device_kind,
+                         args.query_buckets)
         print(f"# t(B, k) from {' '.join(args.cost)}", flush=True)
     for b in batches if not args.cost else ():
         cost[b] = {}
@@ -320,6 +329,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--check", nargs="*", default=[], metavar="B:a")
+    ap.add_argument("--query-buckets", choices=("pow2", "exact"), default="pow2",
+                    help="tokens per decode row: the engine's default (K + 1 padded to a power "
+                         "of two) or exactly K + 1 (LoopOptions.query_buckets 1..kmax + 1)")
     ap.add_argument("--cost", nargs="+", default=None, metavar="LOG",
                     help="take t(B, k) from earlier k_grid logs of this GPU instead of measuring")
     ap.add_argument("--policies", nargs="*", default=[],
@@ -359,7 +371,7 @@ def main(argv=None) -> int:
         ap.error(f"--falling-iters: both >= 1, got {args.falling_iters!r}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{jax.devices()[0].device_kind}; target {args.target} {args.dtype}; context "
-          f"{args.context}; iters {args.iters}")
+          f"{args.context}; iters {args.iters}; query buckets {args.query_buckets}")
     doc = run(args)
     if args.json:
         with open(args.json, "w") as f:

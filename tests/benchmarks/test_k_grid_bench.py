@@ -45,6 +45,9 @@ def test_tiny_run(tmp_path, capsys):
     assert reused == {k: round(v, 3) for k, v in doc["cost_ms"]["2"].items()}
     with pytest.raises(SystemExit, match=r"no t\(B, k\) for .*\(4, 0\)"):
         k_grid.main(["--target", "tiny", "--batch", "2,4", "--kmax", "1", "--cost", str(log)])
+    with pytest.raises(SystemExit, match="query buckets pow2, not exact"):
+        k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--cost", str(log),
+                     "--query-buckets", "exact"])
     log.write_text(printed.replace("; jax ", "; jax 0; Other GPU; x; ", 1))
     with pytest.raises(SystemExit, match="measured on 'Other GPU'"):
         k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--cost", str(log)])

@@ -132,6 +132,31 @@ def test_device_loop_rows_shrink_to_the_k_in_force(monkeypatch):
     assert (3, 1) in seen and (1, 4) in seen and all(q == (4 if n == 1 else 1) for n, q in seen)
 
 
+@pytest.mark.parametrize("n", (1, 4))
+def test_exact_query_buckets_rows_of_k_plus_one(monkeypatch, n):
+    """``query_buckets`` 1..k + 1 (no power-of-two padding of decode rows): the device loop's
+    rows hold exactly ``K + 1`` tokens (3 in pairs: K = 2), and greedy output equals plain
+    on the per-step path and the device loop."""
+    from specjax.engine import device_loop
+
+    seen = set()
+    real = device_loop.DeviceLoopDriver.loop_state
+
+    def spy(self, running, ahead=1):
+        st = real(self, running, ahead)
+        seen.add((len(running), st.query_len_pad))
+        return st
+
+    monkeypatch.setattr(device_loop.DeviceLoopDriver, "loop_state", spy)
+    sps = [SamplingParams(max_tokens=m) for m in LENGTHS]
+    prop = build("draft_model", 3, num_speculative_tokens_per_batch_size=SCHED)
+    eng = Engine(target(), prop, max_num_seqs=4,
+                 **fixed(steps_per_sync=n, query_buckets=(1, 2, 3, 4, 32)))
+    assert eng.generate(PROMPTS, sps).token_ids == _run(None, sps, 1, False).token_ids
+    if n > 1:
+        assert (2, 3) in seen and (1, 4) in seen
+
+
 def test_device_loop_drafts_only_the_k_in_force(monkeypatch):
     """Each device-loop call's chain drafter proposes the K its steps verify: chains of 3
     (k) alone, 2 in pairs, 1 (the first pass only) from three requests up; output unchanged."""
