@@ -31,7 +31,10 @@
 # "--parts itl" or "--parts mixed" (one part), "--rate 8 --num-requests 128", "--warmup full";
 # moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH); kgrid: issue 55's cost table
 # (benchmarks/k_grid.py, KGRID_BATCH, KGRID_ARGS; "--policies adaptive_k adaptive_verification"
-# adds each policy's tokens/s per (B, a) against the best static k and plain); dspark: issue 57, the demo DSpark head
+# adds each policy's tokens/s per (B, a) against the best static k and plain; "--mixed 0.9,0.3",
+# "--falling 0.9,0.3": the adaptation cells; "--cost benchmarks/logs/k_grid_h100_2026-12-05b_*.log"
+# reuses the H100's table; "--query-buckets exact": rows of K + 1 tokens, not padded to a power
+# of two; "--check" alone drops the direct cells); dspark: issue 57, the demo DSpark head
 # trained by the recipe (DFlash's budget; $OUT/heads/dspark, copy it to
 # specjax/demo_models/dspark) and DSpark's propose beside DFlash's at B = 1, 8, 32 (8B-shaped,
 # rank 256, goal <= 1.1x); suffix: issue 58, the device suffix speculator inside the device
