@@ -108,13 +108,11 @@ def test_sampling_with_mixed_caps_keeps_the_target_distribution():
     assert drafted[1::2].max() >= 2 and 0 < drafted.sum() < full.spec_stats.num_draft_tokens
 
 
-def test_device_loop_rows_shrink_to_the_k_in_force(monkeypatch):
-    """With the default buckets the device loop's rows hold ``K + 1`` tokens (rounded to a
-    power of two): 1 while three requests run (K = 0), 4 for the last one (K = 3)."""
+def _spy_rows(monkeypatch) -> list:
+    """``(requests, query_len_pad)`` of each device-loop call's state, appended as made."""
     from specjax.engine import device_loop
-    from test_engine import FIXED
 
-    seen = []
+    seen: list = []
     real = device_loop.DeviceLoopDriver.loop_state
 
     def spy(self, running, ahead=1):
@@ -123,6 +121,15 @@ def test_device_loop_rows_shrink_to_the_k_in_force(monkeypatch):
         return st
 
     monkeypatch.setattr(device_loop.DeviceLoopDriver, "loop_state", spy)
+    return seen
+
+
+def test_device_loop_rows_shrink_to_the_k_in_force(monkeypatch):
+    """With the default buckets the device loop's rows hold ``K + 1`` tokens (rounded to a
+    power of two): 1 while three requests run (K = 0), 4 for the last one (K = 3)."""
+    from test_engine import FIXED
+
+    seen = _spy_rows(monkeypatch)
     prop = build("draft_model", 3, num_speculative_tokens_per_batch_size=((1, 1, 3), (2, 8, 0)))
     eng = Engine(target(), prop, max_num_seqs=4, max_model_len=FIXED["max_model_len"],
                  block_size=BS, options=LoopOptions(steps_per_sync=4))
@@ -137,17 +144,7 @@ def test_exact_query_buckets_rows_of_k_plus_one(monkeypatch, n):
     """``query_buckets`` 1..k + 1 (no power-of-two padding of decode rows): the device loop's
     rows hold exactly ``K + 1`` tokens (3 in pairs: K = 2), and greedy output equals plain
     on the per-step path and the device loop."""
-    from specjax.engine import device_loop
-
-    seen = set()
-    real = device_loop.DeviceLoopDriver.loop_state
-
-    def spy(self, running, ahead=1):
-        st = real(self, running, ahead)
-        seen.add((len(running), st.query_len_pad))
-        return st
-
-    monkeypatch.setattr(device_loop.DeviceLoopDriver, "loop_state", spy)
+    seen = _spy_rows(monkeypatch)
     sps = [SamplingParams(max_tokens=m) for m in LENGTHS]
     prop = build("draft_model", 3, num_speculative_tokens_per_batch_size=SCHED)
     eng = Engine(target(), prop, max_num_seqs=4,
