@@ -164,7 +164,7 @@ def run(args) -> dict:
 
     def falling_cell(b, a1, a2):
         """Issue 55's falling cell: one generate call under ``adaptive_k`` (k = --kmax) whose
-        synthetic conditional rate drops from a1 to a2 after --falling-switch iterations;
+        synthetic conditional rate drops from a1 to a2 after --falling-iters BEFORE iterations;
         tokens/s per window of about 24 iterations against each phase's best static k
         (predicted from the cost table)."""
         n_sw, n_after = (int(x) for x in args.falling_iters.split(","))
