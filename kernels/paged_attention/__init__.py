@@ -12,11 +12,13 @@ block and the key of query ``j`` of the block iff ``tree_mask[i][j]``. Tokens pa
 
 Backends, one function: ``"xla"`` (``reference.py``: the specification, the CPU path),
 ``"pallas"`` (``pallas.py``; interpret mode off the GPU; past its ``MAX_ROWS`` query rows,
-``flash.py``'s kernel for queries of any length) and ``"triton"`` (``triton.py``, GPU only),
+``flash.py``'s kernel for queries of any length) and ``"triton"`` (``triton.py``, past its
+rows ``triton_flash.py``; GPU only),
 the kernels equal to the reference up to float rounding; shapes they cannot take
 (``limits.py``) run ``"xla"``. ``"auto"``: a kernel on the GPU for ``max_query_len <=
-AUTO_MAX_QUERY_LEN`` (:func:`auto_kernel_backend`), ``flash.py``'s kernel (``"pallas"``)
-past the decode kernel's rows, else ``"xla"``. Chosen per call
+AUTO_MAX_QUERY_LEN`` (:func:`auto_kernel_backend`), ``flash.py``'s kernel (``"pallas"``;
+without the Pallas Triton backend its twin, ``"triton"``) past the decode kernel's rows,
+else ``"xla"``. Chosen per call
 (``backend=``), else by :mod:`specjax.kernels.backend`'s process default, at trace time.
 On several devices the kernels run through ``partition.py``, split by kv heads.
 """
@@ -64,8 +66,7 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
     reason = unsupported_reason(num_heads=nh, num_kv_heads=cache_shape[2], head_dim=hd,
                                 max_query_len=md.max_query_len, tree_mask=md.tree_mask,
                                 dtype=dtype)
-    if reason is not None and not (backend in ("pallas", "auto")
-                                   and _flash_takes(q_shape, cache_shape, md, dtype)):
+    if reason is not None and not _flash_takes(q_shape, cache_shape, md, dtype):
         return "xla"
     if backend == "triton":
         ok, why = _compat.jax_triton_available()
@@ -82,9 +83,16 @@ def resolve_attention_backend(q_shape, cache_shape, md: CommonAttentionMetadata,
     if _platform() != "gpu":
         return "xla"
     if md.max_query_len > AUTO_MAX_QUERY_LEN:     # prefill: the flash kernel where it takes over
-        return ("pallas" if _compat.pallas_triton()[0] is not None
-                and _flash_takes(q_shape, cache_shape, md, dtype) else "xla")
+        return (_flash_backend() if _flash_takes(q_shape, cache_shape, md, dtype) else "xla")
     return auto_kernel_backend()
+
+
+def _flash_backend() -> str:
+    """Who runs the flash kernel under ``"auto"``: ``flash.py`` where this JAX has the
+    Pallas Triton backend, else its jax-triton twin, else the XLA reference."""
+    if _compat.pallas_triton()[0] is not None:
+        return "pallas"
+    return "triton" if _compat.jax_triton_available()[0] else "xla"
 
 
 def _platform() -> str:
@@ -92,8 +100,9 @@ def _platform() -> str:
 
 
 def _flash_takes(q_shape, cache_shape, md: CommonAttentionMetadata, dtype) -> bool:
-    """Whether ``"pallas"`` runs ``flash.py``'s kernel: the decode kernel's tile would
-    exceed ``MAX_ROWS`` rows and the flash kernel takes the shapes."""
+    """Whether a kernel backend runs its flash kernel (``flash.py``, ``triton_flash.py``):
+    the decode kernel's tile would exceed ``MAX_ROWS`` rows and the flash kernel takes the
+    shapes."""
     from specjax.kernels.paged_attention import flash
 
     _, nh, hd = q_shape
@@ -181,8 +190,8 @@ def check_window_sinks(sliding_window, sinks, num_heads: int) -> int | None:
 def _window_sinks_kernel(q, cache: KVCache, md: CommonAttentionMetadata, scale: float,
                          window: int | None, sinks, backend: str) -> jax.Array:
     """A sliding window or sinks on kernel ``backend``, routed as without them
-    (:func:`~.partition.kernel_attention`: ``"pallas"``'s decode kernel, ``flash.py``'s past
-    its rows; ``"triton"``'s kernel); on several devices through ``partition.py``, the
+    (:func:`~.partition.kernel_attention`: each backend's decode kernel, its flash kernel
+    past the decode kernel's rows); on several devices through ``partition.py``, the
     sinks split with the query heads."""
     args = (q, cache.k, cache.v, md.query_start_loc, md.seq_lens, md.block_table)
     args += () if sinks is None else (sinks.astype(jnp.float32),)

@@ -26,15 +26,18 @@ def static(backend: str, md: CommonAttentionMetadata, scale, window: int | None 
 
 
 def kernel_attention(static, q, k_cache, v_cache, qsl, seq_lens, block_table, *sinks):
-    """The attention kernel of backend ``static[0]`` (``"pallas"`` or ``"triton"``; on
-    ``"pallas"`` past the decode kernel's rows, ``flash.py``'s); ``sinks``: none or one
-    ``[num_heads]`` array."""
+    """The attention kernel of backend ``static[0]`` (``"pallas"`` or ``"triton"``; past
+    the decode kernel's rows, ``flash.py``'s or its Triton twin ``triton_flash.py``'s);
+    ``sinks``: none or one ``[num_heads]`` array."""
     backend, kw = static
     from specjax.kernels.paged_attention.flash import takes_over
 
-    if backend == "triton":
+    long = takes_over(q.shape[1], k_cache.shape[2], dict(kw)["max_query_len"])
+    if backend == "triton" and long:
+        from specjax.kernels.paged_attention.triton_flash import paged_attention as kernel
+    elif backend == "triton":
         from specjax.kernels.paged_attention.triton import paged_attention as kernel
-    elif takes_over(q.shape[1], k_cache.shape[2], dict(kw)["max_query_len"]):
+    elif long:
         from specjax.kernels.paged_attention.flash import paged_attention as kernel
     else:
         from specjax.kernels.paged_attention.pallas import paged_attention as kernel
