@@ -20,7 +20,9 @@ rate a1, odd rows at a2 (one synthetic rate row per row class), under ``adaptive
 at the best single static k for that mix, ``B * E_mix(k) / t(B, k)`` with ``E_mix`` the
 rows' mean ``E``. ``--falling a1,a2`` runs one generate call under ``adaptive_k`` whose
 rate drops from a1 to a2 mid-run (issue 55: within 0.95x of each phase's best static k after
-at most 50 iterations) and prints tokens/s per window after the switch and the K chosen.
+at most 50 iterations) and prints tokens/s per window after the switch and the K chosen
+(``K@T``: K drafts at most per request in T flat token slots). Before a policy's timed
+window every choice it may make is compiled, each forced for one sync.
 
 Usage (GPU)::
 
@@ -142,6 +144,22 @@ def run(args) -> dict:
         rows = tuple(r[:k] for r in rows) if isinstance(rows[0], tuple) else tuple(rows[:k])
         return eng.step._spec._replace(synthetic_rates=rows)
 
+    def precompile(eng, prompts, max_tokens):
+        """Every program ``adaptive_k`` may choose for these prompts (each K's rows and each
+        K's flat token slots, ``DeviceLoopDriver.token_options``), compiled by a sync under
+        each choice forced: no policy move compiles inside a timed window."""
+        from specjax.engine.device_loop import RowCaps
+
+        b, n = len(prompts), eng.options.steps_per_sync
+        bb = eng.scheduler.buckets(b, 1, 1)[0]
+        choices = [RowCaps(kk) for kk in range(eng.k + 1)] + [
+            RowCaps(kk, t, tuple(int(np.clip(t - b - kk * i, 0, kk)) for i in range(b)))
+            for kk in range(1, eng.k + 1) for t in eng.driver.token_options(bb, kk)]
+        for c in choices:
+            eng.driver.policy = lambda rows, c=c: c
+            loop.measure(eng, prompts, n, max_tokens)
+        del eng.driver.policy
+
     def timed(b, k, rates, policy=None, rows=None):
         eng, prop, prompts, max_tokens = build(b, k, rates, policy)
         if rows is not None and k:     # per-row-class conditional rates (``--mixed``)
@@ -149,6 +167,8 @@ def run(args) -> dict:
         n = eng.options.steps_per_sync
         iters = -(-args.iters // n) * n                                   # ends on a sync
         loop.measure(eng, prompts, n, max_tokens)                         # compiles
+        if policy == "adaptive_k" and k:
+            precompile(eng, prompts, max_tokens)
         for _ in range(-(-args.policy_warmup // iters) if policy else 0):  # the policy learns
             loop.measure(eng, prompts, iters, max_tokens)
         before = loop_cache_size() + step_cache_size()
@@ -174,27 +194,26 @@ def run(args) -> dict:
         hi, lo = conditional(eng, (a1,) * k), conditional(eng, (a2,) * k)
         n = eng.options.steps_per_sync
         switch, total = -(-n_sw // n) * n, -(-(n_sw + n_after) // n) * n
-        eng.step._spec = lo          # phase 2's programs, every K (the policy's descent)
-        for kk in range(k + 1):
-            eng.policy_k = lambda running, kk=kk: kk
-            loop.measure(eng, prompts, n, max_tokens)
-        del eng.policy_k
-        eng.step._spec = hi          # phase 1's, with the K its policy visits
+        eng.step._spec = lo          # phase 2's programs, every choice (the policy's descent)
+        precompile(eng, prompts, max_tokens)
+        eng.step._spec = hi          # phase 1's, likewise
+        precompile(eng, prompts, max_tokens)
         loop.measure(eng, prompts, -(-args.policy_warmup // n) * n, max_tokens)
         before = loop_cache_size() + step_cache_size()
-        ks: list = []                # the policy's K per device-loop call, in order
-        policy = eng.policy_k
+        ks: list = []                # the policy's K per device-loop call (K@T: flat slots)
+        policy = eng.driver.policy
 
         def logged(running):
-            ks.append(policy(running))
-            return ks[-1]
+            c = policy(running)
+            ks.append(None if c is None else c.k if c.tokens is None else f"{c.k}@{c.tokens}")
+            return c
 
         def hook(i):
             if i == switch:
                 eng.step._spec = lo
                 ks.append("|")
 
-        eng.policy_k = logged
+        eng.driver.policy = logged
 
         r = loop.measure(eng, prompts, total, max_tokens, hook)
         recompiles = loop_cache_size() + step_cache_size() - before

@@ -4,7 +4,7 @@ functions (the schedule on the host, the rest jit-able on device state).
 :func:`k_schedule_lookup` (``num_speculative_tokens_per_batch_size``); vLLM's online
 acceptance estimator (``estimator_*``, ``c_j = sigmoid(omega * f + beta_j)``) with its
 budget (:func:`verification_budget`, :func:`admit`); specjax's policy (:func:`choose_k` over
-:func:`acceptance_rate`). docs/adaptive_k.md.
+:func:`acceptance_rate`; :func:`choose_caps` per request over flat token batches). docs/adaptive_k.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from specjax.checks import ArgumentError, ArgumentTypeError, show
 __all__ = ["validate_k_schedule", "k_schedule_lookup", "draft_feature", "EstimatorState",
            "estimator_init", "estimator_predict", "estimator_observe", "estimator_refit",
            "survival", "verification_budget", "admit", "rectangle_budget", "observe_acceptance",
-           "acceptance_rate", "choose_k"]
+           "acceptance_rate", "choose_k", "choose_caps"]
 
 FIELD = "num_speculative_tokens_per_batch_size"
 #: The estimator's constants (vLLM 0.34 ``acceptance_estimator.py``).
@@ -219,3 +219,30 @@ def choose_k(rates: np.ndarray, caps: np.ndarray, cost: np.ndarray) -> int:
     ks = np.minimum(np.arange(len(cost))[None, :], np.asarray(caps)[:, None])
     gain = ((1 - a ** (ks + 1)) / (1 - a)).sum(0)
     return int(np.argmax(gain / np.asarray(cost, np.float64)))
+
+
+def choose_caps(rates: np.ndarray, caps: np.ndarray, options: list[tuple[int, int, float]]
+                ) -> tuple[int, int, np.ndarray]:
+    """Per-request drafts: option ``(K, T, cost)`` chains K drafts and holds ``n`` tokens
+    plus ``T - n`` drafts (T None: every request ``min(K, cap_r)``), given to the highest
+    survivals ``a_r^j``, ``j <= min(K, cap_r)``. Returns ``(K, T, c [n])`` of the most
+    expected tokens a second (ties: the first option)."""
+    a = np.clip(np.asarray(rates, np.float64), 0.0, 1.0 - 1e-9)
+    caps = np.asarray(caps, np.int64)
+    n = a.shape[0]
+    kmax = max(k for k, _, _ in options)
+    j = np.arange(1, kmax + 1)
+    surv = a[:, None] ** j[None, :]                                    # [n, kmax]
+    best = None
+    for k, t, cost in options:
+        lim = np.minimum(caps, k)
+        ok = j[None, :] <= lim[:, None]
+        if t is None or t - n >= int(lim.sum()):
+            c = lim
+        else:
+            order = np.argsort(np.where(ok, -surv, np.inf), axis=None, kind="stable")[: t - n]
+            c = np.bincount(order // kmax, minlength=n)
+        gain = n + float(np.where(j[None, :] <= c[:, None], surv, 0.0).sum())
+        if best is None or gain / cost > best[0]:
+            best = (gain / cost, k, t, c)
+    return best[1], best[2], best[3].astype(np.int64)

@@ -1,14 +1,8 @@
 """Flash attention over the paged cache for queries of any length as a plain Triton kernel,
-called through jax-triton (GPU only): the twin of :mod:`.flash`.
-
-Same function, grid and numerics as the Pallas kernel: program ``(p, h)`` takes query tile
-``p`` (``tq = rows // G`` consecutive tokens of one request, from :func:`.flash._programs`'
-table) times the ``G`` query heads of kv head ``h``, walks the key blocks its rows can see
-(every row sees the middle ones in full: no mask there), online softmax in float32, and
-stores its own tokens. Tree masks are one int32 bitmask per query row and sink logits ride
-after them as float32 bits (as in :mod:`.triton`). Tokens past ``query_start_loc[-1]`` are
-zeroed outside the kernel. :func:`launch_plan` (pure Python) gives the grid and constexprs,
-so a test can launch the kernel under Triton's interpreter on CPU.
+called through jax-triton (GPU only): the twin of :mod:`.flash` (same grid, tiles, masks
+and numerics). Tree bits and sink logits ride in one int32 buffer as in :mod:`.triton`;
+tokens past ``query_start_loc[-1]`` are zeroed after the launch. :func:`launch_plan` (pure
+Python) lets a test launch the kernel under Triton's interpreter on CPU.
 """
 
 from __future__ import annotations
@@ -173,11 +167,9 @@ def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_qu
                 causal: bool = True, tree_mask=None, sliding_window: int | None = None,
                 sinks: bool = False, rows: int | None = None, block_k: int | None = None,
                 num_warps: int | None = None, dtype=None) -> dict:
-    """The kernel's grid, constexprs, ``num_warps`` and query tile ``tq`` for these static
-    shapes, the defaults :func:`.flash.flash_config`'s (ValueError for shapes the kernel does
-    not take, as :func:`.flash.paged_attention` raises it). ``q_shape [T, NH, HD]``,
-    ``cache_shape [NUM_BLOCKS, BLOCK_SIZE, NKV, HD]``, ``block_table_shape [B, MAX_BLOCKS]``;
-    ``sinks``: whether :func:`.triton.aux_buffer` appends sink logits to the tree bits."""
+    """Grid, constexprs, ``num_warps``, query tile ``tq`` and tree bits for these shapes
+    (``q [T, NH, HD]``, cache ``[NUM_BLOCKS, BLOCK_SIZE, NKV, HD]``, table ``[B, MAX_BLOCKS]``;
+    :func:`.flash.flash_config`'s defaults); ValueError as :func:`.flash.paged_attention`."""
     t_pad, nh, hd = q_shape
     nb, bs, nkv, hd_k = cache_shape
     b_pad, max_blocks = block_table_shape

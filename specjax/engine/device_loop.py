@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from specjax.adaptive_k import acceptance_rate, choose_caps
 from specjax.constants import next_power_of_2
 from specjax.engine.scheduler import _Request
 from specjax.metrics import SpecDecodingStats
@@ -34,6 +35,16 @@ def _on_cpu(params) -> bool:
     return jax.default_backend() == "cpu"
 
 
+class RowCaps(NamedTuple):
+    """``adaptive_k``'s choice for a device-loop call: the drafter's chain ``k``, the step's
+    flat token slots ``tokens`` (None: rows of ``k + 1`` tokens) and each request's drafts
+    ``caps`` (None: ``min(k, its own cap)``)."""
+
+    k: int
+    tokens: int | None = None
+    caps: tuple[int, ...] | None = None
+
+
 class _InFlight(NamedTuple):
     """A dispatched device-loop call: its rows (the running requests at dispatch, in row
     order) and its device results (copies to the host started)."""
@@ -42,7 +53,7 @@ class _InFlight(NamedTuple):
     out: Any
     state: Any
     t_dispatch: float
-    k: int | None = None    # adaptive_k's K for this call (None: off)
+    k: RowCaps | None = None    # adaptive_k's choice for this call (None: off)
 
 
 Results = list[tuple[SpecDecodingStats | None, list[_Request]]]
@@ -54,7 +65,7 @@ class DeviceLoopDriver:
 
     def __init__(self, engine) -> None:
         self._e = weakref.proxy(engine)
-        self.k_policy: int | None = None     # adaptive_k's K of the last loop_state
+        self.k_policy: RowCaps | None = None     # adaptive_k's choice of the last loop_state
 
     @functools.cached_property
     def idle_early_exit(self) -> bool:
@@ -77,9 +88,8 @@ class DeviceLoopDriver:
             if not sched.loop_blocks(r, ahead * e.options.steps_per_sync):
                 raise RuntimeError("the KV pool cannot hold this device-loop call: the engine "
                                    "reserves its blocks first (Scheduler.reserve_loop)")
-        e._k_now = self.k_policy = e.policy_k(running)
-        caps = [e.k_for(r, len(running)) for r in running]
-        e._k_now = None
+        self.k_policy = self.policy(running)
+        caps, tokens = self._caps(running, self.k_policy)
         B, Q, C = sched.buckets(len(running), max(caps) + 1, max(len(r.blocks) for r in running),
                                 max(caps))
         hist = ([sched.tok_buf[r.row, : r.num_tokens] for r in running]
@@ -88,7 +98,7 @@ class DeviceLoopDriver:
             last_token=[r.token(r.num_tokens - 1) for r in running],
             num_computed=[r.num_computed for r in running],
             drafts=[r.drafts[:c] for r, c in zip(running, caps)],
-            k_cap=None if min(caps) == e.k else caps,
+            k_cap=None if min(caps) == e.k and tokens is None else caps, num_tokens_pad=tokens,
             max_tokens=[r.params.max_tokens for r in running],
             num_output=[len(r.output) for r in running], block_ids=[r.blocks for r in running],
             k=e.k, num_reqs_pad=B, blocks_per_req_pad=C, query_len_pad=Q,
@@ -101,20 +111,63 @@ class DeviceLoopDriver:
         return dataclasses.replace(state, num_logprobs=logprobs_bucket(
             [r.params.logprobs for r in running]), slots=sched.slot_rows([r.row for r in running], B))
 
-    def recap(self, rows: list[_Request], state, k: int):
-        """``state`` continued under ``adaptive_k``'s new K: each row's cap, the rows' token
-        bucket and the drafter's chain as :meth:`loop_state` sets them (the drafts it holds,
-        proposed under the old K, are trimmed or fall short; both lossless)."""
+    def policy(self, rows: list[_Request]) -> RowCaps | None:
+        """``adaptive_k``'s choice for a call over ``rows`` (None: off):
+        :func:`~specjax.adaptive_k.choose_caps` over the rectangles of ``Engine.k_costs``
+        and the flat token slots of ``Engine.k_token_costs`` (profiled with them)."""
         e = self._e
-        e._k_now = k
+        if not e.options.adaptive_k or e.k == 0 or not rows:
+            return None
+        cost = e._costs(len(rows))
+        b = e.scheduler.buckets(len(rows), 1, 1)[0]
+        options = [(kk, None, float(cost[kk])) for kk in range(e.k + 1)] + [
+            (kk, t, c) for (kk, t), c in sorted(e.k_token_costs.get(b, {}).items())]
+        caps = np.array([e.k_for(r, len(rows)) for r in rows])
+        rates = acceptance_rate(np.array([r.acc_hits for r in rows]),
+                                np.array([r.acc_trials for r in rows]))
+        kk, t, c = choose_caps(rates, caps, options)
+        return RowCaps(kk) if t is None else RowCaps(kk, t, tuple(int(x) for x in c))
+
+    def token_options(self, b: int, kk: int) -> list[int]:
+        """The flat token slots ``adaptive_k`` may give a device-loop step of batch bucket
+        ``b`` drafting ``kk >= 1`` (compiled and profiled beside its rows of ``kk + 1``):
+        each token bucket (``LoopOptions.token_buckets``; None: powers of two) above ``b``
+        and below those rows' ``b x Q``."""
+        sched = self._e.scheduler
+        if kk == 0:
+            return []
+        full = b * sched.buckets(b, kk + 1, 1, kk)[1]
+        ts = (sched.token_buckets if sched.token_buckets is not None
+              else [1 << i for i in range(full.bit_length())])
+        return [t for t in ts if max(b, sched.min_tokens_per_step - 1) < t < full]
+
+    def _caps(self, rows: list[_Request], pol: RowCaps | None) -> tuple[list[int], int | None]:
+        """Each row's drafts and the step's token slots under ``pol`` (None: the rows of the
+        largest cap's bucket), slots that would cover those rows dropped."""
+        e = self._e
+        e._k_now = None if pol is None else pol.k
         caps = [e.k_for(r, len(rows)) for r in rows]
         e._k_now = None
+        if pol is None or pol.caps is None:
+            return caps, None
+        caps = [min(c, p) for c, p in zip(caps, pol.caps)]
+        q = e.scheduler.buckets(len(rows), max(caps) + 1, 1, max(caps))[1]
+        b = e.scheduler.buckets(len(rows), 1, 1)[0]
+        return caps, (None if pol.tokens >= b * q else pol.tokens)
+
+    def recap(self, rows: list[_Request], state, pol: RowCaps):
+        """``state`` continued under ``adaptive_k``'s new choice: caps, token bucket and
+        slots, chain length as :meth:`loop_state` sets them (drafts made under the old one
+        are trimmed or fall short: lossless)."""
+        e = self._e
+        caps, tokens = self._caps(rows, pol)
         _, q, _ = e.scheduler.buckets(len(rows), max(caps) + 1, 1, max(caps))
         kc = np.zeros(state.num_reqs_pad, _I32)
         kc[: len(caps)] = caps
-        full = min(caps) == e.k
+        full = min(caps) == e.k and tokens is None
         return dataclasses.replace(state, k_cap=None if full else kc, query_len_pad=q,
-                                   draft_len=None if max(caps) >= e.k else max(caps))
+                                   draft_len=None if max(caps) >= e.k else max(caps),
+                                   num_tokens_pad=tokens)
 
     def dispatch(self, rows: list[_Request], state, stop_on_finish: bool,
                  prev_k: int | None = None) -> _InFlight:
@@ -135,7 +188,7 @@ class DeviceLoopDriver:
                 m = min(len(r.blocks), C)
                 table[i, :m] = r.blocks[:m]
             state = dataclasses.replace(state, block_table=table)
-            if e.options.adaptive_k and (nk := e.policy_k(rows)) != k:
+            if e.options.adaptive_k and (nk := self.policy(rows)) != k:
                 k, state = nk, self.recap(rows, state, nk)
         ee = e.options.early_exit
         out, e.target_kv, e.draft_state, state = decode_loop(

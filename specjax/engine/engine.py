@@ -150,6 +150,8 @@ class Engine:
             sched_k, self.max_num_seqs, self.k)
         #: ``adaptive_k``'s seconds per step: batch bucket -> ``[k + 1]`` (K = 0..k)
         self.k_costs: dict[int, np.ndarray] = {}
+        #: its seconds per device-loop step of flat token slots: bucket -> {(K, T): s}
+        self.k_token_costs: dict[int, dict[tuple[int, int], float]] = {}
         self._k_now: int | None = None       # adaptive_k's choice for the step being set up
         if (av := getattr(getattr(self.proposer, "config", None), "enable_adaptive_verification",
                           False)) and opts.adaptive_k:
@@ -430,19 +432,24 @@ class Engine:
                     batch_sizes, context_blocks, all_greedy, stop_pads, logits_processing, lps,
                     self.driver.forms(), ks):
                 _, q, _ = sched.buckets(int(b), kk + 1, 1, kk)
-                state = make_loop_state(
-                    last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[],
-                    block_ids=[], k=self.k, num_reqs_pad=int(b), blocks_per_req_pad=int(c),
-                    k_cap=None if kk == self.k else [],
-                    query_len_pad=q, max_model_len=self.max_model_len, block_size=self.block_size,
-                    stop_pad=int(s), history=[] if self.drafts_in == "history" else None,
-                    procs=sched.empty_procs(int(b)) if pr else None)
-                out, self.target_kv, self.draft_state, _ = decode_loop(
-                    self.step, self.target.params, self.step.draft_params, self.target_kv,
-                    self.draft_state, dataclasses.replace(state, all_greedy=bool(g), num_logprobs=lp,
-                                                          draft_len=None if kk == self.k else kk),
-                    steps_per_sync=opts.steps_per_sync, early_exit=ee)
-                jax.block_until_ready(out)
+                # adaptive_k: each flat token slot count as well (k_cap given: rows differ)
+                flat = self.driver.token_options(int(b), kk) if opts.adaptive_k else []
+                for t in [None] + flat:
+                    state = make_loop_state(
+                        last_token=[], num_computed=[], drafts=[], max_tokens=[],
+                        num_output=[], block_ids=[], k=self.k, num_reqs_pad=int(b),
+                        blocks_per_req_pad=int(c), num_tokens_pad=t,
+                        k_cap=None if kk == self.k and t is None else [], query_len_pad=q,
+                        max_model_len=self.max_model_len, block_size=self.block_size,
+                        stop_pad=int(s), history=[] if self.drafts_in == "history" else None,
+                        procs=sched.empty_procs(int(b)) if pr else None)
+                    out, self.target_kv, self.draft_state, _ = decode_loop(
+                        self.step, self.target.params, self.step.draft_params, self.target_kv,
+                        self.draft_state, dataclasses.replace(
+                            state, all_greedy=bool(g), num_logprobs=lp,
+                            draft_len=None if kk == self.k else kk),
+                        steps_per_sync=opts.steps_per_sync, early_exit=ee)
+                    jax.block_until_ready(out)
         n = step_cache_size() + loop_cache_size() - before
         if (opts.adaptive_k or self.verifier is not None) and self.k:
             self.profile_k_costs(batch_sizes)

@@ -63,7 +63,8 @@ class LoopOptions:
         ``max_model_len``), prompt tokens one request takes per step at most (0: no cap).
       adaptive_k: each step verifies the k maximising expected tokens per second, from each
         request's recent acceptance and the step's measured cost per k
-        (``specjax.adaptive_k.choose_k``; ``Engine.k_costs``, profiled when first needed)."""
+        (``specjax.adaptive_k``; ``Engine.k_costs``, profiled when first needed); on the
+        device loop per request, in flat token slots (docs/adaptive_k.md)."""
 
     steps_per_sync: int | None = None
     early_exit: bool | None = None

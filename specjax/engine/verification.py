@@ -20,24 +20,35 @@ __all__ = ["AdaptiveVerifier", "profile_k_costs"]
 
 def profile_k_costs(engine, batch_sizes: Sequence[int], reps: int = 3) -> dict:
     """``engine.k_costs[B][K]`` (K = 0..k): median seconds of a dummy step of bucket B, rows
-    of K + 1 tokens, drafting K where the device loop runs (as its calls do)."""
+    of K + 1 tokens, drafting K where the device loop runs (as its calls do); there, under
+    ``adaptive_k``, also ``engine.k_token_costs[B][(K, T)]``, the same step in each of
+    ``DeviceLoopDriver.token_options(B, K)``'s flat token slots T."""
     sched, opts = engine.scheduler, engine.options
     loop = opts.steps_per_sync > 1 or opts.overlap
+
+    def seconds(batch, dl):
+        jax.block_until_ready(engine._run(batch, dl))
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(engine._run(batch, dl))
+            times.append(time.perf_counter() - t)
+        return float(np.median(times))
+
     for n in batch_sizes:
         b = sched.buckets(check_int("batch_sizes[]", n, 1), 1, 1)[0]
         cost = np.zeros(engine.k + 1)
+        flat = {}
         for kk in range(engine.k + 1):
             q = sched.buckets(b, kk + 1, 1, kk)[1]
-            batch = sched.dummy_batch(b, q, sched.max_blocks_per_req)
             dl = kk if loop and kk < engine.k else None
-            jax.block_until_ready(engine._run(batch, dl))
-            times = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                jax.block_until_ready(engine._run(batch, dl))
-                times.append(time.perf_counter() - t)
-            cost[kk] = float(np.median(times))
+            cost[kk] = seconds(sched.dummy_batch(b, q, sched.max_blocks_per_req), dl)
+            for t in engine.driver.token_options(b, kk) if loop and opts.adaptive_k else ():
+                flat[kk, t] = seconds(sched.dummy_batch(b, q, sched.max_blocks_per_req,
+                                                        num_tokens=t), dl)
         engine.k_costs[b] = cost
+        if flat:
+            engine.k_token_costs[b] = flat
     return engine.k_costs
 
 

@@ -44,7 +44,9 @@ class LoopState:
     [B]`` (each row's request slot in a probabilistic drafter's ``DraftProbState``; padding
     rows past it) or None; static: ``all_greedy``, ``max_model_len``, ``block_size``,
     ``query_len_pad``, ``num_logprobs`` (top-n bucket or None), ``drafter_max_model_len``,
-    ``draft_len`` (``max(k_cap)``, None: k; what a chain drafter proposes)."""
+    ``draft_len`` (``max(k_cap)``, None: k; what a chain drafter proposes),
+    ``num_tokens_pad`` (the step's flat token slots, at least ``sum(1 + k_cap)`` over the
+    requests; None: ``B * query_len_pad``)."""
 
     last_token: Any
     num_computed: Any
@@ -66,6 +68,7 @@ class LoopState:
     num_logprobs: int | None = None
     drafter_max_model_len: int | None = None
     draft_len: int | None = None
+    num_tokens_pad: int | None = None
 
     @property
     def num_reqs_pad(self) -> int:
@@ -77,7 +80,7 @@ jax.tree_util.register_dataclass(
                             "stop_ids", "finished", "block_table", "sampling", "history",
                             "num_reqs", "k_cap", "slots"],
     meta_fields=["all_greedy", "max_model_len", "block_size", "query_len_pad", "num_logprobs",
-                 "drafter_max_model_len", "draft_len"])
+                 "drafter_max_model_len", "draft_len", "num_tokens_pad"])
 
 
 class LoopOutput(NamedTuple):
@@ -114,7 +117,8 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
                     block_size: int, stop_ids: Sequence[Sequence[int]] | None = None,
                     stop_pad: int = 1, temperature=None, top_k=None, top_p=None, seeds=None,
                     history: Sequence[Sequence[int]] | None = None, finished=None,
-                    procs=None, num_blocks: int | None = None, k_cap=None) -> LoopState:
+                    procs=None, num_blocks: int | None = None, k_cap=None,
+                    num_tokens_pad: int | None = None) -> LoopState:
     """The host (NumPy) :class:`LoopState` of ``n`` decoding requests.
 
     Per request ``i``: ``last_token``, ``num_computed`` (every token but the last), ``drafts``
@@ -122,7 +126,9 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
     ``blocks_per_req_pad`` dropped; ids >= 1, 0 being the null block, and below
     ``num_blocks``, the KV pool's size, when given), ``stop_ids`` (EOS included, at least
     ``stop_pad`` columns), ``history`` (prompt + output; a device token-history proposer
-    only), ``k_cap`` (None, or the drafts each verifies at most, 0..k). Sampling defaults:
+    only), ``k_cap`` (None, or the drafts each verifies at most, 0..k), ``num_tokens_pad``
+    (None, or the step's token slots: at least ``sum(1 + k_cap)``, at most ``num_reqs_pad *
+    query_len_pad``). Sampling defaults:
     greedy, top-k / top-p off. ``seeds``: None or per request an int
     in ``[0, 2**32 - 1]`` or None; a request at ``temperature > 0`` without one draws a fresh
     random seed (not reproducible, as vLLM's unseeded requests; the state keeps it across
@@ -144,6 +150,12 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
     kq = k if caps is None else int(caps.max(initial=0))
     if q < kq + 1:
         raise ValueError(f"query_len_pad={q} is below the drafts verified + 1 = {kq + 1}")
+    if num_tokens_pad is not None:
+        need = int(n * (k + 1) if caps is None else (caps[:n] + 1).sum())
+        t = check_opt_int("num_tokens_pad", num_tokens_pad, max(need, 1), b * q,
+                          why=f"the {n} requests' query tokens ({need}) up to num_reqs_pad x "
+                              f"query_len_pad")
+        num_tokens_pad = None if t == b * q else t
 
     num_blocks = check_opt_int("num_blocks", num_blocks, 2, why="block 0 is the null block")
 
@@ -221,7 +233,8 @@ def make_loop_state(*, last_token: Sequence[int], num_computed: Sequence[int],
         max_tokens=ints("max_tokens", max_tokens, 1), stop_ids=st, finished=fin,
         block_table=table, sampling=sampling, history=hist, num_reqs=np.asarray(n, _I32),
         k_cap=caps, all_greedy=bool((temp[:n] == 0).all()), max_model_len=int(max_model_len),
-        block_size=int(block_size), query_len_pad=q, draft_len=None if caps is None or kq >= k else kq)
+        block_size=int(block_size), query_len_pad=q, draft_len=None if caps is None or kq >= k else kq,
+        num_tokens_pad=num_tokens_pad)
 
 
 def _row_of(cu, idx):
@@ -237,7 +250,7 @@ def device_batch(st: LoopState, *, k: int, vocab_size: int, tree=None) -> tuple[
     their last token, no drafts and no KV writes. Returns ``(batch, num_drafts [B])``."""
     b = st.last_token.shape[0]
     qp = st.query_len_pad
-    t_pad = b * qp
+    t_pad = b * qp if st.num_tokens_pad is None else st.num_tokens_pad
     rows = jnp.arange(b, dtype=jnp.int32)
     real = rows < st.num_reqs
     active = real & ~st.finished

@@ -222,9 +222,9 @@ def test_overlapped_calls_continue_across_a_k_change(monkeypatch):
     ks = []
     real = device_loop.DeviceLoopDriver.recap
 
-    def spy(self, rows, state, k):
-        ks.append(k)
-        return real(self, rows, state, k)
+    def spy(self, rows, state, pol):
+        ks.append(pol.k)
+        return real(self, rows, state, pol)
 
     monkeypatch.setattr(device_loop.DeviceLoopDriver, "recap", spy)
     sps = [SamplingParams(max_tokens=24)] * 4

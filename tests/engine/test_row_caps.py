@@ -1,0 +1,156 @@
+"""Per-request drafts in a flat token batch (issue 55's mixed cell): ``adaptive_k`` on the
+device loop gives each request its own cap and the step only the token slots they fill.
+
+References: brute force over every cap vector for the policy (:func:`choose_caps`); the
+host batch builder (``build_batch`` with ``num_tokens_pad``) for the device batch; plain
+greedy decoding for the engine's output; the loop's compile cache for zero recompiles."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import adaptive_k as ak
+from specjax.engine import Engine, SamplingParams
+from specjax.runtime.batch import build_batch, trim_drafts
+from specjax.runtime.decode_loop import device_batch, loop_cache_size, make_loop_state
+from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
+    V, _fast_compiles, build, fixed, target)
+
+
+def _gain(a, c):
+    return sum((1 - x ** (n + 1)) / (1 - x) for x, n in zip(np.clip(a, 0, 1 - 1e-9), c))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choose_caps_against_brute_force(seed):
+    """The best expected tokens a second over every option and every cap vector that fits
+    (``c_r <= min(K, cap_r)``; a flat option: ``sum(1 + c) <= T``; a rectangle: ``c_r =
+    min(K, cap_r)``) is what ``choose_caps``' choice achieves; with rectangles only it is
+    ``choose_k``'s."""
+    rng = np.random.default_rng(seed)
+    for _ in range(25):
+        n = int(rng.integers(1, 5))
+        a = rng.choice([0.05, 0.3, 0.6, 0.9, 0.97], n)
+        caps = rng.integers(0, 4, n)
+        rect = np.sort(rng.uniform(1.0, 2.0, 4))
+        opts = [(k, None, rect[k]) for k in range(4)]
+        opts += [(k, t, rect[k] * rng.uniform(0.6, 1.0)) for k in range(1, 4)
+                 for t in sorted(set(rng.integers(n, 4 * n + 1, 2).tolist()))]
+        best = 0.0
+        for k, t, cost in opts:
+            lim = np.minimum(caps, k)
+            if t is None:
+                best = max(best, _gain(a, lim) / cost)
+                continue
+            for c in itertools.product(*(range(x + 1) for x in lim)):
+                if n + sum(c) <= t:
+                    best = max(best, _gain(a, c) / cost)
+        k, t, c = ak.choose_caps(a, caps, opts)
+        cost = dict(((kk, tt), co) for kk, tt, co in opts)[k, t]
+        assert (c <= np.minimum(caps, k)).all() and (t is None or n + c.sum() <= t)
+        assert t is not None or (c == np.minimum(caps, k)).all()
+        assert _gain(a, c) / cost == pytest.approx(best, rel=1e-12)
+        k0, t0, c0 = ak.choose_caps(a, caps, opts[:4])
+        assert t0 is None and k0 == ak.choose_k(a, caps, rect)
+
+
+def test_mixed_acceptance_splits_the_drafts():
+    """Half the requests at 0.9, half at 0.3, the step's cost growing with its token slots
+    (0.6 a draft of the chain, more per token bucket): long chains for the first half, one
+    draft or none for the rest, in fewer slots than the rectangle."""
+    v = {64: 9.37, 128: 9.83, 256: 10.8, 512: 15.56}
+    rect = [v[64 * q] + 0.6 * k for k, q in enumerate((1, 2, 4, 4, 8, 8, 8, 8))]
+    opts = [(k, None, rect[k]) for k in range(8)] + [
+        (k, t, v[t] + 0.6 * k) for k in range(1, 8) for t in (128, 256) if t < 64 * (
+            1 << k.bit_length())]
+    a = np.array([0.9] * 32 + [0.3] * 32)
+    k, t, c = ak.choose_caps(a, np.full(64, 7), opts)
+    k0 = ak.choose_k(a, np.full(64, 7), np.array(rect))
+    assert t == 256 and k >= 4 and (c[:32] == k).all() and (c[32:] <= 1).all()
+    assert _gain(a, c) / dict(((kk, tt), co) for kk, tt, co in opts)[k, t] > \
+        1.05 * _gain(a, np.full(64, k0)) / rect[k0]
+
+
+def test_device_batch_in_flat_token_slots_equals_host_build_batch():
+    """Rows with their own caps in ``num_tokens_pad`` slots (fewer than rows x their
+    bucket): every leaf of the device batch equals ``build_batch``'s in the same slots;
+    ``make_loop_state`` refuses slots below the requests' tokens, naming the argument."""
+    rng = np.random.default_rng(3)
+    B, C, Q, k, mml, bs = 8, 8, 4, 3, 60, 8
+    for trial in range(4):
+        n = int(rng.integers(2, B + 1))
+        caps = rng.integers(0, k + 1, n)
+        t = int(max(n + caps.sum(), B + 1))
+        nc, out_n = rng.integers(0, 40, n), rng.integers(0, 10, n)
+        maxt = out_n + rng.integers(1, 8, n)
+        drafts = [rng.integers(0, V, int(caps[i])).tolist() for i in range(n)]
+        last = rng.integers(0, V, n)
+        blocks = [rng.permutation(np.arange(1, 70))[:C].tolist() for _ in range(n)]
+        st = make_loop_state(last_token=last, num_computed=nc, drafts=drafts, max_tokens=maxt,
+                             num_output=out_n, block_ids=blocks, k=k, num_reqs_pad=B,
+                             blocks_per_req_pad=C, query_len_pad=Q, max_model_len=mml,
+                             block_size=bs, k_cap=caps, num_tokens_pad=t)
+        assert st.num_tokens_pad == (None if t == B * Q else t)
+        got, nd = jax.jit(lambda s: device_batch(s, k=k, vocab_size=V))(st)
+        kept = []
+        for i in range(n):
+            room = mml - (int(nc[i]) + 1)
+            kept.append(trim_drafts(drafts[i], max_new_tokens=min(room, int(maxt[i] - out_n[i])),
+                                    kv_room=room, k=k, vocab_size=V))
+        want = build_batch([[int(last[i])] + kept[i] for i in range(n)], num_computed=nc,
+                           num_drafts=[len(d) for d in kept], block_ids=blocks, block_size=bs,
+                           num_reqs_pad=B, query_len_pad=Q, blocks_per_req_pad=C, max_spec_len=k,
+                           num_output_tokens=out_n, num_tokens_pad=t,
+                           seeds=np.asarray(st.sampling.seeds[:n]))
+        assert got.input_ids.shape == (t,)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="num_tokens_pad"):
+        make_loop_state(last_token=last, num_computed=nc, drafts=drafts, max_tokens=maxt,
+                        num_output=out_n, block_ids=blocks, k=k, num_reqs_pad=B,
+                        blocks_per_req_pad=C, query_len_pad=Q, max_model_len=mml,
+                        block_size=bs, k_cap=caps, num_tokens_pad=n + int(caps.sum()) - 1)
+
+
+@pytest.mark.parametrize("overlap", (False, True))
+def test_engine_gives_each_request_its_drafts_in_fewer_slots(monkeypatch, overlap):
+    """``adaptive_k`` on the device loop with alternating acceptance estimates (0.95 /
+    0.05 by row) and a hand-set cost table where 8 token slots cost less than rows of 4:
+    calls run in 8 slots (the four requests: 2 drafts for each high row, none for the low
+    ones; fewer requests: slots left over go to the low rows too),
+    greedy output equals plain, nothing compiles after warm-up."""
+    from specjax.engine import device_loop
+
+    monkeypatch.setattr(device_loop, "acceptance_rate",
+                        lambda h, t: np.array([0.95, 0.05] * len(h))[: len(h)])
+    seen = []
+    real = device_loop.decode_loop
+
+    def spy(*a, **kw):
+        st = a[5]
+        seen.append((st.num_tokens_pad, int(st.num_reqs), None if st.k_cap is None else
+                     tuple(np.asarray(st.k_cap).tolist())))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(device_loop, "decode_loop", spy)
+    prompts = [[5, 9, 2, 7], [11, 3, 3], [8, 1, 6, 2, 9], [4, 4]]
+    sps = [SamplingParams(max_tokens=m) for m in (9, 14, 20, 24)]
+    opts = dict(query_buckets=(1, 2, 4, 16), token_buckets=(8, 16), steps_per_sync=4)
+    plain = Engine(target(), None, max_num_seqs=4, **fixed(**opts)).generate(prompts, sps)
+    eng = Engine(target(), build("draft_model", 3), max_num_seqs=4,
+                 **fixed(overlap=overlap, adaptive_k=True, **opts))
+    assert eng.driver.token_options(4, 3) == [8] and eng.driver.token_options(4, 1) == []
+    eng.warmup([4], [16])
+    assert set(eng.k_token_costs[4]) == {(2, 8), (3, 8)}
+    eng.k_costs[4] = np.array([1.0, 1.5, 2.0, 2.5])
+    eng.k_token_costs[4] = {(2, 8): 1.6, (3, 8): 1.8}
+    before = loop_cache_size()
+    seen.clear()
+    out = eng.generate(prompts, sps)
+    assert out.token_ids == plain.token_ids
+    assert loop_cache_size() == before
+    flat = [(n, caps) for tokens, n, caps in seen if tokens == 8]
+    assert all(n + sum(c) <= 8 and c[0] == max(c) >= 2 for n, c in flat), seen
+    assert (4, (2, 0, 2, 0)) in flat, seen
