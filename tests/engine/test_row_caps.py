@@ -154,3 +154,29 @@ def test_engine_gives_each_request_its_drafts_in_fewer_slots(monkeypatch, overla
     flat = [(n, caps) for tokens, n, caps in seen if tokens == 8]
     assert all(n + sum(c) <= 8 and c[0] == max(c) >= 2 for n, c in flat), seen
     assert (4, (2, 0, 2, 0)) in flat, seen
+
+
+def test_sampling_in_flat_token_slots_keeps_the_target_distribution(monkeypatch):
+    """Chi-square at alpha = 1e-3 on the first verified token (temperature 1, the draft model
+    the target drafting its argmax) with every device-loop call forced into ``2 x B`` token
+    slots, even rows verifying up to 2 drafts and odd rows none."""
+    from specjax.constants import next_power_of_2
+    from specjax.engine import LoopOptions, device_loop, generate
+    from test_engine import BS, N_SAMPLES, SAMPLE_PROMPT, _chi2_first_verified
+
+    calls = []
+
+    def forced(self, rows):
+        b = next_power_of_2(len(rows))
+        calls.append(b)
+        return device_loop.RowCaps(2, 2 * b, tuple(2 - 2 * (i % 2) for i in range(len(rows))))
+
+    monkeypatch.setattr(device_loop.DeviceLoopDriver, "policy", forced)
+    tgt = target(4.0)
+    prop = build("draft_model", 2, tgt, max_model_len=16)
+    sps = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(N_SAMPLES)]
+    out = generate(tgt, prop, [SAMPLE_PROMPT] * N_SAMPLES, sps, max_model_len=16, block_size=BS,
+                   options=LoopOptions(query_buckets=(1, 2, 4, 8), context_buckets=(2,),
+                                       steps_per_sync=2, adaptive_k=True))
+    assert calls and _chi2_first_verified(out, tgt) > 1e-3
+    assert 0 < out.spec_stats.num_draft_tokens
