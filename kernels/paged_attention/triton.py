@@ -27,6 +27,48 @@ _INT32_MAX = tl.constexpr(int(np.iinfo(np.int32).max))
 
 
 @triton.jit
+def visible(mask, kk, qpos, first, bits, CAUSAL: tl.constexpr, TREE: tl.constexpr,
+            WINDOW: tl.constexpr):
+    """``mask [R, K]`` and the rule of :func:`.flash.visible` for keys at ``kk [K]`` and
+    queries at ``qpos [R]`` (``first``: the request's first query position; ``bits [R]``:
+    the rows' tree bitmasks, with ``TREE`` rows)."""
+    if TREE > 0:
+        rel = kk - first  # index in the query block
+        relc = tl.minimum(tl.maximum(rel, 0), TREE - 1)
+        seen = (bits[:, None] >> relc[None, :]) & 1
+        mask = mask & ((rel < 0)[None, :] | ((rel < TREE)[None, :] & (seen != 0)))
+    elif CAUSAL:
+        mask = mask & (kk[None, :] <= qpos[:, None])
+    if WINDOW > 0:
+        mask = mask & (kk[None, :] > qpos[:, None] - WINDOW)
+    return mask
+
+
+@triton.jit
+def softmax_step(acc, m_i, l_i, sc, mask, v, MASKED: tl.constexpr):
+    """One key tile of the online softmax (float32): scores ``sc [R, K]`` where ``mask``
+    (unless not ``MASKED``), values ``v [K, HD]``. A row that sees no key keeps zeros."""
+    if MASKED:
+        sc = tl.where(mask, sc, _NEG)
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    corr = tl.exp(m_i - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    if MASKED:
+        p = tl.where(mask, p, 0.0)
+    l_i = corr * l_i + tl.sum(p, axis=1)
+    acc = corr[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@triton.jit
+def add_sink(acc, m_i, l_i, sink, use):
+    """The sink logits ``sink [R]`` joined to the softmax's denominator where ``use``."""
+    m_f = tl.maximum(m_i, tl.where(use, sink, _NEG))
+    c = tl.exp(m_i - m_f)
+    return acc * c[:, None], m_f, l_i * c + tl.where(use, tl.exp(tl.minimum(sink - m_f, 0.0)), 0.0)
+
+
+@triton.jit
 def _attention_kernel(
     qsl_ptr,  # [B + 1] query_start_loc
     seq_ptr,  # [B] seq_lens
@@ -71,6 +113,7 @@ def _attention_kernel(
     q_off = (tok * NH + head).to(tl.int64) * HD
     q = tl.load(q_ptr + q_off[:, None] + col[None, :], mask=row_ok[:, None], other=0.0)
     qpos = seq - qlen + qi  # position of each row's query
+    bits = qi
     if TREE > 0:
         # the reference clamps the query index to the mask's last row
         bits = tl.load(tree_ptr + tl.minimum(qi, TREE - 1))
@@ -97,30 +140,12 @@ def _attention_kernel(
         k = tl.load(k_ptr + kv_off[:, None] + col[None, :], mask=kv_ok[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off[:, None] + col[None, :], mask=kv_ok[:, None], other=0.0)
         sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * SCALE
-        mask = row_ok[:, None] & kv_ok[None, :]
-        if TREE > 0:
-            rel = kk - (seq - qlen)  # index in the query block
-            relc = tl.minimum(tl.maximum(rel, 0), TREE - 1)
-            seen = (bits[:, None] >> relc[None, :]) & 1
-            mask = mask & ((rel < 0)[None, :] | ((rel < TREE)[None, :] & (seen != 0)))
-        elif CAUSAL:
-            mask = mask & (kk[None, :] <= qpos[:, None])
-        if WINDOW > 0:
-            mask = mask & (kk[None, :] > qpos[:, None] - WINDOW)
-        sc = tl.where(mask, sc, _NEG)
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        corr = tl.exp(m_i - m_new)
-        p = tl.where(mask, tl.exp(sc - m_new[:, None]), 0.0)
-        l_i = corr * l_i + tl.sum(p, axis=1)
-        acc = corr[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        mask = visible(row_ok[:, None] & kv_ok[None, :], kk, qpos, seq - qlen, bits, CAUSAL,
+                       TREE, WINDOW)
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, sc, mask, v, True)
     if SINKS_AT > 0:  # split 0 carries the sink: the merge then counts it once
         sink = tl.load(tree_ptr + SINKS_AT + head).to(tl.float32, bitcast=True)
-        m_f = tl.maximum(m_i, tl.where(s == 0, sink, _NEG))
-        c = tl.exp(m_i - m_f)
-        acc = acc * c[:, None]
-        l_i = l_i * c + tl.where(s == 0, tl.exp(tl.minimum(sink - m_f, 0.0)), 0.0)
-        m_i = m_f
+        acc, m_i, l_i = add_sink(acc, m_i, l_i, sink, s == 0)
     row = ((r * NKV + h) * NUM_SPLITS + s) * ROWS + m_idx
     tl.store(o_ptr + row.to(tl.int64)[:, None] * HD + col[None, :], acc)
     tl.store(m_ptr + row, m_i)

@@ -17,7 +17,7 @@ import triton.language as tl
 from specjax.kernels import _jt
 from specjax.kernels.paged_attention import flash as _flash
 from specjax.kernels.paged_attention import limits as _pk
-from specjax.kernels.paged_attention.triton import aux_buffer
+from specjax.kernels.paged_attention.triton import add_sink, aux_buffer, softmax_step, visible
 
 _NEG = tl.constexpr(_pk.NEG)
 
@@ -42,26 +42,10 @@ def _key_block(acc, m_i, l_i, q, qpos, bits, s, r, h, seq, first, col, bt_ptr, k
         k = tl.load(k_ptr + kv_off[:, None] + col[None, :])
         v = tl.load(v_ptr + kv_off[:, None] + col[None, :])
     sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * SCALE
+    ok = kk[None, :] >= 0
     if MASKED:
-        ok = kv_ok[None, :]
-        if TREE > 0:
-            rel = kk - first  # index in the query block
-            relc = tl.minimum(tl.maximum(rel, 0), TREE - 1)
-            seen = (bits[:, None] >> relc[None, :]) & 1
-            ok = ok & ((rel < 0)[None, :] | ((rel < TREE)[None, :] & (seen != 0)))
-        elif CAUSAL:
-            ok = ok & (kk[None, :] <= qpos[:, None])
-        if WINDOW > 0:
-            ok = ok & (kk[None, :] > qpos[:, None] - WINDOW)
-        sc = tl.where(ok, sc, _NEG)
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    corr = tl.exp(m_i - m_new)
-    p = tl.exp(sc - m_new[:, None])
-    if MASKED:  # a row that sees no key at all gets zeros, not exp(NEG - NEG) = 1s
-        p = tl.where(ok, p, 0.0)
-    l_i = corr * l_i + tl.sum(p, axis=1)
-    acc = corr[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return acc, m_new, l_i
+        ok = visible(kv_ok[None, :], kk, qpos, first, bits, CAUSAL, TREE, WINDOW)
+    return softmax_step(acc, m_i, l_i, sc, ok, v, MASKED)
 
 
 @triton.jit
@@ -114,7 +98,7 @@ def _flash_kernel(
     q = tl.load(q_ptr + q_off[:, None] + col[None, :])
     first = seq - qlen
     qpos = first + qi
-    bits = qpos * 0
+    bits = qi
     if TREE > 0:  # the reference clamps the query index to the mask's last row
         bits = tl.load(tree_ptr + tl.minimum(qi, TREE - 1))
 
@@ -154,10 +138,7 @@ def _flash_kernel(
                                    MAX_BLOCKS, NUM_BLOCKS, CAUSAL, TREE, WINDOW, True)
     if SINKS_AT > 0:  # softmax over [scores, sink]: the sink adds to the denominator only
         sink = tl.load(tree_ptr + SINKS_AT + head).to(tl.float32, bitcast=True)
-        m_f = tl.maximum(m_i, sink)
-        c = tl.exp(m_i - m_f)
-        acc = acc * c[:, None]
-        l_i = l_i * c + tl.exp(sink - m_f)
+        acc, m_i, l_i = add_sink(acc, m_i, l_i, sink, True)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + q_off[:, None] + col[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None])

@@ -598,12 +598,17 @@ def test_triton_kernel_under_the_interpreter():
 
     cases = (2 * sum(c.dtype == "float32" for c in CPU_CFGS.values()) + 1
              + sum(w.cfg.dtype == "float32" for w in wsk.CASES.values()))
+    run_interpreter("triton_interpret_paged_attention.py", f"triton interpreter: {cases} cases ok")
+
+
+def run_interpreter(script: str, done: str) -> None:
+    """``tests/support/<script>`` under Triton's interpreter (``TRITON_INTERPRET=1`` set
+    before triton is imported, so in a subprocess); it must exit 0 and print ``done``."""
     env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    script = str(suite_paths.SUPPORT / "triton_interpret_paged_attention.py")
-    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, str(suite_paths.SUPPORT / script)], env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"triton interpreter: {cases} cases ok" in r.stdout, r.stdout
+    assert done in r.stdout, r.stdout
 
 @pytest.mark.smoke
 def test_switch_retraces_jitted_callers():

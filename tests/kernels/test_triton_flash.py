@@ -12,9 +12,6 @@ prefill batches. The first two need ``triton`` (and the interpreter ``torch`` an
 
 from __future__ import annotations
 
-import suite_paths  # tests/support: where the suite's pieces are
-import os
-import subprocess
 import sys
 
 import jax
@@ -27,7 +24,7 @@ from specjax import _compat
 from specjax.kernels import paged_attention as attn
 from specjax.kernels.paged_attention import flash, partition
 from test_flash_attention import CASES, WINDOW_CASES, assert_close, make_batch
-from test_paged_attention import _interpreter_ready, random_tree
+from test_paged_attention import _interpreter_ready, random_tree, run_interpreter
 
 
 @pytest.mark.skipif(_interpreter_ready() is not None,
@@ -37,12 +34,7 @@ def test_triton_flash_kernel_under_the_interpreter():
     must be set before triton is imported): every float32 case within 1e-5 of the oracle,
     padding tokens zero, an empty batch all zeros."""
     cases = 2 * sum(c.dtype == "float32" for c in {**CASES, **WINDOW_CASES}.values()) + 1
-    env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-    script = str(suite_paths.SUPPORT / "triton_interpret_flash.py")
-    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"triton flash interpreter: {cases} cases ok" in r.stdout, r.stdout
+    run_interpreter("triton_interpret_flash.py", f"triton flash interpreter: {cases} cases ok")
 
 
 @pytest.mark.parametrize("t,nh,nkv,hd,dt,kw", [
