@@ -172,11 +172,29 @@ def run(args) -> dict:
         for _ in range(-(-args.policy_warmup // iters) if policy else 0):  # the policy learns
             loop.measure(eng, prompts, iters, max_tokens)
         before = loop_cache_size() + step_cache_size()
+        chosen: dict = {}           # adaptive_k's choices in the window: K (K@T) -> calls
+        if policy == "adaptive_k" and k:
+            real = eng.driver.policy
+
+            def counted(running):
+                c = real(running)
+                key = None if c is None else str(c.k if c.tokens is None else f"{c.k}@{c.tokens}")
+                chosen[key] = chosen.get(key, 0) + 1
+                return c
+
+            eng.driver.policy = counted
         r = min((loop.measure(eng, prompts, iters, max_tokens) for _ in range(args.repeat)),
                 key=lambda x: x["per_iter_ms"])
         r["recompiles"] = loop_cache_size() + step_cache_size() - before
         if r["recompiles"]:
             print(f"# B={b} k={k}: {r['recompiles']} programs compiled inside the timed window",
+                  flush=True)
+        if chosen:
+            bb = eng.scheduler.buckets(b, 1, 1)[0]
+            r["choices"] = chosen
+            print(f"# B={b} adaptive_k's choices (calls): {chosen}; its step costs ms: "
+                  f"{[round(1e3 * float(x), 3) for x in eng.k_costs.get(bb, [])]}, flat "
+                  f"{ {f'{kk}@{t}': round(1e3 * v, 3) for (kk, t), v in eng.k_token_costs.get(bb, {}).items()} }",
                   flush=True)
         del eng, prop
         gc.collect()
@@ -307,7 +325,8 @@ def run(args) -> dict:
                       / (t / 1e3) for k, t in cost[b].items()}
             k = max(scores, key=scores.get)
             rows = ((a1,) * args.kmax, (a2,) * args.kmax)
-            static = timed(b, k, [a1 ** (j + 1) for j in range(k)], None, rows)["tokens_per_s"]
+            static = (float("nan") if args.mixed_policy_only else
+                      timed(b, k, [a1 ** (j + 1) for j in range(k)], None, rows)["tokens_per_s"])
             pol = timed(b, args.kmax, [a1 ** (j + 1) for j in range(args.kmax)], "adaptive_k",
                         rows)["tokens_per_s"]
             mixed.append(dict(batch=b, a=[a1, a2], best_k=k, predicted_tps=scores[k],
@@ -360,6 +379,8 @@ def main(argv=None) -> int:
                          "enable_adaptive_verification (step loop)")
     ap.add_argument("--mixed", nargs="*", default=[], metavar="a1,a2",
                     help="mixed cells: even rows at a1, odd rows at a2 (B >= 2)")
+    ap.add_argument("--mixed-policy-only", action="store_true",
+                    help="mixed cells: run adaptive_k only (the best static k predicted, not run)")
     ap.add_argument("--falling", nargs="*", default=[], metavar="a1,a2",
                     help="falling cells: adaptive_k with every row at a1, then a2 mid-run")
     ap.add_argument("--falling-iters", default="96,160", metavar="BEFORE,AFTER",
