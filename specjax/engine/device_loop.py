@@ -170,7 +170,7 @@ class DeviceLoopDriver:
                                    num_tokens_pad=tokens)
 
     def dispatch(self, rows: list[_Request], state, stop_on_finish: bool,
-                 prev_k: int | None = None) -> _InFlight:
+                 prev_k: RowCaps | None = None) -> _InFlight:
         """Dispatch one call (not waiting for it). ``state``: the previous call's device
         state to continue from (its block table refreshed for blocks two calls ahead), or
         None to build it from the host's requests."""

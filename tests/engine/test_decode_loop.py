@@ -44,6 +44,23 @@ def run(proposer, which: str, n: int = 1, params=None, stat_loggers=(), **loop):
 # --- the batch the loop builds on the device -------------------------------------------
 
 
+def host_batch(st, last, nc, drafts, maxt, out_n, blocks, *, k, mml, bs, **kw):
+    """``(build_batch's batch, the drafts it keeps)`` for the requests of loop state ``st``:
+    each one's drafts trimmed by ``trim_drafts``' rule (max_tokens, max_model_len), in
+    ``st``'s buckets; ``kw``: more ``build_batch`` arguments."""
+    n, B, C = len(last), st.num_reqs_pad, st.block_table.shape[1]
+    kept = []
+    for i in range(n):
+        room = mml - (int(nc[i]) + 1)
+        kept.append(trim_drafts(drafts[i], max_new_tokens=min(room, int(maxt[i] - out_n[i])),
+                                kv_room=room, k=k, vocab_size=V))
+    return build_batch([[int(last[i])] + kept[i] for i in range(n)], num_computed=nc,
+                       num_drafts=[len(d) for d in kept], block_ids=blocks, block_size=bs,
+                       num_reqs_pad=B, query_len_pad=st.query_len_pad, blocks_per_req_pad=C,
+                       max_spec_len=k, seeds=np.asarray(st.sampling.seeds[:n]),
+                       num_output_tokens=out_n, **kw), kept
+
+
 @pytest.mark.smoke
 @pytest.mark.parametrize("k", [0, 3])
 def test_device_batch_equals_host_build_batch(k):
@@ -67,16 +84,8 @@ def test_device_batch_equals_host_build_batch(k):
                              blocks_per_req_pad=C, query_len_pad=Q, max_model_len=mml,
                              block_size=bs, temperature=temp, seeds=rng.integers(0, 99, n))
         got, nd = jax.jit(lambda s: device_batch(s, k=k, vocab_size=V))(st)
-        kept = []
-        for i in range(n):
-            room = mml - (int(nc[i]) + 1)
-            kept.append(trim_drafts(drafts[i], max_new_tokens=min(room, int(maxt[i] - out_n[i])),
-                                    kv_room=room, k=k, vocab_size=V))
-        want = build_batch([[int(last[i])] + kept[i] for i in range(n)], num_computed=nc,
-                           num_drafts=[len(d) for d in kept], block_ids=blocks, block_size=bs,
-                           num_reqs_pad=B, query_len_pad=Q, blocks_per_req_pad=C, max_spec_len=k,
-                           temperature=temp, seeds=np.asarray(st.sampling.seeds[:n]),
-                           num_output_tokens=out_n)
+        want, kept = host_batch(st, last, nc, drafts, maxt, out_n, blocks, k=k, mml=mml,
+                                bs=bs, temperature=temp)
         assert np.asarray(nd)[:n].tolist() == [len(d) for d in kept]
         assert got.all_greedy == want.all_greedy and got.block_size == want.block_size
         flat_g, tree_g = jax.tree.flatten(got)

@@ -13,8 +13,8 @@ import pytest
 
 from specjax import adaptive_k as ak
 from specjax.engine import Engine, SamplingParams
-from specjax.runtime.batch import build_batch, trim_drafts
 from specjax.runtime.decode_loop import device_batch, loop_cache_size, make_loop_state
+from test_decode_loop import host_batch
 from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
     V, _fast_compiles, build, fixed, target)
 
@@ -94,16 +94,8 @@ def test_device_batch_in_flat_token_slots_equals_host_build_batch():
                              block_size=bs, k_cap=caps, num_tokens_pad=t)
         assert st.num_tokens_pad == (None if t == B * Q else t)
         got, nd = jax.jit(lambda s: device_batch(s, k=k, vocab_size=V))(st)
-        kept = []
-        for i in range(n):
-            room = mml - (int(nc[i]) + 1)
-            kept.append(trim_drafts(drafts[i], max_new_tokens=min(room, int(maxt[i] - out_n[i])),
-                                    kv_room=room, k=k, vocab_size=V))
-        want = build_batch([[int(last[i])] + kept[i] for i in range(n)], num_computed=nc,
-                           num_drafts=[len(d) for d in kept], block_ids=blocks, block_size=bs,
-                           num_reqs_pad=B, query_len_pad=Q, blocks_per_req_pad=C, max_spec_len=k,
-                           num_output_tokens=out_n, num_tokens_pad=t,
-                           seeds=np.asarray(st.sampling.seeds[:n]))
+        want, _ = host_batch(st, last, nc, drafts, maxt, out_n, blocks, k=k, mml=mml, bs=bs,
+                             num_tokens_pad=t)
         assert got.input_ids.shape == (t,)
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
