@@ -161,30 +161,40 @@ def run(args) -> dict:
         del eng.driver.policy
 
     def timed(b, k, rates, policy=None, rows=None):
-        eng, prop, prompts, max_tokens = build(b, k, rates, policy)
+        # a policy learns the window's own requests first (adaptive_k's evidence is per
+        # request; adaptive verification's estimator refits every 100 steps)
+        skip = args.policy_warmup if policy else 0
+        eng, prop, prompts, max_tokens = build(b, k, rates, policy, args.iters + skip)
         if rows is not None and k:     # per-row-class conditional rates (``--mixed``)
             eng.step._spec = conditional(eng, rows)
         n = eng.options.steps_per_sync
-        iters = -(-args.iters // n) * n                                   # ends on a sync
+        iters, skip = -(-args.iters // n) * n, -(-skip // n) * n      # start and end on a sync
         loop.measure(eng, prompts, n, max_tokens)                         # compiles
         if policy == "adaptive_k" and k:
             precompile(eng, prompts, max_tokens)
-        for _ in range(-(-args.policy_warmup // iters) if policy else 0):  # the policy learns
-            loop.measure(eng, prompts, iters, max_tokens)
         before = loop_cache_size() + step_cache_size()
         chosen: dict = {}           # adaptive_k's choices in the window: K (K@T) -> calls
+        window = []                 # set once the window starts (measure's hook)
         if policy == "adaptive_k" and k:
             real = eng.driver.policy
 
             def counted(running):
                 c = real(running)
                 key = None if c is None else str(c.k if c.tokens is None else f"{c.k}@{c.tokens}")
-                chosen[key] = chosen.get(key, 0) + 1
+                if window:
+                    chosen[key] = chosen.get(key, 0) + 1
                 return c
 
             eng.driver.policy = counted
-        r = min((loop.measure(eng, prompts, iters, max_tokens) for _ in range(args.repeat)),
-                key=lambda x: x["per_iter_ms"])
+
+        def started(i):
+            window.append(i)
+
+        def one():
+            window.clear()
+            return loop.measure(eng, prompts, iters, max_tokens, started, skip=skip)
+
+        r = min((one() for _ in range(args.repeat)), key=lambda x: x["per_iter_ms"])
         r["recompiles"] = loop_cache_size() + step_cache_size() - before
         if r["recompiles"]:
             print(f"# B={b} k={k}: {r['recompiles']} programs compiled inside the timed window",
@@ -192,7 +202,8 @@ def run(args) -> dict:
         if chosen:
             bb = eng.scheduler.buckets(b, 1, 1)[0]
             r["choices"] = chosen
-            print(f"# B={b} adaptive_k's choices (calls): {chosen}; its step costs ms: "
+            print(f"# B={b} adaptive_k's choices (calls): {chosen}; window {r['per_iter_ms']:.3f} "
+                  f"ms, {r['tokens_per_iter']:.2f} tokens a request per iteration; step costs ms: "
                   f"{[round(1e3 * float(x), 3) for x in eng.k_costs.get(bb, [])]}, flat "
                   f"{ {f'{kk}@{t}': round(1e3 * v, 3) for (kk, t), v in eng.k_token_costs.get(bb, {}).items()} }",
                   flush=True)
@@ -327,10 +338,11 @@ def run(args) -> dict:
             rows = ((a1,) * args.kmax, (a2,) * args.kmax)
             static = (float("nan") if args.mixed_policy_only else
                       timed(b, k, [a1 ** (j + 1) for j in range(k)], None, rows)["tokens_per_s"])
-            pol = timed(b, args.kmax, [a1 ** (j + 1) for j in range(args.kmax)], "adaptive_k",
-                        rows)["tokens_per_s"]
+            r = timed(b, args.kmax, [a1 ** (j + 1) for j in range(args.kmax)], "adaptive_k", rows)
+            pol = r["tokens_per_s"]
             mixed.append(dict(batch=b, a=[a1, a2], best_k=k, predicted_tps=scores[k],
-                              static_tps=static, adaptive_k_tps=pol))
+                              static_tps=static, adaptive_k_tps=pol, choices=r.get("choices"),
+                              tokens_per_iter=r["tokens_per_iter"], per_iter_ms=r["per_iter_ms"]))
             print(f"| {b} | {a1}, {a2} | {k} ({scores[k]:.0f}) | {static:.0f} | {pol:.0f} | "
                   f"{pol / scores[k]:.3f} |", flush=True)
     falling = []
@@ -386,8 +398,8 @@ def main(argv=None) -> int:
     ap.add_argument("--falling-iters", default="96,160", metavar="BEFORE,AFTER",
                     help="iterations before and after the falling cell's switch")
     ap.add_argument("--policy-warmup", type=int, default=200,
-                    help="iterations a policy runs before its timed window (vLLM's estimator "
-                         "refits every 100 steps)")
+                    help="iterations a policy runs on the timed requests before their window "
+                         "(adaptive_k learns each request; vLLM's estimator refits every 100 steps)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"),
                     default="bfloat16" if gpu else "float32")
     ap.add_argument("--json", default=None)

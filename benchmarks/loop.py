@@ -126,14 +126,16 @@ def drafter(method: str, target: TargetModel, geo: dict, size: str, k: int, rate
                          draft_params=params, max_model_len=mml, block_size=BS)
 
 
-def measure(eng: Engine, prompts, iters: int, max_tokens: int, hook=None) -> dict:
-    """One generate call timed over ``iters`` delivered iterations that start at the end of
-    the first sync in which every request holds its first token (a prompt batch larger than
-    one step's token budget prefills over several iterations, which would otherwise fall
-    inside the window). ``iters``: a multiple of the engine's steps per sync, so the window
-    also ends on a sync (tokens are counted as each sync delivers them). ``hook(i)`` runs
-    after window iteration i (0 = the window's start); with a hook, ``marks`` holds each
-    window iteration's ``(seconds since the start, tokens generated since it)``."""
+def measure(eng: Engine, prompts, iters: int, max_tokens: int, hook=None, skip: int = 0) -> dict:
+    """One generate call timed over ``iters`` delivered iterations that start ``skip``
+    iterations after the end of the first sync in which every request holds its first token
+    (a prompt batch larger than one step's token budget prefills over several iterations,
+    which would otherwise fall inside the window; ``skip`` lets a per-request policy learn
+    the same requests first). ``iters`` and ``skip``: multiples of the engine's steps per
+    sync, so the window starts and ends on a sync (tokens are counted as each sync delivers
+    them). ``hook(i)`` runs after window iteration i (0 = the window's start); with a hook,
+    ``marks`` holds each window iteration's ``(seconds since the start, tokens generated
+    since it)``."""
     marks: list[tuple[float, int, int]] = []   # (time, generated, sync) after each iteration
     split: list[tuple[float, float]] = []      # (engine host s, engine wait s) at each mark
     b = len(prompts)
@@ -146,10 +148,10 @@ def measure(eng: Engine, prompts, iters: int, max_tokens: int, hook=None) -> dic
             start.append(len(marks) - 1)
         elif start and marks[-1][2] == marks[start[0]][2]:     # (the same fetch: its end)
             start[0] = len(marks) - 1
-        if start and len(marks) > start[0] + iters:
+        if start and len(marks) > start[0] + skip + iters:
             raise _Stop
-        if start and hook is not None:
-            hook(len(marks) - 1 - start[0])
+        if start and hook is not None and len(marks) - 1 >= start[0] + skip:
+            hook(len(marks) - 1 - start[0] - skip)
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -157,10 +159,11 @@ def measure(eng: Engine, prompts, iters: int, max_tokens: int, hook=None) -> dic
         eng.generate(prompts, sp, progress=progress)
     except _Stop:
         pass
-    if not start or len(marks) <= start[0] + iters:
+    if not start or len(marks) <= start[0] + skip + iters:
         raise RuntimeError(f"the run ended after {len(marks)} iterations, before every request's "
-                           f"first token + {iters}")
-    marks, split = marks[start[0]:], split[start[0]:]
+                           f"first token + {skip} + {iters}")
+    ttft = marks[start[0]][0] - t0
+    marks, split = marks[start[0] + skip:], split[start[0] + skip:]
     (t_first, g_first, s_first), (t_last, g_last, s_last) = marks[0], marks[iters]
     wall = t_last - t_first
     tokens = g_last - g_first
@@ -172,7 +175,7 @@ def measure(eng: Engine, prompts, iters: int, max_tokens: int, hook=None) -> dic
         marks=[(t - t_first, g - g_first) for t, g, _ in marks[: iters + 1]])
     return dict(per_iter_ms=wall / iters * 1e3, host_ms=host_ms, wait_ms=wait_ms,
                 tokens_per_s=tokens / wall,
-                tokens_per_iter=tokens / iters / b, ttft_ms=(t_first - t0) * 1e3,
+                tokens_per_iter=tokens / iters / b, ttft_ms=ttft * 1e3,
                 itl_ms=wall / (tokens / b) * 1e3, gap_ms=(statistics.median(gaps) * 1e3
                                                          if gaps else float("nan")),
                 syncs=len(times) - 1, iters=iters, **extra)

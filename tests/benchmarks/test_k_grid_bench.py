@@ -61,6 +61,7 @@ def test_tiny_run(tmp_path, capsys):
     t = {int(k): v for k, v in doc["cost_ms"]["2"].items()}
     want = max(t, key=lambda k: (k + 1 + 1) / 2 / t[k])     # E(1, k) = k + 1, E(0, k) = 1
     assert mix["best_k"] == want and mix["static_tps"] > 0 and mix["adaptive_k_tps"] > 0
+    assert sum(mix["choices"].values()) >= 1     # counted inside the window only
     (fall,) = doc["falling"]     # every K compiled before the window; the switch inside it
     assert fall["recompiles"] == 0 and fall["k_per_call"].count("|") == 1
     assert fall["switch"] < fall["iters"] and len(fall["windows_vs_best"]) >= 1
