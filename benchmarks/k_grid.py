@@ -159,6 +159,7 @@ def run(args) -> dict:
             eng.driver.policy = lambda rows, c=c: c
             loop.measure(eng, prompts, n, max_tokens)
         del eng.driver.policy
+        eng.driver.seen_costs.clear()   # the policy times only what it chooses itself
 
     def timed(b, k, rates, policy=None, rows=None):
         # a policy learns the window's own requests first (adaptive_k's evidence is per
@@ -205,7 +206,9 @@ def run(args) -> dict:
             print(f"# B={b} adaptive_k's choices (calls): {chosen}; window {r['per_iter_ms']:.3f} "
                   f"ms, {r['tokens_per_iter']:.2f} tokens a request per iteration; step costs ms: "
                   f"{[round(1e3 * float(x), 3) for x in eng.k_costs.get(bb, [])]}, flat "
-                  f"{ {f'{kk}@{t}': round(1e3 * v, 3) for (kk, t), v in eng.k_token_costs.get(bb, {}).items()} }",
+                  f"{ {f'{kk}@{t}': round(1e3 * v, 3) for (kk, t), v in eng.k_token_costs.get(bb, {}).items()} }"
+                  f"; its calls' own ms an iteration "
+                  f"{ {f'{kk}' if t is None else f'{kk}@{t}': round(1e3 * v, 3) for (kk, t), v in eng.driver.seen_costs.get(bb, {}).items()} }",
                   flush=True)
         del eng, prop
         gc.collect()

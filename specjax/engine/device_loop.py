@@ -20,7 +20,7 @@ from specjax.adaptive_k import acceptance_rate, choose_caps
 from specjax.constants import next_power_of_2
 from specjax.engine.scheduler import _Request
 from specjax.metrics import SpecDecodingStats
-from specjax.runtime.decode_loop import decode_loop, make_loop_state
+from specjax.runtime.decode_loop import decode_loop, loop_cache_size, make_loop_state
 from specjax.sampling.logprobs import logprobs_bucket
 
 _I32 = np.int32
@@ -54,6 +54,7 @@ class _InFlight(NamedTuple):
     state: Any
     t_dispatch: float
     k: RowCaps | None = None    # adaptive_k's choice for this call (None: off)
+    cost_key: tuple | None = None   # (K, token slots or None) it ran; None: not to time
 
 
 Results = list[tuple[SpecDecodingStats | None, list[_Request]]]
@@ -66,6 +67,11 @@ class DeviceLoopDriver:
     def __init__(self, engine) -> None:
         self._e = weakref.proxy(engine)
         self.k_policy: RowCaps | None = None     # adaptive_k's choice of the last loop_state
+        #: seconds an iteration of each choice ``(K, T or None)`` took in this engine's own
+        #: calls, per batch bucket (an average of the recent ones): ``adaptive_k`` weighs
+        #: these over the profiled costs, which run padding rows only
+        self.seen_costs: dict[int, dict[tuple[int, int | None], float]] = {}
+        self._done: float | None = None          # when the last committed call's results came
 
     @functools.cached_property
     def idle_early_exit(self) -> bool:
@@ -125,8 +131,28 @@ class DeviceLoopDriver:
         caps = np.array([e.k_for(r, len(rows)) for r in rows])
         rates = acceptance_rate(np.array([r.acc_hits for r in rows]),
                                 np.array([r.acc_trials for r in rows]))
+        seen = self.seen_costs.get(b, {})
+        options = [(kk, t, seen.get((kk, t), c)) for kk, t, c in options]
         kk, t, c = choose_caps(rates, caps, options)
         return RowCaps(kk) if t is None else RowCaps(kk, t, tuple(int(x) for x in c))
+
+    #: the weight of a call's own time in ``seen_costs`` (the rest: the previous average)
+    SEEN_WEIGHT = 0.5
+
+    def observe_cost(self, f: _InFlight, t_done: float, iters: int) -> None:
+        """Fold call ``f``'s seconds an iteration into ``seen_costs``: from its dispatch, or
+        from the previous call's results when it was queued behind that call (overlap),
+        to ``t_done``, its results' arrival. Calls that compiled or ran no iteration are
+        left out."""
+        start = f.t_dispatch if self._done is None else max(f.t_dispatch, self._done)
+        self._done = t_done
+        if f.cost_key is None or iters <= 0:
+            return
+        per = (t_done - start) / iters
+        table = self.seen_costs.setdefault(self._e.scheduler.buckets(len(f.rows), 1, 1)[0], {})
+        old = table.get(f.cost_key)
+        table[f.cost_key] = per if old is None else (
+            self.SEEN_WEIGHT * per + (1 - self.SEEN_WEIGHT) * old)
 
     def token_options(self, b: int, kk: int) -> list[int]:
         """The flat token slots ``adaptive_k`` may give a device-loop step of batch bucket
@@ -191,6 +217,7 @@ class DeviceLoopDriver:
             if e.options.adaptive_k and (nk := self.policy(rows)) != k:
                 k, state = nk, self.recap(rows, state, nk)
         ee = e.options.early_exit
+        compiled, tokens = loop_cache_size(), state.num_tokens_pad
         out, e.target_kv, e.draft_state, state = decode_loop(
             e.step, e.target.params, e.step.draft_params, e.target_kv, e.draft_state, state,
             steps_per_sync=n, stop_on_finish=stop_on_finish,
@@ -199,7 +226,8 @@ class DeviceLoopDriver:
         for x in jax.tree.leaves(out):      # the next call may donate the state: not its drafts
             x.copy_to_host_async()
         e.host_s += time.perf_counter() - t
-        return _InFlight(list(rows), out, state, t, k)
+        key = None if k is None or loop_cache_size() != compiled else (k.k, tokens)
+        return _InFlight(list(rows), out, state, t, k, key)
 
     def commit(self, f: _InFlight, last: bool = True) -> Results:
         """Wait for a dispatched call and commit its iterations (``CommitRule.loop``).
@@ -213,6 +241,7 @@ class DeviceLoopDriver:
         t1 = time.perf_counter()
         e.wait_s += t1 - t
         if e.options.adaptive_k:
+            self.observe_cost(f, t1, int(out.num_iters))
             for t in range(int(out.num_iters)):
                 for i, r in enumerate(f.rows):
                     if out.counts[t, i]:

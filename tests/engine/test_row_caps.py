@@ -146,6 +146,62 @@ def test_engine_gives_each_request_its_drafts_in_fewer_slots(monkeypatch, overla
     flat = [(n, caps) for tokens, n, caps in seen if tokens == 8]
     assert all(n + sum(c) <= 8 and c[0] == max(c) >= 2 for n, c in flat), seen
     assert (4, (2, 0, 2, 0)) in flat, seen
+    timed = {key: v for table in eng.driver.seen_costs.values() for key, v in table.items()}
+    assert timed and all(v > 0 and key[0] <= 3 and key[1] in (None, 8) for key, v in timed.items())
+
+
+class _Sched:
+    @staticmethod
+    def buckets(n, q, c, k=None):
+        return (4, q, c)
+
+
+class _Eng:
+    """What ``DeviceLoopDriver.policy`` / ``observe_cost`` read of an engine: k = 3, bucket
+    4, rectangles of 1.0 / 1.5 / 2.0 / 2.5 s and 8 slots drafting 3 at 1.6 s."""
+    k, scheduler = 3, _Sched()
+    k_token_costs = {4: {(3, 8): 1.6}}
+
+    class options:
+        adaptive_k = True
+
+    def _costs(self, n):
+        return np.array([1.0, 1.5, 2.0, 2.5])
+
+    def k_for(self, r, n):
+        return 3
+
+
+def test_the_policy_weighs_the_calls_own_times_over_the_profile():
+    """``observe_cost``: seconds an iteration from dispatch (or the previous call's results,
+    when queued behind it) to the results, averaged per (K, T); compiling or empty calls left
+    out. ``policy`` prefers 8 slots (profiled 1.6 s) for two high and two low requests until
+    their own time says 4 s, then the best rectangle."""
+    from types import SimpleNamespace
+
+    from specjax.engine.device_loop import DeviceLoopDriver, RowCaps, _InFlight
+
+    eng = _Eng()
+    drv = DeviceLoopDriver(eng)
+
+    def call(t0, t1, iters, key):
+        drv.observe_cost(_InFlight([0] * 3, None, None, t0, RowCaps(3), key), t1, iters)
+
+    call(10.0, 10.8, 8, (3, None))          # from its dispatch: 0.1 s an iteration
+    call(10.5, 11.6, 8, (3, None))          # queued behind the first: from 10.8
+    call(11.0, 20.0, 8, None)               # compiled: not timed (but its end counts)
+    call(19.0, 21.6, 8, (3, 8))             # from 20.0: 0.2
+    call(25.0, 25.0, 0, (3, 8))             # no iteration
+    call(30.0, 32.4, 4, (3, None))          # 0.6, averaged with 0.1: 0.35
+    assert drv.seen_costs == {4: pytest.approx({(3, None): 0.35, (3, 8): 0.2})}
+    rows = [SimpleNamespace(acc_hits=h, acc_trials=10.0) for h in (9.5, 0.5, 9.5, 0.5)]
+    drv.seen_costs = {}
+    assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))
+    drv.seen_costs = {4: {(3, 8): 4.0}}
+    pick = drv.policy(rows)
+    assert pick.tokens is None and pick.k == ak.choose_caps(
+        ak.acceptance_rate(np.array([9.5, 0.5] * 2), np.full(4, 10.0)), np.full(4, 3),
+        [(k, None, c) for k, c in enumerate(eng._costs(4))])[0]
 
 
 def test_sampling_in_flat_token_slots_keeps_the_target_distribution(monkeypatch):
