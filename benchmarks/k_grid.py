@@ -400,9 +400,10 @@ def main(argv=None) -> int:
                     help="falling cells: adaptive_k with every row at a1, then a2 mid-run")
     ap.add_argument("--falling-iters", default="96,160", metavar="BEFORE,AFTER",
                     help="iterations before and after the falling cell's switch")
-    ap.add_argument("--policy-warmup", type=int, default=200,
+    ap.add_argument("--policy-warmup", type=int, default=104,
                     help="iterations a policy runs on the timed requests before their window "
-                         "(adaptive_k learns each request; vLLM's estimator refits every 100 steps)")
+                         "(adaptive_k learns each request and its choices' times; vLLM's "
+                         "estimator refits every 100 steps); the KV pool grows with it")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"),
                     default="bfloat16" if gpu else "float32")
     ap.add_argument("--json", default=None)
