@@ -144,10 +144,12 @@ def run(args) -> dict:
         rows = tuple(r[:k] for r in rows) if isinstance(rows[0], tuple) else tuple(rows[:k])
         return eng.step._spec._replace(synthetic_rates=rows)
 
-    def precompile(eng, prompts, max_tokens):
+    def precompile(eng, prompts, max_tokens, forced_costs=False):
         """Every program ``adaptive_k`` may choose for these prompts (each K's rows and each
         K's flat token slots, ``DeviceLoopDriver.token_options``), compiled by a sync under
-        each choice forced: no policy move compiles inside a timed window."""
+        each choice forced: no policy move compiles inside a timed window. With
+        ``forced_costs``, each choice is then timed over ``--iters`` iterations beside its
+        profiled cost (the first rows take the drafts). Returns those rows."""
         from specjax.engine.device_loop import RowCaps
 
         b, n = len(prompts), eng.options.steps_per_sync
@@ -155,11 +157,26 @@ def run(args) -> dict:
         choices = [RowCaps(kk) for kk in range(eng.k + 1)] + [
             RowCaps(kk, t, tuple(int(np.clip(t - b - kk * i, 0, kk)) for i in range(b)))
             for kk in range(1, eng.k + 1) for t in eng.driver.token_options(bb, kk)]
+        if forced_costs:
+            eng._costs(b)                                  # the profile, as the policy sees it
+        forced = []
         for c in choices:
             eng.driver.policy = lambda rows, c=c: c
             loop.measure(eng, prompts, n, max_tokens)
+            if forced_costs:
+                r = loop.measure(eng, prompts, -(-args.iters // n) * n, max_tokens)
+                prof = (eng.k_costs[bb][c.k] if c.tokens is None
+                        else eng.k_token_costs[bb][c.k, c.tokens])
+                forced.append(dict(choice=str(c.k if c.tokens is None else f"{c.k}@{c.tokens}"),
+                                   profiled_ms=1e3 * float(prof), measured_ms=r["per_iter_ms"],
+                                   tokens_per_iter=r["tokens_per_iter"]))
         del eng.driver.policy
         eng.driver.seen_costs.clear()   # the policy times only what it chooses itself
+        if forced:
+            print(f"# B={b} each choice forced (K or K@T: profiled ms / its calls' ms an "
+                  "iteration): " + ", ".join(f"{f['choice']}: {f['profiled_ms']:.3f} / "
+                                             f"{f['measured_ms']:.3f}" for f in forced), flush=True)
+        return forced
 
     def timed(b, k, rates, policy=None, rows=None):
         # a policy learns the window's own requests first (adaptive_k's evidence is per
@@ -171,8 +188,8 @@ def run(args) -> dict:
         n = eng.options.steps_per_sync
         iters, skip = -(-args.iters // n) * n, -(-skip // n) * n      # start and end on a sync
         loop.measure(eng, prompts, n, max_tokens)                         # compiles
-        if policy == "adaptive_k" and k:
-            precompile(eng, prompts, max_tokens)
+        forced = (precompile(eng, prompts, max_tokens, args.forced_costs)
+                  if policy == "adaptive_k" and k else [])
         before = loop_cache_size() + step_cache_size()
         chosen: dict = {}           # adaptive_k's choices in the window: K (K@T) -> calls
         window = []                 # set once the window starts (measure's hook)
@@ -200,6 +217,8 @@ def run(args) -> dict:
         if r["recompiles"]:
             print(f"# B={b} k={k}: {r['recompiles']} programs compiled inside the timed window",
                   flush=True)
+        if forced:
+            r["forced"] = forced
         if chosen:
             bb = eng.scheduler.buckets(b, 1, 1)[0]
             r["choices"] = chosen
@@ -345,6 +364,7 @@ def run(args) -> dict:
             pol = r["tokens_per_s"]
             mixed.append(dict(batch=b, a=[a1, a2], best_k=k, predicted_tps=scores[k],
                               static_tps=static, adaptive_k_tps=pol, choices=r.get("choices"),
+                              forced=r.get("forced"),
                               tokens_per_iter=r["tokens_per_iter"], per_iter_ms=r["per_iter_ms"]))
             print(f"| {b} | {a1}, {a2} | {k} ({scores[k]:.0f}) | {static:.0f} | {pol:.0f} | "
                   f"{pol / scores[k]:.3f} |", flush=True)
@@ -394,6 +414,8 @@ def main(argv=None) -> int:
                          "enable_adaptive_verification (step loop)")
     ap.add_argument("--mixed", nargs="*", default=[], metavar="a1,a2",
                     help="mixed cells: even rows at a1, odd rows at a2 (B >= 2)")
+    ap.add_argument("--forced-costs", action="store_true",
+                    help="adaptive_k cells: time each choice forced beside its profiled cost")
     ap.add_argument("--mixed-policy-only", action="store_true",
                     help="mixed cells: run adaptive_k only (the best static k predicted, not run)")
     ap.add_argument("--falling", nargs="*", default=[], metavar="a1,a2",

@@ -54,7 +54,8 @@ def test_tiny_run(tmp_path, capsys):
     assert k_grid.main(["--target", "tiny", "--batch", "2", "--kmax", "1", "--iters", "2",
                         "--repeat", "1", "--context", "16", "--rates", "0.9", "--policies",
                         "adaptive_k", "adaptive_verification", "--policy-warmup", "4",
-                        "--mixed", "1.0,0.0", "--falling", "1.0,0.0", "--falling-iters", "8,16",
+                        "--mixed", "1.0,0.0", "--forced-costs", "--falling", "1.0,0.0",
+                        "--falling-iters", "8,16",
                         "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     (mix,) = doc["mixed"]        # even rows accept every draft, odd rows none
@@ -62,6 +63,10 @@ def test_tiny_run(tmp_path, capsys):
     want = max(t, key=lambda k: (k + 1 + 1) / 2 / t[k])     # E(1, k) = k + 1, E(0, k) = 1
     assert mix["best_k"] == want and mix["static_tps"] > 0 and mix["adaptive_k_tps"] > 0
     assert sum(mix["choices"].values()) >= 1     # counted inside the window only
+    # every choice forced and timed beside its profiled cost (kmax 1: rows of 1 or 2 tokens)
+    assert [f["choice"] for f in mix["forced"]] == ["0", "1"]
+    assert all(f["profiled_ms"] > 0 and f["measured_ms"] > 0 for f in mix["forced"])
+    assert [f["tokens_per_iter"] for f in mix["forced"]][0] == 1
     (fall,) = doc["falling"]     # every K compiled before the window; the switch inside it
     assert fall["recompiles"] == 0 and fall["k_per_call"].count("|") == 1
     assert fall["switch"] < fall["iters"] and len(fall["windows_vs_best"]) >= 1
