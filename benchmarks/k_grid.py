@@ -22,7 +22,9 @@ rows' mean ``E``. ``--falling a1,a2`` runs one generate call under ``adaptive_k`
 rate drops from a1 to a2 mid-run (issue 55: within 0.95x of each phase's best static k after
 at most 50 iterations) and prints tokens/s per window after the switch and the K chosen
 (``K@T``: K drafts at most per request in T flat token slots). Before a policy's timed
-window every choice it may make is compiled, each forced for one sync.
+window every choice it may make is compiled, each forced for one sync (``--forced-costs``:
+then timed beside its profiled cost), and the policy runs ``--policy-warmup`` iterations of
+the window's own requests.
 
 Usage (GPU)::
 
