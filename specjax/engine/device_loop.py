@@ -71,6 +71,9 @@ class DeviceLoopDriver:
         #: calls, per batch bucket (an average of the recent ones): ``adaptive_k`` weighs
         #: these over the profiled costs, which run padding rows only
         self.seen_costs: dict[int, dict[tuple[int, int | None], float]] = {}
+        #: the tables ``profile_k_costs`` made per bucket (``k_costs``, ``k_token_costs``):
+        #: seen times replace these only, never a table set by hand
+        self.profiled: dict[int, tuple] = {}
         self._done: float | None = None          # when the last committed call's results came
 
     @functools.cached_property
@@ -132,7 +135,11 @@ class DeviceLoopDriver:
         rates = acceptance_rate(np.array([r.acc_hits for r in rows]),
                                 np.array([r.acc_trials for r in rows]))
         seen = self.seen_costs.get(b, {})
-        options = [(kk, t, seen.get((kk, t), c)) for kk, t, c in options]
+        mine = self.profiled.get(b, (None, None))
+        ours = (mine[0] is not None and mine[0] is e.k_costs.get(b),
+                mine[1] is not None and mine[1] is e.k_token_costs.get(b))
+        options = [(kk, t, seen.get((kk, t), c) if ours[t is not None] else c)
+                   for kk, t, c in options]
         kk, t, c = choose_caps(rates, caps, options)
         return RowCaps(kk) if t is None else RowCaps(kk, t, tuple(int(x) for x in c))
 
@@ -217,7 +224,8 @@ class DeviceLoopDriver:
             if e.options.adaptive_k and (nk := self.policy(rows)) != k:
                 k, state = nk, self.recap(rows, state, nk)
         ee = e.options.early_exit
-        compiled, tokens = loop_cache_size(), state.num_tokens_pad
+        compiled = None if k is None else loop_cache_size()      # (timed under adaptive_k)
+        tokens = state.num_tokens_pad
         out, e.target_kv, e.draft_state, state = decode_loop(
             e.step, e.target.params, e.step.draft_params, e.target_kv, e.draft_state, state,
             steps_per_sync=n, stop_on_finish=stop_on_finish,

@@ -49,6 +49,7 @@ def profile_k_costs(engine, batch_sizes: Sequence[int], reps: int = 3) -> dict:
         engine.k_costs[b] = cost
         if flat:
             engine.k_token_costs[b] = flat
+        engine.driver.profiled[b] = (cost, flat or None)
     return engine.k_costs
 
 

@@ -160,13 +160,14 @@ class _Eng:
     """What ``DeviceLoopDriver.policy`` / ``observe_cost`` read of an engine: k = 3, bucket
     4, rectangles of 1.0 / 1.5 / 2.0 / 2.5 s and 8 slots drafting 3 at 1.6 s."""
     k, scheduler = 3, _Sched()
+    k_costs = {4: np.array([1.0, 1.5, 2.0, 2.5])}
     k_token_costs = {4: {(3, 8): 1.6}}
 
     class options:
         adaptive_k = True
 
     def _costs(self, n):
-        return np.array([1.0, 1.5, 2.0, 2.5])
+        return self.k_costs[4]
 
     def k_for(self, r, n):
         return 3
@@ -176,7 +177,7 @@ def test_the_policy_weighs_the_calls_own_times_over_the_profile():
     """``observe_cost``: seconds an iteration from dispatch (or the previous call's results,
     when queued behind it) to the results, averaged per (K, T); compiling or empty calls left
     out. ``policy`` prefers 8 slots (profiled 1.6 s) for two high and two low requests until
-    their own time says 4 s, then the best rectangle."""
+    their own time says 4 s, then the best rectangle; a table set by hand stays as set."""
     from types import SimpleNamespace
 
     from specjax.engine.device_loop import DeviceLoopDriver, RowCaps, _InFlight
@@ -198,6 +199,8 @@ def test_the_policy_weighs_the_calls_own_times_over_the_profile():
     drv.seen_costs = {}
     assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))
     drv.seen_costs = {4: {(3, 8): 4.0}}
+    assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))       # no profile: set by hand
+    drv.profiled = {4: (eng.k_costs[4], eng.k_token_costs[4])}
     pick = drv.policy(rows)
     assert pick.tokens is None and pick.k == ak.choose_caps(
         ak.acceptance_rate(np.array([9.5, 0.5] * 2), np.full(4, 10.0)), np.full(4, 3),
