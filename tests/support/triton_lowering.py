@@ -12,10 +12,10 @@ def fake_h200(monkeypatch) -> None:
     skips the test when JAX's internals moved."""
     try:
         from jax._src.pallas.triton import pallas_call_registration as reg
-        if hasattr(reg, "gpu_info_lib"):
-            from jax._src.pallas.triton import gpu_info
+        if hasattr(reg, "gpu_info_lib"):     # (jax._src.pallas.triton.gpu_info or jax._src.gpu_info)
+            gpu_info = reg.gpu_info_lib
             h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-            monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: h200)
+            monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h200)
         lower = reg.lowering.lower_jaxpr_to_triton_module
     except (ImportError, AttributeError) as e:  # pragma: no cover - JAX internals moved
         pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
