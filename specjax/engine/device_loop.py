@@ -54,7 +54,7 @@ class _InFlight(NamedTuple):
     state: Any
     t_dispatch: float
     k: RowCaps | None = None    # adaptive_k's choice for this call (None: off)
-    cost_key: tuple | None = None   # (K, token slots or None) it ran; None: not to time
+    cost_key: tuple | None = None   # (chain K, token slots or None) it ran; None: not timed
 
 
 Results = list[tuple[SpecDecodingStats | None, list[_Request]]]
@@ -135,9 +135,9 @@ class DeviceLoopDriver:
         rates = acceptance_rate(np.array([r.acc_hits for r in rows]),
                                 np.array([r.acc_trials for r in rows]))
         seen = self.seen_costs.get(b, {})
-        mine = self.profiled.get(b, (None, None))
-        ours = (mine[0] is not None and mine[0] is e.k_costs.get(b),
-                mine[1] is not None and mine[1] is e.k_token_costs.get(b))
+        rect, flat = self.profiled.get(b, (None, None))
+        ours = (rect is not None and rect is e.k_costs.get(b),    # (not replaced by hand)
+                flat is not None and flat is e.k_token_costs.get(b))
         options = [(kk, t, seen.get((kk, t), c) if ours[t is not None] else c)
                    for kk, t, c in options]
         kk, t, c = choose_caps(rates, caps, options)
@@ -225,7 +225,7 @@ class DeviceLoopDriver:
                 k, state = nk, self.recap(rows, state, nk)
         ee = e.options.early_exit
         compiled = None if k is None else loop_cache_size()      # (timed under adaptive_k)
-        tokens = state.num_tokens_pad
+        ran = (e.k if state.draft_len is None else state.draft_len, state.num_tokens_pad)
         out, e.target_kv, e.draft_state, state = decode_loop(
             e.step, e.target.params, e.step.draft_params, e.target_kv, e.draft_state, state,
             steps_per_sync=n, stop_on_finish=stop_on_finish,
@@ -234,7 +234,7 @@ class DeviceLoopDriver:
         for x in jax.tree.leaves(out):      # the next call may donate the state: not its drafts
             x.copy_to_host_async()
         e.host_s += time.perf_counter() - t
-        key = None if k is None or loop_cache_size() != compiled else (k.k, tokens)
+        key = None if k is None or loop_cache_size() != compiled else ran    # the program run
         return _InFlight(list(rows), out, state, t, k, key)
 
     def commit(self, f: _InFlight, last: bool = True) -> Results:
