@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe|kgrid|dspark|suffix]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe|kgrid|dspark|suffix|tiles]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -179,6 +179,15 @@ if [ "$what" = prefill ]; then
   # one process: JAX gets half the GPU, PyTorch the rest; the JSON is rewritten after every row
   timeout "${PREFILL_S:-540}" python benchmarks/prefill.py ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
     2>&1 | grep -v Warning | tee "$OUT/prefill.log" | tail -70
+fi
+if [ "$what" = tiles ]; then
+  # issue 50: the flash kernel's tiles (benchmarks/flash_tiles.py): every knob on the 32k
+  # prefill (Pallas), the quick grid on the 8k prefill, a chunked-prefill step and a 16k-token
+  # batch step (Pallas and the Triton twin)
+  timeout "${TILES_S:-200}" python benchmarks/flash_tiles.py --backends pallas --cases "prefill 32768" \
+    --json "$OUT/tiles_32k.json" 2>&1 | grep -v Warning | tee "$OUT/tiles.log" | tail -4
+  timeout "${TILES_S:-200}" python benchmarks/flash_tiles.py --quick --cases "prefill 8192,chunks,batch" \
+    --json "$OUT/tiles_quick.json" 2>&1 | grep -v Warning | tee -a "$OUT/tiles.log" | tail -9
 fi
 if [ "$what" = schedule ]; then
   # one process; the JSON is rewritten after every row

@@ -60,12 +60,14 @@ def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, tree
 
 
 def flash_config(*, head_dim: int, group: int, max_query_len: int, rows: int | None = None,
-                 block_k: int | None = None, num_warps: int | None = None
-                 ) -> tuple[int, int, int]:
-    """``(rows, block_k, num_warps)`` with defaults filled in: ``rows`` 128 (64 above
-    head_dim 128), no more than ``max_query_len x G`` needs; ``block_k`` 64 (32 above
-    head_dim 128); ``num_warps`` 8 from 128 x 128 accumulators, else 4. ValueError for a
-    ``rows`` / ``block_k`` that is not a power of two >= 16 (``rows`` >= G, <= 256)."""
+                 block_k: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """``(rows, block_k, num_warps, num_stages)`` with defaults filled in: ``rows`` 128 (64
+    above head_dim 128), no more than ``max_query_len x G`` needs; ``block_k`` 64 (32 above
+    head_dim 128); ``num_warps`` 4 up to 128 x 128 accumulators, else 8; ``num_stages`` 3 for
+    16-bit operands (``itemsize``) up to head_dim 128, else 2. These won the tile sweep of
+    ``benchmarks/flash_tiles.py``. ValueError for a ``rows`` / ``block_k`` that is not a power
+    of two >= 16 (``rows`` >= G, <= 256) or ``num_stages`` < 1."""
     if rows is None:
         rows = min(128 if head_dim <= 128 else 64,
                    pow2_at_least(max(int(max_query_len), 1) * group, 16))
@@ -77,8 +79,12 @@ def flash_config(*, head_dim: int, group: int, max_query_len: int, rows: int | N
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     if num_warps is None:
-        num_warps = 8 if rows * head_dim >= 128 * 128 else 4
-    return rows, block_k, num_warps
+        num_warps = 8 if rows * head_dim > 128 * 128 else 4
+    if num_stages is None:
+        num_stages = 3 if itemsize <= 2 and head_dim <= 128 else 2
+    if int(num_stages) < 1:
+        raise ValueError(f"num_stages={num_stages} must be >= 1")
+    return rows, block_k, num_warps, int(num_stages)
 
 
 def visible(qpos, kpos, *, seq, first, causal: bool, bits=None, tree_len: int = 0,
@@ -229,7 +235,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     causal: bool = True, tree_mask: tuple[tuple[bool, ...], ...] | None = None,
                     sliding_window: int | None = None, rows: int | None = None,
                     block_k: int | None = None, num_warps: int | None = None,
-                    num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
+                    num_stages: int | None = None, interpret: bool | None = None) -> jax.Array:
     """Attention of ``q [T, num_heads, head_dim]`` over the paged cache -> ``[T, num_heads,
     head_dim]`` in ``q.dtype`` (the package's specification), any query lengths.
     ``sinks [num_heads]`` (float): one extra logit per head in each softmax, no value.
@@ -252,9 +258,10 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if sinks is not None and sinks.shape != (nh,):
         raise ValueError(f"sinks {sinks.shape} must be [num_heads] = [{nh}]")
     group = nh // nkv
-    rows, block_k, num_warps = flash_config(head_dim=hd, group=group, rows=rows,
-                                            max_query_len=max_query_len, block_k=block_k,
-                                            num_warps=num_warps)
+    rows, block_k, num_warps, num_stages = flash_config(
+        head_dim=hd, group=group, rows=rows, max_query_len=max_query_len, block_k=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+        itemsize=jnp.dtype(jnp.promote_types(q.dtype, k_cache.dtype)).itemsize)
     b_pad = query_start_loc.shape[0] - 1
     if b_pad == 0 or t_pad == 0:
         return jnp.zeros((t_pad, nh, hd), q.dtype)

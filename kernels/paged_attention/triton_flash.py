@@ -147,8 +147,9 @@ def _flash_kernel(
 def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_query_len: int,
                 causal: bool = True, tree_mask=None, sliding_window: int | None = None,
                 sinks: bool = False, rows: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, dtype=None) -> dict:
-    """Grid, constexprs, ``num_warps``, query tile ``tq`` and tree bits for these shapes
+                num_warps: int | None = None, num_stages: int | None = None,
+                dtype=None) -> dict:
+    """Grid, constexprs, ``num_warps``, ``num_stages``, query tile ``tq`` and tree bits for these shapes
     (``q [T, NH, HD]``, cache ``[NUM_BLOCKS, BLOCK_SIZE, NKV, HD]``, table ``[B, MAX_BLOCKS]``;
     :func:`.flash.flash_config`'s defaults); ValueError as :func:`.flash.paged_attention`."""
     t_pad, nh, hd = q_shape
@@ -163,14 +164,15 @@ def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_qu
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"sliding_window={sliding_window} must be None or >= 1")
     group = nh // nkv
-    rows, block_k, num_warps = _flash.flash_config(
+    rows, block_k, num_warps, num_stages = _flash.flash_config(
         head_dim=hd, group=group, max_query_len=max_query_len, rows=rows, block_k=block_k,
-        num_warps=num_warps)
+        num_warps=num_warps, num_stages=num_stages,
+        itemsize=2 if dtype is None else jnp.dtype(dtype).itemsize)
     tq = rows // group
     num_programs = _pk.cdiv(t_pad, tq) + b_pad      # each request adds at most one partial tile
     tree_rows = 0 if tree_mask is None else len(tree_mask)
     return dict(
-        grid=(num_programs, nkv), num_warps=num_warps, tq=tq,
+        grid=(num_programs, nkv), num_warps=num_warps, num_stages=num_stages, tq=tq,
         tree_bits=tuple(_pk.tree_bits(tree_mask)) if tree_mask is not None else (0,),
         meta=dict(SCALE=float(scale), NH=nh, NKV=nkv, HD=hd, GROUP=group, ROWS=rows, TQ=tq,
                   BLOCK_K=block_k, BLOCK_SIZE=bs, MAX_BLOCKS=max_blocks, NUM_BLOCKS=nb,
@@ -190,7 +192,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     causal: bool = True, tree_mask: tuple[tuple[bool, ...], ...] | None = None,
                     sliding_window: int | None = None, rows: int | None = None,
                     block_k: int | None = None, num_warps: int | None = None,
-                    num_stages: int = 2) -> jax.Array:
+                    num_stages: int | None = None) -> jax.Array:
     """:func:`specjax.kernels.paged_attention.flash.paged_attention` (same arguments, knobs
     and semantics, no ``interpret``) as one Triton kernel. Needs a GPU and jax-triton."""
     if v_cache.shape != k_cache.shape:
@@ -201,7 +203,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     plan = launch_plan(q.shape, k_cache.shape, block_table.shape, scale=scale,
                        max_query_len=max_query_len, causal=causal, tree_mask=tree_mask,
                        sliding_window=sliding_window, sinks=sinks is not None, rows=rows,
-                       block_k=block_k, num_warps=num_warps, dtype=q.dtype)
+                       block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                       dtype=jnp.promote_types(q.dtype, k_cache.dtype))
     b_pad = query_start_loc.shape[0] - 1
     if b_pad == 0 or t_pad == 0:
         return jnp.zeros(q.shape, q.dtype)
@@ -214,7 +217,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         block_table.astype(jnp.int32),
         aux_buffer(jnp.asarray(plan["tree_bits"], jnp.int32), sinks), q_in, k_cache, v_cache,
         kernel=_flash_kernel, out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
-        grid=plan["grid"], num_warps=plan["num_warps"], num_stages=num_stages,
+        grid=plan["grid"], num_warps=plan["num_warps"], num_stages=plan["num_stages"],
         name=f"triton_paged_flash_attention_r{plan['meta']['ROWS']}_k{plan['meta']['BLOCK_K']}",
         **plan["meta"])
     # tokens past query_start_loc[-1] (no program writes them) are zeros

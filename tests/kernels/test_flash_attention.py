@@ -73,8 +73,8 @@ class Case:
 
     @property
     def tq(self):
-        rows, _, _ = flash.flash_config(head_dim=self.hd, group=self.group, rows=self.rows,
-                                        max_query_len=self.qmax, block_k=self.block_k)
+        rows = flash.flash_config(head_dim=self.hd, group=self.group, rows=self.rows,
+                                  max_query_len=self.qmax, block_k=self.block_k)[0]
         return rows // self.group
 
 

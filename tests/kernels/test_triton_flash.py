@@ -64,7 +64,7 @@ def test_triton_flash_compiles_for_h200(t, nh, nkv, hd, dt, kw):
     sig = dict(zip(fn.arg_names, ptrs), **{k: "constexpr" for k in plan["meta"]})
     out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(plan["meta"])),
                          target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=plan["num_warps"], num_stages=2))
+                         options=dict(num_warps=plan["num_warps"], num_stages=plan["num_stages"]))
     assert ".entry" in out.asm["ptx"]
     assert out.metadata.shared <= 227 * 1024, out.metadata.shared
 
@@ -77,8 +77,9 @@ def test_launch_plan_matches_the_pallas_kernel():
 
     plan = tf.launch_plan((8192, 32, 128), (4096, 16, 8, 128), (8, 512), scale=0.1,
                           max_query_len=8192, dtype=jnp.bfloat16)
-    rows, block_k, warps = flash.flash_config(head_dim=128, group=4, max_query_len=8192)
-    assert (plan["meta"]["ROWS"], plan["meta"]["BLOCK_K"], plan["num_warps"]) == (rows, block_k, warps)
+    rows, block_k, warps, stages = flash.flash_config(head_dim=128, group=4, max_query_len=8192)
+    assert (plan["meta"]["ROWS"], plan["meta"]["BLOCK_K"], plan["num_warps"],
+            plan["num_stages"]) == (rows, block_k, warps, stages) == (128, 64, 4, 3)
     assert plan["grid"] == (8192 // (rows // 4) + 8, 8) and plan["tq"] == rows // 4
     with pytest.raises(ValueError, match="head_dim=48 is not a power of two"):
         tf.launch_plan((64, 8, 48), (64, 16, 2, 48), (2, 4), scale=0.1, max_query_len=64)
