@@ -4,7 +4,7 @@
 
 Cases (8B shapes: 32 query heads, 8 kv heads, head_dim 128, bf16, block size 16):
 
-- ``prefill T``: one request, T prompt tokens, causal (``--prompts``, default 8192, 32768);
+- ``prefill T``: one request, T prompt tokens, causal (default 1024, 8192, 32768);
 - ``chunks``: four prefill chunks (4096, 2048, 1024, 512 tokens) at the end of 8k-token
   contexts beside 64 decode rows of 4k-token contexts: a chunked-prefill step;
 - ``batch``: 16 requests of 1,024 prompt tokens (a 16k-token step of B = 256's prefill).
@@ -80,8 +80,13 @@ def make_inputs(name: str, dtype, seed: int = 0):
     shape = (first, BS, NKV, HD)
     cache = KVCache(jax.random.normal(kk, shape, jnp.float32).astype(dtype),
                     jax.random.normal(kv, shape, jnp.float32).astype(dtype))
-    pairs = sum(ql * (s - ql) + ql * (ql + 1) // 2 for ql, s in zip(qlens, slens))
-    return q, cache, md, pairs
+    return q, cache, md, visible_pairs(qlens, slens)
+
+
+def visible_pairs(qlens, slens) -> int:
+    """(query, key) pairs a causal mask lets through: each request's queries are the last
+    of its context."""
+    return sum(ql * (s - ql) + ql * (ql + 1) // 2 for ql, s in zip(qlens, slens))
 
 
 def run_config(backend: str, q, cache, md, ref, knobs: dict, args) -> dict:
@@ -114,7 +119,7 @@ def sweep(knob_sets: dict):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="prefill 8192,prefill 32768,chunks,batch",
+    ap.add_argument("--cases", default="prefill 1024,prefill 8192,prefill 32768,chunks,batch",
                     help="comma separated: 'prefill T', chunks, batch")
     ap.add_argument("--backends", default="pallas,triton", help="of pallas,triton")
     ap.add_argument("--quick", action="store_true", help=f"fewer configs: {QUICK}")

@@ -22,7 +22,8 @@
 # the engine's TTFT and the bare jitted prefill beside PyTorch's same forward (SDPA flash, eager
 # and torch.compile, same process), the bf16 GEMM rate, and the attention alone per option
 # (specjax's backends, jax.nn.dot_product_attention cuDNN, the Mosaic GPU example, torch SDPA);
-# PREFILL_ARGS adds flags: "--prompts 131072" (the 128k prompt), "--batch-prefill" (B = 256
+# PREFILL_ARGS adds flags: "--prompts 131072 --parts engine" (the 128k prompt; then "--parts
+# torch,torch_compile" in a second run: an 80 GB card holds one side only), "--batch-prefill" (B = 256
 # requests of 1k tokens, plain and EAGLE-3, tokens/s), "--parts engine,forward,torch" (fewer);
 # schedule: the engine's vLLM v1 scheduling (benchmarks/scheduling.py, issue 51), 8B target,
 # plain and EAGLE-3: the running requests' ITL while a 32k prompt prefills in 512 / 1k / 2k
@@ -176,17 +177,18 @@ if [ "$what" = verify ]; then
     --json "$OUT/verify.json" 2>&1 | grep -v Warning | tee "$OUT/verify.log" | tail -25
 fi
 if [ "$what" = prefill ]; then
-  # one process: JAX gets half the GPU, PyTorch the rest; the JSON is rewritten after every row
+  # one process: JAX gets half the GPU where a PyTorch part runs in it, else 0.92; the JSON is
+  # rewritten after every row
   timeout "${PREFILL_S:-540}" python benchmarks/prefill.py ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
     2>&1 | grep -v Warning | tee "$OUT/prefill.log" | tail -70
 fi
 if [ "$what" = tiles ]; then
   # issue 50: the flash kernel's tiles (benchmarks/flash_tiles.py): every knob on the 32k
-  # prefill (Pallas), the quick grid on the 8k prefill, a chunked-prefill step and a 16k-token
+  # prefill (Pallas), the quick grid on the 1k and 8k prefills, a chunked-prefill step and a 16k-token
   # batch step (Pallas and the Triton twin)
   timeout "${TILES_S:-200}" python benchmarks/flash_tiles.py --backends pallas --cases "prefill 32768" \
     --json "$OUT/tiles_32k.json" 2>&1 | grep -v Warning | tee "$OUT/tiles.log" | tail -4
-  timeout "${TILES_S:-200}" python benchmarks/flash_tiles.py --quick --cases "prefill 8192,chunks,batch" \
+  timeout "${TILES_S:-200}" python benchmarks/flash_tiles.py --quick --cases "prefill 1024,prefill 8192,chunks,batch" \
     --json "$OUT/tiles_quick.json" 2>&1 | grep -v Warning | tee -a "$OUT/tiles.log" | tail -9
 fi
 if [ "$what" = schedule ]; then

@@ -51,10 +51,12 @@ acceptance at the demo head's rates, as ``benchmarks/loop.py`` runs them): the b
 to first token (prefill tokens/s = B x prompt / TTFT) and then ``--decode-iters`` loop
 iterations (tokens/s over them); an OOM is recorded, not fatal.
 
-Usage (H200; JAX gets half the GPU when the torch parts run: ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.5``)::
+Usage (GPU; unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is set, JAX gets half the GPU when a
+PyTorch part runs in the process, else 0.92; inductor compiles in the process,
+``TORCHINDUCTOR_COMPILE_THREADS=1``, unless set)::
 
     python benchmarks/prefill.py --json prefill.json                       # 1k, 8k, 32k
-    python benchmarks/prefill.py --prompts 131072 --parts engine,forward,torch,attention
+    python benchmarks/prefill.py --prompts 131072 --parts engine           # then --parts torch
     python benchmarks/prefill.py --batch-prefill --json batch.json         # B = 256, 1k prompts
     python benchmarks/prefill.py --tiny                                    # CPU smoke (< 60 s)
 
@@ -831,12 +833,6 @@ def print_tables(doc: dict) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    tiny = "--tiny" in argv
-    batch_mode = "--batch-prefill" in argv
-    if (not tiny and not batch_mode and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ):
-        # before JAX's backend starts: leave PyTorch half the GPU (JAX takes 75% by default)
-        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
-    gpu = jax.default_backend() == "gpu"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true",
                     help="CPU smoke run: the tiny fp32 target, prompts 32,128, 2 iterations, "
@@ -894,6 +890,16 @@ def main(argv=None) -> int:
     args.methods = [m for m in args.methods.split(",") if m]
     if any(m not in ("plain", "eagle3", "mtp") for m in args.methods):
         ap.error("--methods: plain, eagle3, mtp")
+    torch_in = not args.batch_prefill and bool(
+        set(args.parts) & {"torch", "torch_compile"}
+        or ("attention" in args.parts and any(c.startswith("torch") for c in args.attn)))
+    if not args.tiny and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+        # before JAX's backend starts: with PyTorch in the process, half the GPU each; else
+        # JAX's default 0.75 leaves an 80 GB card short of a 128k prompt's or B = 256's pool
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5" if torch_in else "0.92"
+    # inductor compiles in this process: its worker pool's subprocesses failed at 8k and 32k
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    gpu = jax.default_backend() == "gpu"
     dev = jax.devices()[0]
     settings = dict(argv=argv, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     jax=jax.__version__, device=f"{dev.platform} {dev.device_kind}",
