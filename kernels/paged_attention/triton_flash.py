@@ -149,9 +149,10 @@ def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_qu
                 sinks: bool = False, rows: int | None = None, block_k: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None,
                 dtype=None) -> dict:
-    """Grid, constexprs, ``num_warps``, ``num_stages``, query tile ``tq`` and tree bits for these shapes
-    (``q [T, NH, HD]``, cache ``[NUM_BLOCKS, BLOCK_SIZE, NKV, HD]``, table ``[B, MAX_BLOCKS]``;
-    :func:`.flash.flash_config`'s defaults); ValueError as :func:`.flash.paged_attention`."""
+    """Grid, constexprs, ``num_warps``, ``num_stages``, query tile ``tq`` and tree bits for
+    these shapes (``q [T, NH, HD]``, cache ``[NUM_BLOCKS, BLOCK_SIZE, NKV, HD]``, table ``[B,
+    MAX_BLOCKS]``; :func:`.flash.flash_config`'s defaults, ``dtype`` the operands');
+    ValueError as :func:`.flash.paged_attention`."""
     t_pad, nh, hd = q_shape
     nb, bs, nkv, hd_k = cache_shape
     b_pad, max_blocks = block_table_shape
