@@ -179,8 +179,9 @@ fi
 if [ "$what" = prefill ]; then
   # one process: JAX gets half the GPU where a PyTorch part runs in it, else 0.92; the JSON is
   # rewritten after every row
-  timeout "${PREFILL_S:-540}" python benchmarks/prefill.py ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
-    2>&1 | grep -v Warning | tee "$OUT/prefill.log" | tail -70
+  # (PREFILL_TAG names the files: a second prefill part in one call keeps the first's)
+  timeout "${PREFILL_S:-540}" python benchmarks/prefill.py ${PREFILL_ARGS:-} --json "$OUT/${PREFILL_TAG:-prefill}.json" \
+    2>&1 | grep -v Warning | tee "$OUT/${PREFILL_TAG:-prefill}.log" | tail -70
 fi
 if [ "$what" = tiles ]; then
   # issue 50: the flash kernel's tiles (benchmarks/flash_tiles.py): every knob on the 32k
