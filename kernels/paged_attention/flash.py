@@ -64,8 +64,9 @@ def flash_config(*, head_dim: int, group: int, max_query_len: int, rows: int | N
                  num_stages: int | None = None, itemsize: int = 2) -> tuple[int, int, int, int]:
     """``(rows, block_k, num_warps, num_stages)`` with defaults filled in: ``rows`` 128 (64
     above head_dim 128), no more than ``max_query_len x G`` needs; ``block_k`` 64 (32 above
-    head_dim 128); ``num_warps`` 4 up to 128 x 128 accumulators, else 8; ``num_stages`` 3 for
-    16-bit operands (``itemsize``) up to head_dim 128, else 2. These won the tile sweep of
+    head_dim 128); ``num_warps`` 4 for 16-bit operands (``itemsize``) in up to 128 rows at
+    head_dim <= 128, else 8 from 128 x 128 accumulators, else 4; ``num_stages`` 3 for 16-bit
+    operands up to head_dim 128, else 2. The 16-bit head_dim <= 128 choices won the tile sweep of
     ``benchmarks/flash_tiles.py``. ValueError for a ``rows`` / ``block_k`` that is not a power
     of two >= 16 (``rows`` >= G, <= 256) or ``num_stages`` < 1."""
     if rows is None:
@@ -78,8 +79,9 @@ def flash_config(*, head_dim: int, group: int, max_query_len: int, rows: int | N
     block_k = (64 if head_dim <= 128 else 32) if block_k is None else int(block_k)
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
-    if num_warps is None:
-        num_warps = 8 if rows * head_dim > 128 * 128 else 4
+    if num_warps is None:       # the sweep's shapes; elsewhere 8 from 128 x 128 accumulators
+        swept = rows <= 128 and head_dim <= 128 and itemsize <= 2
+        num_warps = 8 if not swept and rows * head_dim >= 128 * 128 else 4
     if num_stages is None:
         num_stages = 3 if itemsize <= 2 and head_dim <= 128 else 2
     if int(num_stages) < 1:

@@ -435,3 +435,19 @@ def test_flash_split_by_kv_heads_on_two_fake_devices():
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(PARTITION_BODY)], env=env,
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "flash partition ok" in r.stdout, r.stdout + r.stderr[-4000:]
+
+
+def test_tile_defaults_swept_and_unswept():
+    """16-bit operands up to head_dim 128 take the sweep's winner (4 warps, 3 stages);
+    other shapes keep the earlier rule (8 warps from 128 x 128 accumulators, 2 stages)."""
+    def cfg(**kw):
+        return flash.flash_config(group=4, max_query_len=8192, **kw)
+
+    assert cfg(head_dim=128) == (128, 64, 4, 3)
+    assert cfg(head_dim=64) == (128, 64, 4, 3)
+    assert cfg(head_dim=128, itemsize=4) == (128, 64, 8, 2)
+    assert cfg(head_dim=256) == (64, 32, 8, 2)
+    assert cfg(head_dim=64, itemsize=4) == (128, 64, 4, 2)        # 8192 accumulators
+    assert cfg(head_dim=128, num_warps=2, num_stages=1) == (128, 64, 2, 1)
+    with pytest.raises(ValueError, match="num_stages=0"):
+        cfg(head_dim=128, num_stages=0)
