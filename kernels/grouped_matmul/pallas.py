@@ -59,37 +59,38 @@ def tiles(*, m: int, k: int, n: int, groups: int, block_m: int | None = None,
     return block_m, block_n, block_k
 
 
-def _programs(group_sizes, block_m: int, num_programs: int):
-    """``[3, P]`` int32: each program's ``(group, first row of the group, first row of the
-    tile within it)``, group -1 past the last tile."""
+def _programs(group_sizes, block_m: int, num_programs: int, num_rows: int):
+    """``[4, P]`` int32: each program's ``(group, first row of the tile, rows it stores,
+    first row of the tile within its group)``; group -1 for a tile of the zero rows past the
+    last group (``sum(group_sizes)`` to ``num_rows``), rows 0 past the last tile."""
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     e = sizes.shape[0]
     ntile = cdiv(sizes, block_m)
     cum = jnp.cumsum(ntile)
     starts = jnp.cumsum(sizes) - sizes
+    total = jnp.minimum(jnp.sum(sizes), num_rows)
     p = jnp.arange(num_programs, dtype=jnp.int32)
     # unrolled: the default "scan" is a while loop, a host sync per step on the GPU
     g = jnp.searchsorted(cum, p, side="right", method="scan_unrolled").astype(jnp.int32)
     gc = jnp.minimum(g, e - 1)
-    i0 = (p - (cum[gc] - ntile[gc])) * block_m
     ok = g < e
-    return jnp.stack([jnp.where(ok, g, -1), jnp.where(ok, starts[gc], 0),
-                      jnp.where(ok, i0, 0)]).astype(jnp.int32)
+    i0 = jnp.where(ok, (p - (cum[gc] - ntile[gc])) * block_m, (p - cum[e - 1]) * block_m)
+    start = jnp.where(ok, starts[gc], total)
+    rows = jnp.clip(jnp.where(ok, sizes[gc], num_rows - total) - i0, 0, block_m)
+    return jnp.stack([jnp.where(ok, g, -1), start + i0, rows, i0]).astype(jnp.int32)
 
 
-def _kernel(prog_ref, size_ref, lhs_ref, rhs_ref, zeros_ref, out_ref, *, block_m: int,
-            block_n: int, block_k: int, num_rows: int, precision):
-    """Program ``(p, j)``: tile ``prog[:, p]`` of the group, columns ``[j * block_n, ...)``."""
-    del zeros_ref                                   # (aliased to out_ref)
+def _kernel(prog_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
+            block_k: int, num_rows: int, precision):
+    """Program ``(p, j)``: tile ``prog[:, p]``, columns ``[j * block_n, ...)``."""
     p = pl.program_id(0)
     j = pl.program_id(1)
     g_raw = prog_ref[0, p]
     g = jnp.maximum(g_raw, 0)
-    start = prog_ref[1, p]
-    i0 = prog_ref[2, p]
-    n_rows = jnp.where(g_raw >= 0, jnp.clip(size_ref[g] - i0, 0, block_m), 0)
+    first = prog_ref[1, p]
+    n_rows = prog_ref[2, p]
     m_idx = jnp.minimum(jnp.arange(block_m, dtype=jnp.int32), jnp.maximum(n_rows - 1, 0))
-    row = jnp.clip(start + i0 + m_idx, 0, num_rows - 1)
+    row = jnp.clip(first + m_idx, 0, num_rows - 1)
     col = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
     kk0 = jnp.arange(block_k, dtype=jnp.int32)
 
@@ -101,8 +102,8 @@ def _kernel(prog_ref, size_ref, lhs_ref, rhs_ref, zeros_ref, out_ref, *, block_m
                                      precision=precision, preferred_element_type=jnp.float32)
 
     k_steps = lhs_ref.shape[1] // block_k
-    acc = lax.fori_loop(0, jnp.minimum(n_rows, 1) * k_steps, body,         # (int32 bounds)
-                        jnp.zeros((block_m, block_n), jnp.float32))
+    in_group = jnp.minimum(n_rows, 1) * jnp.minimum(g_raw + 1, 1)     # (int32 bounds)
+    acc = lax.fori_loop(0, in_group * k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
 
     def store():
         pltr.store(out_ref.at[row[:, None], col[None, :]], acc.astype(out_ref.dtype))
@@ -130,7 +131,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         return jnp.zeros((m, n), dtype)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    num_programs = cdiv(m, block_m) + e          # each group adds at most one partial tile
+    num_programs = cdiv(m, block_m) + e   # each group and the zero rows add <= 1 partial tile
     kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                                num_rows=m, precision=lax.Precision.HIGHEST)
     return pl.pallas_call(
@@ -138,9 +139,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         grid=(num_programs, n // block_n),
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((m, n), dtype),
-        input_output_aliases={4: 0},
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"grouped_matmul_m{block_m}_n{block_n}_k{block_k}",
-    )(_programs(group_sizes, block_m, num_programs), group_sizes.astype(jnp.int32),
-      lhs.astype(dtype), rhs, jnp.zeros((m, n), dtype))
+    )(_programs(group_sizes, block_m, num_programs, m), lhs.astype(dtype), rhs)

@@ -62,6 +62,26 @@ def test_matches_the_oracle_float32(m, k, n, e, kind, block_m):
                                rtol=1e-5)
 
 
+def test_every_row_stored_once_by_its_group():
+    """The program table against brute force: over random group sizes (empty groups, a
+    tail of rows past the groups, none) every output row is stored by exactly one program,
+    of its own group (-1, zeros, past the last group), within ``ceil(M / block_m) + E``."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        m, e, block_m = int(rng.integers(1, 90)), int(rng.integers(1, 12)), 2 ** int(rng.integers(0, 6))
+        used = int(rng.integers(0, m + 1))
+        sizes = rng.multinomial(used, rng.dirichlet(np.full(e, 0.3))).astype(np.int32)
+        num = -(-m // block_m) + e
+        prog = np.asarray(pallas._programs(jnp.asarray(sizes), block_m, num, m))
+        group_of = np.concatenate([np.repeat(np.arange(e), sizes), np.full(m - used, -1)])
+        stored = np.zeros(m, int)
+        for g, first, rows, _ in prog.T:
+            assert 0 <= rows <= block_m
+            stored[first:first + rows] += 1
+            assert (group_of[first:first + rows] == g).all(), (sizes, prog)
+        assert (stored == 1).all(), (m, block_m, sizes, prog)
+
+
 def test_bfloat16_to_its_rounding():
     rng = np.random.default_rng(1)
     lhs, rhs, sizes = case(rng, 96, 64, 128, 6, "tail")
