@@ -75,6 +75,7 @@ from loop import BS, DEMO_RATES, build_target, drafter  # noqa: E402
 from prefill import Sink, attention_flops, cdiv, gemm_rate, prefill_flops, short  # noqa: E402
 
 from specjax.engine import Engine, LoopOptions, SamplingParams, step_cache_size  # noqa: E402
+from specjax.engine.memory import activation_bytes_estimate  # noqa: E402
 from specjax.runtime.decode_loop import loop_cache_size  # noqa: E402
 
 PARTS = ("itl", "mixed")
@@ -261,8 +262,20 @@ def workload(a, vocab: int):
     return [rng.integers(0, vocab, p).tolist() for p in lens], [int(o) for o in outs], arrivals.tolist()
 
 
-def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock) -> dict:
-    """One (method, chunked) case of the ``mixed`` part: warm-up, then the timed workload."""
+def device_memory() -> dict | None:
+    """GiB in use, at peak and the limit of the first device (None where it reports none)."""
+    st = jax.devices()[0].memory_stats()
+    return None if not st else {k: round(st.get(k, 0) / 2**30, 3)
+                                for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+
+def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
+               memory: dict | None = None) -> dict:
+    """One (method, chunked) case of the ``mixed`` part: warm-up, then the timed workload.
+    ``memory`` (filled as it goes, kept when it fails): the device's memory before the engine,
+    after it (its KV pool and the activation bytes its sizing set aside) and after warm-up."""
+    memory = {} if memory is None else memory
+    memory["before_engine"] = device_memory()
     a, k = su.args, 0 if method == "plain" else su.args.k
     prompts, outs, arrivals = work
     mml = cdiv(a.prompt_range[1] + a.output_range[1] + 2 * k + 16, BS) * BS
@@ -274,6 +287,11 @@ def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock)
     eng = Engine(su.target, su.proposer(method, mml), max_model_len=mml, block_size=BS,
                  max_num_seqs=seqs, num_blocks=a.num_blocks, gpu_memory_utilization=mem,
                  kv_dtype=su.dtype, options=opts)
+    memory["after_engine"] = dict(device_memory() or {}, num_blocks=eng.num_blocks,
+                               activation_estimate_gib=round(activation_bytes_estimate(
+                                   eng.step, eng.target.params, max_num_seqs=seqs,
+                                   max_num_batched_tokens=eng.options.max_num_batched_tokens)
+                                   / 2**30, 3))
     sps = [SamplingParams(max_tokens=o, ignore_eos=True) for o in outs]
     t0 = time.perf_counter()
     if a.warmup == "full":
@@ -286,9 +304,10 @@ def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock)
             eng.generate([prompts[j]], few)
         eng.generate([prompts[j] for j in pick], few)
     warm_s = time.perf_counter() - t0
+    memory["after_warmup"] = device_memory()
     mark = clock.mark()
     res = eng.generate(prompts, sps, arrival_times=arrivals)
-    row = dict(kind="mixed", method=method, k=k, chunked=chunked, budget=eng.options.max_num_batched_tokens,
+    row = dict(kind="mixed", memory=memory, method=method, k=k, chunked=chunked, budget=eng.options.max_num_batched_tokens,
                max_num_seqs=seqs, num_blocks=eng.num_blocks, batch_buckets=list(buckets),
                max_model_len=mml, rate=a.rate, num_requests=len(prompts), warmup=a.warmup,
                warmup_s=warm_s, **clock.since(mark))
@@ -314,10 +333,12 @@ def run_mixed(su: Setup, sink: Sink, clock: CompileClock) -> None:
     work = workload(su.args, su.geo["vocab_size"])
     for method in su.args.methods:
         for chunked in (True, False):
+            memory: dict = {}
             try:
-                row = mixed_case(su, method, chunked, work, clock)
+                row = mixed_case(su, method, chunked, work, clock, memory)
             except Exception as e:  # noqa: BLE001 - OOM and friends: recorded
-                row = dict(kind="mixed", method=method, chunked=chunked, error=short(e))
+                row = dict(kind="mixed", method=method, chunked=chunked, error=short(e),
+                           memory=dict(memory, at_error=device_memory()))
             gc.collect()
             sink(row)
 
