@@ -123,7 +123,11 @@ class DeviceLoopDriver:
     def policy(self, rows: list[_Request]) -> RowCaps | None:
         """``adaptive_k``'s choice for a call over ``rows`` (None: off):
         :func:`~specjax.adaptive_k.choose_caps` over the rectangles of ``Engine.k_costs``
-        and the flat token slots of ``Engine.k_token_costs`` (profiled with them)."""
+        and the flat token slots of ``Engine.k_token_costs`` (profiled with them). Where
+        those tables are the engine's own profile, a choice already run is priced at its
+        calls' own time (``seen_costs``) and one not run yet at its profiled time times the
+        median ratio of seen to profiled time over the choices run (the profile runs
+        padding rows, which price every choice low, and flat steps lowest)."""
         e = self._e
         if not e.options.adaptive_k or e.k == 0 or not rows:
             return None
@@ -138,7 +142,12 @@ class DeviceLoopDriver:
         rect, flat = self.profiled.get(b, (None, None))
         ours = (rect is not None and rect is e.k_costs.get(b),    # (not replaced by hand)
                 flat is not None and flat is e.k_token_costs.get(b))
-        options = [(kk, t, seen.get((kk, t), c) if ours[t is not None] else c)
+        # the profile's bias, read off the choices run: their own times over their profiled
+        # ones (median), applied to the profiled costs of the choices not run yet
+        ratios = [seen[kk, t] / c for kk, t, c in options
+                  if ours[t is not None] and (kk, t) in seen and c > 0]
+        scale = float(np.median(ratios)) if ratios else 1.0
+        options = [(kk, t, seen.get((kk, t), c * scale) if ours[t is not None] else c)
                    for kk, t, c in options]
         kk, t, c = choose_caps(rates, caps, options)
         return RowCaps(kk) if t is None else RowCaps(kk, t, tuple(int(x) for x in c))

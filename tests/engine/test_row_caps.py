@@ -176,8 +176,9 @@ class _Eng:
 def test_the_policy_weighs_the_calls_own_times_over_the_profile():
     """``observe_cost``: seconds an iteration from dispatch (or the previous call's results,
     when queued behind it) to the results, averaged per (K, T); compiling or empty calls left
-    out. ``policy`` prefers 8 slots (profiled 1.6 s) for two high and two low requests until
-    their own time says 4 s, then the best rectangle; a table set by hand stays as set."""
+    out. ``policy`` prefers 8 slots (profiled 1.6 s) for two high and two low requests; a
+    table set by hand stays as set; with the engine's own profile, a choice run is priced at
+    its own time and the others at their profile times the median ratio seen / profiled."""
     from types import SimpleNamespace
 
     from specjax.engine.device_loop import DeviceLoopDriver, RowCaps, _InFlight
@@ -201,10 +202,14 @@ def test_the_policy_weighs_the_calls_own_times_over_the_profile():
     drv.seen_costs = {4: {(3, 8): 4.0}}
     assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))       # no profile: set by hand
     drv.profiled = {4: (eng.k_costs[4], eng.k_token_costs[4])}
-    pick = drv.policy(rows)
-    assert pick.tokens is None and pick.k == ak.choose_caps(
-        ak.acceptance_rate(np.array([9.5, 0.5] * 2), np.full(4, 10.0)), np.full(4, 3),
-        [(k, None, c) for k, c in enumerate(eng._costs(4))])[0]
+    rates = ak.acceptance_rate(np.array([9.5, 0.5] * 2), np.full(4, 10.0))
+    drv.seen_costs = {4: {(3, 8): 1.6 * 3, (1, None): 1.5 * 1.1, (2, None): 2.0 * 1.2}}
+    pick = drv.policy(rows)      # the median ratio, 1.2, prices the choices not run
+    assert pick == RowCaps(1) and ak.choose_caps(   # (unscaled: K = 0 would win)
+        rates, np.full(4, 3), [(0, None, 1.2), (1, None, 1.65), (2, None, 2.4),
+                               (3, None, 3.0), (3, 8, 4.8)])[:2] == (1, None)
+    drv.seen_costs = {4: {(3, 8): 4.0}}      # one ratio, 2.5: the flat step wins again
+    assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))  # (unscaled: K = 1 would win)
 
 
 def test_sampling_in_flat_token_slots_keeps_the_target_distribution(monkeypatch):
