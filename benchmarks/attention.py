@@ -16,8 +16,13 @@ one ``block_until_ready``, divided by ``--reps``.
 ``main`` once per backend (the process default, ``specjax.kernels.default_backend``; the
 proposers' index ops stay on ``kernel_backend="xla"``).
 
+``--heads 32/4 --head-dim 256 --window 1024 --sinks`` time another shape (Gemma 3's head_dim
+256, GQA group 8), a sliding window (keys ``> position - window``) and per-head sink logits;
+the floor then counts only the K/V bytes inside the window.
+
 Usage: python benchmarks/attention.py [--batches 1,8,64] [--qlens 1,4] [--context 1024]
-       [--reps 20] [--sweep] [--propose] [--out F.json]
+       [--reps 20] [--sweep] [--propose] [--heads 32/8] [--head-dim 128] [--window W]
+       [--sinks] [--out F.json]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from specjax.kernels import paged_attention as attn
 
 from floors import HBM_BPS  # noqa: E402  (benchmarks/floors.py: the floor, defined once)
 NH, NKV, HD, BS = 32, 8, 128, 16
+WINDOW, SINKS = None, None          # --window, --sinks (set by main)
 
 
 def timed(fn, args, reps):
@@ -75,24 +81,28 @@ def make_inputs(b, qlen, ctx, k_spec=3, seed=0):
 
 def pallas_fn(scale, **knobs):
     return jax.jit(lambda q, c, m: pk.paged_attention(
-        q, c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table, scale=scale,
-        max_query_len=m.max_query_len, causal=m.causal, tree_mask=m.tree_mask, **knobs))
+        q, c.k, c.v, m.query_start_loc, m.seq_lens, m.block_table, SINKS, scale=scale,
+        max_query_len=m.max_query_len, causal=m.causal, tree_mask=m.tree_mask,
+        sliding_window=WINDOW, **knobs))
 
 
 def bench_attention(args):
     rows = []
     scale = HD ** -0.5
-    xla = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=scale))
+    xla = jax.jit(lambda q, c, m: attn.paged_attention_xla(q, c, m, scale=scale,
+                                                           sliding_window=WINDOW, sinks=SINKS))
     for b in [int(s) for s in args.batches.split(",")]:
         for qlen in [int(s) for s in args.qlens.split(",")]:
             q, cache, md, width = make_inputs(b, qlen, args.context)
-            kv_bytes = b * args.context * NKV * HD * 2 * 2
+            kv_bytes = b * min(args.context, WINDOW or args.context) * NKV * HD * 2 * 2
             floor = kv_bytes / HBM_BPS
             max_tiles = -(-width * BS // 64)
             splits = pk.default_num_splits(b, NKV, max_tiles)
             want = xla(q, cache, md)
             variants = [("xla", xla, {})]
-            kn = dict(block_k=64, num_stages=2, num_splits=splits)   # the defaults
+            kn = dict(block_k=64, num_stages=2, num_splits=splits)   # the defaults at HD 128
+            if HD > 128 or WINDOW is not None:
+                kn = {}                                         # the kernel's own choice
             variants.append(("pallas", pallas_fn(scale, **kn), kn))
             if args.sweep:
                 for bk in (32, 64, 128):
@@ -179,13 +189,27 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time the kernel's knobs")
     ap.add_argument("--propose", action="store_true",
                     help="also time benchmarks/proposers.py's EAGLE-3 propose per backend")
+    ap.add_argument("--heads", default="32/8", help="query heads / KV heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=None, help="sliding window (keys)")
+    ap.add_argument("--sinks", action="store_true", help="per-head sink logits")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    global NH, NKV, HD, WINDOW, SINKS
+    try:
+        NH, NKV = (int(x) for x in args.heads.split("/"))
+    except ValueError:
+        ap.error(f"--heads takes Q/KV head counts like 32/8, got {args.heads!r}")
+    if NH % NKV or args.head_dim < 16 or (args.window is not None and args.window < 1):
+        ap.error("--heads: KV heads must divide query heads; --head-dim >= 16; --window >= 1")
+    HD, WINDOW = args.head_dim, args.window
+    SINKS = (jax.random.normal(jax.random.key(9), (NH,), jnp.float32) if args.sinks else None)
     dev = jax.devices()[0]
     md4 = make_inputs(1, 4, 16)[2]
     auto = attn.resolve_attention_backend((4, NH, HD), (1, BS, NKV, HD), md4, jnp.bfloat16, "auto")
     print(f"# jax {jax.__version__}, {dev.device_kind}, backend {jax.default_backend()}; "
-          f"{NH}/{NKV} heads, head_dim {HD}, bf16, block {BS}, context {args.context}; "
+          f"{NH}/{NKV} heads, head_dim {HD}, bf16, block {BS}, context {args.context}, "
+          f"window {WINDOW}, sinks {SINKS is not None}; "
           f"backend 'auto' resolves to {auto!r} here", flush=True)
     rows = bench_attention(args)
     table = attention_table(rows)

@@ -2,12 +2,12 @@
 GPU (interpret mode off it).
 
 Grid ``(P, N / block_n)`` over row tiles: tile ``p`` is ``block_m`` consecutive rows of one
-group (every group's rows split into tiles; ``P = ceil(M / block_m) + E`` bounds their
-count, programs past the last tile store nothing). A program walks K in ``block_k`` steps,
-loading its group's ``[block_k, block_n]`` weight blocks through the group index (no
-gathered copy of the weights), accumulates in float32 and stores its rows; rows past a
-group's end repeat its last row, so every store is unmasked and writes the value its row
-holds anyway. Unstored rows keep the zeros the output is aliased to.
+group, then tiles of zeros for the rows past the last group (``P = ceil(M / block_m) + E``
+bounds their count; programs past the last tile store nothing). A program walks K in
+``block_k`` steps, loading its group's ``[block_k, block_n]`` weight blocks through the group
+index (no gathered copy of the weights), accumulates in float32 and stores its rows; rows
+past a tile's end repeat its last row, so every store is unmasked. Every row is stored: no
+zero-filled buffer is aliased in (XLA kept one per layer live at once in a layer stack).
 """
 
 from __future__ import annotations

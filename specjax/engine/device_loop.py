@@ -123,11 +123,8 @@ class DeviceLoopDriver:
     def policy(self, rows: list[_Request]) -> RowCaps | None:
         """``adaptive_k``'s choice for a call over ``rows`` (None: off):
         :func:`~specjax.adaptive_k.choose_caps` over the rectangles of ``Engine.k_costs``
-        and the flat token slots of ``Engine.k_token_costs`` (profiled with them). Where
-        those tables are the engine's own profile, a choice already run is priced at its
-        calls' own time (``seen_costs``) and one not run yet at its profiled time times the
-        median ratio of seen to profiled time over the choices run (the profile runs
-        padding rows, which price every choice low, and flat steps lowest)."""
+        and the flat token slots of ``Engine.k_token_costs``; with the engine's own profile,
+        at ``seen_costs`` where run, else profiled x the runs' median seen / profiled."""
         e = self._e
         if not e.options.adaptive_k or e.k == 0 or not rows:
             return None
