@@ -7,7 +7,9 @@ Cases (8B shapes: 32 query heads, 8 kv heads, head_dim 128, bf16, block size 16)
 - ``prefill T``: one request, T prompt tokens, causal (default 1024, 8192, 32768);
 - ``chunks``: four prefill chunks (4096, 2048, 1024, 512 tokens) at the end of 8k-token
   contexts beside 64 decode rows of 4k-token contexts: a chunked-prefill step;
-- ``batch``: 16 requests of 1,024 prompt tokens (a 16k-token step of B = 256's prefill).
+- ``batch``: 16 requests of 1,024 prompt tokens (a 16k-token step of B = 256's prefill);
+- ``chunk T/C``: one T-token prefill chunk at the end of a C-token context beside 8 decode
+  rows of 1k-token contexts (``scheduling.py``'s ITL step: ``chunk 512/32768``).
 
 Each config: compiled, its output checked against ``paged_attention(backend="xla")`` (the
 reference; ``max |err|`` over the batch), then timed (median of up to ``--iters`` synced
@@ -59,7 +61,16 @@ def case_batch(name: str):
         return q, [8192] * 4 + [4096] * 64
     if name == "batch":
         return [1024] * 16, [1024] * 16
-    raise ValueError(f"--cases: unknown case {name!r}; allowed 'prefill T', chunks, batch")
+    if name.startswith("chunk "):
+        try:
+            t, c = (int(x) for x in name.split()[1].split("/"))
+        except ValueError:
+            t = c = 0
+        if not 0 < t <= c:
+            raise ValueError(f"--cases: {name!r} needs integers 0 < T <= C")
+        return [t] + [1] * 8, [c] + [1024] * 8
+    raise ValueError(f"--cases: unknown case {name!r}; allowed 'prefill T', chunks, batch, "
+                     "'chunk T/C'")
 
 
 def make_inputs(name: str, dtype, seed: int = 0):
@@ -120,7 +131,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="prefill 1024,prefill 8192,prefill 32768,chunks,batch",
-                    help="comma separated: 'prefill T', chunks, batch")
+                    help="comma separated: 'prefill T', chunks, batch, 'chunk T/C'")
     ap.add_argument("--backends", default="pallas,triton", help="of pallas,triton")
     ap.add_argument("--quick", action="store_true", help=f"fewer configs: {QUICK}")
     ap.add_argument("--iters", type=int, default=10)
@@ -133,11 +144,17 @@ def main(argv=None) -> int:
         ap.error(f"--backends: unknown {bad}; allowed pallas, triton")
     knob_sets = QUICK if args.quick else dict(rows=ROWS, block_k=BLOCK_K, num_warps=WARPS,
                                               num_stages=STAGES)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    for name in cases:
+        try:
+            case_batch(name)
+        except ValueError as e:
+            ap.error(str(e))
     dtype = jnp.dtype(args.dtype)
     rows: list[dict] = []
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{jax.devices()[0].device_kind}; {args.dtype}", flush=True)
-    for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
+    for name in cases:
         q, cache, md, pairs = make_inputs(name, dtype)
         flops = 4.0 * NH * HD * pairs
         ref = jax.jit(functools.partial(paged_attention, scale=HD ** -0.5, backend="xla"))(

@@ -185,11 +185,11 @@ if [ "$what" = prefill ]; then
 fi
 if [ "$what" = tiles ]; then
   # issue 50: the flash kernel's tiles (benchmarks/flash_tiles.py): every knob on the 32k
-  # prefill (Pallas), the quick grid on the 1k and 8k prefills, a chunked-prefill step and a 16k-token
-  # batch step (Pallas and the Triton twin)
+  # prefill (Pallas), the quick grid on the 1k and 8k prefills, a chunked-prefill step, a 16k-token
+  # batch step and a 512-token chunk after 32k keys (issue 51's ITL step; Pallas and the Triton twin)
   timeout "${TILES_S:-200}" python benchmarks/flash_tiles.py --backends pallas --cases "prefill 32768" \
     --json "$OUT/tiles_32k.json" 2>&1 | grep -v Warning | tee "$OUT/tiles.log" | tail -4
-  timeout "${TILES_S:-200}" python benchmarks/flash_tiles.py --quick --cases "prefill 1024,prefill 8192,chunks,batch" \
+  timeout "${TILES_QUICK_S:-320}" python benchmarks/flash_tiles.py --quick --cases "prefill 1024,prefill 8192,chunks,batch,chunk 512/32768" \
     --json "$OUT/tiles_quick.json" 2>&1 | grep -v Warning | tee -a "$OUT/tiles.log" | tail -9
 fi
 if [ "$what" = schedule ]; then

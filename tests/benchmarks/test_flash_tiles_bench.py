@@ -22,7 +22,7 @@ def _pairs_brute(qlens, slens):
     return n
 
 
-@pytest.mark.parametrize("name", ["prefill 40", "chunks", "batch"])
+@pytest.mark.parametrize("name", ["prefill 40", "chunks", "batch", "chunk 16/100"])
 def test_case_batches_and_pairs(name):
     qlens, slens = flash_tiles.case_batch(name)
     assert all(q <= s for q, s in zip(qlens, slens))
@@ -60,3 +60,8 @@ def test_bad_arguments_are_refused():
         flash_tiles.main(["--backends", "cuda"])
     with pytest.raises(ValueError, match="unknown case 'nope'"):
         flash_tiles.case_batch("nope")
+    for bad in ("chunk 64/32", "chunk x"):
+        with pytest.raises(ValueError, match="0 < T <= C"):
+            flash_tiles.case_batch(bad)
+    with pytest.raises(SystemExit):
+        flash_tiles.main(["--cases", "prefill 8,chunk 9/3"])
