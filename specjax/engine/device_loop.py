@@ -124,7 +124,7 @@ class DeviceLoopDriver:
         """``adaptive_k``'s choice for a call over ``rows`` (None: off):
         :func:`~specjax.adaptive_k.choose_caps` over the rectangles of ``Engine.k_costs``
         and the flat token slots of ``Engine.k_token_costs``; with the engine's own profile,
-        at ``seen_costs`` where run, else profiled x the runs' median seen / profiled."""
+        at ``seen_costs`` where run, else profiled x the median seen / profiled of its kind."""
         e = self._e
         if not e.options.adaptive_k or e.k == 0 or not rows:
             return None
@@ -140,12 +140,16 @@ class DeviceLoopDriver:
         ours = (rect is not None and rect is e.k_costs.get(b),    # (not replaced by hand)
                 flat is not None and flat is e.k_token_costs.get(b))
         # the profile's bias, read off the choices run: their own times over their profiled
-        # ones (median), applied to the profiled costs of the choices not run yet
-        ratios = [seen[kk, t] / c for kk, t, c in options
-                  if ours[t is not None] and (kk, t) in seen and c > 0]
-        scale = float(np.median(ratios)) if ratios else 1.0
-        options = [(kk, t, seen.get((kk, t), c * scale) if ours[t is not None] else c)
-                   for kk, t, c in options]
+        # ones (median per kind, rectangle or flat; else over both), applied to the profiled
+        # costs of the choices not run yet
+        ratios: dict[bool, list[float]] = {False: [], True: []}
+        for kk, t, c in options:
+            if ours[t is not None] and (kk, t) in seen and c > 0:
+                ratios[t is not None].append(seen[kk, t] / c)
+        both = ratios[False] + ratios[True]
+        scale = {f: float(np.median(ratios[f] or both)) if both else 1.0 for f in ratios}
+        options = [(kk, t, seen.get((kk, t), c * scale[t is not None]) if ours[t is not None]
+                    else c) for kk, t, c in options]
         kk, t, c = choose_caps(rates, caps, options)
         return RowCaps(kk) if t is None else RowCaps(kk, t, tuple(int(x) for x in c))
 

@@ -203,13 +203,20 @@ def test_the_policy_weighs_the_calls_own_times_over_the_profile():
     assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))       # no profile: set by hand
     drv.profiled = {4: (eng.k_costs[4], eng.k_token_costs[4])}
     rates = ak.acceptance_rate(np.array([9.5, 0.5] * 2), np.full(4, 10.0))
-    drv.seen_costs = {4: {(3, 8): 1.6 * 3, (1, None): 1.5 * 1.1, (2, None): 2.0 * 1.2}}
-    pick = drv.policy(rows)      # the median ratio, 1.2, prices the choices not run
+    drv.seen_costs = {4: {(3, 8): 1.6 * 3, (1, None): 1.5 * 1.1, (2, None): 2.0 * 1.3}}
+    pick = drv.policy(rows)      # the rectangles' median ratio, 1.2, prices the others
     assert pick == RowCaps(1) and ak.choose_caps(   # (unscaled: K = 0 would win)
-        rates, np.full(4, 3), [(0, None, 1.2), (1, None, 1.65), (2, None, 2.4),
+        rates, np.full(4, 3), [(0, None, 1.2), (1, None, 1.65), (2, None, 2.6),
                                (3, None, 3.0), (3, 8, 4.8)])[:2] == (1, None)
     drv.seen_costs = {4: {(3, 8): 4.0}}      # one ratio, 2.5: the flat step wins again
     assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))  # (unscaled: K = 1 would win)
+    drv.seen_costs = {4: {(3, None): 2.5}}     # rectangles as profiled: so are the flat steps
+    assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))
+    eng.k_token_costs = {4: {(3, 8): 1.6, (2, 8): 1.5}}
+    drv.profiled = {4: (eng.k_costs[4], eng.k_token_costs[4])}
+    drv.seen_costs = {4: {(3, 8): 4.8, (1, None): 1.5, (2, None): 2.0}}
+    # each kind its own ratio: (2, 8) at 1.5 x 3 (over both kinds, 1.0: (2, 8) would win)
+    assert drv.policy(rows) == RowCaps(1)
 
 
 def test_sampling_in_flat_token_slots_keeps_the_target_distribution(monkeypatch):
