@@ -270,11 +270,10 @@ def device_memory() -> dict | None:
 
 
 def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
-               memory: dict | None = None) -> dict:
+               memory: dict) -> dict:
     """One (method, chunked) case of the ``mixed`` part: warm-up, then the timed workload.
     ``memory`` (filled as it goes, kept when it fails): the device's memory before the engine,
     after it (its KV pool and the activation bytes its sizing set aside) and after warm-up."""
-    memory = {} if memory is None else memory
     memory["before_engine"] = device_memory()
     a, k = su.args, 0 if method == "plain" else su.args.k
     prompts, outs, arrivals = work

@@ -60,9 +60,9 @@ def tiles(*, m: int, k: int, n: int, groups: int, block_m: int | None = None,
 
 
 def _programs(group_sizes, block_m: int, num_programs: int, num_rows: int):
-    """``[4, P]`` int32: each program's ``(group, first row of the tile, rows it stores,
-    first row of the tile within its group)``; group -1 for a tile of the zero rows past the
-    last group (``sum(group_sizes)`` to ``num_rows``), rows 0 past the last tile."""
+    """``[3, P]`` int32: each program's ``(group, first row of the tile, rows it stores)``;
+    group -1 for a tile of the zero rows past the last group (``sum(group_sizes)`` to
+    ``num_rows``), rows 0 past the last tile."""
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     e = sizes.shape[0]
     ntile = cdiv(sizes, block_m)
@@ -77,7 +77,7 @@ def _programs(group_sizes, block_m: int, num_programs: int, num_rows: int):
     i0 = jnp.where(ok, (p - (cum[gc] - ntile[gc])) * block_m, (p - cum[e - 1]) * block_m)
     start = jnp.where(ok, starts[gc], total)
     rows = jnp.clip(jnp.where(ok, sizes[gc], num_rows - total) - i0, 0, block_m)
-    return jnp.stack([jnp.where(ok, g, -1), start + i0, rows, i0]).astype(jnp.int32)
+    return jnp.stack([jnp.where(ok, g, -1), start + i0, rows]).astype(jnp.int32)
 
 
 def _kernel(prog_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,

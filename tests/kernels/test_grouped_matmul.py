@@ -75,7 +75,7 @@ def test_every_row_stored_once_by_its_group():
         prog = np.asarray(pallas._programs(jnp.asarray(sizes), block_m, num, m))
         group_of = np.concatenate([np.repeat(np.arange(e), sizes), np.full(m - used, -1)])
         stored = np.zeros(m, int)
-        for g, first, rows, _ in prog.T:
+        for g, first, rows in prog.T:
             assert 0 <= rows <= block_m
             stored[first:first + rows] += 1
             assert (group_of[first:first + rows] == g).all(), (sizes, prog)
