@@ -269,6 +269,18 @@ def device_memory() -> dict | None:
                                 for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
 
 
+def largest_live_arrays(n: int = 8) -> list[str]:
+    """The ``n`` largest (dtype, shape) groups of live device arrays, ``"GiB xcount
+    dtype[shape]"``: what held the memory when a case failed."""
+    groups: dict = {}
+    for x in jax.live_arrays():
+        key = f"{x.dtype}{list(x.shape)}"
+        size, count = groups.get(key, (0, 0))
+        groups[key] = (size + x.nbytes, count + 1)
+    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:n]
+    return [f"{b / 2**30:.3f} GiB x{c} {key}" for key, (b, c) in top]
+
+
 def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
                memory: dict) -> dict:
     """One (method, chunked) case of the ``mixed`` part: warm-up, then the timed workload.
@@ -337,7 +349,8 @@ def run_mixed(su: Setup, sink: Sink, clock: CompileClock) -> None:
                 row = mixed_case(su, method, chunked, work, clock, memory)
             except Exception as e:  # noqa: BLE001 - OOM and friends: recorded
                 row = dict(kind="mixed", method=method, chunked=chunked, error=short(e),
-                           memory=dict(memory, at_error=device_memory()))
+                           memory=dict(memory, at_error=device_memory(),
+                                       largest_live=largest_live_arrays()))
             gc.collect()
             sink(row)
 

@@ -72,3 +72,16 @@ def test_delivery_gaps_count_distinct_times_in_the_window():
     times = [0.0, 1.0, 1.0, 3.0, 6.0, 6.0, 10.0]
     assert scheduling.delivery_gaps(times) == [1.0, 2.0, 3.0, 4.0]
     assert scheduling.delivery_gaps(times, 1.0, 6.0) == [2.0, 3.0]
+
+
+def test_largest_live_arrays_groups_by_dtype_and_shape_largest_first():
+    import jax.numpy as jnp
+
+    keep = [jnp.zeros((256, 1024), jnp.float32) for _ in range(3)] + [jnp.ones((8,), jnp.int32)]
+    top = scheduling.largest_live_arrays(n=50)
+    mine = [s for s in top if s.endswith("float32[256, 1024]")]
+    assert mine and mine[0].split()[2] in {f"x{c}" for c in range(3, 100)}
+    assert float(mine[0].split()[0]) >= 3 * 256 * 1024 * 4 / 2**30 - 1e-3
+    sizes = [float(s.split()[0]) for s in top]
+    assert sizes == sorted(sizes, reverse=True)
+    del keep
