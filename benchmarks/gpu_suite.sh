@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything specjax runs on the H200 in one call: install, benchmarks, GPU tests.
 # Run through the device tool from the repo root, carrying .whl (the jax-triton 0.3.1 wheel):
-#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe|kgrid|dspark|suffix|tiles]
+#   bash benchmarks/gpu_suite.sh [all|bench|tests|attention|models|profile|multi|fused|anchors|methods|ab|cmdbuf|sampling|verify|prefill|schedule|moe|grouped|kgrid|dspark|suffix|tiles]
 # (models: attention, proposer (chain and tree), end-to-end and training-step costs; profile:
 # profiler traces of the engine step; multi: tensor / data parallel proposers and the
 # tensor-parallel reference loop on >= 2 GPUs; fused: the K/V write inside the attention
@@ -30,7 +30,8 @@
 # chunks (every step a token each; chunk step / floor, goal <= 1.3) and a Poisson workload
 # with and without chunked prefill (tokens/s, TTFT, ITL, preemptions); SCHED_ARGS adds flags:
 # "--parts itl" or "--parts mixed" (one part), "--rate 8 --num-requests 128", "--warmup full";
-# moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH); kgrid: issue 55's cost table
+# moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH); grouped: its grouped GEMM's
+# tiles (benchmarks/grouped_tiles.py, GROUPED_ARGS); kgrid: issue 55's cost table
 # (benchmarks/k_grid.py, KGRID_BATCH, KGRID_ARGS; "--policies adaptive_k adaptive_verification"
 # adds each policy's tokens/s per (B, a) against the best static k and plain; "--mixed 0.9,0.3",
 # "--falling 0.9,0.3": the adaptation cells; "--cost benchmarks/logs/k_grid_h100_2026-12-05b_*.log"
@@ -87,6 +88,12 @@ if [ "$what" = moe ]; then
   # experts --impls pallas", "--expert-layers 48"); rows print as measured
   XLA_PYTHON_CLIENT_MEM_FRACTION=$JAXMEM timeout "${MOE_S:-540}" python benchmarks/moe.py --batch "${MOE_BATCH:-1,8,32}" --torch \
     --parts decode,experts ${MOE_ARGS:-} --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | grep -v '\\x' | tail -40
+fi
+if [ "$what" = grouped ]; then
+  # issue 54: the Pallas grouped matmul's tiles on the 30B-A3B decode / verify GEMMs beside
+  # ragged_dot, a dense GEMM of the same bytes and the floor (GROUPED_ARGS adds flags)
+  timeout "${GROUPED_S:-540}" python benchmarks/grouped_tiles.py ${GROUPED_ARGS:-} \
+    --json "$OUT/grouped_tiles.json" 2>&1 | tee "$OUT/grouped_tiles.log" | tail -30
 fi
 if [ "$what" = dspark ]; then
   timeout "${TRAIN_S:-300}" python -m specjax.training.recipe --out "$OUT/heads" --stage heads \
