@@ -85,7 +85,8 @@ if [ "$what" = moe ]; then
   # issue 54: the engine's plain / EAGLE-3 decode with the Qwen3-30B-A3B-shaped MoE target
   # first, then its expert stack (8 layers: ragged_dot, the Pallas kernel, the Pallas Hopper
   # example; torch._grouped_mm in its own process first); MOE_ARGS adds flags ("--parts
-  # experts --impls pallas", "--expert-layers 48"); rows print as measured
+  # experts --impls pallas", "--expert-layers 48", "--profile $OUT/prof": each plain decode
+  # step's kernels); rows print as measured
   XLA_PYTHON_CLIENT_MEM_FRACTION=$JAXMEM timeout "${MOE_S:-540}" python benchmarks/moe.py --batch "${MOE_BATCH:-1,8,32}" --torch \
     --parts decode,experts ${MOE_ARGS:-} --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | grep -v '\\x' | tail -40
 fi

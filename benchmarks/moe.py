@@ -256,7 +256,10 @@ def anchor_rows(geo: dict, batches, qs) -> list[dict]:
 
 # -- part decode ----------------------------------------------------------------------------
 
-def decode_rows(geo: dict, batches, k: int, context: int, iters: int, dtype_name: str):
+def decode_rows(geo: dict, batches, k: int, context: int, iters: int, dtype_name: str,
+                profile_dir: str | None = None):
+    """The ``decode`` part's rows; with ``profile_dir``, each plain step is also traced
+    (``profile_step.py``'s per-kernel table, printed and kept as ``row["profile"]``)."""
     import gc
 
     import jax
@@ -300,6 +303,14 @@ def decode_rows(geo: dict, batches, k: int, context: int, iters: int, dtype_name
                      expert_gb=geo["num_hidden_layers"] * expected_touched(geo, b * q)
                      * expert_bytes(geo) / 1e9)
             r["per_floor"] = r["per_iter_ms"] / r["floor_ms"]
+            if profile_dir and prop is None:
+                import profile_step
+
+                got = profile_step.profile(eng, b, context, 10, os.path.join(profile_dir, f"b{b}"))
+                print(profile_step._table(f"plain B={b}", got, 30), flush=True)
+                r["profile"] = {x: got[x] for x in ("step_ms", "kernels_us_per_step",
+                                                    "device_busy_us_per_step",
+                                                    "device_events_per_step")}
             rows.append(r)
             print(f"{method:<7} B={b:>3} iter {r['per_iter_ms']:8.3f} ms  floor {r['floor_ms']:8.3f}"
                   f" ms  x{r['per_floor']:5.2f}  experts {r['expert_gb']:6.2f} GB  "
@@ -323,6 +334,8 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default=None, help="part experts' JAX impls (default: all)")
     ap.add_argument("--torch", action="store_true", help="the PyTorch anchor (own process)")
     ap.add_argument("--anchor", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="part decode: trace each plain step into DIR, per-kernel table")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     order = args.parts.split(",")
@@ -358,7 +371,8 @@ def main(argv=None) -> int:
     rows = []
     for part in order:
         if part == "decode":
-            rows += decode_rows(geo, batches, args.k, args.context, args.iters, dtype)
+            rows += decode_rows(geo, batches, args.k, args.context, args.iters, dtype,
+                                args.profile)
             continue
         eg = expert_geometry(geo, args.expert_layers)
         print(f"# part experts: {eg['num_hidden_layers']} layers", flush=True)

@@ -48,3 +48,15 @@ def test_tiny_run_rows(tmp_path, capsys):
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         moe.main(["--parts", "experts,prefill"])
+
+
+def test_decode_profile_traces_the_plain_steps_only(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    assert moe.main(["--geometry", "tiny", "--batch", "1", "--iters", "2", "--context", "16",
+                     "--parts", "decode", "--profile", str(tmp_path / "prof"),
+                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [("profile" in r) for r in rows] == [True, False]        # plain, then eagle3
+    assert rows[0]["profile"]["step_ms"] > 0
+    assert list((tmp_path / "prof" / "b1").rglob("*.json.gz"))
+    assert "### plain B=1:" in capsys.readouterr().out
