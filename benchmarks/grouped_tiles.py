@@ -3,8 +3,8 @@
 For each token count T (``--tokens``; T * top_k (token, expert) pairs, routed uniformly at
 random, seeded) and each projection of a Qwen3-30B-A3B-shaped layer (``gate_up``: ``[T*k,
 H] x [E, H, 2I]``; ``down``: ``[T*k, I] x [E, I, H]``), times
-``kernels/grouped_matmul/pallas.py`` over every (block_n, block_k, num_warps, num_stages)
-of the grid (``--block-n`` etc.; block_m the default), ``--layers`` distinct weight stacks
+``kernels/grouped_matmul/pallas.py`` over every (block_n, block_k, split_k, num_warps,
+num_stages) of the grid (``--block-n`` etc.; block_m the default), ``--layers`` distinct weight stacks
 in one jitted program (a layer's time is the program's / layers), beside:
 
 - ``ragged_dot``: ``jax.lax.ragged_dot`` (XLA's rewrite, the ``"xla"`` backend);
@@ -34,6 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import floors  # noqa: E402
 from moe import GEOMETRIES  # noqa: E402
+
+
+KNOBS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
 
 
 def _ints(text: str) -> list[int]:
@@ -96,11 +99,10 @@ def run(geo: dict, tokens: list[int], grid: dict, layers: int, iters: int, dtype
             dense = [w[:touched].transpose(1, 0, 2).reshape(kk, touched * nn) for w in ws]
             timed("dense", lambda x, w: x @ w, {}, (lhs[:t], dense))
             del dense
-            for bn, bk, nw, ns in itertools.product(grid["block_n"], grid["block_k"],
-                                                    grid["num_warps"], grid["num_stages"]):
-                if nn % bn or kk % bk:
+            for bn, bk, sk, nw, ns in itertools.product(*(grid[x] for x in KNOBS)):
+                if nn % bn or kk % bk or (kk // bk) % sk:
                     continue
-                cfg = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
                 timed("pallas", lambda x, w, cfg=cfg: pallas.grouped_matmul(x, w, sizes, **cfg),
                       cfg, (lhs, ws))
     return rows
@@ -119,8 +121,7 @@ def best(rows: list[dict]) -> list[dict]:
 
 
 def _line(r: dict) -> str:
-    cfg = " ".join(f"{n}={r[n]}" for n in ("block_n", "block_k", "num_warps", "num_stages")
-                   if n in r)
+    cfg = " ".join(f"{n}={r[n]}" for n in KNOBS if n in r)
     if "error" in r:
         return f"# T={r['tokens']} {r['gemm']} {r['impl']} {cfg}: {r['error']}"
     return (f"| {r['tokens']} | {r['gemm']} | {r['impl']} {cfg} | {r['ms'] * 1e3:.1f} | "
@@ -134,19 +135,19 @@ def main(argv=None) -> int:
                     help="default: 30b-a3b on a GPU, tiny elsewhere")
     ap.add_argument("--tokens", default="1,8,32", help="tokens T (T * top_k routed pairs)")
     ap.add_argument("--block-n", default="32,64,128")
-    ap.add_argument("--block-k", default="64,128,256")
+    ap.add_argument("--block-k", default="64,128")
+    ap.add_argument("--split-k", default="1,2,4")
     ap.add_argument("--num-warps", default="4,8")
-    ap.add_argument("--num-stages", default="2,3,4")
+    ap.add_argument("--num-stages", default="3")
     ap.add_argument("--layers", type=int, default=8, help="weight stacks in one program")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
         tokens = _ints(args.tokens)
-        grid = {n: _ints(getattr(args, n)) for n in ("block_n", "block_k", "num_warps",
-                                                    "num_stages")}
+        grid = {n: _ints(getattr(args, n)) for n in KNOBS}
     except ValueError:
-        ap.error("--tokens, --block-n, --block-k, --num-warps, --num-stages take "
+        ap.error("--tokens, --block-n, --block-k, --split-k, --num-warps, --num-stages take "
                  "comma-separated integers")
     if min(tokens) < 1 or args.layers < 1 or args.iters < 2 or min(min(v) for v in grid.values()) < 1:
         ap.error("--tokens, the tile lists and --layers must be >= 1; --iters >= 2")

@@ -1,13 +1,17 @@
 """The grouped matmul as a Pallas kernel in the generic API, lowered through Triton on the
 GPU (interpret mode off it).
 
-Grid ``(P, N / block_n)`` over row tiles: tile ``p`` is ``block_m`` consecutive rows of one
-group, then tiles of zeros for the rows past the last group (``P = ceil(M / block_m) + E``
-bounds their count; programs past the last tile store nothing). A program walks K in
-``block_k`` steps, loading its group's ``[block_k, block_n]`` weight blocks through the group
-index (no gathered copy of the weights), accumulates in float32 and stores its rows; rows
-past a tile's end repeat its last row, so every store is unmasked. Every row is stored: no
+Grid ``(P, N / block_n, split_k)`` over row tiles: tile ``p`` is ``block_m`` consecutive rows
+of one group, then tiles of zeros for the rows past the last group (``P = ceil(M / block_m) +
+E`` bounds their count; programs past the last tile store nothing). A program walks its
+``K / split_k`` share of K in ``block_k`` steps, loading its group's ``[block_k, block_n]``
+weight blocks through the group index (no gathered copy of the weights), accumulates in
+float32 and stores its rows; rows past a tile's end repeat its last row, so every store is
+unmasked. Every row is stored: no
 zero-filled buffer is aliased in (XLA kept one per layer live at once in a layer stack).
+With ``split_k > 1`` each share stores float32 partial sums to its own ``[M, N]`` slice of
+``[split_k, M, N]``, summed after the kernel: more programs where few row tiles (decode)
+leave most of the GPU idle.
 """
 
 from __future__ import annotations
@@ -81,10 +85,12 @@ def _programs(group_sizes, block_m: int, num_programs: int, num_rows: int):
 
 
 def _kernel(prog_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
-            block_k: int, num_rows: int, precision):
-    """Program ``(p, j)``: tile ``prog[:, p]``, columns ``[j * block_n, ...)``."""
+            block_k: int, num_rows: int, split_k: int, precision):
+    """Program ``(p, j, s)``: tile ``prog[:, p]``, columns ``[j * block_n, ...)``, the
+    ``s``-th of ``split_k`` shares of K (``out_ref`` ``[split_k, M, N]`` when split)."""
     p = pl.program_id(0)
     j = pl.program_id(1)
+    s0 = pl.program_id(2)
     g_raw = prog_ref[0, p]
     g = jnp.maximum(g_raw, 0)
     first = prog_ref[1, p]
@@ -94,38 +100,44 @@ def _kernel(prog_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
     col = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
     kk0 = jnp.arange(block_k, dtype=jnp.int32)
 
+    k_steps = lhs_ref.shape[1] // block_k // split_k
+
     def body(s, acc):
-        kk = s * block_k + kk0
+        kk = (s0 * k_steps + s) * block_k + kk0
         a = pltr.load(lhs_ref.at[row[:, None], kk[None, :]])            # [BM, BK]
         w = pltr.load(rhs_ref.at[g, kk[:, None], col[None, :]])         # [BK, BN]
         return acc + lax.dot_general(a, w.astype(a.dtype), (((1,), (0,)), ((), ())),
                                      precision=precision, preferred_element_type=jnp.float32)
 
-    k_steps = lhs_ref.shape[1] // block_k
     in_group = jnp.minimum(n_rows, 1) * jnp.minimum(g_raw + 1, 1)     # (int32 bounds)
     acc = lax.fori_loop(0, in_group * k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
 
     def store():
-        pltr.store(out_ref.at[row[:, None], col[None, :]], acc.astype(out_ref.dtype))
+        at = (row[:, None], col[None, :]) if split_k == 1 else (s0, row[:, None], col[None, :])
+        pltr.store(out_ref.at[at], acc.astype(out_ref.dtype))
 
     lax.cond(n_rows > 0, store, lambda: None)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "split_k",
+                                             "num_warps", "num_stages", "interpret"))
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    block_m: int | None = None, block_n: int | None = None,
-                   block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                   interpret: bool | None = None) -> jax.Array:
+                   block_k: int | None = None, split_k: int = 1, num_warps: int = 4,
+                   num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
     """:func:`specjax.kernels.grouped_matmul.grouped_matmul` (rows past the groups: zeros);
-    tile sizes as :func:`tiles`; ``interpret`` defaults to off the GPU. ValueError for
-    shapes the kernel cannot take or a missing Pallas-Triton."""
+    tile sizes as :func:`tiles`; ``split_k`` shares of K summed in float32; ``interpret``
+    defaults to off the GPU. ValueError for shapes the kernel cannot take, a ``split_k``
+    that does not divide K's ``block_k`` steps, or a missing Pallas-Triton."""
     if pltr is None:
         raise ValueError(f"the Pallas grouped-matmul kernel is unavailable: {PLTR_MISSING}")
     m, k = lhs.shape
     e, _, n = rhs.shape
     block_m, block_n, block_k = tiles(m=m, k=k, n=n, groups=e, block_m=block_m,
                                       block_n=block_n, block_k=block_k)
+    if split_k < 1 or (k // block_k) % split_k:
+        raise ValueError(f"split_k={split_k} must be >= 1 and divide K / block_k = "
+                         f"{k // block_k}")
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     if m == 0 or e == 0:
         return jnp.zeros((m, n), dtype)
@@ -133,13 +145,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         interpret = jax.default_backend() != "gpu"
     num_programs = cdiv(m, block_m) + e   # each group and the zero rows add <= 1 partial tile
     kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                               num_rows=m, precision=lax.Precision.HIGHEST)
-    return pl.pallas_call(
+                               num_rows=m, split_k=split_k, precision=lax.Precision.HIGHEST)
+    out = pl.pallas_call(
         kernel,
-        grid=(num_programs, n // block_n),
+        grid=(num_programs, n // block_n, split_k),
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((m, n), dtype),
+        out_shape=jax.ShapeDtypeStruct((m, n) if split_k == 1 else (split_k, m, n),
+                                       dtype if split_k == 1 else jnp.float32),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"grouped_matmul_m{block_m}_n{block_n}_k{block_k}",
+        name=f"grouped_matmul_m{block_m}_n{block_n}_k{block_k}_s{split_k}",
     )(_programs(group_sizes, block_m, num_programs, m), lhs.astype(dtype), rhs)
+    return out if split_k == 1 else jnp.sum(out, axis=0).astype(dtype)

@@ -62,6 +62,22 @@ def test_matches_the_oracle_float32(m, k, n, e, kind, block_m):
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_split_k_matches_the_oracle(dtype, tol):
+    """K in 2 and 4 shares (float32 partials summed): the oracle's values, the input dtype,
+    zeros past the groups; a ``split_k`` not dividing K's steps is refused by name."""
+    rng = np.random.default_rng(3)
+    lhs, rhs, sizes = case(rng, 40, 128, 32, 6, "tail")
+    lj, rj = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+    want = oracle(np.asarray(lj, np.float32), np.asarray(rj, np.float32), sizes)
+    for split in (2, 4):
+        out = pallas.grouped_matmul(lj, rj, jnp.asarray(sizes), block_k=32, split_k=split)
+        assert out.dtype == dtype and out.shape == (40, 32)
+        np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="split_k=3 must be >= 1 and divide K / block_k = 4"):
+        pallas.grouped_matmul(lj, rj, jnp.asarray(sizes), block_k=32, split_k=3)
+
+
 def test_every_row_stored_once_by_its_group():
     """The program table against brute force: over random group sizes (empty groups, a
     tail of rows past the groups, none) every output row is stored by exactly one program,
@@ -102,9 +118,11 @@ def test_triton_lowering_for_h200_on_cpu(monkeypatch):
     # Qwen3-30B-A3B: H 2048, 128 experts of width 768 (gate_up 1536), top-8; decode and prefill
     for m, k, n, dt in ((8, 2048, 1536, jnp.bfloat16), (256, 768, 2048, jnp.bfloat16),
                         (8192, 2048, 1536, jnp.bfloat16), (64, 64, 48, jnp.float32)):
-        fn = pallas.grouped_matmul.trace(sds((m, k), dt), sds((128, k, n), dt),
-                                         sds((128,), jnp.int32), interpret=False)
-        assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
+        for split in (1, 2) if k >= 128 else (1,):
+            fn = pallas.grouped_matmul.trace(sds((m, k), dt), sds((128, k, n), dt),
+                                             sds((128,), jnp.int32), split_k=split,
+                                             interpret=False)
+            assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_backend_rule():
