@@ -1,23 +1,13 @@
 """The Pallas grouped matmul's tiles on a MoE target's decode / verify GEMMs (issue 54).
 
-For each token count T (``--tokens``; T * top_k (token, expert) pairs, routed uniformly at
-random, seeded) and each projection of a Qwen3-30B-A3B-shaped layer (``gate_up``: ``[T*k,
-H] x [E, H, 2I]``; ``down``: ``[T*k, I] x [E, I, H]``), times
-``kernels/grouped_matmul/pallas.py`` over every (block_n, block_k, split_k, num_warps,
-num_stages) of the grid (``--block-n`` etc.; block_m the default), ``--layers`` distinct weight stacks
-in one jitted program (a layer's time is the program's / layers), beside:
-
-- ``ragged_dot``: ``jax.lax.ragged_dot`` (XLA's rewrite, the ``"xla"`` backend);
-- ``dense``: one ``[T, H] x [H, touched * N]`` XLA GEMM reading the same weight bytes as the
-  touched experts: what a memory-bound GEMM reaches on this card;
-- the floor: the touched experts' weight bytes / ``floors.HBM_BPS``.
-
-Rows are printed as measured (a cut run keeps them); the best configuration per (T, GEMM)
-closes the run. CPU runs (interpret mode, ``--geometry tiny``) only check the plumbing.
+For T tokens (``--tokens``, T * top_k pairs routed uniformly, seeded) and each projection of
+a Qwen3-30B-A3B layer (``gate_up`` ``[T*k, H] x [E, H, 2I]``, ``down`` ``[T*k, I] x [E, I,
+H]``): ``kernels/grouped_matmul/pallas.py`` at every configuration of the grid (block_m the
+default), ``jax.lax.ragged_dot``, and ``dense`` (one XLA GEMM reading the touched experts'
+bytes: what a memory-bound GEMM reaches here), per layer over ``--layers`` weight stacks in
+one program, beside the floor (touched bytes / ``floors.HBM_BPS``). Rows print as measured.
 
     python benchmarks/grouped_tiles.py --tokens 1,8,32 --json tiles.json          # GPU
-    python benchmarks/grouped_tiles.py --geometry tiny --tokens 1 --block-n 16 --block-k 16 \\
-        --num-warps 4 --num-stages 2 --iters 2                                    # CPU smoke
 """
 
 from __future__ import annotations

@@ -9,9 +9,7 @@ weight blocks through the group index (no gathered copy of the weights), accumul
 float32 and stores its rows; rows past a tile's end repeat its last row, so every store is
 unmasked. Every row is stored: no
 zero-filled buffer is aliased in (XLA kept one per layer live at once in a layer stack).
-With ``split_k > 1`` each share stores float32 partial sums to its own ``[M, N]`` slice of
-``[split_k, M, N]``, summed after the kernel: more programs where few row tiles (decode)
-leave most of the GPU idle.
+``split_k > 1``: float32 partials per share, summed after (more programs at decode).
 """
 
 from __future__ import annotations
@@ -86,8 +84,7 @@ def _programs(group_sizes, block_m: int, num_programs: int, num_rows: int):
 
 def _kernel(prog_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
             block_k: int, num_rows: int, split_k: int, precision):
-    """Program ``(p, j, s)``: tile ``prog[:, p]``, columns ``[j * block_n, ...)``, the
-    ``s``-th of ``split_k`` shares of K (``out_ref`` ``[split_k, M, N]`` when split)."""
+    """Program ``(p, j, s)``: tile ``prog[:, p]``, columns ``[j * block_n, ...)``, share s."""
     p = pl.program_id(0)
     j = pl.program_id(1)
     s0 = pl.program_id(2)
