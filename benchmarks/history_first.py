@@ -43,25 +43,18 @@ def _head(data: bytes, limit: int) -> bytes:
 
 def workload(num_files: int, max_file_bytes: int) -> tuple[list[list[int]], list[int], dict]:
     """``(prompts, max_tokens, meta)``: BOS + file + its first half (cut at a line end);
-    ``max_tokens`` the rest of the file. Files must be in the held-out split."""
-    from specjax.training.data import split_files, stdlib_py_files, stdlib_root
-
+    ``max_tokens`` the rest of the file. The files' texts come from the workload JSON (held
+    out of the demo models' training split: ``tests/benchmarks/test_history_first_bench.py``)."""
     spec = json.loads(WORKLOAD.read_text())
-    root = stdlib_root()
-    _, held = split_files(stdlib_py_files(root, include_tests=False), root)
-    held_rel = {p.relative_to(root).as_posix() for p in held}
     prompts, max_tokens, names, sizes = [], [], [], []
     for rel in spec["files"][:num_files]:
-        if rel not in held_rel:
-            raise SystemExit(f"{rel} is not a held-out file of {root} (the workload is for "
-                             f"Python {spec['python']})")
-        data = _head((root / rel).read_bytes(), max_file_bytes)
+        data = _head(spec["texts"][rel].encode(), max_file_bytes)
         half = _head(data, len(data) // 2)
         prompts.append([BOS_ID] + list(data) + list(half))
         max_tokens.append(len(data) - len(half))
         names.append(rel)
         sizes.append(len(data))
-    return prompts, max_tokens, {"stdlib": str(root), "files": names, "file_bytes": sizes}
+    return prompts, max_tokens, {"files": names, "file_bytes": sizes}
 
 
 def proposer(method: str, k: int, target, lookup: tuple[int, int]):

@@ -28,3 +28,22 @@ def test_tiny_run(tmp_path, capsys):
     assert "tokens / target forward" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         history_first.main(["--files", "9"])
+
+
+def test_the_workload_texts_are_the_held_out_files():
+    """Each committed text is the start of a file in the demo models' held-out split and,
+    where this interpreter's stdlib has the file, equal to its first bytes."""
+    from specjax.training.data import split_files, stdlib_py_files, stdlib_root
+
+    spec = json.loads(history_first.WORKLOAD.read_text())
+    assert sorted(spec["texts"]) == sorted(spec["files"]) and len(spec["files"]) == 8
+    root = stdlib_root()
+    train, held = split_files(stdlib_py_files(root, include_tests=False), root)
+    rel = lambda ps: {p.relative_to(root).as_posix() for p in ps}  # noqa: E731
+    train, held = rel(train), rel(held)
+    for name in spec["files"]:
+        assert name not in train
+        text = spec["texts"][name].encode()
+        assert 0 < len(text) <= 2048
+        if name in held:
+            assert (root / name).read_bytes()[:len(text)] == text
