@@ -190,10 +190,14 @@ def make_engine(target, prop, b: int, mml: int, dtype, mesh=None, *, loop: dict 
                 **extra) -> Engine:
     """The benchmarks' engine: ``b`` requests in one batch bucket, one context bucket
     (``mml`` tokens), the KV cache in ``dtype``; ``loop``: more ``LoopOptions`` fields;
-    ``extra``: more ``Engine`` arguments."""
+    ``extra``: more ``Engine`` arguments. A proposer that learns from finished requests
+    has that compiled here (no timed window compiles it)."""
     opts = LoopOptions(batch_buckets=(b,), context_buckets=(mml // BS,), **(loop or {}))
-    return Engine(target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
-                  kv_dtype=dtype, mesh=mesh, options=opts, **extra)
+    eng = Engine(target, prop, max_model_len=mml, block_size=BS, max_num_seqs=b,
+                 kv_dtype=dtype, mesh=mesh, options=opts, **extra)
+    if prop is not None:
+        prop.warmup_finish(b)
+    return eng
 
 
 def demo_acceptance(methods, k: int) -> dict[str, float]:

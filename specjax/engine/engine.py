@@ -448,9 +448,12 @@ class Engine:
                         self.draft_state, dataclasses.replace(
                             state, all_greedy=bool(g), num_logprobs=lp,
                             draft_len=None if kk == self.k else kk),
-                        steps_per_sync=opts.steps_per_sync, early_exit=ee)
+                        steps_per_sync=opts.steps_per_sync, early_exit=ee,
+                        drafter_state=getattr(self.proposer, "device_drafter_state", None))
                     jax.block_until_ready(out)
         n = step_cache_size() + loop_cache_size() - before
+        if self.proposer is not None:
+            self.proposer.warmup_finish(self.max_num_seqs)
         if (opts.adaptive_k or self.verifier is not None) and self.k:
             self.profile_k_costs(batch_sizes)
         return n

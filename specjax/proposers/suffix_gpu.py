@@ -22,7 +22,7 @@ from jax import lax
 
 from specjax.checks import check_int
 from specjax.config import SpeculativeConfig
-from specjax.constants import INT32_LIMIT
+from specjax.constants import INT32_LIMIT, next_power_of_2
 from specjax.proposers import suffix_gpu_corpus as corpus_ops
 from specjax.proposers.interface import TokenHistory, history_feed
 from specjax.proposers.ngram_gpu import DeviceRowsAdapter, NgramGPUProposer, NgramGPUState
@@ -283,6 +283,30 @@ class SuffixGPUProposer:
                              f"{valid.shape} {valid.dtype}")
         return _search_jit(self, state, token_ids, num_tokens, valid)
 
+    @property
+    def ingest_width(self) -> int:
+        """The columns of every :meth:`ingest_documents` call (a document is at most
+        ``min(max_model_len, corpus_tokens - 1)`` tokens): programs differ only in rows."""
+        return next_power_of_2(min(self.max_model_len, max(self.corpus_tokens - 1, 1)))
+
+    def ingest_documents(self, state: SuffixGPUState, prompt_lens: Sequence[int],
+                         token_lists: Sequence[Sequence[int]]) -> SuffixGPUState:
+        """:func:`~specjax.proposers.suffix_gpu_corpus.build_documents`' documents ingested
+        in one call (``state`` donated) of :attr:`ingest_width` columns and a power of two of
+        rows. ValueError naming ``token_lists`` for a document wider than that."""
+        if not self.use_corpus or not token_lists:
+            return state
+        docs, lens = corpus_ops.build_documents(prompt_lens, token_lists, self.corpus_tokens,
+                                                pad=False)
+        width = self.ingest_width
+        if docs.shape[1] > width:
+            raise ValueError(f"token_lists: a document of {docs.shape[1]} tokens is wider than "
+                             f"max_model_len={self.max_model_len} allows ({width})")
+        rows = next_power_of_2(lens.shape[0])
+        d = np.full((rows, width), -1, np.int32)
+        d[: lens.shape[0], : docs.shape[1]] = docs
+        return self.ingest(state, jnp.asarray(d), jnp.asarray(np.pad(lens, (0, rows - lens.shape[0]))))
+
     def ingest(self, state: SuffixGPUState, docs: jax.Array, doc_lens: jax.Array) -> SuffixGPUState:
         """:func:`~specjax.proposers.suffix_gpu_corpus.suffix_ingest` (``state`` donated);
         the state unchanged when the corpus is off."""
@@ -478,7 +502,14 @@ class SuffixGPUProposerAdapter(DeviceRowsAdapter):
             if doc is not None:
                 prompt_lens.append(int(doc[0]))
                 token_lists.append(doc[1])
-        if not token_lists or not self.impl.use_corpus:
-            return
-        docs, lens = corpus_ops.build_documents(prompt_lens, token_lists, self.impl.corpus_tokens)
-        self.state = self.impl.ingest(self.state, jnp.asarray(docs), jnp.asarray(lens))
+        self.state = self.impl.ingest_documents(self.state, prompt_lens, token_lists)
+
+    def warmup_finish(self, max_num_seqs: int) -> None:
+        """Compile the corpus's ingestion for up to ``max_num_seqs`` documents a call (a
+        power of two of rows each) on padding rows, which leave it as it is."""
+        rows = next_power_of_2(check_int("max_num_seqs", max_num_seqs, 1))
+        while self.impl.use_corpus and rows:
+            self.state = self.impl.ingest(self.state,
+                                          jnp.full((rows, self.impl.ingest_width), -1, jnp.int32),
+                                          jnp.zeros((rows,), jnp.int32))
+            rows //= 2

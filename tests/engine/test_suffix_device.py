@@ -138,3 +138,20 @@ def test_adaptive_verification_on_suffix_statistics(monkeypatch):
     with pytest.raises(ValueError, match="method='suffix' on the device backend"):
         SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_backend="arctic",
                           enable_adaptive_verification=True)
+
+
+def test_requests_finishing_after_warmup_compile_nothing():
+    """``Engine.warmup`` compiles the corpus's ingestion for up to ``max_num_seqs``
+    documents; requests of different lengths then finish one, two or more at a time and
+    join the corpus without a compile."""
+    from specjax.proposers import suffix_gpu_corpus as co
+    from test_engine import PARAMS_A, PROMPTS_A
+
+    prop = build()
+    eng = Engine(target(), prop, max_num_seqs=4, **fixed())
+    eng.warmup([4], [16])
+    before = co.ingest._cache_size()
+    out = eng.generate(PROMPTS_A, PARAMS_A)
+    assert out.token_ids == baseline("A").token_ids
+    assert int(np.asarray(prop.state.doc_seq)) == len(PROMPTS_A)
+    assert co.ingest._cache_size() == before

@@ -164,6 +164,36 @@ def test_doc_seq_restart_clears_the_table():
     assert int(state.doc_seq) == 2 and int(np.asarray(state.table_seq).max()) == 1
 
 
+@pytest.mark.parametrize("corpus_tokens,mml", [(300, 40), (23, 64)])
+def test_ingest_documents_is_one_program_and_equals_the_oracle(corpus_tokens, mml):
+    """Any length of documents goes in at one width (rows a power of two): the corpus equals
+    the oracle's after each batch (documents by ``build_documents``' rule); the programs
+    compiled are those of the row counts, all made by ``warmup_finish``."""
+    from specjax.proposers import suffix_gpu_corpus as co
+
+    prop = SuffixGPUProposer(num_speculative_tokens=3, max_model_len=mml, max_depth=4,
+                             corpus_tokens=corpus_tokens)
+    adapter = SuffixGPUProposerAdapter(SpeculativeConfig(
+        method="suffix", num_speculative_tokens=3, suffix_decoding_max_tree_depth=4,
+        suffix_decoding_corpus_tokens=corpus_tokens), max_model_len=mml)
+    before = co.ingest._cache_size()
+    adapter.warmup_finish(19)                       # rows 32, 16, 8, 4, 2, 1
+    assert co.ingest._cache_size() - before <= 6 and int(adapter.state.doc_seq) == 0
+    warmed = co.ingest._cache_size()
+    state, oracle = adapter.state, O.Corpus(corpus_tokens)
+    rng = np.random.default_rng(corpus_tokens)
+    for count in (1, 8, 19, 3):
+        toks = [rng.integers(0, 6, int(rng.integers(1, mml + 1))).tolist() for _ in range(count)]
+        prompts = [int(rng.integers(0, len(t) + 1)) for t in toks]
+        state = prop.ingest_documents(state, prompts, toks)
+        oracle.ingest([t[max(p - 3, 0):][-(corpus_tokens - 1):] for p, t in zip(prompts, toks)])
+        assert_corpus_equal(state, oracle)
+    assert co.ingest._cache_size() == warmed
+    if corpus_tokens - 1 > prop.ingest_width:        # (a smaller corpus trims documents)
+        with pytest.raises(ValueError, match="token_lists: a document of"):
+            prop.ingest_documents(state, [0], [[1] * (prop.ingest_width + 1)])
+
+
 def test_build_documents():
     docs, lens = build_documents([5, 2, 0], [list(range(10)), [7, 8, 9], [1, 2]], corpus_len=6)
     assert docs.shape == (4, 8) and lens.tolist() == [5, 3, 2, 0]
