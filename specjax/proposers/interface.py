@@ -114,9 +114,8 @@ class Proposer:
         (not aborted), for proposers that learn from finished responses."""
 
     def warmup_finish(self, max_num_seqs: int) -> None:
-        """Compile what :meth:`finish_requests` runs on the device for up to ``max_num_seqs``
-        requests (a corpus's ingestion), so that none finishing mid-run compiles; nothing
-        for most proposers."""
+        """Compile what :meth:`finish_requests` runs for up to ``max_num_seqs`` requests (no
+        compile when they finish mid-run); nothing for most proposers."""
 
     def on_mesh(self, mesh: Any, axis: str = "tp") -> "Proposer":
         """This proposer for tensor parallelism over ``mesh[axis]`` (itself for

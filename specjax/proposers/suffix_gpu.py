@@ -285,15 +285,13 @@ class SuffixGPUProposer:
 
     @property
     def ingest_width(self) -> int:
-        """The columns of every :meth:`ingest_documents` call (a document is at most
-        ``min(max_model_len, corpus_tokens - 1)`` tokens): programs differ only in rows."""
+        """Columns of every :meth:`ingest_documents` call (programs differ only in rows)."""
         return next_power_of_2(min(self.max_model_len, max(self.corpus_tokens - 1, 1)))
 
     def ingest_documents(self, state: SuffixGPUState, prompt_lens: Sequence[int],
                          token_lists: Sequence[Sequence[int]]) -> SuffixGPUState:
-        """:func:`~specjax.proposers.suffix_gpu_corpus.build_documents`' documents ingested
-        in one call (``state`` donated) of :attr:`ingest_width` columns and a power of two of
-        rows. ValueError naming ``token_lists`` for a document wider than that."""
+        """``build_documents``' documents in one :meth:`ingest` of :attr:`ingest_width`
+        columns, rows a power of two. ValueError naming ``token_lists``: a wider document."""
         if not self.use_corpus or not token_lists:
             return state
         docs, lens = corpus_ops.build_documents(prompt_lens, token_lists, self.corpus_tokens,
@@ -505,8 +503,7 @@ class SuffixGPUProposerAdapter(DeviceRowsAdapter):
         self.state = self.impl.ingest_documents(self.state, prompt_lens, token_lists)
 
     def warmup_finish(self, max_num_seqs: int) -> None:
-        """Compile the corpus's ingestion for up to ``max_num_seqs`` documents a call (a
-        power of two of rows each) on padding rows, which leave it as it is."""
+        """Compile the ingestion of up to ``max_num_seqs`` documents (padding rows: no-ops)."""
         rows = next_power_of_2(check_int("max_num_seqs", max_num_seqs, 1))
         while self.impl.use_corpus and rows:
             self.state = self.impl.ingest(self.state,
