@@ -308,14 +308,18 @@ def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
     if a.warmup == "full":
         eng.generate(prompts, sps, arrival_times=arrivals)
     elif a.warmup == "short":   # decode programs per batch bucket; a spread of prompts alone, then together
+        memory["phase"] = "warmup: decode programs"
         eng.warmup(buckets, [k + 1], stop_pads=(1,))     # (no stop ids: one column)
         pick = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))[:: max(1, len(prompts) // 8)]
         few = SamplingParams(max_tokens=2 * (k + 1) + 2, ignore_eos=True)
         for j in pick:
+            memory["phase"] = f"warmup: one prompt of {len(prompts[j])} tokens"
             eng.generate([prompts[j]], few)
+        memory["phase"] = "warmup: the prompts together"
         eng.generate([prompts[j] for j in pick], few)
     warm_s = time.perf_counter() - t0
     memory["after_warmup"] = device_memory()
+    memory["phase"] = "timed run"
     mark = clock.mark()
     res = eng.generate(prompts, sps, arrival_times=arrivals)
     row = dict(kind="mixed", memory=memory, method=method, k=k, chunked=chunked, budget=eng.options.max_num_batched_tokens,
