@@ -295,15 +295,8 @@ class SuffixGPUProposer:
         if not self.use_corpus or not token_lists:
             return state
         docs, lens = corpus_ops.build_documents(prompt_lens, token_lists, self.corpus_tokens,
-                                                pad=False)
-        width = self.ingest_width
-        if docs.shape[1] > width:
-            raise ValueError(f"token_lists: a document of {docs.shape[1]} tokens is wider than "
-                             f"max_model_len={self.max_model_len} allows ({width})")
-        rows = next_power_of_2(lens.shape[0])
-        d = np.full((rows, width), -1, np.int32)
-        d[: lens.shape[0], : docs.shape[1]] = docs
-        return self.ingest(state, jnp.asarray(d), jnp.asarray(np.pad(lens, (0, rows - lens.shape[0]))))
+                                                width=self.ingest_width)
+        return self.ingest(state, jnp.asarray(docs), jnp.asarray(lens))
 
     def ingest(self, state: SuffixGPUState, docs: jax.Array, doc_lens: jax.Array) -> SuffixGPUState:
         """:func:`~specjax.proposers.suffix_gpu_corpus.suffix_ingest` (``state`` donated);

@@ -187,11 +187,11 @@ def check_documents(state: SuffixGPUState, docs, doc_lens) -> None:
 
 
 def build_documents(prompt_lens: Sequence[int], token_lists: Sequence[Sequence[int]],
-                    corpus_len: int, *, pad: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Host documents, in the given order: request ``i``'s tokens ``[max(prompt_lens[i] - 3,
-    0), len(token_lists[i]))`` (response + last 3 prompt tokens), the newest ``corpus_len -
-    1``. Returns ``(docs [D, W], doc_lens [D])`` int32, ``D``, ``W`` padded to powers of two
-    when ``pad``. ValueError unless ``0 <= prompt_lens[i] <= len(token_lists[i])``."""
+                    corpus_len: int, *, pad: bool = True, width: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Host documents in order: request ``i``'s ``[max(prompt_lens[i] - 3, 0), len)`` tokens,
+    the newest ``corpus_len - 1``, as ``(docs [D, W], doc_lens [D])`` int32 (``pad``: powers of
+    two; ``W = width`` if given). ValueError for a bad ``prompt_lens[i]`` or a wider document."""
     corpus_len = check_int("corpus_len", corpus_len, 1, DOC_SEQ_MAX)
     if len(prompt_lens) != len(token_lists):
         raise ValueError(f"prompt_lens has {len(prompt_lens)} entries, token_lists {len(token_lists)}; "
@@ -203,9 +203,12 @@ def build_documents(prompt_lens: Sequence[int], token_lists: Sequence[Sequence[i
         doc = toks[max(p - 3, 0):]
         docs.append(doc[max(doc.shape[0] - (corpus_len - 1), 0):])
     rows = len(docs)
-    width = max((d.shape[0] for d in docs), default=1)
+    widest = max((d.shape[0] for d in docs), default=1)
+    if width is not None and widest > width:
+        raise ValueError(f"token_lists: a document of {widest} tokens is wider than {width}")
     if pad:
-        rows, width = next_power_of_2(max(rows, 1)), next_power_of_2(max(width, 1))
+        rows = next_power_of_2(max(rows, 1))
+    width = width if width is not None else next_power_of_2(max(widest, 1)) if pad else widest
     out = np.full((rows, max(width, 1)), -1, np.int32)
     lens = np.zeros(rows, np.int32)
     for i, d in enumerate(docs):
