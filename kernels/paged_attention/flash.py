@@ -34,6 +34,8 @@ pltr, PLTR_MISSING = _compat.pallas_triton()
 
 #: Largest query tile (rows = tokens x G) a program may hold.
 MAX_FLASH_ROWS = 256
+#: One wave of programs (the swept GPUs' multiprocessors): fewer default tiles halve the rows.
+WAVE = 132
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -61,17 +63,21 @@ def unsupported_reason(*, num_heads: int, num_kv_heads: int, head_dim: int, tree
 
 def flash_config(*, head_dim: int, group: int, max_query_len: int, rows: int | None = None,
                  block_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, itemsize: int = 2) -> tuple[int, int, int, int]:
+                 num_stages: int | None = None, itemsize: int = 2, num_kv_heads: int = 1
+                 ) -> tuple[int, int, int, int]:
     """``(rows, block_k, num_warps, num_stages)`` with defaults filled in: ``rows`` 128 (64
-    above head_dim 128), no more than ``max_query_len x G`` needs; ``block_k`` 64 (32 above
+    above head_dim 128 or below one :data:`WAVE` of the longest request's 128-row tiles x
+    ``num_kv_heads``), no more than ``max_query_len x G`` needs; ``block_k`` 64 (32 above
     head_dim 128); ``num_warps`` 4 for 16-bit operands (``itemsize``) in up to 128 rows at
     head_dim <= 128, else 8 from 128 x 128 accumulators, else 4; ``num_stages`` 3 for 16-bit
     operands up to head_dim 128, else 2. The 16-bit head_dim <= 128 choices won the tile sweep of
     ``benchmarks/flash_tiles.py``. ValueError for a ``rows`` / ``block_k`` that is not a power
     of two >= 16 (``rows`` >= G, <= 256) or ``num_stages`` < 1."""
     if rows is None:
-        rows = min(128 if head_dim <= 128 else 64,
-                   pow2_at_least(max(int(max_query_len), 1) * group, 16))
+        top = 128 if head_dim <= 128 else 64
+        if -(-int(max_query_len) * group // top) * num_kv_heads < WAVE and top > 64:
+            top = 64            # a lone chunk over a long context: twice the programs
+        rows = min(top, pow2_at_least(max(int(max_query_len), 1) * group, 16))
         rows = max(rows, pow2_at_least(group, 16))
     if rows < 16 or rows & (rows - 1) or rows < group or rows > MAX_FLASH_ROWS:
         raise ValueError(f"rows={rows} must be a power of two in [max(16, G={group}), "
@@ -262,7 +268,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     group = nh // nkv
     rows, block_k, num_warps, num_stages = flash_config(
         head_dim=hd, group=group, rows=rows, max_query_len=max_query_len, block_k=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, num_kv_heads=nkv,
         itemsize=jnp.dtype(jnp.promote_types(q.dtype, k_cache.dtype)).itemsize)
     b_pad = query_start_loc.shape[0] - 1
     if b_pad == 0 or t_pad == 0:

@@ -167,7 +167,7 @@ def launch_plan(q_shape, cache_shape, block_table_shape, *, scale: float, max_qu
     group = nh // nkv
     rows, block_k, num_warps, num_stages = _flash.flash_config(
         head_dim=hd, group=group, max_query_len=max_query_len, rows=rows, block_k=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, num_kv_heads=nkv,
         itemsize=2 if dtype is None else jnp.dtype(dtype).itemsize)
     tq = rows // group
     num_programs = _pk.cdiv(t_pad, tq) + b_pad      # each request adds at most one partial tile

@@ -30,6 +30,8 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import functools
+
 import pytest
 
 import specjax.kernels as K
@@ -74,7 +76,8 @@ class Case:
     @property
     def tq(self):
         rows = flash.flash_config(head_dim=self.hd, group=self.group, rows=self.rows,
-                                  max_query_len=self.qmax, block_k=self.block_k)[0]
+                                  max_query_len=self.qmax, block_k=self.block_k,
+                                  num_kv_heads=self.nkv)[0]
         return rows // self.group
 
 
@@ -449,5 +452,13 @@ def test_tile_defaults_swept_and_unswept():
     assert cfg(head_dim=256) == (64, 32, 8, 2)
     assert cfg(head_dim=64, itemsize=4) == (128, 64, 4, 2)        # 8192 accumulators
     assert cfg(head_dim=128, num_warps=2, num_stages=1) == (128, 64, 2, 1)
+    # under one wave (WAVE = 132 programs) of the longest request's tiles, rows halve:
+    # 512 tokens x G 4 / 128 = 16 tiles x 8 kv heads = 128 < 132 (the chunk-after-32k sweep)
+    one = functools.partial(flash.flash_config, head_dim=128, group=4)
+    assert one(max_query_len=512, num_kv_heads=8) == (64, 64, 4, 3)
+    assert one(max_query_len=544, num_kv_heads=8) == (128, 64, 4, 3)     # 17 x 8 = 136
+    assert one(max_query_len=1024, num_kv_heads=8) == (128, 64, 4, 3)
+    assert one(max_query_len=8, num_kv_heads=8)[0] == 32                 # a decode tile
+    assert one(max_query_len=512, num_kv_heads=8, rows=128)[0] == 128
     with pytest.raises(ValueError, match="num_stages=0"):
         cfg(head_dim=128, num_stages=0)
