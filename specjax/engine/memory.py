@@ -8,6 +8,7 @@ weights (already placed), an activation peak and the fixed proposer state leave.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,8 @@ from specjax.checks import (MAX_INT, ArgumentError, ArgumentTypeError, check_int
                             show)
 
 __all__ = ["kv_cache_bytes", "kv_bytes_per_block", "activation_bytes_estimate",
-           "blocks_for_memory", "num_blocks_from_memory"]
+           "compiled_temp_bytes", "step_workspace_bytes", "workspace_held",
+           "blocks_for_memory", "num_blocks_from_memory", "pool_from_memory"]
 
 NAME = "gpu_memory_utilization"
 #: Bytes set aside besides the estimated activations: XLA's and the BLAS libraries'
@@ -57,7 +59,7 @@ def kv_cache_bytes(step, block_size: int, kv_dtype=None, *, per_device: bool = F
     block_size = check_int("block_size", block_size, 1)
 
     def total(n: int) -> int:
-        kv, state = jax.eval_shape(lambda: step.init_caches(n, block_size, kv_dtype))
+        kv, state = _abstract_caches(step, n, block_size, kv_dtype)
         mesh = getattr(step, "mesh", None)
         if not per_device or mesh is None:
             return _nbytes((kv, state))
@@ -69,17 +71,25 @@ def kv_cache_bytes(step, block_size: int, kv_dtype=None, *, per_device: bool = F
         ss = None if state is None else state_shardings(state, mesh, axis=step.tp_axis)
         return _nbytes(kv, ks) + _nbytes(state, ss)
 
+    two, three = total(2), total(3)
+    per_block = three - two
+    return per_block, two - 2 * per_block
+
+
+def _abstract_caches(step, n: int, block_size: int, kv_dtype):
+    """``jax.eval_shape`` of ``step.init_caches(n, ...)``, the step's record of pool sizes
+    left as it was."""
+    import jax
+
     pools = step.__dict__.get("_kv_pools")      # init_caches records pool sizes: keep them
     saved = None if pools is None else dict(pools)
     try:
-        two, three = total(2), total(3)
+        return jax.eval_shape(lambda: step.init_caches(n, block_size, kv_dtype))
     finally:
         if saved is None:
             step.__dict__.pop("_kv_pools", None)
         else:
             step.__dict__["_kv_pools"] = saved
-    per_block = three - two
-    return per_block, two - 2 * per_block
 
 
 def kv_bytes_per_block(step, block_size: int, kv_dtype) -> int:
@@ -98,9 +108,7 @@ def activation_bytes_estimate(step, params, *, max_num_batched_tokens: int,
     verification (``rows = min(T, max_num_seqs x (k + 1))``, ``T`` without
     ``max_num_seqs``), plus :data:`RUNTIME_SLACK_BYTES`. The phases are summed though they
     do not overlap (the drafter runs after the target's layers are freed), and the estimate
-    assumes the flash / chunked attention paths (no ``[T, context]`` scores). Analytic
-    rather than a compiled ``memory_analysis()``: that would compile a second, unrelated
-    program of the whole model and still miss the proposer and sampler."""
+    assumes the flash / chunked attention paths (no ``[T, context]`` scores)."""
     from specjax.runtime.step import params_kv_dtype
 
     t = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -113,6 +121,54 @@ def activation_bytes_estimate(step, params, *, max_num_batched_tokens: int,
         min(t, check_int("max_num_seqs", max_num_seqs, 1) * (int(step.k) + 1))
     hidden = t * act * (8 * h + 3 * int(inter) + n_aux * h)
     return hidden + rows * v * 4 * LOGITS_COPIES + RUNTIME_SLACK_BYTES
+
+
+def compiled_temp_bytes(step, params, *, block_size: int, kv_dtype, tokens: int,
+                        requests: int, blocks: int) -> int:
+    """XLA's temp bytes (``memory_analysis()``) of the fused step compiled (not run, vLLM's
+    profile run) on a padding batch of ``requests`` rows, ``tokens`` slots, ``blocks`` columns."""
+    import jax
+
+    from specjax.runtime.batch import StepBatch
+    from specjax.runtime.warmup import Bucket, padding_batches
+
+    rows = max(1, min(int(requests), int(tokens)))
+    bucket = Bucket(rows, int(tokens), int(blocks), int(tokens) if rows > 1 else 0)
+    fields = padding_batches(step, [bucket], block_size=block_size, all_greedy=(False,),
+                             tree_verify=(False,))[0]
+    kv, state = _abstract_caches(step, int(blocks) + 1, block_size, kv_dtype)
+    lowered = step.lower(params, step.draft_params, kv, state, StepBatch(**fields))
+    stats = lowered.compile().memory_analysis()
+    return int(getattr(stats, "temp_size_in_bytes", 0) or 0)
+
+
+def step_workspace_bytes(step, params, *, block_size: int, kv_dtype, max_model_len: int,
+                         max_num_batched_tokens: int, max_num_seqs: int | None = None,
+                         compiled: bool = True) -> int:
+    """The bytes the pool leaves free: :func:`activation_bytes_estimate`, or (``compiled``, no
+    mesh) the widest step's :func:`compiled_temp_bytes` plus the slack where that is larger."""
+    act = activation_bytes_estimate(step, params, max_num_batched_tokens=max_num_batched_tokens,
+                                    max_num_seqs=max_num_seqs)
+    if compiled and getattr(step, "mesh", None) is None:
+        temp = compiled_temp_bytes(step, params, block_size=block_size, kv_dtype=kv_dtype,
+                                   tokens=max_num_batched_tokens, requests=max_num_seqs or 1,
+                                   blocks=-(-max_model_len // block_size))
+        act = max(act, temp + RUNTIME_SLACK_BYTES)
+    return act
+
+
+@contextlib.contextmanager
+def workspace_held(nbytes: int, step, params):
+    """``nbytes`` held on each GPU of ``params`` during the block (the pool's placement): the
+    step's temp then finds one free region, not the gaps the weights' loading left."""
+    import jax.numpy as jnp
+
+    held = [jnp.zeros((int(nbytes),), jnp.uint8, device=d) for d in _devices(params, step, None)
+            if nbytes > 0 and d.memory_stats() is not None]
+    try:
+        yield
+    finally:
+        del held
 
 
 def _check_fraction(fraction: Any) -> float:
@@ -179,15 +235,22 @@ def _devices(params: Any, step, device: Any) -> list:
     return list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
 
 
-def num_blocks_from_memory(step, params, *, fraction: float, block_size: int, kv_dtype,
-                           max_model_len: int, max_num_batched_tokens: int, device=None,
-                           max_num_seqs: int | None = None) -> int:
-    """``num_blocks`` for ``Engine`` from ``fraction`` (``gpu_memory_utilization``) of the
-    memory of the devices holding ``params`` (``device``: these instead), the minimum over
-    them: :func:`blocks_for_memory` with one device's share of :func:`kv_cache_bytes`
+def num_blocks_from_memory(step, params, **kw) -> int:
+    """:func:`pool_from_memory`'s block count."""
+    return pool_from_memory(step, params, **kw)[0]
+
+
+def pool_from_memory(step, params, *, fraction: float, block_size: int, kv_dtype,
+                     max_model_len: int, max_num_batched_tokens: int, device=None,
+                     max_num_seqs: int | None = None, compiled: bool = True,
+                     activation_bytes: int | None = None) -> tuple[int, int]:
+    """``(num_blocks, activation bytes held free)`` for ``Engine`` from ``fraction``
+    (``gpu_memory_utilization``) of the memory of the devices holding ``params`` (``device``:
+    these instead), the minimum over them: :func:`blocks_for_memory` with one device's share of :func:`kv_cache_bytes`
     (``kv_dtype`` None: the params' dtype), :func:`activation_bytes_estimate` at
     ``max_num_batched_tokens`` (logits rows bounded by ``max_num_seqs`` when given; whole,
-    not divided over a mesh: conservative under tensor parallelism), params
+    not divided over a mesh: conservative under tensor parallelism), or
+    :func:`step_workspace_bytes` with ``compiled`` (``activation_bytes``: given), params
     leaves still on the host counted whole as fixed bytes (they are placed later), and
     ``min_blocks = ceil(max_model_len / block_size) + 1`` (one request at
     ``max_model_len`` plus the null block). Call it once the params are placed: the
@@ -207,18 +270,22 @@ def num_blocks_from_memory(step, params, *, fraction: float, block_size: int, kv
     if per_block <= 0:
         raise ArgumentError(f"{NAME}: the caches do not grow with num_blocks (0 bytes per "
                             "block), so memory does not size the pool: give num_blocks")
-    act = activation_bytes_estimate(step, params, max_num_batched_tokens=max_num_batched_tokens,
-                                    max_num_seqs=max_num_seqs)
-    host = sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params)
-               if not isinstance(x, jax.Array) and hasattr(x, "dtype"))
-    out = []
-    for d in _devices(params, step, device):
-        stats = d.memory_stats()
-        if stats is None:
+    devices = _devices(params, step, device)
+    for d in devices:
+        if d.memory_stats() is None:
             raise ArgumentError(f"{NAME} needs the device's memory_stats(); the "
                                 f"{getattr(d, 'platform', '?')} device {d} reports none: "
                                 "give num_blocks")
+    act = activation_bytes if activation_bytes is not None else step_workspace_bytes(
+        step, params, block_size=bs, kv_dtype=kv_dtype, max_model_len=mml,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        compiled=compiled)
+    host = sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(params)
+               if not isinstance(x, jax.Array) and hasattr(x, "dtype"))
+    out = []
+    for d in devices:
+        stats = d.memory_stats()
         out.append(blocks_for_memory(device_memory=stats, fraction=fraction,
                                      bytes_per_block=per_block, fixed_bytes=fixed + host,
                                      activation_bytes=act, min_blocks=-(-mml // bs) + 1))
-    return min(out)
+    return min(out), act

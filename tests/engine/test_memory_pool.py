@@ -205,8 +205,33 @@ class FakeDevice:
 
 def expected_blocks(step, params, limit, in_use, fraction=0.5, tokens=256, extra_fixed=0):
     per_block, fixed = memory.kv_cache_bytes(step, BS, jnp.float32)
-    act = memory.activation_bytes_estimate(step, params, max_num_batched_tokens=tokens)
+    act = max(memory.activation_bytes_estimate(step, params, max_num_batched_tokens=tokens),
+              memory.RUNTIME_SLACK_BYTES + memory.compiled_temp_bytes(
+                  step, params, block_size=BS, kv_dtype=jnp.float32, tokens=tokens, requests=1,
+                  blocks=128 // BS))
     return (int(fraction * limit) - in_use - act - fixed - extra_fixed) // per_block
+
+
+def test_compiled_temp_bytes_sizes_the_workspace(monkeypatch):
+    """The step's compiled temp grows with the token budget; where it exceeds the analytic
+    bound it sizes the pool's free share (vLLM's profile run), and compiled=False keeps
+    the bound alone."""
+    step = demo_step(True)
+    _, params = demo_target()
+    temp = functools.partial(memory.compiled_temp_bytes, step, params, block_size=BS,
+                             kv_dtype=jnp.float32, requests=4, blocks=8)
+    assert 0 < temp(tokens=64) < temp(tokens=1024)
+    dev = FakeDevice({"bytes_limit": 4 * GiB, "bytes_in_use": 100 * MiB})
+    per_block, fixed = memory.kv_cache_bytes(step, BS, jnp.float32)
+    room = int(0.5 * 4 * GiB) - 100 * MiB - fixed
+    act = memory.activation_bytes_estimate(step, params, max_num_batched_tokens=256)
+    plain = memory.num_blocks_from_memory(step, params, device=dev, compiled=False, **CALL)
+    assert plain == (room - act) // per_block
+    assert memory.num_blocks_from_memory(step, params, device=dev, activation_bytes=0,
+                                         **CALL) == room // per_block
+    monkeypatch.setattr(memory, "compiled_temp_bytes", lambda *a, **k: GiB)
+    big = memory.num_blocks_from_memory(step, params, device=dev, **CALL)
+    assert big == (room - GiB - memory.RUNTIME_SLACK_BYTES) // per_block < plain
 
 
 CALL = dict(fraction=0.5, block_size=BS, kv_dtype=None, max_model_len=128,
