@@ -302,7 +302,7 @@ def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
                                activation_estimate_gib=round(activation_bytes_estimate(
                                    eng.step, eng.target.params, max_num_seqs=seqs,
                                    max_num_batched_tokens=eng.options.max_num_batched_tokens)
-                                   / 2**30, 3))
+                                   / 2**30, 3), workspace_gib=round(eng.workspace_bytes / 2**30, 3))
     sps = [SamplingParams(max_tokens=o, ignore_eos=True) for o in outs]
     t0 = time.perf_counter()
     if a.warmup == "full":

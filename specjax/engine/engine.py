@@ -124,14 +124,14 @@ class Engine:
         self.block_size = int(block_size)
         self.max_num_seqs = int(max_num_seqs)
         self.kv_dtype = params_kv_dtype(target.params) if kv_dtype is None else kv_dtype
-        self._workspace = 0     # bytes held free for the step's temp while the pool is placed
+        self.workspace_bytes = 0     # held free for the step's temp while the pool is placed
         if gpu_memory_utilization is not None:
             from specjax.engine.memory import pool_from_memory
 
             if num_blocks is not None:
                 raise ArgumentError(f"num_blocks={num_blocks} and gpu_memory_utilization="
                                     f"{gpu_memory_utilization}: give one (the pool's size)")
-            num_blocks, self._workspace = pool_from_memory(
+            num_blocks, self.workspace_bytes = pool_from_memory(
                 self.step, self.target.params, fraction=gpu_memory_utilization,
                 block_size=self.block_size, kv_dtype=self.kv_dtype,
                 max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
@@ -199,7 +199,7 @@ class Engine:
         from specjax.engine.memory import workspace_held
 
         self.target_kv = self.draft_state = None        # the old pool's memory first
-        with workspace_held(self._workspace, self.step, self.target.params):
+        with workspace_held(self.workspace_bytes, self.step, self.target.params):
             self.target_kv, self.draft_state = self.step.init_caches(
                 self.num_blocks, self.block_size, self.kv_dtype, max_num_seqs=self.max_num_seqs)
         self.scheduler.reset()
