@@ -234,7 +234,9 @@ def itl_case(su: Setup, method: str, chunk: int, gemm_tflops: float, clock: Comp
 def run_itl(su: Setup, sink: Sink, clock: CompileClock) -> None:
     a, h, i = su.args, su.geo["hidden_size"], su.geo["intermediate_size"]
     rates, tiny = {}, a.cpu_smoke
-    ns = types.SimpleNamespace(warmup=2, iters=10, case_s=2.0, min_iters=2 if tiny else 3, tiny=tiny)
+    # a sub-millisecond GEMM: warm-up enough for the clocks to rise before it is timed
+    ns = types.SimpleNamespace(warmup=2 if tiny else 20, iters=10 if tiny else 50, case_s=2.0,
+                               min_iters=2 if tiny else 3, tiny=tiny)
     for c in a.chunks:         # the GEMM rate at the chunk's rows (the MLP's gate/up shape)
         g = gemm_rate(c, h, 2 * i, su.dtype, ns)
         sink(dict(g, kind="gemm"))
