@@ -131,6 +131,11 @@ class Setup:
         self.args, self.dtype = args, jnp.dtype(args.dtype)
         self.size = "tiny" if args.cpu_smoke else args.target
         self.target, self.geo, _ = build_target(self.size, self.dtype)    # random weights, fused
+        if jax.default_backend() == "gpu":      # contiguous, as a checkpoint's load lays them
+            host = jax.device_get(self.target.params)
+            self.target = self.target._replace(params=None)
+            gc.collect()
+            self.target = self.target._replace(params=jax.device_put(host))
         self.draft_vocab = floors.EAGLE3_DRAFT_VOCAB_8B if self.size == "8b" else self.geo["vocab_size"]
 
     def proposer(self, method: str, mml: int):
@@ -268,7 +273,8 @@ def device_memory() -> dict | None:
     """GiB in use, at peak and the limit of the first device (None where it reports none)."""
     st = jax.devices()[0].memory_stats()
     return None if not st else {k: round(st.get(k, 0) / 2**30, 3)
-                                for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+                                for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit",
+                                          "largest_free_block_bytes")}
 
 
 def largest_live_arrays(n: int = 8) -> list[str]:

@@ -124,7 +124,7 @@ class Engine:
         self.block_size = int(block_size)
         self.max_num_seqs = int(max_num_seqs)
         self.kv_dtype = params_kv_dtype(target.params) if kv_dtype is None else kv_dtype
-        self.workspace_bytes = 0     # held free for the step's temp while the pool is placed
+        self.workspace_bytes = 0     # what the pool leaves free for the step's temp
         if gpu_memory_utilization is not None:
             from specjax.engine.memory import pool_from_memory
 
@@ -196,12 +196,8 @@ class Engine:
         return Diagnostics(self)
 
     def _reset_cache(self) -> None:
-        from specjax.engine.memory import workspace_held
-
-        self.target_kv = self.draft_state = None        # the old pool's memory first
-        with workspace_held(self.workspace_bytes, self.step, self.target.params):
-            self.target_kv, self.draft_state = self.step.init_caches(
-                self.num_blocks, self.block_size, self.kv_dtype, max_num_seqs=self.max_num_seqs)
+        self.target_kv, self.draft_state = self.step.init_caches(
+            self.num_blocks, self.block_size, self.kv_dtype, max_num_seqs=self.max_num_seqs)
         self.scheduler.reset()
 
     def _check_inputs(self, prompts, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:

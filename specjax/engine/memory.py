@@ -8,7 +8,6 @@ weights (already placed), an activation peak and the fixed proposer state leave.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,7 @@ from specjax.checks import (MAX_INT, ArgumentError, ArgumentTypeError, check_int
                             show)
 
 __all__ = ["kv_cache_bytes", "kv_bytes_per_block", "activation_bytes_estimate",
-           "compiled_temp_bytes", "step_workspace_bytes", "workspace_held",
+           "compiled_temp_bytes", "step_workspace_bytes",
            "blocks_for_memory", "num_blocks_from_memory", "pool_from_memory"]
 
 NAME = "gpu_memory_utilization"
@@ -157,20 +156,6 @@ def step_workspace_bytes(step, params, *, block_size: int, kv_dtype, max_model_l
     return act
 
 
-@contextlib.contextmanager
-def workspace_held(nbytes: int, step, params):
-    """``nbytes`` held on each GPU of ``params`` during the block (the pool's placement): the
-    step's temp then finds one free region, not the gaps the weights' loading left."""
-    import jax.numpy as jnp
-
-    held = [jnp.zeros((int(nbytes),), jnp.uint8, device=d) for d in _devices(params, step, None)
-            if nbytes > 0 and d.memory_stats() is not None]
-    try:
-        yield
-    finally:
-        del held
-
-
 def _check_fraction(fraction: Any) -> float:
     if not is_number(fraction):
         raise ArgumentTypeError(f"{NAME} must be a number in (0, 1], got {show(fraction)} of "
@@ -244,7 +229,7 @@ def pool_from_memory(step, params, *, fraction: float, block_size: int, kv_dtype
                      max_model_len: int, max_num_batched_tokens: int, device=None,
                      max_num_seqs: int | None = None, compiled: bool = True,
                      activation_bytes: int | None = None) -> tuple[int, int]:
-    """``(num_blocks, activation bytes held free)`` for ``Engine`` from ``fraction``
+    """``(num_blocks, activation bytes left free)`` for ``Engine`` from ``fraction``
     (``gpu_memory_utilization``) of the memory of the devices holding ``params`` (``device``:
     these instead), the minimum over them: :func:`blocks_for_memory` with one device's share of :func:`kv_cache_bytes`
     (``kv_dtype`` None: the params' dtype), :func:`activation_bytes_estimate` at
