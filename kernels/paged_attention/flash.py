@@ -74,9 +74,8 @@ def flash_config(*, head_dim: int, group: int, max_query_len: int, rows: int | N
     ``benchmarks/flash_tiles.py``. ValueError for a ``rows`` / ``block_k`` that is not a power
     of two >= 16 (``rows`` >= G, <= 256) or ``num_stages`` < 1."""
     if rows is None:
-        top = 128 if head_dim <= 128 else 64
-        if -(-int(max_query_len) * group // top) * num_kv_heads < WAVE and top > 64:
-            top = 64            # a lone chunk over a long context: twice the programs
+        lone = cdiv(int(max_query_len) * group, 128) * num_kv_heads < WAVE   # under one wave
+        top = 128 if head_dim <= 128 and not lone else 64
         rows = min(top, pow2_at_least(max(int(max_query_len), 1) * group, 16))
         rows = max(rows, pow2_at_least(group, 16))
     if rows < 16 or rows & (rows - 1) or rows < group or rows > MAX_FLASH_ROWS:

@@ -131,8 +131,7 @@ def compiled_temp_bytes(step, params, *, block_size: int, kv_dtype, tokens: int,
     from specjax.runtime.batch import StepBatch
     from specjax.runtime.warmup import Bucket, padding_batches
 
-    rows = max(1, min(int(requests), int(tokens)))
-    bucket = Bucket(rows, int(tokens), int(blocks), int(tokens) if rows > 1 else 0)
+    bucket = Bucket(max(1, min(int(requests), int(tokens))), int(tokens), int(blocks), int(tokens))
     fields = padding_batches(step, [bucket], block_size=block_size, all_greedy=(False,),
                              tree_verify=(False,))[0]
     kv, state = _abstract_caches(step, int(blocks) + 1, block_size, kv_dtype)
@@ -231,11 +230,9 @@ def pool_from_memory(step, params, *, fraction: float, block_size: int, kv_dtype
                      activation_bytes: int | None = None) -> tuple[int, int]:
     """``(num_blocks, activation bytes left free)`` for ``Engine`` from ``fraction``
     (``gpu_memory_utilization``) of the memory of the devices holding ``params`` (``device``:
-    these instead), the minimum over them: :func:`blocks_for_memory` with one device's share of :func:`kv_cache_bytes`
-    (``kv_dtype`` None: the params' dtype), :func:`activation_bytes_estimate` at
-    ``max_num_batched_tokens`` (logits rows bounded by ``max_num_seqs`` when given; whole,
-    not divided over a mesh: conservative under tensor parallelism), or
-    :func:`step_workspace_bytes` with ``compiled`` (``activation_bytes``: given), params
+    these instead), the minimum over them: :func:`blocks_for_memory` with one device's share
+    of :func:`kv_cache_bytes` (``kv_dtype`` None: the params' dtype), the activations of
+    :func:`step_workspace_bytes` (``compiled``; ``activation_bytes``: given instead), params
     leaves still on the host counted whole as fixed bytes (they are placed later), and
     ``min_blocks = ceil(max_model_len / block_size) + 1`` (one request at
     ``max_model_len`` plus the null block). Call it once the params are placed: the

@@ -22,6 +22,7 @@ from __future__ import annotations
 import suite_paths  # tests/support: where the suite's pieces are
 from triton_lowering import fake_h200
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -30,8 +31,6 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
-import functools
-
 import pytest
 
 import specjax.kernels as K
