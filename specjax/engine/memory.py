@@ -59,15 +59,9 @@ def kv_cache_bytes(step, block_size: int, kv_dtype=None, *, per_device: bool = F
 
     def total(n: int) -> int:
         kv, state = _abstract_caches(step, n, block_size, kv_dtype)
-        mesh = getattr(step, "mesh", None)
-        if not per_device or mesh is None:
+        if not per_device or getattr(step, "mesh", None) is None:
             return _nbytes((kv, state))
-        from specjax.models import DecoderLM
-        from specjax.sharding import state_shardings
-
-        own = isinstance(step.target, DecoderLM)
-        ks = state_shardings(kv, mesh, axis=step.tp_axis) if own else None
-        ss = None if state is None else state_shardings(state, mesh, axis=step.tp_axis)
+        ks, ss = _cache_shardings(step, kv, state)
         return _nbytes(kv, ks) + _nbytes(state, ss)
 
     two, three = total(2), total(3)
@@ -89,6 +83,31 @@ def _abstract_caches(step, n: int, block_size: int, kv_dtype):
             step.__dict__.pop("_kv_pools", None)
         else:
             step.__dict__["_kv_pools"] = saved
+
+
+def _cache_shardings(step, kv, state):
+    """``(kv, state)`` shardings as ``init_caches`` places the caches on ``step.mesh``: by kv
+    head; a foreign target's KV None (placed by its own ``init_kv_caches``)."""
+    from specjax.models import DecoderLM
+    from specjax.sharding import state_shardings
+
+    mesh, axis = step.mesh, step.tp_axis
+    ks = state_shardings(kv, mesh, axis=axis) if isinstance(step.target, DecoderLM) else None
+    return ks, None if state is None else state_shardings(state, mesh, axis=axis)
+
+
+def _placed(step, kv, state):
+    """The abstract caches with the shardings the step's program receives on its mesh."""
+    import jax
+
+    def put(tree, shardings):
+        if tree is None or shardings is None:
+            return tree
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            tree, shardings)
+
+    ks, ss = _cache_shardings(step, kv, state)
+    return put(kv, ks), put(state, ss)
 
 
 def kv_bytes_per_block(step, block_size: int, kv_dtype) -> int:
@@ -125,7 +144,8 @@ def activation_bytes_estimate(step, params, *, max_num_batched_tokens: int,
 def compiled_temp_bytes(step, params, *, block_size: int, kv_dtype, tokens: int,
                         requests: int, blocks: int) -> int:
     """XLA's temp bytes (``memory_analysis()``) of the fused step compiled (not run, vLLM's
-    profile run) on a padding batch of ``requests`` rows, ``tokens`` slots, ``blocks`` columns."""
+    profile run) on a padding batch of ``requests`` rows, ``tokens`` slots, ``blocks`` columns;
+    on ``step.mesh``, one device's (the caches placed as ``init_caches`` places them)."""
     import jax
 
     from specjax.runtime.batch import StepBatch
@@ -135,6 +155,8 @@ def compiled_temp_bytes(step, params, *, block_size: int, kv_dtype, tokens: int,
     fields = padding_batches(step, [bucket], block_size=block_size, all_greedy=(False,),
                              tree_verify=(False,))[0]
     kv, state = _abstract_caches(step, int(blocks) + 1, block_size, kv_dtype)
+    if getattr(step, "mesh", None) is not None:
+        kv, state = _placed(step, kv, state)
     lowered = step.lower(params, step.draft_params, kv, state, StepBatch(**fields))
     stats = lowered.compile().memory_analysis()
     return int(getattr(stats, "temp_size_in_bytes", 0) or 0)
@@ -143,11 +165,11 @@ def compiled_temp_bytes(step, params, *, block_size: int, kv_dtype, tokens: int,
 def step_workspace_bytes(step, params, *, block_size: int, kv_dtype, max_model_len: int,
                          max_num_batched_tokens: int, max_num_seqs: int | None = None,
                          compiled: bool = True) -> int:
-    """The bytes the pool leaves free: :func:`activation_bytes_estimate`, or (``compiled``, no
-    mesh) the widest step's :func:`compiled_temp_bytes` plus the slack where that is larger."""
+    """The bytes the pool leaves free: :func:`activation_bytes_estimate`, or (``compiled``)
+    the widest step's :func:`compiled_temp_bytes` plus the slack where that is larger."""
     act = activation_bytes_estimate(step, params, max_num_batched_tokens=max_num_batched_tokens,
                                     max_num_seqs=max_num_seqs)
-    if compiled and getattr(step, "mesh", None) is None:
+    if compiled:
         temp = compiled_temp_bytes(step, params, block_size=block_size, kv_dtype=kv_dtype,
                                    tokens=max_num_batched_tokens, requests=max_num_seqs or 1,
                                    blocks=-(-max_model_len // block_size))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import suite_paths
-from specjax import demo_models, make_proposer
+from specjax import LoopOptions, demo_models, make_proposer
 from specjax.engine import memory
 from specjax.models import registry
 from specjax.runtime.step import make_step
@@ -141,14 +141,15 @@ def test_kv_cache_bytes_allocates_nothing_and_keeps_the_pool_record():
 
 
 def test_kv_cache_bytes_per_device_on_a_mesh():
-    """On a 2-device mesh the KV is sharded by kv head: one device holds half a block."""
+    """On a 2-device mesh the KV is sharded by kv head: one device holds half a block; the
+    step compiled on the mesh reports one device's temp, below the single device's."""
     body = """
         import os
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
         os.environ["JAX_PLATFORMS"] = "cpu"
         import jax, numpy as np
         from jax.sharding import Mesh
-        from specjax import demo_models, make_proposer
+        from specjax import LoopOptions, demo_models, make_proposer
         from specjax.engine import memory
         from specjax.models import registry
         from specjax.runtime.step import make_step
@@ -164,6 +165,15 @@ def test_kv_cache_bytes_per_device_on_a_mesh():
             assert memory.kv_cache_bytes(two, 16, np.float32) == whole
             shard = memory.kv_cache_bytes(two, 16, np.float32, per_device=True)
             assert 2 * shard[0] == whole[0] > 0, (shard, whole)
+            temp = [memory.compiled_temp_bytes(s, s.place_target_params(params), block_size=16,
+                                               kv_dtype=np.float32, tokens=256, requests=4,
+                                               blocks=8) for s in (one, two)]
+            assert 0 < temp[1] < 0.75 * temp[0], temp
+            work = memory.step_workspace_bytes(two, two.place_target_params(params),
+                                               block_size=16, kv_dtype=np.float32,
+                                               max_model_len=128, max_num_batched_tokens=256,
+                                               max_num_seqs=4)
+            assert work >= temp[1] + memory.RUNTIME_SLACK_BYTES, (work, temp)
         print("ok")
     """
     env = dict(os.environ, PYTHONPATH=suite_paths.pythonpath())
@@ -232,6 +242,40 @@ def test_compiled_temp_bytes_sizes_the_workspace(monkeypatch):
     monkeypatch.setattr(memory, "compiled_temp_bytes", lambda *a, **k: GiB)
     big = memory.num_blocks_from_memory(step, params, device=dev, **CALL)
     assert big == (room - GiB - memory.RUNTIME_SLACK_BYTES) // per_block < plain
+
+
+def test_compiled_temp_bytes_of_a_foreign_target():
+    """A target written against ``specjax.Target`` alone (its own attention and KV layout)
+    goes through the same compile: its temp grows with the token budget, it sizes the pool
+    of an ``Engine`` built with ``gpu_memory_utilization``, and that engine decodes."""
+    from foreign_target import ForeignGPT, full_recompute_greedy, init_params
+
+    from specjax import Engine, SamplingParams, TargetModel
+
+    tgt, params = ForeignGPT(block_size=8), init_params(0)
+    step = make_step(tgt, None)
+    temp = functools.partial(memory.compiled_temp_bytes, step, params, block_size=8,
+                             kv_dtype=jnp.float32, requests=2, blocks=8)
+    small, big = temp(tokens=32), temp(tokens=512)
+    assert 0 < small < big
+    dev = FakeDevice({"bytes_limit": GiB, "bytes_in_use": MiB})
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(memory, "_devices", lambda params, step, device: [dev])
+    try:
+        eng = Engine(TargetModel(tgt, params), None, max_model_len=64, block_size=8,
+                     max_num_seqs=2, gpu_memory_utilization=0.5,
+                     options=LoopOptions(max_num_batched_tokens=512))
+    finally:
+        monkey.undo()
+    assert eng.workspace_bytes == max(
+        big + memory.RUNTIME_SLACK_BYTES,
+        memory.activation_bytes_estimate(eng.step, params, max_num_batched_tokens=512,
+                                         max_num_seqs=2))
+    per_block, fixed = memory.kv_cache_bytes(eng.step, 8, jnp.float32)
+    assert eng.num_blocks == (GiB // 2 - MiB - eng.workspace_bytes - fixed) // per_block
+    prompt = [5, 6, 7, 8, 5, 6]
+    out = eng.generate([prompt], SamplingParams(max_tokens=6)).token_ids
+    assert out == [full_recompute_greedy(params, prompt, 6)]
 
 
 CALL = dict(fraction=0.5, block_size=BS, kv_dtype=None, max_model_len=128,
