@@ -267,7 +267,7 @@ def decode_rows(geo: dict, batches, k: int, context: int, iters: int, dtype_name
 
     import loop
     from e2e import make_engine
-    from specjax.models import registry
+    from specjax.models import moe, registry
     from specjax.engine import TargetModel
 
     dtype = jnp.dtype(dtype_name)
@@ -314,7 +314,7 @@ def decode_rows(geo: dict, batches, k: int, context: int, iters: int, dtype_name
             rows.append(r)
             print(f"{method:<7} B={b:>3} iter {r['per_iter_ms']:8.3f} ms  floor {r['floor_ms']:8.3f}"
                   f" ms  x{r['per_floor']:5.2f}  experts {r['expert_gb']:6.2f} GB  "
-                  f"tok/s {r['tokens_per_s']:9.1f}", flush=True)
+                  f"tok/s {r['tokens_per_s']:9.1f}  pair_max {moe.PAIR_MAX_PAIRS}", flush=True)
             del eng, prop
             gc.collect()
     return rows
@@ -336,6 +336,9 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="part decode: trace each plain step into DIR, per-kernel table")
+    ap.add_argument("--pair-max", default=None,
+                    help="part decode: models.moe.PAIR_MAX_PAIRS values, comma separated, each "
+                         "run (0: the sorted grouped matmul always; default: the library's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     order = args.parts.split(",")
@@ -345,6 +348,7 @@ def main(argv=None) -> int:
         ap.error("--parts takes experts,decode; --k >= 1; --iters >= 2; --expert-layers >= 0")
     only = None if args.impls is None else set(args.impls.split(","))
     batches = [int(x) for x in args.batch.split(",")]
+    pair_max = [None] if args.pair_max is None else [int(x) for x in args.pair_max.split(",")]
     qs = (1, args.k + 1)
     if args.anchor:
         print(json.dumps(anchor_rows(expert_geometry(GEOMETRIES[args.geometry],
@@ -371,8 +375,15 @@ def main(argv=None) -> int:
     rows = []
     for part in order:
         if part == "decode":
-            rows += decode_rows(geo, batches, args.k, args.context, args.iters, dtype,
-                                args.profile)
+            from specjax.models import moe
+
+            for pm in pair_max:         # the programs traced afresh for each threshold
+                if pm is not None:
+                    moe.PAIR_MAX_PAIRS = pm
+                    jax.clear_caches()
+                got = decode_rows(geo, batches, args.k, args.context, args.iters, dtype,
+                                  args.profile)
+                rows += [dict(r, pair_max=moe.PAIR_MAX_PAIRS) for r in got]
             continue
         eg = expert_geometry(geo, args.expert_layers)
         print(f"# part experts: {eg['num_hidden_layers']} layers", flush=True)

@@ -54,9 +54,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -70,7 +72,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import floors  # noqa: E402
-from e2e import make_engine  # noqa: E402
+from e2e import TARGETS, make_engine  # noqa: E402
 from loop import BS, DEMO_RATES, build_target, drafter  # noqa: E402
 from prefill import Sink, attention_flops, cdiv, gemm_rate, prefill_flops, short  # noqa: E402
 
@@ -225,6 +227,8 @@ def itl_case(su: Setup, method: str, chunk: int, gemm_tflops: float, clock: Comp
     ms = [e["s"] * 1e3 for e in chunks]
     fl = [chunk_floor_s(su, e["rows"], L, k, gemm_tflops) * 1e3 for e in chunks]
     ratio = [x / f for x, f in zip(ms, fl)]
+    past = [next(nc for i, nc, _, _ in e["rows"] if i == L) for e in chunks]
+    row["chunk_steps_by_past"] = [[p, x, f] for p, x, f in zip(past, ms, fl)]
     row.update(steps=len(window), skipped_steps=start - first, tokens_in_window=got,
                every_step=bool(window) and all(g == len(window) for g in got),
                window_s=hi - lo, itl_p50_ms=pct(gaps, 50), itl_p99_ms=pct(gaps, 99), itl_n=len(gaps),
@@ -236,7 +240,41 @@ def itl_case(su: Setup, method: str, chunk: int, gemm_tflops: float, clock: Comp
     return row
 
 
-def run_itl(su: Setup, sink: Sink, clock: CompileClock) -> None:
+def torch_anchor(args, geo: dict) -> list[dict]:
+    """PyTorch's chunk step per chunk size (``torch_chunk.py`` in its own process, run before
+    JAX takes the GPU's memory); rows with ``error`` where it fails."""
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_chunk.py"),
+           "--geo", json.dumps(geo), "--chunks", ",".join(map(str, args.chunks)),
+           "--long", str(args.long), "--running", str(args.running),
+           "--running-prompt", str(args.running_prompt)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        return [dict(kind="torch_chunk", chunk=c, error=out.stderr[-600:]) for c in args.chunks]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def anchor_rows(su: Setup, anchors: list[dict], itl_rows: list[dict], rates: dict) -> list[dict]:
+    """Each anchor row with its floor (``chunk_floor_s`` of its rows: the chunk at ``past``
+    beside the decode rows) and specjax's plain chunk step at the same ``past``."""
+    out = []
+    for r in anchors:
+        r = dict(r)
+        if "error" not in r and r.get("eager_ms") is not None:
+            rows = [(-1, r["past"], r["chunk"], 0)] + [(i, r["running_prompt"], 1, 0)
+                                                      for i in range(r["running"])]
+            r["floor_ms"] = chunk_floor_s(su, rows, -1, 0, rates[r["chunk"]]) * 1e3
+            best = min((x for x in (r.get("eager_ms"), r.get("compiled_ms")) if x is not None))
+            r["torch_ms"], r["torch_x_floor"] = best, best / r["floor_ms"]
+            ours = [x for q in itl_rows if q.get("method") == "plain" and q.get("chunk") == r["chunk"]
+                    for p, x, _ in q.get("chunk_steps_by_past", ()) if p == r["past"]]
+            if ours:
+                r["specjax_ms"] = ours[0]
+                r["specjax_x_torch"] = ours[0] / best
+        out.append(r)
+    return out
+
+
+def run_itl(su: Setup, sink: Sink, clock: CompileClock, anchors: list[dict]) -> None:
     a, h, i = su.args, su.geo["hidden_size"], su.geo["intermediate_size"]
     rates, tiny = {}, a.cpu_smoke
     # a sub-millisecond GEMM: warm-up enough for the clocks to rise before it is timed
@@ -246,6 +284,7 @@ def run_itl(su: Setup, sink: Sink, clock: CompileClock) -> None:
         g = gemm_rate(c, h, 2 * i, su.dtype, ns)
         sink(dict(g, kind="gemm"))
         rates[c] = g.get("tflops", math.nan)
+    done: list[dict] = []
     for method in a.methods:
         for c in a.chunks:
             try:
@@ -254,6 +293,9 @@ def run_itl(su: Setup, sink: Sink, clock: CompileClock) -> None:
                 row = dict(kind="itl", method=method, chunk=c, error=short(e))
             gc.collect()
             sink(row)
+            done.append(row)
+    for r in anchor_rows(su, anchors, done, rates):
+        sink(r)
 
 
 # -- part 2: a Poisson workload -------------------------------------------------------------
@@ -389,6 +431,19 @@ def print_tables(rows: list[dict]) -> None:
                   f"{_f(r['floor_ms_p50'], '.3f')} | {_f(r['ratio_p50'])} | {_f(r['ratio_max'])} | "
                   f"{_f(r['itl_x_floor'])} | {_f(r['gemm_tflops'], '.3g')} | {r['compiles']} "
                   f"({r['compile_s']:.1f} s) |")
+    anchors = [r for r in rows if r["kind"] == "torch_chunk"]
+    if anchors:
+        print("\n| PyTorch chunk step | past | attention | eager ms | compiled ms | floor ms "
+              "| PyTorch / floor | specjax plain ms (same past) | specjax / PyTorch |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in anchors:
+            if "error" in r or r.get("eager_ms") is None:
+                print(f"| {r['chunk']} | fails: {str(r.get('error', r))[:150]} |" + " |" * 7)
+                continue
+            print(f"| {r['chunk']} | {r['past']} | {r['attention']} | {_f(r['eager_ms'])} | "
+                  f"{_f(r.get('compiled_ms'))} | {_f(r['floor_ms'], '.3f')} | "
+                  f"{_f(r['torch_x_floor'])} | {_f(r.get('specjax_ms'))} | "
+                  f"{_f(r.get('specjax_x_torch'))} |")
     mixed = [r for r in rows if r["kind"] == "mixed"]
     if mixed:
         print("\n| method | chunked | budget | seqs | KV blocks | out tok/s | TTFT p50 ms | TTFT p99 ms "
@@ -414,13 +469,13 @@ def _ints(s: str) -> list[int]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    gpu = jax.default_backend() == "gpu"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="the tiny float32 target and tiny sizes (" + ", ".join(
                         f"{k}={v}" for k, v in SMOKE.items()) + ") unless given")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma separated, of itl,mixed")
-    ap.add_argument("--target", choices=("8b", "1b", "tiny"), default="8b" if gpu else "tiny")
+    ap.add_argument("--target", choices=("8b", "1b", "tiny"), default=None,
+                    help="8b on a GPU, else tiny")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="default bfloat16 (float32 with --cpu-smoke)")
     ap.add_argument("--methods", default="plain,eagle3", help="of plain,eagle3")
@@ -442,8 +497,19 @@ def main(argv=None) -> int:
     ap.add_argument("--num-blocks", type=int, default=None, help="mixed: the KV pool instead")
     ap.add_argument("--warmup", choices=("short", "full", "none"), default="short",
                     help="mixed: before the timed run, a short generate, the whole workload, or none")
+    ap.add_argument("--torch", action="store_true",
+                    help="itl: PyTorch's chunk step beside it (torch_chunk.py, its own process)")
     ap.add_argument("--json", default=None, help="write the settings and every row here")
     args = ap.parse_args(argv)
+    anchors: list[dict] = []
+    if args.torch and "itl" in args.parts.split(",") and not args.cpu_smoke:
+        # first: before this process's JAX takes the GPU's memory
+        chunks = _ints(args.chunks or "512,1024,2048")
+        anchors = torch_anchor(argparse.Namespace(
+            chunks=chunks, long=args.long or 32768, running=args.running or 8,
+            running_prompt=args.running_prompt or 1024), TARGETS[args.target or "8b"])
+    gpu = jax.default_backend() == "gpu"
+    args.target = args.target or ("8b" if gpu else "tiny")
     defaults = dict(long=32768, chunks="512,1024,2048", running=8, running_prompt=1024, rate=4.0,
                     num_requests=64, prompt_range="128,32768", output_range="64,1024",
                     batch_buckets="8,32,128", num_blocks=None)
@@ -472,7 +538,7 @@ def main(argv=None) -> int:
     su = Setup(args)
     t0 = time.perf_counter()
     if "itl" in args.parts:
-        run_itl(su, sink, clock)
+        run_itl(su, sink, clock, anchors)
     if "mixed" in args.parts:
         run_mixed(su, sink, clock)
     clock.close()

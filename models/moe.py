@@ -20,10 +20,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from specjax import _compat
-from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.grouped_matmul import grouped_matmul, pair_matmul, resolve_grouped_backend
 from specjax.models.layers import linear
 
-__all__ = ["EP_AXIS", "softmax_top_k", "top_k_softmax", "swiglu", "grouped_experts",
+__all__ = ["EP_AXIS", "PAIR_MAX_PAIRS", "softmax_top_k", "top_k_softmax", "swiglu", "grouped_experts",
            "sharded_experts", "Experts", "SparseMoeBlock"]
 
 #: Mesh axes of the experts' split: E over ``"ep"``, each expert's FFN width over ``"tp"``.
@@ -62,6 +62,17 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
     e = gate_up.shape[0]
     flat = experts.reshape(-1)                                                  # [T*k]
     local = (flat >= 0) & (flat < e)
+    if t * k <= PAIR_MAX_PAIRS and _pairwise(backend, (x.shape[1], gate_up.shape[2]),
+                                             down.shape[1:]):
+        pair = jnp.arange(t * k, dtype=jnp.int32)
+        gu = pair_matmul(x, gate_up.astype(x.dtype), pair // k, flat)              # [T*k, 2I]
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias.astype(x.dtype)[jnp.clip(flat, 0, e - 1)]
+        y = pair_matmul(activation(gu), down.astype(x.dtype), pair, flat)          # [T*k, H]
+        if down_bias is not None:
+            y = y + down_bias.astype(x.dtype)[jnp.clip(flat, 0, e - 1)]
+        w = jnp.where(local, weights.reshape(-1).astype(jnp.float32), 0)[:, None]
+        return jnp.sum((y.astype(jnp.float32) * w).reshape(t, k, -1), axis=1).astype(x.dtype)
     order = jnp.argsort(jnp.where(local, flat, e), stable=True)                 # others last
     token = order // k
     pair_expert = jnp.clip(flat[order], 0, e - 1)
@@ -75,6 +86,21 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
     w = weights.reshape(-1)[order].astype(x.dtype)[:, None]
     y = jnp.where(local[order][:, None], y * w, 0)       # rows past the groups: unspecified
     return jnp.zeros((t, x.shape[1]), x.dtype).at[token].add(y)
+
+
+#: (token, expert) pairs up to which the Pallas path runs :func:`pair_matmul` (one program
+#: per pair, nothing sorted) rather than the sorted grouped matmul: at decode its routing
+#: kernels cost more than the GEMMs, and few pairs name one expert twice.
+PAIR_MAX_PAIRS = 32
+
+
+def _pairwise(backend: str, *shapes) -> bool:
+    """Whether ``backend``'s grouped matmul is the Pallas kernel and takes every ``(K, N)``."""
+    if resolve_grouped_backend(backend) != "pallas":
+        return False
+    from specjax.kernels.grouped_matmul import pallas
+
+    return all(pallas.unsupported_reason(int(a), int(b)) is None for a, b in shapes)
 
 
 def _expert_axes():

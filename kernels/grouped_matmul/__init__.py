@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from specjax.kernels import backend as _backend
 
-__all__ = ["grouped_matmul", "resolve_grouped_backend"]
+__all__ = ["grouped_matmul", "pair_matmul", "resolve_grouped_backend"]
 
 
 def resolve_grouped_backend(backend: str = "auto") -> str:
@@ -61,3 +61,12 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     from specjax.kernels.grouped_matmul import pallas
 
     return pallas.grouped_matmul(lhs, rhs, group_sizes)
+
+
+def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Array) -> jax.Array:
+    """``out[p] = lhs[rows[p]] @ rhs[groups[p]]`` (a group outside ``[0, E)``: zeros) ->
+    ``[P, N]``: :func:`.pallas.pair_matmul`, the Pallas kernel (no XLA version: the sorted
+    :func:`grouped_matmul` is the XLA path)."""
+    from specjax.kernels.grouped_matmul import pallas
+
+    return pallas.pair_matmul(lhs, rhs, rows, groups)

@@ -154,3 +154,73 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         name=f"grouped_matmul_m{block_m}_n{block_n}_k{block_k}_s{split_k}",
     )(_programs(group_sizes, block_m, num_programs, m), lhs.astype(dtype), rhs)
     return out if split_k == 1 else jnp.sum(out, axis=0).astype(dtype)
+
+
+def _pair_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, block_n: int, block_k: int,
+                 precision):
+    """Program ``(p, j)``: output row p = ``lhs[row] @ rhs[group]`` over columns
+    ``[j * block_n, ...)``; ``(group, row) = tab[:, p]``, group -1 stores zeros. The one row
+    is loaded ``PAIR_ROWS`` times (Triton's dot needs 16 rows) and stored to row p from each."""
+    p = pl.program_id(0)
+    j = pl.program_id(1)
+    g_raw = tab_ref[0, p]
+    g = jnp.maximum(g_raw, 0)
+    rows = jnp.full((PAIR_ROWS,), tab_ref[1, p], jnp.int32)
+    col = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    kk0 = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(s, acc):
+        kk = s * block_k + kk0
+        a = pltr.load(lhs_ref.at[rows[:, None], kk[None, :]])           # [16, BK]
+        w = pltr.load(rhs_ref.at[g, kk[:, None], col[None, :]])         # [BK, BN]
+        return acc + lax.dot_general(a, w.astype(a.dtype), (((1,), (0,)), ((), ())),
+                                     precision=precision, preferred_element_type=jnp.float32)
+
+    steps = jnp.minimum(g_raw + 1, 1) * (lhs_ref.shape[1] // block_k)
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((PAIR_ROWS, block_n), jnp.float32))
+    out_rows = jnp.full((PAIR_ROWS,), p, jnp.int32)
+    pltr.store(out_ref.at[out_rows[:, None], col[None, :]], acc.astype(out_ref.dtype))
+
+
+#: Rows a pair program computes (its one row repeated): the smallest tile Triton's dot takes.
+PAIR_ROWS = 16
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Array, *,
+                block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
+                num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
+    """``out[p] = lhs[rows[p]] @ rhs[groups[p]]`` for ``lhs [T, K]``, ``rhs [E, K, N]``,
+    ``rows`` / ``groups [P]`` int (a group outside ``[0, E)``: a zero row) -> ``[P, N]``: one
+    program per (pair, column tile), nothing sorted, gathered or counted first. For a few
+    pairs (decode), where the sorted grouped matmul's routing kernels cost more than its
+    GEMMs; a group's weights are read once per pair that names it. ``block_n`` / ``block_k``
+    as :func:`tiles` (``block_n`` up to 64: more programs for a few pairs)."""
+    if pltr is None:
+        raise ValueError(f"the Pallas grouped-matmul kernel is unavailable: {PLTR_MISSING}")
+    t, k = lhs.shape
+    e, _, n = rhs.shape
+    _, block_n, block_k = tiles(m=1, k=k, n=n, groups=1, block_m=16,
+                                block_n=_block(n, 64) if block_n is None else block_n,
+                                block_k=block_k)
+    dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    num_pairs = rows.shape[0]
+    if num_pairs == 0 or t == 0:
+        return jnp.zeros((num_pairs, n), dtype)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    groups = groups.astype(jnp.int32)
+    tab = jnp.stack([jnp.where((groups >= 0) & (groups < e), groups, -1),
+                     jnp.clip(rows.astype(jnp.int32), 0, t - 1)])
+    kernel = functools.partial(_pair_kernel, block_n=block_n, block_k=block_k,
+                               precision=lax.Precision.HIGHEST)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_pairs, n // block_n),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((num_pairs, n), dtype),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"pair_matmul_n{block_n}_k{block_k}",
+    )(tab, lhs.astype(dtype), rhs)

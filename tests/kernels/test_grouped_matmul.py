@@ -4,7 +4,8 @@ contract: rows sorted by group, ``out[i] = lhs[i] @ rhs[g(i)]``, rows past the g
 groups, groups larger than a row tile, one group holding every row, and rows past the
 groups; float32 to 1e-5 and bfloat16 to its rounding; the Triton lowering for an H200 (no
 PTX) at Qwen3-30B-A3B's shapes; the backend rule; the errors; the MoE layer on either
-backend."""
+backend and either Pallas path (``pair_matmul`` for a few pairs, checked against its own
+oracle too)."""
 
 from __future__ import annotations
 
@@ -123,6 +124,11 @@ def test_triton_lowering_for_h200_on_cpu(monkeypatch):
                                              sds((128,), jnp.int32), split_k=split,
                                              interpret=False)
             assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
+        if m <= 256:                     # the pair kernel at decode / verify widths
+            fn = pallas.pair_matmul.trace(sds((m, k), dt), sds((128, k, n), dt),
+                                          sds((m,), jnp.int32), sds((m,), jnp.int32),
+                                          interpret=False)
+            assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_backend_rule():
@@ -156,7 +162,26 @@ def test_errors():
         pallas.grouped_matmul(lhs, rhs, sizes, block_n=32)
 
 
-def test_moe_layer_on_either_backend():
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_pair_matmul_matches_the_oracle(dtype, tol):
+    """``out[p] = lhs[rows[p]] @ rhs[groups[p]]``: rows and groups repeated, a group past E
+    and a negative one (zeros), N wider than one column tile."""
+    rng = np.random.default_rng(5)
+    t, k, n, e = 3, 48, 160, 6
+    lhs = rng.standard_normal((t, k)).astype(np.float32)
+    rhs = (rng.standard_normal((e, k, n)) / np.sqrt(k)).astype(np.float32)
+    rows = np.array([0, 0, 1, 2, 2, 1, 0, 2], np.int32)
+    groups = np.array([5, 1, 0, 5, 3, e + 2, -1, 5], np.int32)
+    lq, rq = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+    out = pallas.pair_matmul(lq, rq, jnp.asarray(rows), jnp.asarray(groups))
+    assert out.shape == (8, n) and out.dtype == dtype
+    l64, r64 = np.asarray(lq, np.float64), np.asarray(rq, np.float64)
+    want = np.stack([l64[r] @ r64[g] if 0 <= g < e else np.zeros(n) for r, g in zip(rows, groups)])
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=tol, rtol=tol)
+    assert not np.asarray(out[5:7]).any()
+
+
+def test_moe_layer_on_either_backend(monkeypatch):
     """The routed experts (with another shard's ids and biases) give the same output."""
     rng = np.random.default_rng(3)
     t, h, i, e, k = 12, 32, 16, 8, 2
@@ -171,6 +196,11 @@ def test_moe_layer_on_either_backend():
     got = {b: np.asarray(moe.grouped_experts(x, weights, ids, gate_up, down, backend=b,
                                              **biases)) for b in ("xla", "pallas")}
     np.testing.assert_allclose(got["pallas"], got["xla"], atol=1e-5, rtol=1e-5)
+    assert t * k <= moe.PAIR_MAX_PAIRS          # the Pallas path above ran pair_matmul;
+    monkeypatch.setattr(moe, "PAIR_MAX_PAIRS", 0)  # now the sorted grouped matmul
+    got["sorted"] = np.asarray(moe.grouped_experts(x, weights, ids, gate_up, down,
+                                                   backend="pallas", **biases))
+    np.testing.assert_allclose(got["sorted"], got["xla"], atol=1e-5, rtol=1e-5)
     # the oracle: each (token, expert) pair directly
     want = np.zeros((t, h))
     for tok in range(t):
@@ -182,7 +212,8 @@ def test_moe_layer_on_either_backend():
             act = gu[0::2] / (1 + np.exp(-gu[0::2])) * gu[1::2]
             y = act @ np.asarray(down[ex]) + np.asarray(biases["down_bias"][ex])
             want[tok] += float(weights[tok, j]) * y
-    np.testing.assert_allclose(got["pallas"], want, atol=1e-4, rtol=1e-4)
+    for b in ("pallas", "sorted"):
+        np.testing.assert_allclose(got[b], want, atol=1e-4, rtol=1e-4)
 
 
 def test_auto_falls_back_to_xla_for_shapes_the_kernel_does_not_take():
