@@ -29,8 +29,10 @@
 # plain and EAGLE-3: the running requests' ITL while a 32k prompt prefills in 512 / 1k / 2k
 # chunks (every step a token each; chunk step / floor, goal <= 1.3) and a Poisson workload
 # with and without chunked prefill (tokens/s, TTFT, ITL, preemptions); SCHED_ARGS adds flags:
-# "--parts itl" or "--parts mixed" (one part), "--rate 8 --num-requests 128", "--warmup full";
-# moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH); grouped: its grouped GEMM's
+# "--parts itl" or "--parts mixed" (one part), "--rate 8 --num-requests 128", "--warmup full",
+# "--torch" (itl: PyTorch's chunk step at the same past, benchmarks/torch_chunk.py, first);
+# moe: issue 54's MoE target (benchmarks/moe.py, MOE_BATCH; MOE_ARGS="--pair-max 0,32": the
+# sorted grouped matmul against pair_matmul at decode); grouped: its grouped GEMM's
 # tiles (benchmarks/grouped_tiles.py, GROUPED_ARGS); kgrid: issue 55's cost table
 # (benchmarks/k_grid.py, KGRID_BATCH, KGRID_ARGS; "--policies adaptive_k adaptive_verification"
 # adds each policy's tokens/s per (B, a) against the best static k and plain; "--mixed 0.9,0.3",
