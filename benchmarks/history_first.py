@@ -2,8 +2,9 @@
 
 Each prompt is a held-out CPython file (``history_first_workload.json``: the demo models'
 held-out split, ``specjax.training.data``) given in full, then its first half again; greedy
-decoding continues it (up to the rest of the file). Methods: ``ngram`` alone, ``eagle3``
-alone, ``eagle3`` with ``history_first="ngram"``, and suffix decoding on the device
+decoding continues it (up to the rest of the file). Methods: ``ngram`` alone, each demo
+model drafter alone (``eagle3``, ``draft_model``, ``medusa``, ``dflash``, ``eagle``) and
+with ``history_first="ngram"`` (``eagle3+ngram``, ...), and suffix decoding on the device
 (``suffix``) and with Arctic Inference (``suffix_arctic``), whose corpus / cache keeps the
 earlier requests' responses; each checked token-for-token against plain greedy decoding. One request at a time, so tokens per target forward = generated
 tokens / engine steps (the prefill step included).
@@ -30,7 +31,9 @@ from specjax.proposers import make_proposer
 from specjax.tokenizer import BOS_ID
 
 WORKLOAD = Path(__file__).with_name("history_first_workload.json")
-METHODS = ("ngram", "eagle3", "eagle3+ngram", "suffix", "suffix_arctic")
+#: The model drafters a hybrid can fall back to (the demo's heads).
+MODELS = ("eagle3", "draft_model", "medusa", "dflash", "eagle")
+METHODS = ("ngram", "suffix", "suffix_arctic") + MODELS + tuple(f"{m}+ngram" for m in MODELS)
 
 
 def _head(data: bytes, limit: int) -> bytes:
@@ -67,14 +70,9 @@ def proposer(method: str, k: int, target, lookup: tuple[int, int]):
         backend = "arctic" if method == "suffix_arctic" else "device"
         return make_proposer(SpeculativeConfig(method="suffix", num_speculative_tokens=k,
                                                suffix_backend=backend), **common)
-    from specjax import demo_models
-
-    _, cfg, params = demo_models.load("eagle3")
-    extra = dict(history_first="ngram", prompt_lookup_min=lo, prompt_lookup_max=hi) \
-        if method == "eagle3+ngram" else {}
-    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=k, **extra)
-    return make_proposer(spec, draft=cfg, draft_params=params, target=target.model,
-                         target_params=target.params, **common)
+    model, _, first = method.partition("+")
+    extra = dict(history_first=first, prompt_lookup_min=lo, prompt_lookup_max=hi) if first else {}
+    return demo.demo_proposer(model, k, (target.model, target.params), **extra)
 
 
 def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print) -> dict:
