@@ -415,13 +415,18 @@ def _f(x, spec=".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _head(cols: str) -> None:
+    """A Markdown table's header row and its rule."""
+    print("\n" + cols)
+    print("|---" * (cols.count("|") - 1) + "|")
+
+
 def print_tables(rows: list[dict]) -> None:
     itl = [r for r in rows if r["kind"] == "itl"]
     if itl:
-        print("\n| method | chunk | steps | every step a token | ITL p50 ms | ITL p99 ms | step ms p50 "
+        _head("| method | chunk | steps | every step a token | ITL p50 ms | ITL p99 ms | step ms p50 "
               f"| floor ms p50 | step / floor p50 (goal <= {GOAL}) | max | ITL p50 / floor | GEMM TFLOP/s "
               "| compiles in run |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in itl:
             if "error" in r:
                 print(f"| {r['method']} | {r['chunk']} | fails: {r['error'][:150]} |" + " |" * 10)
@@ -433,9 +438,8 @@ def print_tables(rows: list[dict]) -> None:
                   f"({r['compile_s']:.1f} s) |")
     anchors = [r for r in rows if r["kind"] == "torch_chunk"]
     if anchors:
-        print("\n| PyTorch chunk step | past | attention | eager ms | compiled ms | floor ms "
+        _head("| PyTorch chunk step | past | attention | eager ms | compiled ms | floor ms "
               "| PyTorch / floor | specjax plain ms (same past) | specjax / PyTorch |")
-        print("|---|---|---|---|---|---|---|---|---|")
         for r in anchors:
             if "error" in r or r.get("eager_ms") is None:
                 print(f"| {r['chunk']} | fails: {str(r.get('error', r))[:150]} |" + " |" * 7)
@@ -446,9 +450,8 @@ def print_tables(rows: list[dict]) -> None:
                   f"{_f(r.get('specjax_x_torch'))} |")
     mixed = [r for r in rows if r["kind"] == "mixed"]
     if mixed:
-        print("\n| method | chunked | budget | seqs | KV blocks | out tok/s | TTFT p50 ms | TTFT p99 ms "
+        _head("| method | chunked | budget | seqs | KV blocks | out tok/s | TTFT p50 ms | TTFT p99 ms "
               "| ITL p50 ms | ITL p99 ms | TPOT p50 ms | preemptions | compiles in run |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in mixed:
             lead = f"| {r['method']} | {'yes' if r['chunked'] else 'no'} |"
             if "error" in r:
