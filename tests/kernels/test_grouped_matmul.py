@@ -131,6 +131,32 @@ def test_triton_lowering_for_h200_on_cpu(monkeypatch):
             assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_decode_routes_pairs_without_sorting(monkeypatch):
+    """At decode (one token, top-8 of 128) the MoE block on the Pallas path lowers to the
+    pair kernel with no sort, cumulative sum or scatter; past ``PAIR_MAX_PAIRS`` pairs to the
+    sorted grouped matmul (H200 lowering, no GPU)."""
+    fake_h200(monkeypatch)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")    # the kernels, not interpreted
+    sds = jax.ShapeDtypeStruct
+    h, i, e, k = 256, 128, 128, 8
+
+    def hlo(t: int) -> str:
+        fn = jax.jit(lambda x, w, ids, gu, dn: moe.grouped_experts(x, w, ids, gu, dn,
+                                                                  backend="pallas"))
+        return fn.trace(sds((t, h), jnp.bfloat16), sds((t, k), jnp.float32),
+                        sds((t, k), jnp.int32), sds((e, h, 2 * i), jnp.bfloat16),
+                        sds((e, i, h), jnp.bfloat16)).lower(
+                            lowering_platforms=("cuda",)).as_text()
+
+    one = hlo(1)
+    assert one.count("pair_matmul") >= 2 and "grouped_matmul_m" not in one
+    for op in ("stablehlo.sort", "stablehlo.reduce_window", "stablehlo.scatter"):
+        assert op not in one, op
+    many = hlo(moe.PAIR_MAX_PAIRS // k + 1)
+    assert "grouped_matmul_m" in many and "stablehlo.sort" in many and "pair_matmul" not in many
+
+
 def test_backend_rule():
     assert resolve_grouped_backend("xla") == "xla"
     assert resolve_grouped_backend("pallas") == "pallas"
