@@ -3,7 +3,8 @@
 Routers: :func:`softmax_top_k` (Qwen3-MoE), :func:`top_k_softmax` (gpt-oss).
 :func:`grouped_experts` runs the T*k (token, expert) pairs sorted by expert as one
 :func:`specjax.kernels.grouped_matmul.grouped_matmul` per projection (``jax.lax.ragged_dot``
-or the Pallas kernel, by the kernels' backend rule), with no per-token or per-expert loop. Experts are
+or the Pallas kernel, by the kernels' backend rule; up to :data:`PAIR_MAX_PAIRS` pairs the Pallas
+path runs one program per pair, unsorted), with no per-token or per-expert loop. Experts are
 stacked: ``gate_up [E, H, 2I]`` with gate and up columns interleaved (gpt-oss's layout, so a
 contiguous split of the last axis keeps each gate with its up) and ``down [E, I, H]``.
 Under a context mesh (``jax.set_mesh``) with ``"ep"`` / ``"tp"`` axes, :class:`Experts` runs

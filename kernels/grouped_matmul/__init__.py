@@ -64,9 +64,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
 
 def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Array) -> jax.Array:
-    """``out[p] = lhs[rows[p]] @ rhs[groups[p]]`` (a group outside ``[0, E)``: zeros) ->
-    ``[P, N]``: :func:`.pallas.pair_matmul`, the Pallas kernel (no XLA version: the sorted
-    :func:`grouped_matmul` is the XLA path)."""
+    """:func:`.pallas.pair_matmul` (Pallas only; the XLA path is the sorted :func:`grouped_matmul`)."""
     from specjax.kernels.grouped_matmul import pallas
 
     return pallas.pair_matmul(lhs, rhs, rows, groups)

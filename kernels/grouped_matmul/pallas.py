@@ -158,9 +158,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
 def _pair_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, block_n: int, block_k: int,
                  precision):
-    """Program ``(p, j)``: output row p = ``lhs[row] @ rhs[group]`` over columns
-    ``[j * block_n, ...)``; ``(group, row) = tab[:, p]``, group -1 stores zeros. The one row
-    is loaded ``PAIR_ROWS`` times (Triton's dot needs 16 rows) and stored to row p from each."""
+    """Program ``(p, j)``: row p, columns ``[j * block_n, ...)`` of ``lhs[row] @ rhs[group]``
+    (``tab[:, p]``; group -1: zeros), the row repeated ``PAIR_ROWS`` times for Triton's dot."""
     p = pl.program_id(0)
     j = pl.program_id(1)
     g_raw = tab_ref[0, p]
@@ -191,12 +190,10 @@ PAIR_ROWS = 16
 def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Array, *,
                 block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
                 num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
-    """``out[p] = lhs[rows[p]] @ rhs[groups[p]]`` for ``lhs [T, K]``, ``rhs [E, K, N]``,
-    ``rows`` / ``groups [P]`` int (a group outside ``[0, E)``: a zero row) -> ``[P, N]``: one
-    program per (pair, column tile), nothing sorted, gathered or counted first. For a few
-    pairs (decode), where the sorted grouped matmul's routing kernels cost more than its
-    GEMMs; a group's weights are read once per pair that names it. ``block_n`` / ``block_k``
-    as :func:`tiles` (``block_n`` up to 64: more programs for a few pairs)."""
+    """``out[p] = lhs[rows[p]] @ rhs[groups[p]]`` (``lhs [T, K]``, ``rhs [E, K, N]``, ``rows``
+    / ``groups [P]``; a group outside ``[0, E)``: zeros) -> ``[P, N]``, one program per (pair,
+    column tile), nothing sorted first: for decode's few pairs (a group's weights read once per
+    pair naming it). Tiles as :func:`tiles`, ``block_n`` up to 64."""
     if pltr is None:
         raise ValueError(f"the Pallas grouped-matmul kernel is unavailable: {PLTR_MISSING}")
     t, k = lhs.shape
