@@ -162,6 +162,23 @@ def spy_steps(eng: Engine, log: list) -> None:
     eng._step = spy
 
 
+def watch_compiles(eng: Engine) -> list:
+    """Wrap ``eng._step``; the returned list gets, for each step that compiled a program,
+    ``(requests, scheduled tokens, longest query)``: the shapes a warm-up missed."""
+    orig, seen = eng._step, []
+
+    def spy(reqs, running):
+        before = step_cache_size() + loop_cache_size()
+        q = [r.sched + len(r.drafts) for r in reqs]
+        out = orig(reqs, running)
+        if step_cache_size() + loop_cache_size() > before:
+            seen.append((len(reqs), sum(q), max(q, default=0)))
+        return out
+
+    eng._step = spy
+    return seen
+
+
 def chunk_floor_s(su: Setup, rows, long_idx: int, k: int, gemm_tflops: float) -> float:
     """The floor (s) of one step: the long row's chunk FLOPs / the GEMM rate + weights and
     the live K/V of every row (+ EAGLE-3's propose reads) / ``floors.HBM_BPS``."""
@@ -370,12 +387,13 @@ def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
     warm_s = time.perf_counter() - t0
     memory["after_warmup"] = device_memory()
     memory["phase"] = "timed run"
+    compiled_at = watch_compiles(eng)
     mark = clock.mark()
     res = eng.generate(prompts, sps, arrival_times=arrivals)
     row = dict(kind="mixed", memory=memory, method=method, k=k, chunked=chunked, budget=eng.options.max_num_batched_tokens,
                max_num_seqs=seqs, num_blocks=eng.num_blocks, batch_buckets=list(buckets),
                max_model_len=mml, rate=a.rate, num_requests=len(prompts), warmup=a.warmup,
-               warmup_s=warm_s, **clock.since(mark))
+               warmup_s=warm_s, compiled_at=compiled_at[:32], **clock.since(mark))
     del eng
     m = res.request_metrics
     ttft = [x.first_token_time - x.arrival_time for x in m]
@@ -389,7 +407,8 @@ def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
                tpot_p50_ms=pct(tpot, 50), num_preemptions=res.num_preemptions, steps=res.num_steps,
                mean_acceptance_length=res.mean_acceptance_length)
     if row["compile_s"] > 0.05 * res.elapsed_s:
-        row["caveat"] = (f"compile-dominated: {row['compiles']} engine programs and "
+        row["caveat"] = (f"compile-dominated (steps that compiled: (requests, tokens, longest "
+                         f"query) {compiled_at[:8]}): {row['compiles']} engine programs and "
                          f"{row['compile_s']:.1f} s of JAX compiling inside the {res.elapsed_s:.1f} s run")
     return row
 
