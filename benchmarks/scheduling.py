@@ -523,15 +523,6 @@ def main(argv=None) -> int:
                     help="itl: PyTorch's chunk step beside it (torch_chunk.py, its own process)")
     ap.add_argument("--json", default=None, help="write the settings and every row here")
     args = ap.parse_args(argv)
-    anchors: list[dict] = []
-    if args.torch and "itl" in args.parts.split(",") and not args.cpu_smoke:
-        # first: before this process's JAX takes the GPU's memory
-        chunks = _ints(args.chunks or "512,1024,2048")
-        anchors = torch_anchor(argparse.Namespace(
-            chunks=chunks, long=args.long or 32768, running=args.running or 8,
-            running_prompt=args.running_prompt or 1024), TARGETS[args.target or "8b"])
-    gpu = jax.default_backend() == "gpu"
-    args.target = args.target or ("8b" if gpu else "tiny")
     defaults = dict(long=32768, chunks="512,1024,2048", running=8, running_prompt=1024, rate=4.0,
                     num_requests=64, prompt_range="128,32768", output_range="64,1024",
                     batch_buckets="8,32,128", num_blocks=None)
@@ -549,6 +540,12 @@ def main(argv=None) -> int:
         r = getattr(args, name)
         if len(r) != 2 or not 1 <= r[0] <= r[1]:
             ap.error(f"--{name.replace('_', '-')}: lo,hi with 1 <= lo <= hi")
+    anchors: list[dict] = []
+    if args.torch and "itl" in args.parts and not args.cpu_smoke:
+        # first: before this process's JAX backend takes the GPU's memory
+        anchors = torch_anchor(args, TARGETS[args.target or "8b"])
+    gpu = jax.default_backend() == "gpu"
+    args.target = args.target or ("8b" if gpu else "tiny")
     dev = jax.devices()[0]
     settings = dict(vars(args), argv=argv, jax=jax.__version__, device=f"{dev.platform} {dev.device_kind}",
                     xla_flags=os.environ.get("XLA_FLAGS", ""), goal=GOAL, hbm_bps=floors.HBM_BPS)

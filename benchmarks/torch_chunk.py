@@ -12,7 +12,7 @@ captured in a CUDA graph (``torch_anchors.time_graph``).
 Prints one JSON line: a row per chunk (``past`` = ``--past`` or half of ``--long`` rounded
 down to a whole chunk) with ``eager_ms`` / ``compiled_ms`` (graph replays), the attention
 path used and ``check`` (the chunk attention's largest difference from a float32 reference
-on the first layer's inputs).
+on random inputs of the chunk's shape).
 
 Usage: ``python benchmarks/torch_chunk.py --geo '{...}' --chunks 512,1024 --long 32768``."""
 

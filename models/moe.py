@@ -51,6 +51,21 @@ def swiglu(gu: jax.Array) -> jax.Array:
     return jax.nn.silu(gu[:, 0::2]) * gu[:, 1::2]
 
 
+#: (token, expert) pairs up to which the Pallas path runs :func:`pair_matmul` (one program
+#: per pair, nothing sorted) rather than the sorted grouped matmul: at decode its routing
+#: kernels cost more than the GEMMs, and few pairs name one expert twice.
+PAIR_MAX_PAIRS = 32
+
+
+def _pairwise(backend: str, *shapes) -> bool:
+    """Whether ``backend``'s grouped matmul is the Pallas kernel and takes every ``(K, N)``."""
+    if resolve_grouped_backend(backend) != "pallas":
+        return False
+    from specjax.kernels.grouped_matmul import pallas
+
+    return all(pallas.unsupported_reason(int(a), int(b)) is None for a, b in shapes)
+
+
 def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
                     down: jax.Array, activation: Callable[[jax.Array], jax.Array] = swiglu, *,
                     gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
@@ -87,21 +102,6 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
     w = weights.reshape(-1)[order].astype(x.dtype)[:, None]
     y = jnp.where(local[order][:, None], y * w, 0)       # rows past the groups: unspecified
     return jnp.zeros((t, x.shape[1]), x.dtype).at[token].add(y)
-
-
-#: (token, expert) pairs up to which the Pallas path runs :func:`pair_matmul` (one program
-#: per pair, nothing sorted) rather than the sorted grouped matmul: at decode its routing
-#: kernels cost more than the GEMMs, and few pairs name one expert twice.
-PAIR_MAX_PAIRS = 32
-
-
-def _pairwise(backend: str, *shapes) -> bool:
-    """Whether ``backend``'s grouped matmul is the Pallas kernel and takes every ``(K, N)``."""
-    if resolve_grouped_backend(backend) != "pallas":
-        return False
-    from specjax.kernels.grouped_matmul import pallas
-
-    return all(pallas.unsupported_reason(int(a), int(b)) is None for a, b in shapes)
 
 
 def _expert_axes():
