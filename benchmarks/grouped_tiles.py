@@ -3,8 +3,9 @@
 For T tokens (``--tokens``, T * top_k pairs routed uniformly, seeded) and each projection of
 a Qwen3-30B-A3B layer (``gate_up`` ``[T*k, H] x [E, H, 2I]``, ``down`` ``[T*k, I] x [E, I,
 H]``): ``kernels/grouped_matmul/pallas.py`` at every configuration of the grid (block_m the
-default), ``jax.lax.ragged_dot``, and ``dense`` (one XLA GEMM reading the touched experts'
-bytes: what a memory-bound GEMM reaches here), per layer over ``--layers`` weight stacks in
+default), its ``pair_matmul`` alike (up to ``--pair-max`` pairs), ``jax.lax.ragged_dot``, and
+``dense`` (one XLA GEMM reading the touched experts' bytes: what a memory-bound GEMM reaches
+here), per layer over ``--layers`` weight stacks in
 one program, beside the floor (touched bytes / ``floors.HBM_BPS``). Rows print as measured.
 
     python benchmarks/grouped_tiles.py --tokens 1,8,32 --json tiles.json          # GPU
@@ -27,6 +28,9 @@ from moe import GEOMETRIES  # noqa: E402
 
 
 KNOBS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
+#: The kernels swept over ``KNOBS``: the sorted grouped matmul and, up to ``--pair-max``
+#: pairs, ``pair_matmul``.
+TUNED = ("pallas", "pair")
 
 
 def _ints(text: str) -> list[int]:
@@ -47,7 +51,7 @@ def _time(fn, args, iters: int) -> float:
 
 
 def run(geo: dict, tokens: list[int], grid: dict, layers: int, iters: int, dtype_name: str,
-        emit) -> list[dict]:
+        emit, pair_max: int = 64) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -89,24 +93,28 @@ def run(geo: dict, tokens: list[int], grid: dict, layers: int, iters: int, dtype
             dense = [w[:touched].transpose(1, 0, 2).reshape(kk, touched * nn) for w in ws]
             timed("dense", lambda x, w: x @ w, {}, (lhs[:t], dense))
             del dense
+            pairs, groups = jnp.arange(t * k, dtype=jnp.int32), jnp.asarray(ids, jnp.int32)
             for bn, bk, sk, nw, ns in itertools.product(*(grid[x] for x in KNOBS)):
                 if nn % bn or kk % bk or (kk // bk) % sk:
                     continue
                 cfg = dict(block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
                 timed("pallas", lambda x, w, cfg=cfg: pallas.grouped_matmul(x, w, sizes, **cfg),
                       cfg, (lhs, ws))
+                if t * k <= pair_max:
+                    timed("pair", lambda x, w, cfg=cfg: pallas.pair_matmul(x, w, pairs, groups,
+                                                                            **cfg), cfg, (lhs, ws))
     return rows
 
 
 def best(rows: list[dict]) -> list[dict]:
-    """Per (tokens, gemm): the fastest ``pallas`` row beside ``ragged_dot`` and ``dense``."""
+    """Per (tokens, gemm): the fastest ``pallas`` and ``pair`` rows beside ``ragged_dot`` and
+    ``dense``."""
     out = []
     for key in dict.fromkeys((r["tokens"], r["gemm"]) for r in rows):
-        mine = [r for r in rows if (r["tokens"], r["gemm"]) == key]
-        pal = [r for r in mine if r["impl"] == "pallas"]
-        out += [r for r in mine if r["impl"] != "pallas"]
-        if pal:
-            out.append(min(pal, key=lambda r: r["ms"]))
+        mine = [r for r in rows if (r["tokens"], r["gemm"]) == key and "ms" in r]
+        out += [r for r in mine if r["impl"] not in TUNED]
+        out += [min(c, key=lambda r: r["ms"]) for impl in TUNED
+                if (c := [r for r in mine if r["impl"] == impl])]
     return out
 
 
@@ -130,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-warps", default="4,8")
     ap.add_argument("--num-stages", default="3")
     ap.add_argument("--layers", type=int, default=8, help="weight stacks in one program")
+    ap.add_argument("--pair-max", type=int, default=64,
+                    help="pairs (T * top_k) up to which pair_matmul is swept too")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -151,7 +161,8 @@ def main(argv=None) -> int:
     print("| T | GEMM | impl | us a layer | floor us | / floor |\n|---|---|---|---|---|---|",
           flush=True)
     rows = run(GEOMETRIES[name], tokens, grid, args.layers, args.iters,
-               "bfloat16" if gpu else "float32", lambda r: print(_line(r), flush=True))
+               "bfloat16" if gpu else "float32", lambda r: print(_line(r), flush=True),
+               args.pair_max)
     print("# best per (T, GEMM):")
     for r in best(rows):
         print(_line(r))

@@ -156,44 +156,52 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return out if split_k == 1 else jnp.sum(out, axis=0).astype(dtype)
 
 
-def _pair_kernel(tab_ref, lhs_ref, rhs_ref, out_ref, *, block_n: int, block_k: int,
-                 precision):
-    """Program ``(p, j)``: row p, columns ``[j * block_n, ...)`` of ``lhs[row] @ rhs[group]``
-    (``tab[:, p]``; group -1: zeros), the row repeated ``PAIR_ROWS`` times for Triton's dot."""
+def _pair_kernel(rows_ref, groups_ref, lhs_ref, rhs_ref, out_ref, *, block_n: int,
+                 block_k: int, split_k: int, precision):
+    """Program ``(p, j, s)``: pair p's columns ``[j * block_n, ...)`` of ``lhs[rows[p]] @
+    rhs[groups[p]]`` over K share s (a group outside ``[0, E)``: zeros), the row repeated
+    ``PAIR_ROWS`` times for Triton's dot."""
     p = pl.program_id(0)
     j = pl.program_id(1)
-    g_raw = tab_ref[0, p]
-    g = jnp.maximum(g_raw, 0)
-    rows = jnp.full((PAIR_ROWS,), tab_ref[1, p], jnp.int32)
+    s0 = pl.program_id(2)
+    g_raw = groups_ref[p]
+    valid = jnp.logical_and(g_raw >= 0, g_raw < rhs_ref.shape[0]).astype(jnp.int32)
+    g = jnp.clip(g_raw, 0, rhs_ref.shape[0] - 1)
+    row = jnp.clip(rows_ref[p], 0, lhs_ref.shape[0] - 1)
+    rows = jnp.full((PAIR_ROWS,), row, jnp.int32)
     col = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
     kk0 = jnp.arange(block_k, dtype=jnp.int32)
+    k_steps = lhs_ref.shape[1] // block_k // split_k
 
     def body(s, acc):
-        kk = s * block_k + kk0
+        kk = (s0 * k_steps + s) * block_k + kk0
         a = pltr.load(lhs_ref.at[rows[:, None], kk[None, :]])           # [16, BK]
         w = pltr.load(rhs_ref.at[g, kk[:, None], col[None, :]])         # [BK, BN]
         return acc + lax.dot_general(a, w.astype(a.dtype), (((1,), (0,)), ((), ())),
                                      precision=precision, preferred_element_type=jnp.float32)
 
-    steps = jnp.minimum(g_raw + 1, 1) * (lhs_ref.shape[1] // block_k)
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((PAIR_ROWS, block_n), jnp.float32))
+    acc = lax.fori_loop(0, valid * k_steps, body, jnp.zeros((PAIR_ROWS, block_n), jnp.float32))
     out_rows = jnp.full((PAIR_ROWS,), p, jnp.int32)
-    pltr.store(out_ref.at[out_rows[:, None], col[None, :]], acc.astype(out_ref.dtype))
+    at = (out_rows[:, None], col[None, :]) if split_k == 1 else (s0, out_rows[:, None],
+                                                                  col[None, :])
+    pltr.store(out_ref.at[at], acc.astype(out_ref.dtype))
 
 
 #: Rows a pair program computes (its one row repeated): the smallest tile Triton's dot takes.
 PAIR_ROWS = 16
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "num_warps",
+                                             "num_stages", "interpret"))
 def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Array, *,
-                block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
-                num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
+                block_n: int | None = None, block_k: int | None = None, split_k: int = 1,
+                num_warps: int = 4, num_stages: int = 3,
+                interpret: bool | None = None) -> jax.Array:
     """``out[p] = lhs[rows[p]] @ rhs[groups[p]]`` (``lhs [T, K]``, ``rhs [E, K, N]``, ``rows``
     / ``groups [P]``; a group outside ``[0, E)``: zeros) -> ``[P, N]``, one program per (pair,
-    column tile), nothing sorted first: for decode's few pairs (a group's weights read once per
-    pair naming it). Tiles as :func:`tiles`, ``block_n`` up to 64."""
+    column tile, K share), nothing sorted first: for decode's few pairs (a group's weights read
+    once per pair naming it). Tiles as :func:`tiles`, ``block_n`` up to 64; ``split_k`` shares
+    of K summed in float32 (more programs for few pairs). ValueError as :func:`grouped_matmul`."""
     if pltr is None:
         raise ValueError(f"the Pallas grouped-matmul kernel is unavailable: {PLTR_MISSING}")
     t, k = lhs.shape
@@ -201,23 +209,26 @@ def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Arr
     _, block_n, block_k = tiles(m=1, k=k, n=n, groups=1, block_m=16,
                                 block_n=_block(n, 64) if block_n is None else block_n,
                                 block_k=block_k)
+    if split_k < 1 or (k // block_k) % split_k:
+        raise ValueError(f"split_k={split_k} must be >= 1 and divide K / block_k = "
+                         f"{k // block_k}")
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     num_pairs = rows.shape[0]
     if num_pairs == 0 or t == 0:
         return jnp.zeros((num_pairs, n), dtype)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    groups = groups.astype(jnp.int32)
-    tab = jnp.stack([jnp.where((groups >= 0) & (groups < e), groups, -1),
-                     jnp.clip(rows.astype(jnp.int32), 0, t - 1)])
-    kernel = functools.partial(_pair_kernel, block_n=block_n, block_k=block_k,
+    kernel = functools.partial(_pair_kernel, block_n=block_n, block_k=block_k, split_k=split_k,
                                precision=lax.Precision.HIGHEST)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        grid=(num_pairs, n // block_n),
+        grid=(num_pairs, n // block_n, split_k),
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((num_pairs, n), dtype),
+        out_shape=jax.ShapeDtypeStruct((num_pairs, n) if split_k == 1 else
+                                       (split_k, num_pairs, n),
+                                       dtype if split_k == 1 else jnp.float32),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"pair_matmul_n{block_n}_k{block_k}",
-    )(tab, lhs.astype(dtype), rhs)
+        name=f"pair_matmul_n{block_n}_k{block_k}_s{split_k}",
+    )(rows.astype(jnp.int32), groups.astype(jnp.int32), lhs.astype(dtype), rhs)
+    return out if split_k == 1 else jnp.sum(out, axis=0).astype(dtype)

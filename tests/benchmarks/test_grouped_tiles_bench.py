@@ -18,20 +18,23 @@ def test_cpu_smoke_rows_floors_and_best(tmp_path, capsys):
     out = tmp_path / "t.json"
     assert grouped_tiles.main(["--geometry", "tiny", "--tokens", "1,3", "--block-n", "16,32",
                                "--block-k", "16", "--split-k", "1,2", "--num-warps", "4", "--num-stages", "2",
-                               "--layers", "2", "--iters", "2", "--json", str(out)]) == 0
+                               "--layers", "2", "--iters", "2", "--pair-max", "4",
+                               "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     geo = moe.GEOMETRIES["tiny"]
     for t in (1, 3):
         for gemm, (k, n) in (("gate_up", (64, 64)), ("down", (32, 64))):
             mine = [r for r in rows if (r["tokens"], r["gemm"]) == (t, gemm)]
-            assert sorted(r["impl"] for r in mine) == ["dense"] + ["pallas"] * 4 + ["ragged_dot"]
+            pairs = 4 if t == 1 else 0            # --pair-max 4: T = 1's 2 pairs only
+            assert sorted(r["impl"] for r in mine) == (["dense"] + ["pair"] * pairs
+                                                       + ["pallas"] * 4 + ["ragged_dot"])
             touched = mine[0]["touched"]
             assert geo["num_experts_per_tok"] <= touched <= min(t * 2, geo["num_experts"])
             assert mine[0]["floor_ms"] == pytest.approx(touched * k * n * 4 / 4.3e9)
     best = grouped_tiles.best(rows)
-    assert len(best) == 12
-    for r in (b for b in best if b["impl"] == "pallas"):
-        assert r["ms"] == min(x["ms"] for x in rows if x["impl"] == "pallas"
+    assert len(best) == 14
+    for r in (b for b in best if b["impl"] in ("pallas", "pair")):
+        assert r["ms"] == min(x["ms"] for x in rows if x["impl"] == r["impl"]
                               and (x["tokens"], x["gemm"]) == (r["tokens"], r["gemm"]))
     assert "# best per (T, GEMM):" in capsys.readouterr().out
 

@@ -125,10 +125,11 @@ def test_triton_lowering_for_h200_on_cpu(monkeypatch):
                                              interpret=False)
             assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
         if m <= 256:                     # the pair kernel at decode / verify widths
-            fn = pallas.pair_matmul.trace(sds((m, k), dt), sds((128, k, n), dt),
-                                          sds((m,), jnp.int32), sds((m,), jnp.int32),
-                                          interpret=False)
-            assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
+            for split in (1, 4) if k >= 256 else (1,):
+                fn = pallas.pair_matmul.trace(sds((m, k), dt), sds((128, k, n), dt),
+                                              sds((m,), jnp.int32), sds((m,), jnp.int32),
+                                              split_k=split, interpret=False)
+                assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -189,9 +190,11 @@ def test_errors():
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_pair_matmul_matches_the_oracle(dtype, tol):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_pair_matmul_matches_the_oracle(dtype, tol, split_k):
     """``out[p] = lhs[rows[p]] @ rhs[groups[p]]``: rows and groups repeated, a group past E
-    and a negative one (zeros), N wider than one column tile."""
+    and a negative one (zeros), N wider than one column tile, K whole or in shares; a
+    ``split_k`` not dividing K's steps is refused by name."""
     rng = np.random.default_rng(5)
     t, k, n, e = 3, 48, 160, 6
     lhs = rng.standard_normal((t, k)).astype(np.float32)
@@ -199,12 +202,16 @@ def test_pair_matmul_matches_the_oracle(dtype, tol):
     rows = np.array([0, 0, 1, 2, 2, 1, 0, 2], np.int32)
     groups = np.array([5, 1, 0, 5, 3, e + 2, -1, 5], np.int32)
     lq, rq = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
-    out = pallas.pair_matmul(lq, rq, jnp.asarray(rows), jnp.asarray(groups))
+    out = pallas.pair_matmul(lq, rq, jnp.asarray(rows), jnp.asarray(groups), block_k=16,
+                             split_k=split_k)
     assert out.shape == (8, n) and out.dtype == dtype
     l64, r64 = np.asarray(lq, np.float64), np.asarray(rq, np.float64)
     want = np.stack([l64[r] @ r64[g] if 0 <= g < e else np.zeros(n) for r, g in zip(rows, groups)])
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=tol, rtol=tol)
     assert not np.asarray(out[5:7]).any()
+    with pytest.raises(ValueError, match="split_k=2 must be >= 1 and divide K / block_k = 3"):
+        pallas.pair_matmul(lq, rq, jnp.asarray(rows), jnp.asarray(groups), block_k=16,
+                           split_k=2)
 
 
 def test_moe_layer_on_either_backend(monkeypatch):
