@@ -41,14 +41,19 @@ class GptOssRMSNorm(nnx.Module):
         return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
 
 
-def clamped_swiglu(gu: jax.Array, limit: float) -> jax.Array:
-    """Interleaved ``gu [N, 2I]`` -> ``(up + 1) * gate * sigmoid(1.702 gate)`` with
-    ``gate <= limit``, ``|up| <= limit`` (``limit`` 0: unclamped)."""
-    gate, up = gu[:, 0::2], gu[:, 1::2]
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """``(up + 1) * gate * sigmoid(1.702 gate)`` with ``gate <= limit``, ``|up| <= limit``
+    (``limit`` 0: unclamped), elementwise (the experts' ``glu``)."""
     if limit:
         gate = jnp.minimum(gate, limit)
         up = jnp.clip(up, -limit, limit)
     return (up + 1) * (gate * jax.nn.sigmoid(gate * SWIGLU_ALPHA))
+
+
+@functools.lru_cache(maxsize=None)
+def _clamped_glu(limit: float):
+    """:func:`clamped_swiglu` at ``limit``, one object per limit (a kernel's static argument)."""
+    return functools.partial(clamped_swiglu, limit=limit)
 
 
 class GptOssMLP(nnx.Module):
@@ -64,7 +69,7 @@ class GptOssMLP(nnx.Module):
         """``x [T, H]`` -> ``[T, H]``."""
         weights, experts = top_k_softmax(self.router(x), self.top_k)
         return self.experts(x, weights, experts,
-                            functools.partial(clamped_swiglu, limit=self.limit))
+                            _clamped_glu(self.limit))
 
 
 class GptOssLayer(DecoderLayer):

@@ -46,9 +46,9 @@ def top_k_softmax(logits: jax.Array, top_k: int):
     return jax.nn.softmax(top, axis=-1), experts
 
 
-def swiglu(gu: jax.Array) -> jax.Array:
-    """``silu(gate) * up`` of interleaved ``gu [N, 2I]`` -> ``[N, I]``."""
-    return jax.nn.silu(gu[:, 0::2]) * gu[:, 1::2]
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up``, elementwise: the experts' gated activation (a ``glu``)."""
+    return jax.nn.silu(gate) * up
 
 
 #: (token, expert) pairs up to which the Pallas path runs :func:`pair_matmul` (one program
@@ -67,13 +67,14 @@ def _pairwise(backend: str, *shapes) -> bool:
 
 
 def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
-                    down: jax.Array, activation: Callable[[jax.Array], jax.Array] = swiglu, *,
+                    down: jax.Array, glu: Callable[[jax.Array, jax.Array], jax.Array] = swiglu, *,
                     gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
                     backend: str = "auto") -> jax.Array:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``: ``x [T, H]``, ``weights`` /
-    ``experts [T, k]``, biases ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]``; ``activation``
-    maps ``[N, 2I]`` to ``[N, I]``; ``backend``: the grouped matmul's. Ids outside ``[0, E)``
-    (another shard's) add nothing."""
+    ``experts [T, k]``, biases ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]``; ``glu``: the
+    elementwise ``(gate, up) -> [N, I]`` of ``gate_up``'s even and odd columns (a hashable
+    function: on the pair path it runs in the kernel's epilogue, in float32); ``backend``: the
+    grouped matmul's. Ids outside ``[0, E)`` (another shard's) add nothing."""
     t, k = experts.shape
     e = gate_up.shape[0]
     flat = experts.reshape(-1)                                                  # [T*k]
@@ -81,10 +82,8 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
     if t * k <= PAIR_MAX_PAIRS and _pairwise(backend, (x.shape[1], gate_up.shape[2]),
                                              down.shape[1:]):
         pair = jnp.arange(t * k, dtype=jnp.int32)
-        gu = pair_matmul(x, gate_up.astype(x.dtype), pair // k, flat)              # [T*k, 2I]
-        if gate_up_bias is not None:
-            gu = gu + gate_up_bias.astype(x.dtype)[jnp.clip(flat, 0, e - 1)]
-        y = pair_matmul(activation(gu), down.astype(x.dtype), pair, flat)          # [T*k, H]
+        act = pair_matmul(x, gate_up.astype(x.dtype), pair // k, flat, gate_up_bias, glu=glu)
+        y = pair_matmul(act, down.astype(x.dtype), pair, flat)                     # [T*k, H]
         if down_bias is not None:
             y = y + down_bias.astype(x.dtype)[jnp.clip(flat, 0, e - 1)]
         w = jnp.where(local, weights.reshape(-1).astype(jnp.float32), 0)[:, None]
@@ -96,7 +95,8 @@ def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
     gu = grouped_matmul(x[token], gate_up.astype(x.dtype), sizes, backend=backend)  # [T*k, 2I]
     if gate_up_bias is not None:
         gu = gu + gate_up_bias.astype(x.dtype)[pair_expert]
-    y = grouped_matmul(activation(gu), down.astype(x.dtype), sizes, backend=backend)  # [T*k, H]
+    y = grouped_matmul(glu(gu[:, 0::2], gu[:, 1::2]), down.astype(x.dtype), sizes,
+                       backend=backend)                                          # [T*k, H]
     if down_bias is not None:
         y = y + down_bias.astype(x.dtype)[pair_expert]
     w = weights.reshape(-1)[order].astype(x.dtype)[:, None]
@@ -115,7 +115,7 @@ def _expert_axes():
 
 
 def sharded_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
-                    down: jax.Array, activation: Callable[[jax.Array], jax.Array] = swiglu,
+                    down: jax.Array, glu: Callable[[jax.Array, jax.Array], jax.Array] = swiglu,
                     backend: str = "auto", **biases) -> jax.Array:
     """:func:`grouped_experts` in a ``shard_map`` over the context mesh's ``"ep"`` (E / n
     experts a shard, ids minus its offset) and ``"tp"`` (I / n of each expert's FFN; the
@@ -123,7 +123,7 @@ def sharded_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
     ValueError naming the size that does not divide."""
     mesh, ep, tp = _expert_axes()
     if ep is None and tp is None:
-        return grouped_experts(x, weights, experts, gate_up, down, activation, backend=backend,
+        return grouped_experts(x, weights, experts, gate_up, down, glu, backend=backend,
                                **biases)
     e, inter = gate_up.shape[0], down.shape[1]
     for axis, what, size in ((ep, "experts", e), (tp, "expert FFN width", inter)):
@@ -138,7 +138,7 @@ def sharded_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_u
         if tp is not None and "down_bias" in biases:
             first = jax.lax.axis_index(tp) == 0
             biases = dict(biases, down_bias=jnp.where(first, biases["down_bias"], 0))
-        y = grouped_experts(x, weights, experts, gate_up, down, activation, backend=backend,
+        y = grouped_experts(x, weights, experts, gate_up, down, glu, backend=backend,
                             **biases)
         return jax.lax.psum(y, tuple(a for a in (ep, tp) if a is not None))
 
@@ -163,12 +163,12 @@ class Experts(nnx.Module):
         self.bias = bias
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array,
-                 activation: Callable[[jax.Array], jax.Array] = swiglu) -> jax.Array:
+                 glu: Callable[[jax.Array, jax.Array], jax.Array] = swiglu) -> jax.Array:
         """:func:`sharded_experts` with these weights."""
         biases = (dict(gate_up_bias=self.gate_up_bias[...], down_bias=self.down_bias[...])
                   if self.bias else {})
         return sharded_experts(x, weights, experts, self.gate_up[...], self.down[...],
-                               activation, **biases)
+                               glu, **biases)
 
 
 class SparseMoeBlock(nnx.Module):

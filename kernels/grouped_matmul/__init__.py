@@ -63,8 +63,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return pallas.grouped_matmul(lhs, rhs, group_sizes)
 
 
-def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Array) -> jax.Array:
+def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Array,
+                bias: jax.Array | None = None, *, glu=None) -> jax.Array:
     """:func:`.pallas.pair_matmul` (Pallas only; the XLA path is the sorted :func:`grouped_matmul`)."""
     from specjax.kernels.grouped_matmul import pallas
 
-    return pallas.pair_matmul(lhs, rhs, rows, groups)
+    return pallas.pair_matmul(lhs, rhs, rows, groups, bias, glu=glu)

@@ -156,11 +156,13 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return out if split_k == 1 else jnp.sum(out, axis=0).astype(dtype)
 
 
-def _pair_kernel(rows_ref, groups_ref, lhs_ref, rhs_ref, out_ref, *, block_n: int,
-                 block_k: int, split_k: int, precision):
+def _pair_kernel(rows_ref, groups_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
+                 split_k: int, glu, precision):
     """Program ``(p, j, s)``: pair p's columns ``[j * block_n, ...)`` of ``lhs[rows[p]] @
     rhs[groups[p]]`` over K share s (a group outside ``[0, E)``: zeros), the row repeated
-    ``PAIR_ROWS`` times for Triton's dot."""
+    ``PAIR_ROWS`` times for Triton's dot. With ``glu``: output column c is ``glu(gate + b,
+    up + b)`` of rhs columns ``2c`` and ``2c + 1`` (``refs``: the bias ``[E, N]``, if any)."""
+    out_ref = refs[-1]
     p = pl.program_id(0)
     j = pl.program_id(1)
     s0 = pl.program_id(2)
@@ -170,17 +172,27 @@ def _pair_kernel(rows_ref, groups_ref, lhs_ref, rhs_ref, out_ref, *, block_n: in
     row = jnp.clip(rows_ref[p], 0, lhs_ref.shape[0] - 1)
     rows = jnp.full((PAIR_ROWS,), row, jnp.int32)
     col = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    cols = (col,) if glu is None else (2 * col, 2 * col + 1)      # (gate, up) interleaved
     kk0 = jnp.arange(block_k, dtype=jnp.int32)
     k_steps = lhs_ref.shape[1] // block_k // split_k
 
-    def body(s, acc):
+    def body(s, accs):
         kk = (s0 * k_steps + s) * block_k + kk0
         a = pltr.load(lhs_ref.at[rows[:, None], kk[None, :]])           # [16, BK]
-        w = pltr.load(rhs_ref.at[g, kk[:, None], col[None, :]])         # [BK, BN]
-        return acc + lax.dot_general(a, w.astype(a.dtype), (((1,), (0,)), ((), ())),
-                                     precision=precision, preferred_element_type=jnp.float32)
+        return tuple(acc + lax.dot_general(
+            a, pltr.load(rhs_ref.at[g, kk[:, None], c[None, :]]).astype(a.dtype),  # [BK, BN]
+            (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+            for acc, c in zip(accs, cols))
 
-    acc = lax.fori_loop(0, valid * k_steps, body, jnp.zeros((PAIR_ROWS, block_n), jnp.float32))
+    zero = jnp.zeros((PAIR_ROWS, block_n), jnp.float32)
+    accs = lax.fori_loop(0, valid * k_steps, body, (zero,) * len(cols))
+    if glu is None:
+        acc = accs[0]
+    else:
+        if len(refs) == 2:                                   # the bias, zero for no group
+            accs = tuple(a + valid.astype(jnp.float32) * pltr.load(refs[0].at[g, c])
+                         .astype(jnp.float32)[None, :] for a, c in zip(accs, cols))
+        acc = glu(*accs)
     out_rows = jnp.full((PAIR_ROWS,), p, jnp.int32)
     at = (out_rows[:, None], col[None, :]) if split_k == 1 else (s0, out_rows[:, None],
                                                                   col[None, :])
@@ -191,23 +203,30 @@ def _pair_kernel(rows_ref, groups_ref, lhs_ref, rhs_ref, out_ref, *, block_n: in
 PAIR_ROWS = 16
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "num_warps",
-                                             "num_stages", "interpret"))
-def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Array, *,
-                block_n: int | None = None, block_k: int | None = None, split_k: int = 1,
-                num_warps: int = 4, num_stages: int = 3,
-                interpret: bool | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("glu", "block_n", "block_k", "split_k",
+                                             "num_warps", "num_stages", "interpret"))
+def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Array,
+                bias: jax.Array | None = None, *, glu=None, block_n: int | None = None,
+                block_k: int | None = None, split_k: int = 1, num_warps: int = 4,
+                num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
     """``out[p] = lhs[rows[p]] @ rhs[groups[p]]`` (``lhs [T, K]``, ``rhs [E, K, N]``, ``rows``
-    / ``groups [P]``; a group outside ``[0, E)``: zeros) -> ``[P, N]``, one program per (pair,
-    column tile, K share), nothing sorted first: for decode's few pairs (a group's weights read
-    once per pair naming it). Tiles as :func:`tiles`, ``block_n`` up to 64; ``split_k`` shares
-    of K summed in float32 (more programs for few pairs). ValueError as :func:`grouped_matmul`."""
+    / ``groups [P]``; a group outside ``[0, E)``: zeros, before any ``glu``) -> ``[P, N]``, one
+    program per (pair, column tile, K share), nothing sorted first: for decode's few pairs (a
+    group's weights read once per pair naming it). ``glu`` (elementwise ``(gate, up) -> out`` in float32): ``out[p,
+    c] = glu(y[2c] + bias[g, 2c], y[2c + 1] + bias[g, 2c + 1])`` of ``y = lhs[rows[p]] @
+    rhs[g]`` -> ``[P, N / 2]``, the activation in the kernel's epilogue (``bias [E, N]``
+    optional; only with ``glu``). Tiles as :func:`tiles`, ``block_n`` up to 64; ``split_k``
+    shares of K summed in float32 (more programs for few pairs; with ``glu``, the activation
+    after the sum). ValueError as :func:`grouped_matmul`, or for a ``bias`` without ``glu``."""
     if pltr is None:
         raise ValueError(f"the Pallas grouped-matmul kernel is unavailable: {PLTR_MISSING}")
+    if bias is not None and glu is None:
+        raise ValueError("pair_matmul: bias is taken only with glu")
     t, k = lhs.shape
     e, _, n = rhs.shape
-    _, block_n, block_k = tiles(m=1, k=k, n=n, groups=1, block_m=16,
-                                block_n=_block(n, 64) if block_n is None else block_n,
+    n_out = n if glu is None else n // 2
+    _, block_n, block_k = tiles(m=1, k=k, n=n_out, groups=1, block_m=16,
+                                block_n=_block(n_out, 64) if block_n is None else block_n,
                                 block_k=block_k)
     if split_k < 1 or (k // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must be >= 1 and divide K / block_k = "
@@ -215,20 +234,29 @@ def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Arr
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     num_pairs = rows.shape[0]
     if num_pairs == 0 or t == 0:
-        return jnp.zeros((num_pairs, n), dtype)
+        return jnp.zeros((num_pairs, n_out), dtype)
+    if glu is not None and split_k > 1:             # the activation after the shares' sum
+        y = pair_matmul(lhs, rhs, rows, groups, block_k=block_k, split_k=split_k,
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        y = y.astype(jnp.float32)
+        if bias is not None:
+            ok = ((groups >= 0) & (groups < e))[:, None]
+            y = y + jnp.where(ok, bias[jnp.clip(groups, 0, e - 1)].astype(jnp.float32), 0)
+        return glu(y[:, 0::2], y[:, 1::2]).astype(dtype)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     kernel = functools.partial(_pair_kernel, block_n=block_n, block_k=block_k, split_k=split_k,
-                               precision=lax.Precision.HIGHEST)
+                               glu=glu, precision=lax.Precision.HIGHEST)
     out = pl.pallas_call(
         kernel,
-        grid=(num_pairs, n // block_n, split_k),
+        grid=(num_pairs, n_out // block_n, split_k),
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((num_pairs, n) if split_k == 1 else
-                                       (split_k, num_pairs, n),
+        out_shape=jax.ShapeDtypeStruct((num_pairs, n_out) if split_k == 1 else
+                                       (split_k, num_pairs, n_out),
                                        dtype if split_k == 1 else jnp.float32),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"pair_matmul_n{block_n}_k{block_k}_s{split_k}",
-    )(rows.astype(jnp.int32), groups.astype(jnp.int32), lhs.astype(dtype), rhs)
+        name=f"pair_matmul_n{block_n}_k{block_k}_s{split_k}" + ("_glu" if glu else ""),
+    )(rows.astype(jnp.int32), groups.astype(jnp.int32), lhs.astype(dtype), rhs,
+      *(() if bias is None else (bias,)))
     return out if split_k == 1 else jnp.sum(out, axis=0).astype(dtype)

@@ -9,6 +9,8 @@ oracle too)."""
 
 from __future__ import annotations
 
+import functools
+
 import suite_paths  # noqa: F401  tests/support: where the suite's pieces are
 from triton_lowering import fake_h200
 
@@ -19,7 +21,7 @@ import pytest
 
 import specjax.kernels as K
 from specjax.kernels.grouped_matmul import grouped_matmul, pallas, resolve_grouped_backend
-from specjax.models import moe
+from specjax.models import gpt_oss, moe
 
 
 def oracle(lhs, rhs, sizes):
@@ -126,10 +128,12 @@ def test_triton_lowering_for_h200_on_cpu(monkeypatch):
             assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
         if m <= 256:                     # the pair kernel at decode / verify widths
             for split in (1, 4) if k >= 256 else (1,):
-                fn = pallas.pair_matmul.trace(sds((m, k), dt), sds((128, k, n), dt),
-                                              sds((m,), jnp.int32), sds((m,), jnp.int32),
-                                              split_k=split, interpret=False)
-                assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
+                for glu, bias in ((None, None), (moe.swiglu, sds((128, n), dt)))[:1 + (n % 32 == 0)]:
+                    fn = pallas.pair_matmul.trace(sds((m, k), dt), sds((128, k, n), dt),
+                                                  sds((m,), jnp.int32), sds((m,), jnp.int32),
+                                                  bias, glu=glu, split_k=split,
+                                                  interpret=False)
+                    assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -212,6 +216,34 @@ def test_pair_matmul_matches_the_oracle(dtype, tol, split_k):
     with pytest.raises(ValueError, match="split_k=2 must be >= 1 and divide K / block_k = 3"):
         pallas.pair_matmul(lq, rq, jnp.asarray(rows), jnp.asarray(groups), block_k=16,
                            split_k=2)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_pair_matmul_glu_epilogue_matches_the_oracle(split_k):
+    """With ``glu``: ``glu(y[2c] + b[g, 2c], y[2c + 1] + b[g, 2c + 1])`` of ``y = lhs[row] @
+    rhs[g]``, gpt-oss's clamped activation (limits reached), in the epilogue or after K's
+    shares; a bias without ``glu`` is refused."""
+    rng = np.random.default_rng(6)
+    t, k, n, e, lim = 3, 48, 96, 6, 0.7
+    lhs = rng.standard_normal((t, k)).astype(np.float32)
+    rhs = (rng.standard_normal((e, k, n)) / np.sqrt(k)).astype(np.float32)
+    bias = rng.standard_normal((e, n)).astype(np.float32)
+    rows = np.array([0, 0, 1, 2, 2], np.int32)
+    groups = np.array([5, 1, 0, 3, e + 1], np.int32)
+    glu = functools.partial(gpt_oss.clamped_swiglu, limit=lim)
+    out = pallas.pair_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(rows),
+                             jnp.asarray(groups), jnp.asarray(bias), glu=glu, block_k=16,
+                             split_k=split_k)
+    assert out.shape == (5, n // 2)
+    want = []
+    for r, g in zip(rows, groups):
+        y = lhs[r].astype(np.float64) @ rhs[g] + bias[g] if g < e else np.zeros(n)
+        gate, up = np.minimum(y[0::2], lim), np.clip(y[1::2], -lim, lim)
+        want.append((up + 1) * gate / (1 + np.exp(-1.702 * gate)))
+    np.testing.assert_allclose(np.asarray(out, np.float64), np.stack(want), atol=1e-5)
+    with pytest.raises(ValueError, match="bias is taken only with glu"):
+        pallas.pair_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(rows),
+                           jnp.asarray(groups), jnp.asarray(bias))
 
 
 def test_moe_layer_on_either_backend(monkeypatch):
