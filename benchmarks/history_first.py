@@ -11,6 +11,7 @@ tokens / engine steps (the prefill step included).
 
     python benchmarks/history_first.py                      # CPU: about a minute
     python benchmarks/history_first.py --files 8 --max-file-bytes 320 --k 4 --json hf.json
+    python benchmarks/history_first.py --timed ...          # also tokens/s (GPU)
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def proposer(method: str, k: int, target, lookup: tuple[int, int]):
     return demo.demo_proposer(model, k, (target.model, target.params), **extra)
 
 
-def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print) -> dict:
+def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool = False) -> dict:
     target = demo.demo_target()
     opts = LoopOptions(batch_buckets=(1,), query_buckets=demo.query_buckets(prompts),
                        context_buckets=demo.context_buckets())
@@ -91,21 +92,30 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print) -> dict:
             if res.spec_stats is not None:
                 acc += res.spec_stats.num_accepted_tokens
                 drafts += res.spec_stats.num_drafts
-        return toks, steps, (1 + acc / drafts) if drafts else float("nan")
+        extra = {}
+        if timed:            # again, compiled: the requests one after another, wall clock
+            t0 = time.perf_counter()
+            again = [eng.generate([p], SamplingParams(max_tokens=m)).token_ids[0]
+                     for p, m in zip(prompts, max_tokens)]
+            wall = time.perf_counter() - t0
+            extra = dict(tokens_per_s=sum(map(len, again)) / wall, same_output=again == toks)
+        return toks, steps, (1 + acc / drafts) if drafts else float("nan"), extra
 
     t0 = time.perf_counter()
-    base, base_steps, _ = decode(None)
+    base, base_steps, _, extra = decode(None)
     n = sum(len(t) for t in base)
     log(f"plain: {n} tokens, {base_steps} steps ({time.perf_counter() - t0:.0f}s)")
     rows = [{"method": "plain", "tokens": n, "steps": base_steps,
-             "tokens_per_forward": n / base_steps, "lossless": True}]
+             "tokens_per_forward": n / base_steps, "lossless": extra.get("same_output", True),
+             **extra}]
     for m in methods:
         t0 = time.perf_counter()
         prop = proposer(m, k, target, lookup)
-        toks, steps, mal = decode(prop)
+        toks, steps, mal, extra = decode(prop)
         row = {"method": m, "tokens": sum(len(t) for t in toks), "steps": steps,
                "tokens_per_forward": sum(len(t) for t in toks) / steps,
-               "mean_acceptance_length": mal, "lossless": toks == base}
+               "mean_acceptance_length": mal,
+               "lossless": toks == base and extra.get("same_output", True), **extra}
         if hasattr(prop, "counts"):
             row.update(first_stage_rows=prop.first_stage_rows, model_rows=prop.model_rows)
         rows.append(row)
@@ -115,14 +125,19 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print) -> dict:
 
 
 def table(rows) -> str:
-    out = ["| method | tokens / target forward | steps | mean acceptance length | lossless |",
-           "|---|---|---|---|---|"]
+    timed = any("tokens_per_s" in r for r in rows)
+    out = ["| method | tokens / target forward | steps | mean acceptance length | lossless |"
+           + (" tokens/s | vs plain |" if timed else ""),
+           "|---|---|---|---|---|" + ("---|---|" if timed else "")]
+    plain = next((r.get("tokens_per_s") for r in rows if r["method"] == "plain"), None)
     for r in rows:
         mal = r.get("mean_acceptance_length")
         extra = f" (n-gram rows {r['first_stage_rows']}, model rows {r['model_rows']})" \
             if "first_stage_rows" in r else ""
         out.append(f"| {r['method']}{extra} | {r['tokens_per_forward']:.3f} | {r['steps']} | "
-                   f"{'-' if mal is None else f'{mal:.2f}'} | {'yes' if r['lossless'] else 'NO'} |")
+                   f"{'-' if mal is None else f'{mal:.2f}'} | {'yes' if r['lossless'] else 'NO'} |"
+                   + (f" {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / plain:.2f}x |"
+                      if timed and plain else ""))
     return "\n".join(out)
 
 
@@ -136,6 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--prompt-lookup-min", type=int, default=3)
     ap.add_argument("--prompt-lookup-max", type=int, default=5)
+    ap.add_argument("--timed", action="store_true",
+                    help="decode the workload a second time, compiled, for tokens/s (one "
+                         "request at a time, each method's default engine path)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not 1 <= a.files <= 8 or a.k < 1 or not 16 <= a.max_file_bytes <= 320:
@@ -143,7 +161,7 @@ def main(argv=None) -> int:
                  f"max_model_len is {demo.MAX_MODEL_LEN})")
     prompts, max_tokens, src = workload(a.files, a.max_file_bytes)
     res = run(a.methods, a.k, prompts, max_tokens, (a.prompt_lookup_min, a.prompt_lookup_max),
-              log=lambda s: print(s, file=sys.stderr, flush=True))
+              log=lambda s: print(s, file=sys.stderr, flush=True), timed=a.timed)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
             "python": platform.python_version(), "jax": jax.__version__, "k": a.k,
             "prompt_lookup": [a.prompt_lookup_min, a.prompt_lookup_max],

@@ -30,6 +30,17 @@ def test_tiny_run(tmp_path, capsys):
         history_first.main(["--files", "9"])
 
 
+def test_timed_pass_reports_tokens_per_second(tmp_path, capsys):
+    """``--timed``: a second, compiled pass gives tokens/s; its output must match the first."""
+    out = tmp_path / "hf.json"
+    assert history_first.main(["--files", "1", "--max-file-bytes", "48", "--k", "2",
+                               "--methods", "ngram", "--timed", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["plain", "ngram"]
+    assert all(r["same_output"] and r["tokens_per_s"] > 0 for r in rows)
+    assert "| tokens/s | vs plain |" in capsys.readouterr().out
+
+
 def test_the_workload_texts_are_the_held_out_files():
     """Each committed text is the start of a file in the demo models' held-out split and,
     where this interpreter's stdlib has the file, equal to its first bytes."""
