@@ -97,9 +97,17 @@ def test_the_estimator_learns_from_verified_drafts(method, rises):
         assert beta[0] < -0.2
 
 
-def test_sampling_keeps_the_target_distribution():
+def test_sampling_keeps_the_target_distribution(monkeypatch):
     """Chi-square at alpha = 1e-3 on the first verified token with drafts admitted by
-    confidence (the draft model is the target drafting its argmax)."""
+    confidence (the draft model is the target drafting its argmax). The cost table is flat
+    (not timed: on a loaded CPU the profile can price every draft out)."""
+
+    def flat_costs(eng, batch_sizes, reps=3):
+        for b in batch_sizes:
+            eng.k_costs[b] = np.ones(eng.k + 1)
+        return eng.k_costs
+
+    monkeypatch.setattr(Engine, "profile_k_costs", flat_costs)
     tgt = target(4.0)
     prop = build("draft_model", 2, tgt, max_model_len=16, **AV)
     sps = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(N_SAMPLES)]
