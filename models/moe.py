@@ -183,6 +183,7 @@ class SparseMoeBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x [T, H]`` -> ``[T, H]``."""
-        weights, experts = softmax_top_k(x.astype(jnp.float32) @ self.gate.kernel[...]
-                                         .astype(jnp.float32), self.top_k, self.norm_topk_prob)
+        logits = jnp.matmul(x, self.gate.kernel[...].astype(x.dtype),   # f32 accumulated and
+                            preferred_element_type=jnp.float32)          # kept, no f32 copies
+        weights, experts = softmax_top_k(logits, self.top_k, self.norm_topk_prob)
         return self.experts(x, weights, experts)
