@@ -61,7 +61,12 @@ def workload(num_files: int, max_file_bytes: int) -> tuple[list[list[int]], list
     return prompts, max_tokens, {"files": names, "file_bytes": sizes}
 
 
-def proposer(method: str, k: int, target, lookup: tuple[int, int]):
+def two_chains(k: int, branches: int) -> str:
+    """``branches`` chains of depth ``k`` from the root, as a ``speculative_token_tree``."""
+    return str([(b,) + (0,) * d for d in range(k) for b in range(branches)])
+
+
+def proposer(method: str, k: int, target, lookup: tuple[int, int], branches: int = 1):
     lo, hi = lookup
     common = dict(max_model_len=demo.MAX_MODEL_LEN, block_size=demo.BLOCK_SIZE)
     if method == "ngram":
@@ -73,10 +78,12 @@ def proposer(method: str, k: int, target, lookup: tuple[int, int]):
                                                suffix_backend=backend), **common)
     model, _, first = method.partition("+")
     extra = dict(history_first=first, prompt_lookup_min=lo, prompt_lookup_max=hi) if first else {}
-    return demo.demo_proposer(model, k, (target.model, target.params), **extra)
+    tree = two_chains(k, branches) if branches > 1 and model in ("eagle", "eagle3") else None
+    return demo.demo_proposer(model, k, (target.model, target.params), tree=tree, **extra)
 
 
-def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool = False) -> dict:
+def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool = False,
+        branches: int = 1) -> dict:
     target = demo.demo_target()
     opts = LoopOptions(batch_buckets=(1,), query_buckets=demo.query_buckets(prompts),
                        context_buckets=demo.context_buckets())
@@ -110,7 +117,7 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool =
              **extra}]
     for m in methods:
         t0 = time.perf_counter()
-        prop = proposer(m, k, target, lookup)
+        prop = proposer(m, k, target, lookup, branches)
         toks, steps, mal, extra = decode(prop)
         row = {"method": m, "tokens": sum(len(t) for t in toks), "steps": steps,
                "tokens_per_forward": sum(len(t) for t in toks) / steps,
@@ -151,20 +158,26 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--prompt-lookup-min", type=int, default=3)
     ap.add_argument("--prompt-lookup-max", type=int, default=5)
+    ap.add_argument("--branches", type=int, default=1,
+                    help="eagle / eagle3 rows draft a tree of this many chains of depth --k "
+                         "(with +ngram the n-gram chain takes the last branch where it matches)")
     ap.add_argument("--timed", action="store_true",
                     help="decode the workload a second time, compiled, for tokens/s (one "
                          "request at a time, each method's default engine path)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    if not 1 <= a.files <= 8 or a.k < 1 or not 16 <= a.max_file_bytes <= 320:
-        ap.error("--files must be in 1..8, --k >= 1, --max-file-bytes in 16..320 (the demo's "
+    if not 1 <= a.files <= 8 or a.k < 1 or not 16 <= a.max_file_bytes <= 320 or \
+            not 1 <= a.branches <= 4:
+        ap.error("--files must be in 1..8, --k >= 1, --branches in 1..4, --max-file-bytes in "
+                 "16..320 (the demo's "
                  f"max_model_len is {demo.MAX_MODEL_LEN})")
     prompts, max_tokens, src = workload(a.files, a.max_file_bytes)
     res = run(a.methods, a.k, prompts, max_tokens, (a.prompt_lookup_min, a.prompt_lookup_max),
-              log=lambda s: print(s, file=sys.stderr, flush=True), timed=a.timed)
+              log=lambda s: print(s, file=sys.stderr, flush=True), timed=a.timed,
+              branches=a.branches)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
             "python": platform.python_version(), "jax": jax.__version__, "k": a.k,
-            "prompt_lookup": [a.prompt_lookup_min, a.prompt_lookup_max],
+            "prompt_lookup": [a.prompt_lookup_min, a.prompt_lookup_max], "branches": a.branches,
             "max_file_bytes": a.max_file_bytes, **src}
     print(table(res["rows"]))
     print(json.dumps(meta))

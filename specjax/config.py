@@ -594,10 +594,11 @@ def _check_history_first(cfg: SpeculativeConfig, method: str) -> None:
         raise ValueError(f"{name} needs a model method drafting a chain, one of "
                          f"{MODEL_CHAIN_METHODS}; got method={method!r}")
     tree = cfg.speculative_token_tree
-    if isinstance(tree, (str, list, tuple)) and \
-            parse_token_tree(tree) != _chain_tree(len(parse_token_tree(tree))):
-        raise ValueError(f"{name} cannot be combined with a branching speculative_token_tree "
-                         "(the first stage drafts chains)")
+    nodes = parse_token_tree(tree) if isinstance(tree, (str, list, tuple)) else None
+    if nodes and nodes != _chain_tree(len(nodes)) and sum(len(c) == 1 for c in nodes) < 2:
+        raise ValueError(f"{name} with a branching speculative_token_tree needs >= 2 children "
+                         "of the root (the first stage's chain takes the last one's first-child "
+                         f"path); got {list(nodes)}")
     if cfg.enable_adaptive_verification:
         raise ValueError(f"{name} cannot be combined with enable_adaptive_verification=True (the "
                          "first stage's drafts have no confidence features)")

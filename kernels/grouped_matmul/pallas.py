@@ -158,10 +158,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
 def _pair_kernel(rows_ref, groups_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                  split_k: int, glu, precision):
-    """Program ``(p, j, s)``: pair p's columns ``[j * block_n, ...)`` of ``lhs[rows[p]] @
-    rhs[groups[p]]`` over K share s (a group outside ``[0, E)``: zeros), the row repeated
-    ``PAIR_ROWS`` times for Triton's dot. With ``glu``: output column c is ``glu(gate + b,
-    up + b)`` of rhs columns ``2c`` and ``2c + 1`` (``refs``: the bias ``[E, N]``, if any)."""
+    """Program ``(p, j, s)`` of :func:`pair_matmul`: pair p, output columns ``[j * block_n,
+    ...)``, K share s; its row repeated ``PAIR_ROWS`` times for Triton's dot."""
     out_ref = refs[-1]
     p = pl.program_id(0)
     j = pl.program_id(1)

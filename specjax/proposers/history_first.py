@@ -1,4 +1,5 @@
-"""``history_first``: a history proposer drafts where it matches, the model chain elsewhere."""
+"""``history_first``: a history proposer drafts where it matches, the model chain elsewhere
+(with a branching EAGLE token tree: the history chain takes one branch, the model the rest)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class HistoryFirstProposer(ModelProposer):
         self.__dict__.update(vars(model))
         self.first_stage = first_stage
         self.counts = HistoryFirstCounts()
+        self.branch = first_stage_branch(self.feed.token_tree)
 
     @property
     def first_stage_rows(self) -> int:
@@ -42,20 +44,30 @@ class HistoryFirstProposer(ModelProposer):
         return self.counts.model_rows
 
     def redraft(self, history: TokenHistory, drafts: Sequence[list[int]]) -> list[list[int]]:
-        """``drafts`` (the model's, one per history row) with the first stage's where it drafts."""
+        """``drafts`` (the model's, one per history row) with the first stage's where it
+        drafts: the whole chain, or in a tree the nodes of :attr:`branch` (the model keeps
+        the others)."""
         out = self.first_stage.propose_from_history(history)
         tok, cnt = np.asarray(out.token_ids), np.asarray(out.num_drafts)
-        c, res = self.counts, []
+        c, res, branch = self.counts, [], self.branch
         for j, d in enumerate(drafts):
             n = int(cnt[j])
-            if n > 0:
-                c.first_stage_rows += 1
-                c.first_stage_tokens += n
-                res.append(tok[j, :n].tolist())
-            else:
+            if branch is not None and len(d) <= branch[-1]:
+                n = 0                                   # a cut tree: the model's alone
+            if n == 0:
                 c.model_rows += 1
                 c.model_tokens += len(d)
                 res.append(list(d))
+                continue
+            first = tok[j, : n if branch is None else min(n, len(branch))].tolist()
+            c.first_stage_rows += 1
+            c.first_stage_tokens += len(first)
+            if branch is not None:
+                tree = list(d)
+                for node, t in zip(branch, first):
+                    tree[node] = t
+                first = tree
+            res.append(first)
         return res
 
     def finish_requests(self, req_ids: Sequence[Hashable], documents=None) -> None:
@@ -64,6 +76,24 @@ class HistoryFirstProposer(ModelProposer):
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, history_first={self.config.history_first!r})"
+
+
+def first_stage_branch(tree) -> tuple[int, ...] | None:
+    """The nodes of a branching tree's path ``(c, 0, 0, ...)`` from the root's last child c,
+    where the first stage's chain goes; None for a chain or no tree."""
+    if tree is None or tree.is_chain:
+        return None
+    last = max(c[0] for c in tree.choices)
+    index = {c: i for i, c in enumerate(tree.choices)}
+    return tuple(index[(last,) + (0,) * d] for d in range(tree.depth))
+
+
+def _chain_len(config: SpeculativeConfig) -> int:
+    """The first stage's k: ``num_speculative_tokens``, or a token tree's depth."""
+    from specjax.config import parse_token_tree
+
+    tree = config.speculative_token_tree
+    return config.num_speculative_tokens if tree is None else len(parse_token_tree(tree)[-1])
 
 
 def first_stage_config(config: SpeculativeConfig) -> SpeculativeConfig:
@@ -76,7 +106,7 @@ def first_stage_config(config: SpeculativeConfig) -> SpeculativeConfig:
     with warnings.catch_warnings():       # the outer config has warned about its suffix keys
         warnings.simplefilter("ignore", UserWarning)
         return SpeculativeConfig(
-            method=stage, num_speculative_tokens=config.num_speculative_tokens,
+            method=stage, num_speculative_tokens=_chain_len(config),
             prompt_lookup_min=config.prompt_lookup_min if ngram else None,
             prompt_lookup_max=config.prompt_lookup_max if ngram else None,
             suffix_decoding_max_tree_depth=config.suffix_decoding_max_tree_depth,

@@ -87,6 +87,39 @@ def test_rows_verify_the_drafts_of_their_stage():
     assert c.first_stage_rows == prop.first_stage_rows and c.first_stage_tokens >= n_first
 
 
+TWO = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]"     # two chains of depth 3
+
+
+@pytest.mark.parametrize("method", ("eagle", "eagle3"))
+def test_tree_branch_takes_the_first_stage_chain(method):
+    """With a two-branch tree the n-gram chain replaces the second branch's nodes where it
+    matches (first stage k = the depth), the model's chain keeps the first branch; greedy
+    output equals plain decoding."""
+    prop = build(method, 6, speculative_token_tree=TWO, **NGRAM)
+    assert prop.branch == (1, 3, 5) and prop.first_stage.num_speculative_tokens == 3
+    eng = Engine(target(), prop, max_num_seqs=4, **fixed())
+    alone = build("ngram", 3, prompt_lookup_min=2, prompt_lookup_max=3)
+    calls, redraft = [], eng.proposer.redraft
+
+    def spy(hist, drafts):
+        got = redraft(hist, drafts)
+        calls.append((alone.propose_from_history(hist).to_lists(), drafts, got))
+        return got
+
+    eng.proposer.redraft = spy
+    for prompts, params, which in ((PROMPTS_A, PARAMS_A, "A"),):
+        assert eng.generate(prompts, params).token_ids == baseline(which).token_ids
+    placed = 0
+    for ref, model, got in calls:
+        for r, m, g in zip(ref, model, got):
+            want = list(m)
+            for node, t in zip((1, 3, 5), r):
+                want[node] = t
+            assert len(m) == 6 and g == want
+            placed += bool(r)
+    assert placed > 0 and prop.first_stage_rows == placed
+
+
 def test_finish_requests_reach_the_first_stage():
     prop = build("eagle3", 2, **NGRAM)
     seen = []
@@ -131,7 +164,8 @@ BASE = dict(method="eagle3", model="head", num_speculative_tokens=3)
     dict(BASE, method="ngram", model=None, history_first="ngram"),
     dict(BASE, method="extract_hidden_states", model=None, num_speculative_tokens=1,
          history_first="ngram"),
-    dict(speculative_token_tree="[(0,), (1,), (0, 0), (1, 0)]", history_first="ngram"),
+    dict(speculative_token_tree="[(0,), (0, 0), (0, 1)]", num_speculative_tokens=3,
+         history_first="ngram"),
     dict(enable_adaptive_verification=True, history_first="suffix"),
     dict(disable_padded_drafter_batch=True, history_first="ngram"),
     dict(history_first="suffix", prompt_lookup_min=3),
