@@ -45,15 +45,15 @@ class HistoryFirstProposer(ModelProposer):
 
     def redraft(self, history: TokenHistory, drafts: Sequence[list[int]]) -> list[list[int]]:
         """``drafts`` (the model's, one per history row) with the first stage's where it
-        drafts: the whole chain, or in a tree the nodes of :attr:`branch` (the model keeps
-        the others)."""
+        drafts: the whole chain, or in a tree the nodes of :attr:`branch` where its first
+        token differs from the model's first (the model keeps the others)."""
         out = self.first_stage.propose_from_history(history)
         tok, cnt = np.asarray(out.token_ids), np.asarray(out.num_drafts)
         c, res, branch = self.counts, [], self.branch
         for j, d in enumerate(drafts):
             n = int(cnt[j])
-            if branch is not None and len(d) <= branch[-1]:
-                n = 0                                   # a cut tree: the model's alone
+            if branch is not None and (len(d) <= branch[-1] or tok[j, 0] == d[0]):
+                n = 0          # a cut tree, or the model's chain starts alike: the model's
             if n == 0:
                 c.model_rows += 1
                 c.model_tokens += len(d)

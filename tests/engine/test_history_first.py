@@ -3,6 +3,9 @@ matches, the model chain the others, in one step. Greedy output equals plain dec
 row verifies exactly the drafts of the stage that drafted it; sampling keeps the target's
 distribution; every combination it cannot serve is refused naming ``history_first``."""
 
+import types
+
+import numpy as np
 import pytest
 
 from specjax import SpeculativeConfig
@@ -93,8 +96,8 @@ TWO = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]"     # two chains of d
 @pytest.mark.parametrize("method", ("eagle", "eagle3"))
 def test_tree_branch_takes_the_first_stage_chain(method):
     """With a two-branch tree the n-gram chain replaces the second branch's nodes where it
-    matches (first stage k = the depth), the model's chain keeps the first branch; greedy
-    output equals plain decoding."""
+    matches and starts unlike the model's chain (a like first token would be unreachable
+    behind branch 0), first stage k = the depth; greedy output equals plain decoding."""
     prop = build(method, 6, speculative_token_tree=TWO, **NGRAM)
     assert prop.branch == (1, 3, 5) and prop.first_stage.num_speculative_tokens == 3
     eng = Engine(target(), prop, max_num_seqs=4, **fixed())
@@ -113,11 +116,23 @@ def test_tree_branch_takes_the_first_stage_chain(method):
     for ref, model, got in calls:
         for r, m, g in zip(ref, model, got):
             want = list(m)
-            for node, t in zip((1, 3, 5), r):
-                want[node] = t
+            if r and r[0] != m[0]:
+                for node, t in zip((1, 3, 5), r):
+                    want[node] = t
+                placed += 1
             assert len(m) == 6 and g == want
-            placed += bool(r)
     assert placed > 0 and prop.first_stage_rows == placed
+
+
+def test_tree_redraft_rules():
+    """Row by row: a chain placed on the branch's nodes as far as it goes; a chain whose first
+    token is the model's first draft (unreachable behind branch 0) or no chain: the model's."""
+    prop = build("eagle3", 6, speculative_token_tree=TWO, **NGRAM)
+    prop.first_stage = types.SimpleNamespace(propose_from_history=lambda h: types.SimpleNamespace(
+        token_ids=np.array([[7, 8, 9], [1, 2, 0], [4, 4, 4]]), num_drafts=np.array([3, 2, 0])))
+    model = [[7, 10, 11, 12, 13, 14], [9, 10, 11, 12, 13, 14], [9, 10, 11, 12, 13, 14]]
+    assert prop.redraft(None, model) == [model[0], [9, 1, 11, 2, 13, 14], model[2]]
+    assert (prop.first_stage_rows, prop.model_rows) == (1, 2)
 
 
 def test_finish_requests_reach_the_first_stage():
