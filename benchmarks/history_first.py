@@ -61,7 +61,7 @@ def workload(num_files: int, max_file_bytes: int) -> tuple[list[list[int]], list
     return prompts, max_tokens, {"files": names, "file_bytes": sizes}
 
 
-def two_chains(k: int, branches: int) -> str:
+def chains_tree(k: int, branches: int) -> str:
     """``branches`` chains of depth ``k`` from the root, as a ``speculative_token_tree``."""
     return str([(b,) + (0,) * d for d in range(k) for b in range(branches)])
 
@@ -78,7 +78,7 @@ def proposer(method: str, k: int, target, lookup: tuple[int, int], branches: int
                                                suffix_backend=backend), **common)
     model, _, first = method.partition("+")
     extra = dict(history_first=first, prompt_lookup_min=lo, prompt_lookup_max=hi) if first else {}
-    tree = two_chains(k, branches) if branches > 1 and model in ("eagle", "eagle3") else None
+    tree = chains_tree(k, branches) if branches > 1 and model in ("eagle", "eagle3") else None
     return demo.demo_proposer(model, k, (target.model, target.params), tree=tree, **extra)
 
 

@@ -210,10 +210,10 @@ def pair_matmul(lhs: jax.Array, rhs: jax.Array, rows: jax.Array, groups: jax.Arr
     """``out[p] = lhs[rows[p]] @ rhs[groups[p]]`` (``lhs [T, K]``, ``rhs [E, K, N]``, ``rows``
     / ``groups [P]``; a group outside ``[0, E)``: zeros, before any ``glu``) -> ``[P, N]``, one
     program per (pair, column tile, K share), nothing sorted first: for decode's few pairs (a
-    group's weights read once per pair naming it). ``glu`` (elementwise ``(gate, up) -> out`` in float32): ``out[p,
-    c] = glu(y[2c] + bias[g, 2c], y[2c + 1] + bias[g, 2c + 1])`` of ``y = lhs[rows[p]] @
-    rhs[g]`` -> ``[P, N / 2]``, the activation in the kernel's epilogue (``bias [E, N]``
-    optional; only with ``glu``). Tiles as :func:`tiles`, ``block_n`` up to 64; ``split_k``
+    group's weights read once per pair naming it). ``glu`` (elementwise ``(gate, up) -> out``
+    in float32): ``out[p, c] = glu(y[2c] + bias[g, 2c], y[2c + 1] + bias[g, 2c + 1])`` of ``y
+    = lhs[rows[p]] @ rhs[g]`` -> ``[P, N / 2]``, the activation in the kernel's epilogue
+    (``bias [E, N]`` optional; only with ``glu``). Tiles as :func:`tiles`, ``block_n`` up to 64; ``split_k``
     shares of K summed in float32 (more programs for few pairs; with ``glu``, the activation
     after the sum). ValueError as :func:`grouped_matmul`, or for a ``bias`` without ``glu``."""
     if pltr is None:

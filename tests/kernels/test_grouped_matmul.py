@@ -128,7 +128,8 @@ def test_triton_lowering_for_h200_on_cpu(monkeypatch):
             assert "xla.gpu.triton" in fn.lower(lowering_platforms=("cuda",)).as_text()
         if m <= 256:                     # the pair kernel at decode / verify widths
             for split in (1, 4) if k >= 256 else (1,):
-                for glu, bias in ((None, None), (moe.swiglu, sds((128, n), dt)))[:1 + (n % 32 == 0)]:
+                cases = ((None, None), (moe.swiglu, sds((128, n), dt)))
+                for glu, bias in cases[:1 + (n % 32 == 0)]:     # glu: N / 2 tiles of >= 16
                     fn = pallas.pair_matmul.trace(sds((m, k), dt), sds((128, k, n), dt),
                                                   sds((m,), jnp.int32), sds((m,), jnp.int32),
                                                   bias, glu=glu, split_k=split,
