@@ -54,7 +54,7 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 #: (token, expert) pairs up to which the Pallas path runs :func:`pair_matmul` (one program
 #: per pair, nothing sorted) rather than the sorted grouped matmul: at decode its routing
 #: kernels cost more than the GEMMs, and few pairs name one expert twice.
-PAIR_MAX_PAIRS = 32
+PAIR_MAX_PAIRS = 16
 
 
 def _pairwise(backend: str, *shapes) -> bool:

@@ -170,27 +170,26 @@ def _pair_kernel(rows_ref, groups_ref, lhs_ref, rhs_ref, *refs, block_n: int, bl
     row = jnp.clip(rows_ref[p], 0, lhs_ref.shape[0] - 1)
     rows = jnp.full((PAIR_ROWS,), row, jnp.int32)
     col = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    cols = (col,) if glu is None else (2 * col, 2 * col + 1)      # (gate, up) interleaved
+    width = block_n if glu is None else 2 * block_n      # gate and up: one contiguous tile
+    wcol = j * width + jnp.arange(width, dtype=jnp.int32)
     kk0 = jnp.arange(block_k, dtype=jnp.int32)
     k_steps = lhs_ref.shape[1] // block_k // split_k
 
-    def body(s, accs):
+    def body(s, acc):
         kk = (s0 * k_steps + s) * block_k + kk0
         a = pltr.load(lhs_ref.at[rows[:, None], kk[None, :]])           # [16, BK]
-        return tuple(acc + lax.dot_general(
-            a, pltr.load(rhs_ref.at[g, kk[:, None], c[None, :]]).astype(a.dtype),  # [BK, BN]
-            (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-            for acc, c in zip(accs, cols))
+        w = pltr.load(rhs_ref.at[g, kk[:, None], wcol[None, :]]).astype(a.dtype)  # [BK, W]
+        return acc + lax.dot_general(a, w, (((1,), (0,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
 
-    zero = jnp.zeros((PAIR_ROWS, block_n), jnp.float32)
-    accs = lax.fori_loop(0, valid * k_steps, body, (zero,) * len(cols))
-    if glu is None:
-        acc = accs[0]
-    else:
+    acc = lax.fori_loop(0, valid * k_steps, body, jnp.zeros((PAIR_ROWS, width), jnp.float32))
+    if glu is not None:
         if len(refs) == 2:                                   # the bias, zero for no group
-            accs = tuple(a + valid.astype(jnp.float32) * pltr.load(refs[0].at[g, c])
-                         .astype(jnp.float32)[None, :] for a, c in zip(accs, cols))
-        acc = glu(*accs)
+            acc = acc + valid.astype(jnp.float32) * pltr.load(
+                refs[0].at[g, wcol]).astype(jnp.float32)[None, :]
+        pairs = acc.reshape(PAIR_ROWS, block_n, 2)           # (gate, up) interleaved
+        lane = jnp.arange(2, dtype=jnp.int32).reshape(1, 1, 2)
+        acc = glu(*(jnp.sum(jnp.where(lane == i, pairs, 0.0), axis=2) for i in (0, 1)))
     out_rows = jnp.full((PAIR_ROWS,), p, jnp.int32)
     at = (out_rows[:, None], col[None, :]) if split_k == 1 else (s0, out_rows[:, None],
                                                                   col[None, :])
