@@ -398,8 +398,8 @@ class Engine:
         of two) and form. ``logits_processing``: plain (False) and / or processing (True)
         variants; ``num_logprobs``: each largest ``SamplingParams.logprobs`` a batch can hold
         (None: none asks); ``num_tokens``: flat token slots of ragged steps (a chunk beside
-        decoding rows: the power of two of their tokens, at most rows x ``query_lens``; None:
-        rows x ``query_lens`` only); ``num_speculative_tokens``: the device loop's draft
+        decoding rows: as ``Scheduler.ragged_slots`` pads them; None: rows x ``query_lens``
+        only); ``num_speculative_tokens``: the device loop's draft
         counts (``k_for``) to compile (None: the schedule's values, else k). Returns the
         number of variants compiled."""
         sched, opts = self.scheduler, self.options
@@ -417,8 +417,12 @@ class Engine:
             if int(b) * int(q) < opts.min_tokens_per_step:      # as Scheduler.buckets pads it
                 q = _pick(opts.query_buckets, -(-opts.min_tokens_per_step // int(b)),
                           name="query_buckets", what="min_tokens_per_step over the rows")
+            if t is not None and int(q) > sched.buckets(1, self.k + 1, 1)[1]:
+                t, q = sched.ragged_slots(int(b), int(q), min(t, sched.budget or t))  # as
+            elif t is not None:                                          # build_batch pads
+                t = min(t, int(b) * int(q))
             batch = sched.dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g),
-                                      num_tokens=None if t is None else min(t, int(b) * int(q)))
+                                      num_tokens=t)
             if pr:
                 batch = dataclasses.replace(batch, procs=sched.empty_procs(int(b)))
             jax.block_until_ready(self._run(dataclasses.replace(batch, num_logprobs=lp)))

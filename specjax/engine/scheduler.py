@@ -274,6 +274,23 @@ class Scheduler:
                   name="context_buckets", what="KV blocks of one request")
         return b, q, c
 
+    def ragged_slots(self, rows: int, query_len: int, tokens: int) -> tuple[int, int]:
+        """``(T, Q)`` of a ragged step of ``tokens`` tokens in ``rows`` rows whose longest row
+        pads to ``query_len``: ``T`` the smallest ``token_buckets`` entry holding them (None:
+        their power of two, at most the step budget), at most ``rows x query_len``; with no
+        ``query_buckets``, ``Q = T``. Why: the ragged kernels read ``Q`` only to pick tiles,
+        so one program per (rows, token slots) rather than per (rows, token slots, longest
+        row), and a budget that is no power of two is not padded past itself."""
+        if self.token_buckets:
+            fits = [x for x in self.token_buckets if x >= tokens]
+            t = min(fits) if fits else rows * query_len
+        else:
+            t = next_power_of_2(tokens)
+            if self.budget is not None and tokens <= self.budget:
+                t = min(t, self.budget)
+        t = min(t, rows * query_len)
+        return t, (t if self.query_buckets is None else query_len)
+
     def build_batch(self, reqs: list[_Request], tree_verify: bool = False
                     ) -> tuple[StepBatch, list[int], int]:
         """``(batch, query lengths, rows)`` of the scheduled ``reqs``: each one's ``sched``
@@ -300,9 +317,7 @@ class Scheduler:
                                max(self.k if r.k_cap < 0 else r.k_cap for r in reqs))
         T = B * Q             # a decode-shaped step: the shape Engine.warmup compiles
         if Q > self.buckets(1, self.k + 1, 1)[1]:
-            n = max(sum(qlens), self.min_tokens_per_step)
-            fits = [x for x in self.token_buckets or () if x >= n]
-            T = min(T, min(fits) if fits else T if self.token_buckets else next_power_of_2(n))
+            T, Q = self.ragged_slots(B, Q, max(sum(qlens), self.min_tokens_per_step))
         batch = build_batch(
             sched, num_computed=computed, num_drafts=nd, block_ids=[r.blocks for r in reqs],
             block_size=self.block_size, num_reqs_pad=B, query_len_pad=Q, blocks_per_req_pad=C,
