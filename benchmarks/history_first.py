@@ -2,11 +2,13 @@
 
 Each prompt is a held-out CPython file (``history_first_workload.json``: the demo models'
 held-out split, ``specjax.training.data``) given in full, then its first half again; greedy
-decoding continues it (up to the rest of the file). Methods: ``ngram`` alone, each demo
-model drafter alone (``eagle3``, ``draft_model``, ``medusa``, ``dflash``, ``eagle``) and
-with ``history_first="ngram"`` (``eagle3+ngram``, ...), and suffix decoding on the device
-(``suffix``) and with Arctic Inference (``suffix_arctic``), whose corpus / cache keeps the
-earlier requests' responses; each checked token-for-token against plain greedy decoding. One request at a time, so tokens per target forward = generated
+decoding continues it (up to the rest of the file). Methods: ``ngram`` (CPU) / ``ngram_gpu``
+alone, each demo model drafter alone (``eagle3``, ``draft_model``, ``medusa``, ``dflash``,
+``eagle``) and with ``history_first="ngram"`` (``eagle3+ngram``, ...: the host redrafts each
+step) or ``"ngram_gpu"`` (``eagle3+ngram_gpu``, ...: merged in the device loop), and suffix
+decoding on the device (``suffix``) and with Arctic Inference (``suffix_arctic``), whose
+corpus / cache keeps the earlier requests' responses; each checked token-for-token against
+plain greedy decoding. One request at a time, so tokens per target forward = generated
 tokens / engine steps (the prefill step included).
 
     python benchmarks/history_first.py                      # CPU: about a minute
@@ -34,7 +36,8 @@ from specjax.tokenizer import BOS_ID
 WORKLOAD = Path(__file__).with_name("history_first_workload.json")
 #: The model drafters a hybrid can fall back to (the demo's heads).
 MODELS = ("eagle3", "draft_model", "medusa", "dflash", "eagle")
-METHODS = ("ngram", "suffix", "suffix_arctic") + MODELS + tuple(f"{m}+ngram" for m in MODELS)
+METHODS = ("ngram", "ngram_gpu", "suffix", "suffix_arctic") + MODELS + tuple(
+    f"{m}+{s}" for s in ("ngram", "ngram_gpu") for m in MODELS)
 
 
 def _head(data: bytes, limit: int) -> bytes:
@@ -69,8 +72,8 @@ def chains_tree(k: int, branches: int) -> str:
 def proposer(method: str, k: int, target, lookup: tuple[int, int], branches: int = 1):
     lo, hi = lookup
     common = dict(max_model_len=demo.MAX_MODEL_LEN, block_size=demo.BLOCK_SIZE)
-    if method == "ngram":
-        return make_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=k,
+    if method in ("ngram", "ngram_gpu"):
+        return make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                prompt_lookup_min=lo, prompt_lookup_max=hi), **common)
     if method.startswith("suffix"):     # the device backend (vLLM 0.34) or Arctic Inference's
         backend = "arctic" if method == "suffix_arctic" else "device"
@@ -123,7 +126,7 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool =
                "tokens_per_forward": sum(len(t) for t in toks) / steps,
                "mean_acceptance_length": mal,
                "lossless": toks == base and extra.get("same_output", True), **extra}
-        if hasattr(prop, "counts"):
+        if hasattr(prop, "counts") and prop.loop_drafter is None:   # (host-path counts)
             row.update(first_stage_rows=prop.first_stage_rows, model_rows=prop.model_rows)
         rows.append(row)
         log(f"{m}: {row['tokens_per_forward']:.3f} tokens / target forward "

@@ -20,7 +20,7 @@ from specjax.adaptive_k import acceptance_rate, choose_caps
 from specjax.constants import next_power_of_2
 from specjax.engine.scheduler import _Request
 from specjax.metrics import SpecDecodingStats
-from specjax.runtime.decode_loop import decode_loop, loop_cache_size, make_loop_state
+from specjax.runtime.decode_loop import decode_loop, loop_cache_size, loop_history, make_loop_state
 from specjax.sampling.logprobs import logprobs_bucket
 
 _I32 = np.int32
@@ -102,7 +102,7 @@ class DeviceLoopDriver:
         B, Q, C = sched.buckets(len(running), max(caps) + 1, max(len(r.blocks) for r in running),
                                 max(caps))
         hist = ([sched.tok_buf[r.row, : r.num_tokens] for r in running]
-                if e.drafts_in == "history" else None)
+                if loop_history(e.step) else None)
         state = make_loop_state(
             last_token=[r.token(r.num_tokens - 1) for r in running],
             num_computed=[r.num_computed for r in running],

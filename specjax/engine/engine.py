@@ -30,7 +30,8 @@ from specjax.metrics import SpecDecodingStats
 from specjax.proposers import Proposer, TokenHistory
 from specjax.adaptive_k import acceptance_rate, choose_k, k_schedule_lookup, observe_acceptance
 from specjax.runtime.batch import trim_drafts
-from specjax.runtime.decode_loop import decode_loop, loop_cache_size, loop_support, make_loop_state
+from specjax.runtime.decode_loop import (decode_loop, loop_cache_size, loop_history, loop_support,
+                                         make_loop_state)
 from specjax.runtime.output import StepOutput
 from specjax.runtime.step import StepBatch, make_step, params_kv_dtype, step_cache_size
 from specjax.sampling.logits_processors import check_request
@@ -397,11 +398,9 @@ class Engine:
         loop for every batch size, width, ``all_greedy``, ``stop_pads`` (stop-id columns: a power
         of two) and form. ``logits_processing``: plain (False) and / or processing (True)
         variants; ``num_logprobs``: each largest ``SamplingParams.logprobs`` a batch can hold
-        (None: none asks); ``num_tokens``: flat token slots of ragged steps (a chunk beside
-        decoding rows: as ``Scheduler.ragged_slots`` pads them; None: rows x ``query_lens``
-        only); ``num_speculative_tokens``: the device loop's draft
-        counts (``k_for``) to compile (None: the schedule's values, else k). Returns the
-        number of variants compiled."""
+        (None: none asks); ``num_tokens``: ragged steps' token slots (``Scheduler.ragged_slots``;
+        None: rows x ``query_lens`` only); ``num_speculative_tokens``: the device loop's draft
+        counts (``k_for``; None: the schedule's, else k). Returns the variants compiled."""
         sched, opts = self.scheduler, self.options
         lps = sorted({logprobs_bucket([check_num_logprobs("num_logprobs", n)]) for n in num_logprobs},
                      key=lambda n: -1 if n is None else n)
@@ -417,10 +416,9 @@ class Engine:
             if int(b) * int(q) < opts.min_tokens_per_step:      # as Scheduler.buckets pads it
                 q = _pick(opts.query_buckets, -(-opts.min_tokens_per_step // int(b)),
                           name="query_buckets", what="min_tokens_per_step over the rows")
-            if t is not None and int(q) > sched.buckets(1, self.k + 1, 1)[1]:
-                t, q = sched.ragged_slots(int(b), int(q), min(t, sched.budget or t))  # as
-            elif t is not None:                                          # build_batch pads
-                t = min(t, int(b) * int(q))
+            if t is not None:                                      # as build_batch pads
+                t, q = (sched.ragged_slots(int(b), int(q), min(t, sched.budget or t))
+                        if int(q) > sched.buckets(1, self.k + 1, 1)[1] else (min(t, b * q), q))
             batch = sched.dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g),
                                       num_tokens=t)
             if pr:
@@ -446,7 +444,7 @@ class Engine:
                         blocks_per_req_pad=int(c), num_tokens_pad=t,
                         k_cap=None if kk == self.k and t is None else [], query_len_pad=q,
                         max_model_len=self.max_model_len, block_size=self.block_size,
-                        stop_pad=int(s), history=[] if self.drafts_in == "history" else None,
+                        stop_pad=int(s), history=[] if loop_history(self.step) else None,
                         procs=sched.empty_procs(int(b)) if pr else None)
                     out, self.target_kv, self.draft_state, _ = decode_loop(
                         self.step, self.target.params, self.step.draft_params, self.target_kv,

@@ -275,12 +275,9 @@ class Scheduler:
         return b, q, c
 
     def ragged_slots(self, rows: int, query_len: int, tokens: int) -> tuple[int, int]:
-        """``(T, Q)`` of a ragged step of ``tokens`` tokens in ``rows`` rows whose longest row
-        pads to ``query_len``: ``T`` the smallest ``token_buckets`` entry holding them (None:
-        their power of two, at most the step budget), at most ``rows x query_len``; with no
-        ``query_buckets``, ``Q = T``. Why: the ragged kernels read ``Q`` only to pick tiles,
-        so one program per (rows, token slots) rather than per (rows, token slots, longest
-        row), and a budget that is no power of two is not padded past itself."""
+        """``(T, Q)`` of a ragged step: ``T`` the least ``token_buckets`` entry >= ``tokens``
+        (None: their power of two, at most the budget), <= ``rows x query_len``; ``Q = T``
+        with no ``query_buckets`` (the kernels read ``Q`` only for tiles: fewer programs)."""
         if self.token_buckets:
             fits = [x for x in self.token_buckets if x >= tokens]
             t = min(fits) if fits else rows * query_len

@@ -14,7 +14,7 @@ from specjax.proposers.interface import ModelProposer, Proposer, TokenHistory
 
 @dataclasses.dataclass
 class HistoryFirstCounts:
-    """Rows (request-steps) and draft tokens each stage supplied, shared by every copy."""
+    """Rows (request-steps) and drafts each stage gave in host redrafts, shared by copies."""
 
     first_stage_rows: int = 0
     model_rows: int = 0
@@ -34,6 +34,18 @@ class HistoryFirstProposer(ModelProposer):
         self.first_stage = first_stage
         self.counts = HistoryFirstCounts()
         self.branch = first_stage_branch(self.feed.token_tree)
+
+    @property
+    def loop_drafter(self):
+        """The first stage's device drafter where the device loop merges the chains (a
+        chain; ``ngram_gpu`` / the device suffix), else None."""
+        return None if self.branch is not None else getattr(self.first_stage, "device_drafter",
+                                                            None)
+
+    @property
+    def device_drafter_state(self):
+        """The first stage's device state (the suffix corpus), or None."""
+        return getattr(self.first_stage, "device_drafter_state", None)
 
     @property
     def first_stage_rows(self) -> int:

@@ -359,8 +359,8 @@ def _commit(st: LoopState, sampled, k: int):
     return emitted, emit, n_acc, finished, last, nc
 
 
-def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, target_kv,
-          draft_state, st: LoopState, stop_on_finish, drafter_state=None):
+def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, dparams,
+          target_kv, draft_state, st: LoopState, stop_on_finish, drafter_state=None):
     k = spec.k
     b = st.last_token.shape[0]
     real = jnp.arange(b, dtype=jnp.int32) < st.num_reqs
@@ -403,6 +403,10 @@ def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, targe
             d = (drafter.search(hist, nc + 1, real & ~finished) if drafter_state is None else
                  drafter.draft(drafter_state, hist, nc + 1, real & ~finished))
             drafts, num_drafts = d.token_ids.astype(jnp.int32), d.num_drafts.astype(jnp.int32)
+            if merge:       # history_first: the history's chain where it drafts, else the model's
+                use = num_drafts > 0
+                drafts = jnp.where(use[:, None], drafts[:, : out.drafts.shape[1]], out.drafts)
+                num_drafts = jnp.where(use, num_drafts, out.num_drafts)
         elif k:
             drafts, num_drafts = out.drafts, out.num_drafts
         else:
@@ -430,12 +434,20 @@ def _loop(spec, n_iters: int, drafter, early_exit: bool, tparams, dparams, targe
             target_kv, draft_state, st)
 
 
-_loop_jit = jax.jit(_loop, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 8))
+_loop_jit = jax.jit(_loop, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8, 9))
 
 
 def loop_cache_size() -> int:
     """Number of compiled variants of the device loop (for recompilation checks)."""
     return _loop_jit._cache_size()
+
+
+def loop_history(step) -> bool:
+    """Whether the device loop keeps token histories: a history proposer or a merging
+    ``history_first``."""
+    feed = step.feed
+    return feed is not None and (feed.drafts_in == "history" or getattr(
+        step.proposer, "loop_drafter", None) is not None)
 
 
 def loop_support(step) -> str | None:
@@ -448,9 +460,10 @@ def loop_support(step) -> str | None:
     if getattr(getattr(prop, "config", None), "enable_adaptive_verification", False):
         return ("enable_adaptive_verification=True admits each step's drafts on the host "
                 "(use steps_per_sync=1)")
-    if getattr(prop, "first_stage", None) is not None:
+    if getattr(prop, "first_stage", None) is not None and prop.loop_drafter is None:
         return (f"history_first={prop.config.history_first!r} redrafts each step's rows on the "
-                f"host after the step (use steps_per_sync=1)")
+                f"host after the step; the device loop merges only a chain with ngram_gpu or "
+                f"the device suffix (use steps_per_sync=1)")
     if feed.drafts_in == "split":
         return (f"disable_padded_drafter_batch=True (method={method!r}) drafts after the host's "
                 f"prepare_inputs; the device loop needs the padded drafter batch (use "
@@ -501,8 +514,9 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
         raise ValueError(f"state was built with max_model_len={state.max_model_len}; the proposer "
                          f"uses {feed.max_model_len}")
     drafter = None
-    if feed is not None and feed.drafts_in == "history":
-        drafter = step.proposer.device_drafter
+    merge = getattr(step.proposer, "loop_drafter", None) is not None      # history_first
+    if feed is not None and (feed.drafts_in == "history" or merge):
+        drafter = step.proposer.loop_drafter if merge else step.proposer.device_drafter
         if getattr(drafter, "stateful", False) and drafter_state is None:
             raise ValueError(f"method={step.proposer.method!r} drafts from a device state: give "
                              "decode_loop(..., drafter_state=proposer.device_drafter_state)")
@@ -522,7 +536,7 @@ def decode_loop(step, target_params, draft_params, target_kv, draft_state, state
     # call (device arrays, e.g. overlapped): the compiled variant is keyed on both
     state = jax.device_put(state)
     with _compat.use_mesh(getattr(step, "mesh", None)):     # read by MoE experts
-        return _loop_jit(spec, int(steps_per_sync), drafter, bool(early_exit), target_params,
-                         dparams, target_kv, draft_state, state,
+        return _loop_jit(spec, int(steps_per_sync), drafter, merge, bool(early_exit),
+                         target_params, dparams, target_kv, draft_state, state,
                          jnp.asarray(bool(stop_on_finish)),
                          drafter_state if getattr(drafter, "stateful", False) else None)

@@ -28,7 +28,7 @@ from specjax.checks import (ArgumentError, ArgumentTypeError, check_int, check_i
                             check_number)
 from specjax.runtime import host_transfer
 from specjax.runtime.checks import MAX_SEED, check_not_donated, row_seeds
-from specjax.runtime.decode_loop import LoopState, decode_loop, make_loop_state
+from specjax.runtime.decode_loop import LoopState, decode_loop, loop_history, make_loop_state
 from specjax.runtime.warmup import (Bucket, as_bucket, as_buckets, empty_procs, logprobs_variants,
                                     procs_variants, variants)
 from specjax.sampling import SamplingState
@@ -70,12 +70,11 @@ def empty_loop_state(step, bucket: Bucket, *, max_model_len: int, block_size: in
         raise ArgumentTypeError(f"all_greedy must be True or False, got {all_greedy!r}")
     lp = logprobs_bucket([check_num_logprobs("num_logprobs", num_logprobs)])
     limits = procs_variants((procs,), max_model_len)[0]
-    feed = step.feed
     state = make_loop_state(
         last_token=[], num_computed=[], drafts=[], max_tokens=[], num_output=[], block_ids=[],
         k=step.k, num_reqs_pad=bk.requests, blocks_per_req_pad=bk.blocks, query_len_pad=q,
         max_model_len=max_model_len, block_size=block_size, stop_pad=stop_pad,
-        history=[] if feed is not None and feed.drafts_in == "history" else None,
+        history=[] if loop_history(step) else None,
         procs=empty_procs(bk.requests, limits, max_model_len))
     return dataclasses.replace(state, all_greedy=bool(all_greedy), num_logprobs=lp)
 

@@ -495,7 +495,7 @@ def _caches_in_place_body():
                              block_size=BS)
         spec = eng.step._spec
         for early_exit in (True, False):
-            low = _loop_jit.lower(spec, 4, None, early_exit, eng.target.params,
+            low = _loop_jit.lower(spec, 4, None, False, early_exit, eng.target.params,
                                   None if spec.impl is None else eng.step.draft_params,
                                   eng.target_kv, eng.draft_state, st, jnp.asarray(False))
             n_kv = len([x for x in jax.tree.leaves((eng.target_kv, eng.draft_state))

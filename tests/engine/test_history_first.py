@@ -45,7 +45,8 @@ def test_greedy_output_equals_plain(method, stage):
         out, base = run(prop, which), baseline(which)
         assert out.token_ids == base.token_ids, f"{method} + {stage} workload {which}"
         assert [o.finish_reason for o in out.outputs] == [o.finish_reason for o in base.outputs]
-    assert prop.first_stage_rows > 0 and prop.model_rows > 0
+    if prop.loop_drafter is None:     # counted on the host path (a device first stage
+        assert prop.first_stage_rows > 0 and prop.model_rows > 0    # merges in the loop)
 
 
 def test_dspark_behind_an_ngram_stage_equals_plain():
@@ -205,3 +206,24 @@ def test_chain_tree_and_prompt_lookup_defaults():
 def test_device_loop_refused(loop):
     with pytest.raises(ValueError, match="history_first='ngram'"):
         Engine(target(), build("eagle3", 2, **NGRAM), max_num_seqs=4, **fixed(**loop))
+
+
+@pytest.mark.parametrize("stage", [pytest.param(dict(NGRAM, history_first="ngram_gpu"),
+                                                id="ngram_gpu"),
+                                   pytest.param(dict(history_first="suffix",
+                                                     suffix_backend="device"), id="suffix")])
+def test_device_loop_merges_a_device_first_stage(stage):
+    """With a device first stage the device loop merges the chains itself (the history's
+    where it drafts, the model's elsewhere): greedy output equals plain, and each request
+    drafts and accepts exactly what the per-step path (host redraft) gives it."""
+    got = {}
+    for n in (4, 1):
+        prop = build("eagle3", 3, **stage)
+        assert prop.loop_drafter is not None
+        eng = Engine(target(), prop, max_num_seqs=4, **fixed(steps_per_sync=n))
+        assert eng.options.steps_per_sync == n
+        out = eng.generate(PROMPTS_A, PARAMS_A)
+        assert out.token_ids == baseline("A").token_ids
+        got[n] = [(o.num_draft_tokens, o.num_accepted_tokens) for o in out.outputs]
+    assert got[4] == got[1]
+    assert sum(a for _, a in got[4]) > 0

@@ -71,7 +71,7 @@ def programs() -> dict[str, str]:
                                 max_model_len=MML, block_size=BLOCK)
         spec = step._spec
         dparams = step.draft_params if spec.impl is not None else None
-        lowered = _loop_jit.lower(spec, 8, None, False, tparams, dparams, kv, dstate,
+        lowered = _loop_jit.lower(spec, 8, None, False, False, tparams, dparams, kv, dstate,
                                   jax.device_put(state), jax.numpy.asarray(False))
         out[f"loop_{name}"] = normalize(lowered.as_text())
     return out
