@@ -33,8 +33,10 @@ arrival), ITL (gaps between deliveries; tokens of one device-loop call share one
 bucket (``max_model_len``) and ``--batch-buckets`` keep the programs few. ``--warmup short``
 compiles first: ``Engine.warmup`` for the decode programs of every batch bucket, then a
 spread of the prompts one at a time and together (a few tokens each); ``full``: the whole
-workload once (twice the time, few compiles left). Programs still compiled during the
-timed run and JAX's compile seconds are in every row (``compiles``, ``compile_s``); a row
+workload once, then every ragged step's program (``token_buckets``: powers of two from
+``RAGGED_MIN_SLOTS`` and the budget) for each batch bucket (no compile should be left).
+Programs still compiled during the timed run and JAX's compile seconds are in every row
+(``compiles``, ``compile_s``); a row
 whose compile time is over 5% of its wall time says so.
 
 Why: chunked prefill must keep decoding latency flat beside a long prompt at near the
@@ -77,6 +79,8 @@ from loop import BS, DEMO_RATES, build_target, drafter  # noqa: E402
 from prefill import Sink, attention_flops, cdiv, gemm_rate, prefill_flops, short  # noqa: E402
 
 from specjax.engine import Engine, LoopOptions, SamplingParams, step_cache_size  # noqa: E402
+from specjax.engine.options import (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS,  # noqa: E402
+                                    DEFAULT_MAX_NUM_BATCHED_TOKENS)
 from specjax.engine.memory import activation_bytes_estimate  # noqa: E402
 from specjax.runtime.decode_loop import loop_cache_size  # noqa: E402
 
@@ -348,6 +352,22 @@ def largest_live_arrays(n: int = 8) -> list[str]:
     return [f"{b / 2**30:.3f} GiB x{c} {key}" for key, (b, c) in top]
 
 
+#: The fewest token slots of a ragged step (``LoopOptions.token_buckets``): below it the 8B
+#: step reads its weights in the time its GEMMs take, so padding costs nothing, and the
+#: programs to compile are few enough for ``--warmup full`` to compile them all.
+RAGGED_MIN_SLOTS = 128
+
+
+def ragged_slot_counts(least: int, budget: int) -> list[int]:
+    """Powers of two from ``least`` below ``budget``, then ``budget``: a ragged step's token
+    slot counts (``LoopOptions.token_buckets``)."""
+    out, t = [], least
+    while t < budget:
+        out.append(t)
+        t *= 2
+    return out + [budget]
+
+
 def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
                memory: dict) -> dict:
     """One (method, chunked) case of the ``mixed`` part: warm-up, then the timed workload.
@@ -359,8 +379,11 @@ def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
     mml = cdiv(a.prompt_range[1] + a.output_range[1] + 2 * k + 16, BS) * BS
     seqs = min(a.max_seqs, len(prompts))
     buckets = tuple(sorted({b for b in a.batch_buckets if b < seqs} | {seqs}))
+    budget = mml if not chunked else DEFAULT_MAX_NUM_BATCHED_TOKENS \
+        if jax.default_backend() == "gpu" else DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS
     opts = LoopOptions(batch_buckets=buckets, context_buckets=(mml // BS,),
-                       enable_chunked_prefill=chunked, max_num_batched_tokens=None if chunked else mml)
+                       token_buckets=tuple(ragged_slot_counts(RAGGED_MIN_SLOTS, budget)),
+                       enable_chunked_prefill=chunked, max_num_batched_tokens=budget)
     mem = a.gpu_mem if a.num_blocks is None and jax.default_backend() == "gpu" else None
     eng = Engine(su.target, su.proposer(method, mml), max_model_len=mml, block_size=BS,
                  max_num_seqs=seqs, num_blocks=a.num_blocks, gpu_memory_utilization=mem,
@@ -374,6 +397,9 @@ def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
     t0 = time.perf_counter()
     if a.warmup == "full":
         eng.generate(prompts, sps, arrival_times=arrivals)
+        memory["phase"] = "warmup: every ragged step"
+        eng.warmup(buckets, [1 << (budget - 1).bit_length()], num_tokens=opts.token_buckets,
+                   stop_pads=(1,))
     elif a.warmup == "short":   # decode programs per batch bucket; a spread of prompts alone, then together
         memory["phase"] = "warmup: decode programs"
         eng.warmup(buckets, [k + 1], stop_pads=(1,))     # (no stop ids: one column)

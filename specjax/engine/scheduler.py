@@ -276,8 +276,8 @@ class Scheduler:
 
     def ragged_slots(self, rows: int, query_len: int, tokens: int) -> tuple[int, int]:
         """``(T, Q)`` of a ragged step: ``T`` the least ``token_buckets`` entry >= ``tokens``
-        (None: their power of two, at most the budget), <= ``rows x query_len``; ``Q = T``
-        with no ``query_buckets`` (the kernels read ``Q`` only for tiles: fewer programs)."""
+        (None: their power of two, at most the budget); ``Q = T`` with no ``query_buckets``
+        (the kernels read ``Q`` only for tiles: fewer programs), else ``T <= rows x Q``."""
         if self.token_buckets:
             fits = [x for x in self.token_buckets if x >= tokens]
             t = min(fits) if fits else rows * query_len
@@ -285,8 +285,9 @@ class Scheduler:
             t = next_power_of_2(tokens)
             if self.budget is not None and tokens <= self.budget:
                 t = min(t, self.budget)
-        t = min(t, rows * query_len)
-        return t, (t if self.query_buckets is None else query_len)
+        if self.query_buckets is None:
+            return t, t
+        return min(t, rows * query_len), query_len
 
     def build_batch(self, reqs: list[_Request], tree_verify: bool = False
                     ) -> tuple[StepBatch, list[int], int]:
