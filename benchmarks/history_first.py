@@ -126,7 +126,7 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool =
                "tokens_per_forward": sum(len(t) for t in toks) / steps,
                "mean_acceptance_length": mal,
                "lossless": toks == base and extra.get("same_output", True), **extra}
-        if hasattr(prop, "counts") and prop.loop_drafter is None:   # (host-path counts)
+        if hasattr(prop, "counts"):
             row.update(first_stage_rows=prop.first_stage_rows, model_rows=prop.model_rows)
         rows.append(row)
         log(f"{m}: {row['tokens_per_forward']:.3f} tokens / target forward "

@@ -265,6 +265,8 @@ class DeviceLoopDriver:
                     if out.counts[t, i]:
                         e.observe(r, int(out.num_drafts[t, i]), int(out.num_accepted[t, i]))
         results = e.commit_rule.loop(f.rows, out, e.scheduler.tok_buf)
+        if out.stage_counts is not None:            # history_first merged in the loop
+            e.proposer.count_merges(*(int(x) for x in out.stage_counts))
         if last:
             for i, r in enumerate(f.rows):
                 if not r.finish_reason:

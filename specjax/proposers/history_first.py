@@ -14,7 +14,7 @@ from specjax.proposers.interface import ModelProposer, Proposer, TokenHistory
 
 @dataclasses.dataclass
 class HistoryFirstCounts:
-    """Rows (request-steps) and drafts each stage gave in host redrafts, shared by copies."""
+    """Rows (request-steps) and draft tokens each stage supplied, shared by every copy."""
 
     first_stage_rows: int = 0
     model_rows: int = 0
@@ -46,6 +46,15 @@ class HistoryFirstProposer(ModelProposer):
     def device_drafter_state(self):
         """The first stage's device state (the suffix corpus), or None."""
         return getattr(self.first_stage, "device_drafter_state", None)
+
+    def count_merges(self, first_rows: int, model_rows: int, first_tokens: int,
+                     model_tokens: int) -> None:
+        """Adds the device loop's merges (``LoopOutput.stage_counts``) to :attr:`counts`."""
+        c = self.counts
+        c.first_stage_rows += first_rows
+        c.model_rows += model_rows
+        c.first_stage_tokens += first_tokens
+        c.model_tokens += model_tokens
 
     @property
     def first_stage_rows(self) -> int:

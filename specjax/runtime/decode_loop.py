@@ -90,7 +90,8 @@ class LoopOutput(NamedTuple):
     counts: ``[N, B] int32`` (0: the request did not run). num_drafts, num_accepted: ``[N, B]``
     (accepted before any stop cut the tokens, as the per-step loop counts them). finished:
     ``[B] bool`` after the call. num_iters: 0-d. logprobs: ``Logprobs`` with a leading ``[N]``
-    axis (slots not emitted: padding), or None."""
+    axis (slots not emitted: padding), or None. stage_counts: a merging ``history_first``'s
+    ``[4] int32`` (first-stage rows, model rows, their draft tokens), else None."""
 
     tokens: Any
     counts: Any
@@ -99,6 +100,7 @@ class LoopOutput(NamedTuple):
     finished: Any
     num_iters: Any
     logprobs: Any = None
+    stage_counts: Any = None
 
 
 def loop_blocks_needed(num_computed: int, *, steps_per_sync: int, k: int, lookahead: int,
@@ -383,7 +385,7 @@ def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, d
         return (carry[0] < n_iters) & go(carry[2])
 
     def body(carry):
-        i, n_run, st, tkv, dstate, (toks, cnts, nds, accs, *lps) = carry
+        i, n_run, st, tkv, dstate, (toks, cnts, nds, accs, *lps), stage = carry
         # fixed trip count: once the loop should have ended, every row sits the remaining
         # iterations out (no target KV written, nothing emitted, the state kept)
         halt = jnp.zeros((), jnp.bool_) if early_exit else ~go(st)
@@ -407,6 +409,10 @@ def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, d
                 use = num_drafts > 0
                 drafts = jnp.where(use[:, None], drafts[:, : out.drafts.shape[1]], out.drafts)
                 num_drafts = jnp.where(use, num_drafts, out.num_drafts)
+                alive = (active & ~finished).astype(jnp.int32)
+                stage = stage + jnp.stack([jnp.sum(alive * use), jnp.sum(alive * ~use),
+                                           jnp.sum(alive * use * num_drafts),
+                                           jnp.sum(alive * ~use * num_drafts)])
         elif k:
             drafts, num_drafts = out.drafts, out.num_drafts
         else:
@@ -421,16 +427,18 @@ def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, d
         if lps:
             lp = mask_slots(out.logprobs, emitted != PLACEHOLDER_TOKEN_ID)
             rec = rec + (jax.tree.map(lambda a, x: a.at[i].set(x), lps[0], lp),)
-        return i + 1, n_run + (~halt).astype(jnp.int32), st, tkv, dstate, rec
+        return i + 1, n_run + (~halt).astype(jnp.int32), st, tkv, dstate, rec, stage
 
     zero = jnp.zeros((), jnp.int32)
-    carry = (zero, zero, st, target_kv, draft_state, rec)
+    carry = (zero, zero, st, target_kv, draft_state, rec,
+             jnp.zeros(4, jnp.int32) if merge else None)
     if early_exit:
         carry = jax.lax.while_loop(cond, body, carry)
     else:   # a known trip count: no predicate read back to the host per iteration
         carry = jax.lax.fori_loop(0, n_iters, lambda _, c: body(c), carry)
-    _, n_run, st, target_kv, draft_state, (toks, cnts, nds, accs, *lps) = carry
-    return (LoopOutput(toks, cnts, nds, accs, st.finished, n_run, lps[0] if lps else None),
+    _, n_run, st, target_kv, draft_state, (toks, cnts, nds, accs, *lps), stage = carry
+    return (LoopOutput(toks, cnts, nds, accs, st.finished, n_run, lps[0] if lps else None,
+                       stage),
             target_kv, draft_state, st)
 
 

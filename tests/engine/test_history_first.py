@@ -3,6 +3,7 @@ matches, the model chain the others, in one step. Greedy output equals plain dec
 row verifies exactly the drafts of the stage that drafted it; sampling keeps the target's
 distribution; every combination it cannot serve is refused naming ``history_first``."""
 
+import dataclasses
 import types
 
 import numpy as np
@@ -45,8 +46,7 @@ def test_greedy_output_equals_plain(method, stage):
         out, base = run(prop, which), baseline(which)
         assert out.token_ids == base.token_ids, f"{method} + {stage} workload {which}"
         assert [o.finish_reason for o in out.outputs] == [o.finish_reason for o in base.outputs]
-    if prop.loop_drafter is None:     # counted on the host path (a device first stage
-        assert prop.first_stage_rows > 0 and prop.model_rows > 0    # merges in the loop)
+    assert prop.first_stage_rows > 0 and prop.model_rows > 0
 
 
 def test_dspark_behind_an_ngram_stage_equals_plain():
@@ -215,7 +215,7 @@ def test_device_loop_refused(loop):
 def test_device_loop_merges_a_device_first_stage(stage):
     """With a device first stage the device loop merges the chains itself (the history's
     where it drafts, the model's elsewhere): greedy output equals plain, and each request
-    drafts and accepts exactly what the per-step path (host redraft) gives it."""
+    drafts and accepts, and each stage is counted, exactly as on the per-step path."""
     got = {}
     for n in (4, 1):
         prop = build("eagle3", 3, **stage)
@@ -224,6 +224,7 @@ def test_device_loop_merges_a_device_first_stage(stage):
         assert eng.options.steps_per_sync == n
         out = eng.generate(PROMPTS_A, PARAMS_A)
         assert out.token_ids == baseline("A").token_ids
-        got[n] = [(o.num_draft_tokens, o.num_accepted_tokens) for o in out.outputs]
-    assert got[4] == got[1]
-    assert sum(a for _, a in got[4]) > 0
+        got[n] = ([(o.num_draft_tokens, o.num_accepted_tokens) for o in out.outputs],
+                  dataclasses.astuple(prop.counts))
+    assert got[4] == got[1]                  # the loop's counters too (LoopOutput.stage_counts)
+    assert sum(a for _, a in got[4][0]) > 0 and got[4][1][0] > 0     # first-stage rows
