@@ -36,8 +36,7 @@ spread of the prompts one at a time and together (a few tokens each); ``full``: 
 workload once, then every ragged step's program (``token_buckets``: powers of two from
 ``RAGGED_MIN_SLOTS`` and the budget) for each batch bucket (no compile should be left).
 Programs still compiled during the timed run and JAX's compile seconds are in every row
-(``compiles``, ``compile_s``); a row
-whose compile time is over 5% of its wall time says so.
+(``compiles``, ``compile_s``); a row whose compile time is over 5% of its wall time says so.
 
 Why: chunked prefill must keep decoding latency flat beside a long prompt at near the
 hardware floor, and raise throughput / cut TTFT on a mixed load.
@@ -379,8 +378,9 @@ def mixed_case(su: Setup, method: str, chunked: bool, work, clock: CompileClock,
     mml = cdiv(a.prompt_range[1] + a.output_range[1] + 2 * k + 16, BS) * BS
     seqs = min(a.max_seqs, len(prompts))
     buckets = tuple(sorted({b for b in a.batch_buckets if b < seqs} | {seqs}))
-    budget = mml if not chunked else DEFAULT_MAX_NUM_BATCHED_TOKENS \
-        if jax.default_backend() == "gpu" else DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS
+    default = DEFAULT_MAX_NUM_BATCHED_TOKENS if jax.default_backend() == "gpu" else \
+        DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS                  # the engine's default budget
+    budget = default if chunked else mml
     opts = LoopOptions(batch_buckets=buckets, context_buckets=(mml // BS,),
                        token_buckets=tuple(ragged_slot_counts(RAGGED_MIN_SLOTS, budget)),
                        enable_chunked_prefill=chunked, max_num_batched_tokens=budget)
