@@ -398,7 +398,7 @@ class Engine:
         loop for every batch size, width, ``all_greedy``, ``stop_pads`` (stop-id columns: a power
         of two) and form. ``logits_processing``: plain (False) and / or processing (True)
         variants; ``num_logprobs``: each largest ``SamplingParams.logprobs`` a batch can hold
-        (None: none asks); ``num_tokens``: ragged steps' token slots (``Scheduler.ragged_slots``;
+        (None: none asks); ``num_tokens``: ragged steps' token slots (``Scheduler.step_slots``;
         None: rows x ``query_lens`` only); ``num_speculative_tokens``: the device loop's draft
         counts (``k_for``; None: the schedule's, else k). Returns the variants compiled."""
         sched, opts = self.scheduler, self.options
@@ -416,9 +416,8 @@ class Engine:
             if int(b) * int(q) < opts.min_tokens_per_step:      # as Scheduler.buckets pads it
                 q = _pick(opts.query_buckets, -(-opts.min_tokens_per_step // int(b)),
                           name="query_buckets", what="min_tokens_per_step over the rows")
-            if t is not None:                                      # as build_batch pads
-                t, q = (sched.ragged_slots(int(b), int(q), min(t, sched.budget or t))
-                        if int(q) > sched.buckets(1, self.k + 1, 1)[1] else (min(t, b * q), q))
+            if t is not None:
+                t, q = sched.step_slots(int(b), int(q), min(t, sched.budget or t))
             batch = sched.dummy_batch(int(b), int(q), int(c), tree_verify=tv, all_greedy=bool(g),
                                       num_tokens=t)
             if pr:

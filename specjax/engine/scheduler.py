@@ -276,8 +276,8 @@ class Scheduler:
 
     def ragged_slots(self, rows: int, query_len: int, tokens: int) -> tuple[int, int]:
         """``(T, Q)`` of a ragged step: ``T`` the least ``token_buckets`` entry >= ``tokens``
-        (None: their power of two, at most the budget); ``Q = T`` with no ``query_buckets``
-        (the kernels read ``Q`` only for tiles: fewer programs), else ``T <= rows x Q``."""
+        (None: its power of two, at most the budget); ``Q = T`` with no ``query_buckets`` (the
+        kernels read ``Q`` only for tiles: fewer programs), else ``T <= rows x Q``."""
         if self.token_buckets:
             fits = [x for x in self.token_buckets if x >= tokens]
             t = min(fits) if fits else rows * query_len
@@ -289,16 +289,20 @@ class Scheduler:
             return t, t
         return min(t, rows * query_len), query_len
 
+    def step_slots(self, rows: int, query_len: int, tokens: int) -> tuple[int, int]:
+        """``(T, Q)`` of a step holding ``tokens``: ``ragged_slots`` past a decode step's
+        ``Q``, else ``(rows x Q, Q)``; what ``build_batch`` pads and ``Engine.warmup`` compiles."""
+        if query_len > self.buckets(1, self.k + 1, 1)[1]:
+            return self.ragged_slots(rows, query_len, max(tokens, self.min_tokens_per_step))
+        return rows * query_len, query_len
+
     def build_batch(self, reqs: list[_Request], tree_verify: bool = False
                     ) -> tuple[StepBatch, list[int], int]:
         """``(batch, query lengths, rows)`` of the scheduled ``reqs``: each one's ``sched``
         uncomputed tokens (fewer than all: a partial prefill, its sampled token discarded and
         its drafter fed the next prompt token), then its drafts (``tree_verify``: every
-        request has one uncomputed token, the root, and verifies its tree prefix). The batch
-        is ragged where a row holds more than a decode step's tokens: ``B`` rows of at most
-        ``Q`` tokens in a flat budget of ``T`` token slots (a power of two, at most ``B * Q``),
-        so a long chunk beside decoding rows pads to the chunk, not to ``B`` chunks; a
-        decode-shaped step keeps ``T = B * Q``, the shape ``Engine.warmup`` compiles."""
+        request has one uncomputed token, the root, and verifies its tree prefix), in the
+        ``step_slots`` of the step: a long chunk beside decoding rows pads to the chunk."""
         sched, computed, nd, partial = [], [], [], []
         for r in reqs:
             partial.append(r.num_computed + r.sched < r.num_tokens)
@@ -313,9 +317,7 @@ class Scheduler:
                     for r, p in zip(reqs, partial))
         B, Q, C = self.buckets(len(reqs), max(qlens), width,
                                max(self.k if r.k_cap < 0 else r.k_cap for r in reqs))
-        T = B * Q             # a decode-shaped step: the shape Engine.warmup compiles
-        if Q > self.buckets(1, self.k + 1, 1)[1]:
-            T, Q = self.ragged_slots(B, Q, max(sum(qlens), self.min_tokens_per_step))
+        T, Q = self.step_slots(B, Q, sum(qlens))
         batch = build_batch(
             sched, num_computed=computed, num_drafts=nd, block_ids=[r.blocks for r in reqs],
             block_size=self.block_size, num_reqs_pad=B, query_len_pad=Q, blocks_per_req_pad=C,
