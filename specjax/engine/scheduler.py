@@ -196,6 +196,12 @@ class Scheduler:
             n = min(n, self.threshold)
         return min(n, budget)
 
+    @property
+    def row_cap(self) -> int:
+        """Tokens a row takes at most with drafts: ``long_prefill_token_threshold`` (as vLLM
+        caps tokens with drafts) but at least a decode row's ``k + 1``; unbounded without it."""
+        return max(self.threshold, self.k + 1) if self.threshold else 1 << 62
+
     def _cut(self, drafts: list[int], room: int) -> list[int]:
         """``drafts`` cut to ``room`` tokens (a tree's to whole levels)."""
         if len(drafts) <= room:
@@ -208,10 +214,10 @@ class Scheduler:
     def _drafts(self, r: _Request, n: int, budget: int) -> int:
         """Drafts ``r`` verifies when ``n`` uncomputed tokens are scheduled: none in a partial
         prefill (its drafts are kept for its last chunk), else ``r.drafts`` cut to the budget
-        left (and stored cut)."""
+        left and :attr:`row_cap` (stored cut)."""
         if r.num_computed + n < r.num_tokens:
             return 0
-        r.drafts = self._cut(r.drafts, min(budget, self.max_query) - n)
+        r.drafts = self._cut(r.drafts, min(budget, self.max_query, self.row_cap) - n)
         return len(r.drafts)
 
     def schedule(self, waiting, running: list[_Request], now: float = float("inf")
@@ -276,8 +282,9 @@ class Scheduler:
 
     def ragged_slots(self, rows: int, query_len: int, tokens: int) -> tuple[int, int]:
         """``(T, Q)`` of a ragged step: ``T`` the least ``token_buckets`` entry >= ``tokens``
-        (None: its power of two, at most the budget); ``Q = T`` with no ``query_buckets`` (the
-        kernels read ``Q`` only for tiles: fewer programs), else ``T <= rows x Q``."""
+        (None: its power of two, at most the budget); with no ``query_buckets`` ``Q`` is ``T``
+        or :attr:`row_cap`'s power of two (the kernels read ``Q`` only for tiles: one program
+        per ``T``), else ``T <= rows x Q``."""
         if self.token_buckets:
             fits = [x for x in self.token_buckets if x >= tokens]
             t = min(fits) if fits else rows * query_len
@@ -286,7 +293,7 @@ class Scheduler:
             if self.budget is not None and tokens <= self.budget:
                 t = min(t, self.budget)
         if self.query_buckets is None:
-            return t, t
+            return t, min(t, next_power_of_2(self.row_cap)) if self.threshold else t
         return min(t, rows * query_len), query_len
 
     def step_slots(self, rows: int, query_len: int, tokens: int) -> tuple[int, int]:

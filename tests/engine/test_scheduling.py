@@ -16,7 +16,7 @@ import pytest
 
 from specjax.checks import ArgumentError
 from specjax.engine import Engine, LoopOptions, SamplingParams, generate
-from specjax.engine.scheduler import _Request
+from specjax.engine.scheduler import Scheduler, _Request
 from test_engine import (BS, FIXED, LOOP, METHODS, PARAMS_A, PROMPTS_A, V, baseline, build,
                          fixed, target)
 from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
@@ -64,6 +64,34 @@ def test_a_prompt_beside_decoding_rows_takes_its_tokens_not_rows_times_its_lengt
     for r in reqs:
         sched.release(r)
     assert len(sched.free_blocks) == eng.num_blocks - 1
+
+
+def test_a_threshold_bounds_every_row_and_the_ragged_steps_query_tiles():
+    """``long_prefill_token_threshold`` 16, k 3: a chunk takes 16 tokens, a resumed request's
+    last chunk cuts its kept drafts to 16 tokens in all, decoding rows keep k + 1 = 4; so a
+    ragged step's ``Q`` is 16 (the flash tiles see the longest row it can hold), not ``T``."""
+    def scheduler(**options):
+        return Scheduler(max_model_len=256, block_size=16, max_num_seqs=4, num_blocks=64, k=3,
+                         lookahead=0, tree=None,
+                         options=LoopOptions(max_num_batched_tokens=256, **options))
+
+    sched = scheduler(long_prefill_token_threshold=16)
+    assert sched.row_cap == 16
+    a, b, c = (_req(i, _rng.integers(0, V, n)) for i, n in enumerate((5, 7, 89)))
+    waiting, running = collections.deque([a, b]), []
+    sched.schedule(waiting, running)
+    for r in (a, b):                       # prompts computed, one token sampled, 3 drafts
+        r.num_computed, r.output, r.drafts = len(r.prompt), [3], [1, 2, 3]
+    waiting.append(c)
+    reqs = sched.schedule(waiting, running)
+    assert [(r.sched, len(r.drafts)) for r in reqs] == [(1, 3), (1, 3), (16, 0)]
+    batch, qlens, _ = sched.build_batch(reqs)
+    assert qlens == [4, 4, 16] and batch.input_ids.shape == (32,)
+    assert batch.attn.max_query_len == 16                    # T = 32 before
+    c.num_computed, c.drafts = len(c.prompt) - 10, [1, 2, 3, 4, 5, 6, 7, 8]
+    assert sched.schedule(collections.deque(), running) == [a, b, c]
+    assert (c.sched, c.drafts) == (10, [1, 2, 3, 4, 5, 6])  # 16 tokens with its drafts
+    assert scheduler().ragged_slots(4, 64, 89) == (128, 128)   # no threshold: Q = T
 
 
 @pytest.mark.parametrize("method", [None] + [m for m in ("eagle3", "draft_model", "ngram")
