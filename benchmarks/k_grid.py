@@ -20,8 +20,10 @@ rate a1, odd rows at a2 (one synthetic rate row per row class), under ``adaptive
 at the best single static k for that mix, ``B * E_mix(k) / t(B, k)`` with ``E_mix`` the
 rows' mean ``E``. ``--falling a1,a2`` runs one generate call under ``adaptive_k`` whose
 rate drops from a1 to a2 mid-run (issue 55: within 0.95x of each phase's best static k after
-at most 50 iterations) and prints tokens/s per window after the switch and the K chosen
-(``K@T``: K drafts at most per request in T flat token slots). Before a policy's timed
+at most 50 iterations) and prints tokens/s per window after the switch, the K chosen
+(``K@T``: K drafts at most per request in T flat token slots) and each phase against static K
+forced on the same engine in the same call (a table from another call can be off by the
+machine). Before a policy's timed
 window every choice it may make is compiled, each forced for one sync (``--forced-costs``:
 then timed beside its profiled cost), and the policy runs ``--policy-warmup`` iterations of
 the window's own requests.
@@ -239,7 +241,11 @@ def run(args) -> dict:
         """Issue 55's falling cell: one generate call under ``adaptive_k`` (k = --kmax) whose
         synthetic conditional rate drops from a1 to a2 after --falling-iters BEFORE iterations;
         tokens/s per window of about 24 iterations against each phase's best static k
-        (predicted from the cost table)."""
+        predicted from the cost table, and each phase against static K forced on the same
+        engine right after (``--static-iters``: the table's best k and the policy's most
+        frequent rectangle in that phase)."""
+        from specjax.engine.device_loop import RowCaps
+
         n_sw, n_after = (int(x) for x in args.falling_iters.split(","))
         k = args.kmax
         eng, prop, prompts, max_tokens = build(b, k, [a1 ** (j + 1) for j in range(k)],
@@ -279,11 +285,29 @@ def run(args) -> dict:
         w = -(-24 // n) * n
         windows = [tps(i, min(i + w, total)) / best2[1] for i in range(switch, total, w)]
         settle = switch + -(-50 // n) * n
+        p1, p2 = tps(max(0, switch - 2 * w), switch), tps(min(settle, total - n), total)
+        # the same engine forced to static K per phase, in this call: the table's best k
+        # and the policy's most frequent rectangle of that phase (a flat K@T is not forced)
+        cut = ks.index("|")
+        static = []
+        for phase, (spec, best, chosen) in enumerate(((hi, best1, ks[:cut]),
+                                                      (lo, best2, ks[cut + 3:] or ks[cut + 1:]))):
+            rect = [x for x in chosen if isinstance(x, int)]
+            cands = sorted({best[0]} | ({max(set(rect), key=rect.count)} if rect else set()))
+            eng.step._spec = spec
+            got = {}
+            for kk in cands:
+                eng.driver.policy = lambda rows, c=RowCaps(kk): c
+                got[kk] = loop.measure(eng, prompts, -(-args.static_iters // n) * n,
+                                       max_tokens)["tokens_per_s"]
+            static.append(got)
         del eng, prop
         gc.collect()
         return dict(batch=b, a=[a1, a2], best_k=[best1[0], best2[0]],
-                    phase1_vs_best=tps(max(0, switch - 2 * w), switch) / best1[1],
-                    phase2_vs_best=tps(min(settle, total - n), total) / best2[1],
+                    phase1_vs_best=p1 / best1[1], phase2_vs_best=p2 / best2[1],
+                    static_tps=[{str(kk): v for kk, v in g.items()} for g in static],
+                    phase1_vs_static=p1 / max(static[0].values()),
+                    phase2_vs_static=p2 / max(static[1].values()),
                     windows_vs_best=windows, k_per_call=ks, switch=switch, iters=total,
                     recompiles=recompiles)
 
@@ -372,16 +396,21 @@ def run(args) -> dict:
                   f"{pol / scores[k]:.3f} |", flush=True)
     falling = []
     if args.falling:
-        print("\n| B | a1 -> a2 | phase 1 / best static (k) | phase 2 from +50 / best static (k) "
-              "| windows after the switch / best (a2) | K per call (\\| = the switch) |")
-        print("|---|---|---|---|---|---|")
+        print("\n| B | a1 -> a2 | phase 1 / best static predicted (k) | phase 2 from +50 / best "
+              "static predicted (k) | phase 1 / static measured (k: tok/s) | phase 2 / static "
+              "measured (k: tok/s) | windows after the switch / best predicted (a2) | K per call "
+              "(\\| = the switch) |")
+        print("|---|---|---|---|---|---|---|---|")
     for b in batches:
         for pair in args.falling:
             a1, a2 = (float(x) for x in pair.split(","))
             row = falling_cell(b, a1, a2)
             falling.append(row)
+            meas = [", ".join(f"{kk}: {v:.0f}" for kk, v in g.items()) for g in row["static_tps"]]
             print(f"| {b} | {a1} -> {a2} | {row['phase1_vs_best']:.3f} (k={row['best_k'][0]}) | "
                   f"{row['phase2_vs_best']:.3f} (k={row['best_k'][1]}) | "
+                  f"{row['phase1_vs_static']:.3f} ({meas[0]}) | "
+                  f"{row['phase2_vs_static']:.3f} ({meas[1]}) | "
                   f"{' '.join(f'{x:.2f}' for x in row['windows_vs_best'])} | "
                   f"{' '.join(str(x) for x in row['k_per_call'])} |", flush=True)
     return dict(cost_ms={str(b): v for b, v in cost.items()}, mixed=mixed, falling=falling,
@@ -424,6 +453,9 @@ def main(argv=None) -> int:
                     help="falling cells: adaptive_k with every row at a1, then a2 mid-run")
     ap.add_argument("--falling-iters", default="96,160", metavar="BEFORE,AFTER",
                     help="iterations before and after the falling cell's switch")
+    ap.add_argument("--static-iters", type=int, default=48,
+                    help="falling cells: iterations of each phase's static k, forced on the "
+                         "policy's engine after its run (the same call's comparison)")
     ap.add_argument("--policy-warmup", type=int, default=104,
                     help="iterations a policy runs on the timed requests before their window "
                          "(adaptive_k learns each request and its choices' times; vLLM's "
@@ -432,8 +464,8 @@ def main(argv=None) -> int:
                     default="bfloat16" if gpu else "float32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.kmax < 1 or args.iters < 2 or args.repeat < 1:
-        ap.error("--kmax >= 1, --iters >= 2, --repeat >= 1")
+    if args.kmax < 1 or args.iters < 2 or args.repeat < 1 or args.static_iters < 1:
+        ap.error("--kmax >= 1, --iters >= 2, --repeat >= 1, --static-iters >= 1")
     if not all(0 <= float(a) < 1 for a in args.rates):
         ap.error("--rates must lie in [0, 1)")
     for pair in args.mixed + args.falling:

@@ -55,7 +55,7 @@ def test_tiny_run(tmp_path, capsys):
                         "--repeat", "1", "--context", "16", "--rates", "0.9", "--policies",
                         "adaptive_k", "adaptive_verification", "--policy-warmup", "4",
                         "--mixed", "1.0,0.0", "--forced-costs", "--falling", "1.0,0.0",
-                        "--falling-iters", "8,16",
+                        "--falling-iters", "8,16", "--static-iters", "4",
                         "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     (mix,) = doc["mixed"]        # even rows accept every draft, odd rows none
@@ -71,6 +71,10 @@ def test_tiny_run(tmp_path, capsys):
     assert fall["recompiles"] == 0 and fall["k_per_call"].count("|") == 1
     assert fall["switch"] < fall["iters"] and len(fall["windows_vs_best"]) >= 1
     assert all(x in (0, 1) for x in fall["k_per_call"] if x != "|")
+    # each phase against static K forced on the same engine: the predicted best among them
+    for g, best, ratio in zip(fall["static_tps"], fall["best_k"],
+                              (fall["phase1_vs_static"], fall["phase2_vs_static"])):
+        assert str(best) in g and all(v > 0 for v in g.values()) and ratio > 0
     rows = doc["policies"]
     assert [r["policy"] for r in rows] == ["adaptive_k", "adaptive_verification"]
     assert all(r["tokens_per_s"] > 0 and r["vs_best"] > 0 and r["best_k"] in (0, 1) for r in rows)
