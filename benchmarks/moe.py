@@ -11,14 +11,19 @@ Parts (``--parts``, default all):
   ``kernels/grouped_matmul``: the GPU default) and JAX's Hopper Pallas example
   (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``, GPU only), with the experts the
   routing actually touched (``touched``: distinct experts summed over layers) and the
-  floor ``touched * expert bytes / HBM_BPS``. The PyTorch anchor (``--torch``) is the same
+  floor ``touched * expert bytes / HBM_BPS``. Its PyTorch anchor (``--torch``) is the same
   stack with ``torch._grouped_mm``, ``torch.compile``'d and replayed in a CUDA graph, in a
-  separate process (``python benchmarks/moe.py --anchor ...``) so the two never share a GPU
-  allocator.
+  separate process (``python benchmarks/moe.py --anchor experts ...``) so the two never
+  share a GPU allocator.
 - ``decode``: the engine (``Engine.generate``, ``benchmarks/loop.py``'s ``measure``) with the
   MoE target, plain and EAGLE-3 (a random 1-layer head, synthetic acceptance), per delivered
   iteration, beside the step's floor: attention, router, norms and lm_head weights, the
   expected distinct experts of ``B * q`` uniformly routed tokens per layer, and the K/V.
+  Its PyTorch anchor (``--torch``) is the whole Qwen3-MoE forward (:class:`TorchMoE`: SDPA
+  over a static cache, the same ``torch._grouped_mm`` MoE block, each layer
+  ``torch.compile``'d, the step a CUDA graph; greedy tokens out) at q = 1 (decode) and
+  q = k + 1 (a verify step), in its own process before JAX, printed beside the plain
+  iteration.
 
 Parts run in the order ``--parts`` names them; each row is printed as it is measured (with
 its compile seconds), so a run cut short keeps what it measured.
@@ -181,31 +186,28 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str,
     return rows
 
 
-# -- the PyTorch anchor (its own process) ------------------------------------------------------
+# -- the PyTorch anchors (their own process) -------------------------------------------------
 
-def anchor_rows(geo: dict, batches, qs) -> list[dict]:
+def _torch_moe(geo: dict, device: str):
+    """The sparse MoE block in torch: ``moe(x [T, H], router [H, E], gate_up [E, H, 2I]
+    (gate and up columns interleaved), down [E, I, H]) -> [T, H]`` (no residual): softmax
+    router in float32, top-k (renormalised under ``norm_topk_prob``), the (token, expert)
+    pairs sorted by expert, ``torch._grouped_mm`` on CUDA (one matmul per expert on the
+    CPU), the weighted sum back per token. Returns ``(moe, layout)``; ``layout(w)`` puts an
+    expert stack in the layout the grouped GEMM takes."""
     import torch
 
-    from torch_anchors import time_graph
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    L, h, i, e, k = (geo[x] for x in ("num_hidden_layers", "hidden_size",
-                                      "moe_intermediate_size", "num_experts",
-                                      "num_experts_per_tok"))
-    g = torch.Generator(device=dev).manual_seed(0)
-    router = [torch.randn(h, e, device=dev, generator=g, dtype=dt) / h ** 0.5 for _ in range(L)]
-    w13 = [torch.randn(e, h, 2 * i, device=dev, generator=g, dtype=dt) / h ** 0.5
-           for _ in range(L)]
-    w2 = [torch.randn(e, i, h, device=dev, generator=g, dtype=dt) / i ** 0.5 for _ in range(L)]
-    grouped = getattr(torch, "_grouped_mm", None) if dev == "cuda" else None
+    e, k = geo["num_experts"], geo["num_experts_per_tok"]
+    grouped = getattr(torch, "_grouped_mm", None) if device == "cuda" else None
+    layout = lambda w: w  # noqa: E731
     if grouped is not None:
+        h = geo["hidden_size"]
+        w = torch.ones(e, h, 16, device=device, dtype=torch.bfloat16)
         try:                                    # some builds want column-major experts
-            grouped(torch.ones(16, h, device=dev, dtype=dt), w13[0],
-                    offs=torch.full((e,), 16, device=dev, dtype=torch.int32))
+            grouped(torch.ones(16, h, device=device, dtype=torch.bfloat16), w,
+                    offs=torch.full((e,), 16, device=device, dtype=torch.int32))
         except RuntimeError:
-            cm = lambda w: w.transpose(-2, -1).contiguous().transpose(-2, -1)  # noqa: E731
-            w13, w2 = [cm(w) for w in w13], [cm(w) for w in w2]
+            layout = lambda w: w.transpose(-2, -1).contiguous().transpose(-2, -1)  # noqa: E731
 
     def gemm(a, w, offs, sizes):
         if grouped is not None:
@@ -216,10 +218,11 @@ def anchor_rows(geo: dict, batches, qs) -> list[dict]:
             start += n
         return torch.cat(out)
 
-    def block(x, r, gu, d):
+    def moe(x, r, gu, d):
         p = torch.softmax(x.float() @ r.float(), -1)
         wts, ids = torch.topk(p, k, -1)
-        wts = wts / wts.sum(-1, keepdim=True)
+        if geo.get("norm_topk_prob", True):
+            wts = wts / wts.sum(-1, keepdim=True)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
@@ -230,9 +233,40 @@ def anchor_rows(geo: dict, batches, qs) -> list[dict]:
         y = gemm(x[token], gu, offs, sizes)
         y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
         y = gemm(y, d, offs, sizes) * wts.reshape(-1)[order].to(x.dtype)[:, None]
-        return x + torch.zeros_like(x).index_add_(0, token, y)
+        return torch.zeros_like(x).index_add_(0, token, y)
+    return moe, layout
+
+
+def _device_dtype():
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return dev, (torch.bfloat16 if dev == "cuda" else torch.float32)
+
+
+def anchor_rows(geo: dict, batches, qs) -> list[dict]:
+    """Part ``experts``' anchor: ``geo``'s MoE blocks alone (residual added), each
+    ``torch.compile``d, the stack replayed in a CUDA graph, per (B, q)."""
+    import torch
+
+    from torch_anchors import time_graph
+
+    dev, dt = _device_dtype()
+    L, h, i, e = (geo[x] for x in ("num_hidden_layers", "hidden_size", "moe_intermediate_size",
+                                   "num_experts"))
+    g = torch.Generator(device=dev).manual_seed(0)
+    moe, layout = _torch_moe(geo, dev)
+    router = [torch.randn(h, e, device=dev, generator=g, dtype=dt) / h ** 0.5 for _ in range(L)]
+    w13 = [layout(torch.randn(e, h, 2 * i, device=dev, generator=g, dtype=dt) / h ** 0.5)
+           for _ in range(L)]
+    w2 = [layout(torch.randn(e, i, h, device=dev, generator=g, dtype=dt) / i ** 0.5)
+          for _ in range(L)]
+
+    def block(x, r, gu, d):
+        return x + moe(x, r, gu, d)
 
     layer = torch.compile(block, dynamic=False) if dev == "cuda" else block
+    grouped = dev == "cuda" and getattr(torch, "_grouped_mm", None) is not None
     rows = []
     for b in batches:
         for q in qs:
@@ -251,6 +285,114 @@ def anchor_rows(geo: dict, batches, qs) -> list[dict]:
                                      cuda_graph=False), impl + " (no graph)"
             rows.append(dict(part="experts", impl=impl, batch=b, q=q, tokens=b * q,
                              ms=t["graph_ms"]))
+    return rows
+
+
+class TorchMoE:
+    """A random-weight Qwen3-MoE target (``geo``) in PyTorch: the ``decode`` part's anchor.
+    Each layer: RMSNorm, fused q/k/v, per-head q/k RMSNorm, RoPE (rotate-half), the new K/V
+    written into a static cache ``[B, kv_heads, S, head_dim]``, SDPA over the slots at or
+    before each query's position, o-projection, RMSNorm, :func:`_torch_moe`; then the final
+    norm and the lm_head. ``bind(batch, cache_len)`` allocates the caches; ``logits(tokens
+    [B, T], pos [T])`` runs a forward (layers ``torch.compile``d when ``compile``)."""
+
+    def __init__(self, geo: dict, *, device: str | None = None, dtype=None,
+                 compile: bool = True, seed: int = 0):
+        import torch
+
+        from torch_anchors import _attend, _rms, _rope
+
+        dev, dt = _device_dtype()
+        self.torch, self.geo = torch, geo
+        self.device, self.dtype = device or dev, dtype or dt
+        dev, dt = self.device, self.dtype
+        h, i, e, v = (geo[x] for x in ("hidden_size", "moe_intermediate_size", "num_experts",
+                                       "vocab_size"))
+        nh, nkv, hd = geo["num_attention_heads"], geo["num_key_value_heads"], geo["head_dim"]
+        eps = geo["rms_norm_eps"]
+        g = torch.Generator(device=dev).manual_seed(seed)
+        moe, layout = _torch_moe(geo, dev)
+
+        def w(*shape, fan_in=None):
+            return torch.randn(*shape, device=dev, generator=g, dtype=dt) / (
+                fan_in or shape[-1]) ** 0.5
+
+        def norm(n):       # near 1, not 1: a test can tell the norms' weights apart
+            return 1 + 0.1 * torch.randn(n, device=dev, generator=g, dtype=dt)
+
+        self.embed, self.norm, self.lm_head = w(v, h, fan_in=1), norm(h), w(v, h)
+        self.layers = [dict(ln1=norm(h), wqkv=w((nh + 2 * nkv) * hd, h), qn=norm(hd),
+                            kn=norm(hd), wo=w(h, nh * hd), ln2=norm(h),
+                            r=w(h, e, fan_in=h), gu=layout(w(e, h, 2 * i, fan_in=h)),
+                            d=layout(w(e, i, h, fan_in=i)))
+                       for _ in range(geo["num_hidden_layers"])]
+        group = nh // nkv
+
+        def layer(x, ln1, wqkv, qn, kn, wo, ln2, r, gu, d, kc, vc, cos, sin, pos, mask):
+            b, t, _ = x.shape
+            qkv = torch.nn.functional.linear(_rms(x, ln1, eps), wqkv)
+            q, k, val = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+            q = _rope(_rms(q.view(b, t, nh, hd), qn, eps), cos, sin).transpose(1, 2)
+            k = _rope(_rms(k.view(b, t, nkv, hd), kn, eps), cos, sin).transpose(1, 2)
+            kc[:, :, pos] = k
+            vc[:, :, pos] = val.view(b, t, nkv, hd).transpose(1, 2)
+            o = _attend(q, kc, vc, mask, group).transpose(1, 2).reshape(b, t, nh * hd)
+            x = x + torch.nn.functional.linear(o, wo)
+            return x + moe(_rms(x, ln2, eps).reshape(b * t, h), r, gu, d).view(b, t, h)
+
+        def head(x):
+            return torch.nn.functional.linear(_rms(x, self.norm, eps), self.lm_head)
+
+        wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
+        self._layer, self._head = wrap(layer), wrap(head)
+        inv = 1.0 / (geo["rope_theta"] ** (torch.arange(0, hd, 2, device=dev).float() / hd))
+        self._inv = inv
+        self.caches: list = []
+
+    def bind(self, batch: int, cache_len: int) -> None:
+        """Zeroed caches of ``cache_len`` slots for ``batch`` requests, and RoPE tables."""
+        torch = self.torch
+        self.caches = []                        # (the old ones freed first)
+        shape = (batch, self.geo["num_key_value_heads"], cache_len, self.geo["head_dim"])
+        self.caches = [tuple(torch.zeros(shape, device=self.device, dtype=self.dtype)
+                             for _ in range(2)) for _ in self.layers]
+        ang = torch.arange(cache_len, device=self.device).float()[:, None] * self._inv[None]
+        ang = torch.cat((ang, ang), -1)
+        self.cos, self.sin = ang.cos().to(self.dtype), ang.sin().to(self.dtype)
+        self.slots = torch.arange(cache_len, device=self.device)
+
+    def logits(self, tokens, pos):
+        """``[B, T, V]`` logits of ``tokens [B, T]`` at cache slots ``pos [T]`` (each
+        query sees the slots at or before its own)."""
+        cos, sin = self.cos[pos], self.sin[pos]
+        mask = self.slots[None, :] <= pos[:, None]
+        x = self.embed[tokens]
+        for wts, (kc, vc) in zip(self.layers, self.caches):
+            x = self._layer(x, *wts.values(), kc, vc, cos, sin, pos, mask)
+        return self._head(x)
+
+
+def anchor_decode_rows(geo: dict, batches, qs, context: int) -> list[dict]:
+    """Part ``decode``'s anchor: :class:`TorchMoE`'s greedy forward over ``q`` new tokens
+    per request after ``context`` cached slots (q = 1: decode; k + 1: a verify step),
+    replayed in a CUDA graph, per (B, q)."""
+    import torch
+
+    from torch_anchors import time_graph
+
+    model = TorchMoE(geo, compile=torch.cuda.is_available())
+    g = torch.Generator(device=model.device).manual_seed(1)
+    rows = []
+    for b in batches:
+        for q in qs:
+            model.bind(b, context + q)
+            tokens = torch.randint(0, geo["vocab_size"], (b, q), device=model.device, generator=g)
+            pos = torch.arange(context, context + q, device=model.device)
+            t = time_graph(lambda: model.logits(tokens, pos).argmax(-1), reps=5, rounds=5,
+                           replays=5, warmup=2)
+            rows.append(dict(part="decode", impl="torch", batch=b, q=q, tokens=b * q,
+                             ms=t["graph_ms"], compile_s=t["compile_s"]))
+            print(f"# torch decode B={b} q={q}: {t['graph_ms']:.3f} ms", file=sys.stderr)
     return rows
 
 
@@ -320,6 +462,20 @@ def decode_rows(geo: dict, batches, k: int, context: int, iters: int, dtype_name
     return rows
 
 
+def torch_decode_table(rows: list[dict], k: int) -> str:
+    """specjax's plain iteration beside PyTorch's decode forward (q = 1), and PyTorch's
+    verify forward (q = k + 1) beside it, per B (rows of one run: the last of each)."""
+    ours = {r["batch"]: r for r in rows if r.get("part") == "decode" and r.get("method") == "plain"}
+    ref = {(r["batch"], r["q"]): r["ms"] for r in rows if r.get("impl") == "torch"}
+    out = ["| B | specjax plain ms / iteration | PyTorch decode ms | specjax / PyTorch | "
+           f"PyTorch verify (q = {k + 1}) ms | floor ms |", "|---|---|---|---|---|---|"]
+    for b, r in sorted(ours.items()):
+        t = ref.get((b, 1), float("nan"))
+        out.append(f"| {b} | {r['per_iter_ms']:.3f} | {t:.3f} | {r['per_iter_ms'] / t:.2f} | "
+                   f"{ref.get((b, k + 1), float('nan')):.3f} | {r['floor_ms']:.3f} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -332,8 +488,10 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="experts,decode", help="in the order run")
     ap.add_argument("--expert-layers", type=int, default=8, help="layers of part experts (0: all)")
     ap.add_argument("--impls", default=None, help="part experts' JAX impls (default: all)")
-    ap.add_argument("--torch", action="store_true", help="the PyTorch anchor (own process)")
-    ap.add_argument("--anchor", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--torch", action="store_true",
+                    help="each part's PyTorch anchor (its own process, before JAX)")
+    ap.add_argument("--anchor", choices=("experts", "decode"), default=None,
+                    help=argparse.SUPPRESS)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="part decode: trace each plain step into DIR, per-kernel table")
     ap.add_argument("--pair-max", default=None,
@@ -350,20 +508,25 @@ def main(argv=None) -> int:
     batches = [int(x) for x in args.batch.split(",")]
     pair_max = [None] if args.pair_max is None else [int(x) for x in args.pair_max.split(",")]
     qs = (1, args.k + 1)
-    if args.anchor:
+    if args.anchor == "experts":
         print(json.dumps(anchor_rows(expert_geometry(GEOMETRIES[args.geometry],
                                                      args.expert_layers), batches, qs)))
         return 0
-    anchor = []
-    if args.torch and "experts" in parts:       # first: before JAX takes the GPU's memory
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--anchor",
+    if args.anchor == "decode":
+        print(json.dumps(anchor_decode_rows(GEOMETRIES[args.geometry], batches, qs,
+                                            args.context)))
+        return 0
+    anchor: dict[str, list] = {"experts": [], "decode": []}
+    for part in order if args.torch else ():    # first: before JAX takes the GPU's memory
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--anchor", part,
                               "--geometry", args.geometry or "30b-a3b", "--batch", args.batch,
-                              "--k", str(args.k), "--expert-layers", str(args.expert_layers)],
+                              "--k", str(args.k), "--expert-layers", str(args.expert_layers),
+                              "--context", str(args.context)],
                              capture_output=True, text=True)
         if out.returncode:
-            print(f"# torch anchor failed: {out.stderr[-2000:]}")
+            print(f"# torch {part} anchor failed: {out.stderr[-2000:]}")
         else:
-            anchor = json.loads(out.stdout.strip().splitlines()[-1])
+            anchor[part] = json.loads(out.stdout.strip().splitlines()[-1])
     import jax
 
     gpu = jax.default_backend() == "gpu"
@@ -384,10 +547,13 @@ def main(argv=None) -> int:
                 got = decode_rows(geo, batches, args.k, args.context, args.iters, dtype,
                                   args.profile)
                 rows += [dict(r, pair_max=moe.PAIR_MAX_PAIRS) for r in got]
+            if anchor["decode"]:
+                rows += anchor["decode"]
+                print(torch_decode_table(rows, args.k))
             continue
         eg = expert_geometry(geo, args.expert_layers)
         print(f"# part experts: {eg['num_hidden_layers']} layers", flush=True)
-        got = experts_rows(eg, batches, qs, args.iters, dtype, only) + anchor
+        got = experts_rows(eg, batches, qs, args.iters, dtype, only) + anchor["experts"]
         rows += got
         print("| impl | B | q | tokens | ms | touched | floor ms | / floor |")
         print("|---|---|---|---|---|---|---|---|")
