@@ -289,9 +289,9 @@ def run(args) -> dict:
         # the same engine forced to static K per phase, in this call: the table's best k
         # and the policy's most frequent rectangle of that phase (a flat K@T is not forced)
         cut = ks.index("|")
-        static = []
-        for phase, (spec, best, chosen) in enumerate(((hi, best1, ks[:cut]),
-                                                      (lo, best2, ks[cut + 3:] or ks[cut + 1:]))):
+        static = []        # (phase 2 from the third call on: the first two still carry phase 1)
+        for spec, best, chosen in ((hi, best1, ks[:cut]),
+                                   (lo, best2, ks[cut + 3:] or ks[cut + 1:])):
             rect = [x for x in chosen if isinstance(x, int)]
             cands = sorted({best[0]} | ({max(set(rect), key=rect.count)} if rect else set()))
             eng.step._spec = spec

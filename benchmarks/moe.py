@@ -188,13 +188,14 @@ def experts_rows(geo: dict, batches, qs, iters: int, dtype_name: str,
 
 # -- the PyTorch anchors (their own process) -------------------------------------------------
 
-def _torch_moe(geo: dict, device: str):
+def _torch_moe(geo: dict, device: str, dtype):
     """The sparse MoE block in torch: ``moe(x [T, H], router [H, E], gate_up [E, H, 2I]
     (gate and up columns interleaved), down [E, I, H]) -> [T, H]`` (no residual): softmax
     router in float32, top-k (renormalised under ``norm_topk_prob``), the (token, expert)
     pairs sorted by expert, ``torch._grouped_mm`` on CUDA (one matmul per expert on the
-    CPU), the weighted sum back per token. Returns ``(moe, layout)``; ``layout(w)`` puts an
-    expert stack in the layout the grouped GEMM takes."""
+    CPU), the weighted sum back per token. Returns ``(moe, layout, impl)``; ``layout(w)``
+    puts an expert stack of ``dtype`` in the layout the grouped GEMM takes; ``impl`` names
+    the GEMM."""
     import torch
 
     e, k = geo["num_experts"], geo["num_experts_per_tok"]
@@ -202,9 +203,9 @@ def _torch_moe(geo: dict, device: str):
     layout = lambda w: w  # noqa: E731
     if grouped is not None:
         h = geo["hidden_size"]
-        w = torch.ones(e, h, 16, device=device, dtype=torch.bfloat16)
+        w = torch.ones(e, h, 16, device=device, dtype=dtype)
         try:                                    # some builds want column-major experts
-            grouped(torch.ones(16, h, device=device, dtype=torch.bfloat16), w,
+            grouped(torch.ones(16, h, device=device, dtype=dtype), w,
                     offs=torch.full((e,), 16, device=device, dtype=torch.int32))
         except RuntimeError:
             layout = lambda w: w.transpose(-2, -1).contiguous().transpose(-2, -1)  # noqa: E731
@@ -234,7 +235,7 @@ def _torch_moe(geo: dict, device: str):
         y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
         y = gemm(y, d, offs, sizes) * wts.reshape(-1)[order].to(x.dtype)[:, None]
         return torch.zeros_like(x).index_add_(0, token, y)
-    return moe, layout
+    return moe, layout, "torch_grouped_mm" if grouped is not None else "torch_loop"
 
 
 def _device_dtype():
@@ -255,7 +256,7 @@ def anchor_rows(geo: dict, batches, qs) -> list[dict]:
     L, h, i, e = (geo[x] for x in ("num_hidden_layers", "hidden_size", "moe_intermediate_size",
                                    "num_experts"))
     g = torch.Generator(device=dev).manual_seed(0)
-    moe, layout = _torch_moe(geo, dev)
+    moe, layout, impl = _torch_moe(geo, dev, dt)
     router = [torch.randn(h, e, device=dev, generator=g, dtype=dt) / h ** 0.5 for _ in range(L)]
     w13 = [layout(torch.randn(e, h, 2 * i, device=dev, generator=g, dtype=dt) / h ** 0.5)
            for _ in range(L)]
@@ -266,7 +267,6 @@ def anchor_rows(geo: dict, batches, qs) -> list[dict]:
         return x + moe(x, r, gu, d)
 
     layer = torch.compile(block, dynamic=False) if dev == "cuda" else block
-    grouped = dev == "cuda" and getattr(torch, "_grouped_mm", None) is not None
     rows = []
     for b in batches:
         for q in qs:
@@ -276,14 +276,14 @@ def anchor_rows(geo: dict, batches, qs) -> list[dict]:
                 for r, gu, d in zip(router, w13, w2):
                     x = layer(x, r, gu, d)
                 return x
-            impl = "torch_grouped_mm" if grouped else "torch_loop"
+            name = impl
             try:
                 t = time_graph(step, reps=5, rounds=5, replays=5, warmup=2)
             except RuntimeError as err:         # not capturable: timed without the graph
                 print(f"# {impl} T={b * q}: no CUDA graph ({str(err)[:120]})", file=sys.stderr)
-                t, impl = time_graph(step, reps=5, rounds=5, replays=5, warmup=2,
+                t, name = time_graph(step, reps=5, rounds=5, replays=5, warmup=2,
                                      cuda_graph=False), impl + " (no graph)"
-            rows.append(dict(part="experts", impl=impl, batch=b, q=q, tokens=b * q,
+            rows.append(dict(part="experts", impl=name, batch=b, q=q, tokens=b * q,
                              ms=t["graph_ms"]))
     return rows
 
@@ -302,16 +302,15 @@ class TorchMoE:
 
         from torch_anchors import _attend, _rms, _rope
 
-        dev, dt = _device_dtype()
         self.torch, self.geo = torch, geo
-        self.device, self.dtype = device or dev, dtype or dt
+        self.device, self.dtype = (a or b for a, b in zip((device, dtype), _device_dtype()))
         dev, dt = self.device, self.dtype
         h, i, e, v = (geo[x] for x in ("hidden_size", "moe_intermediate_size", "num_experts",
                                        "vocab_size"))
         nh, nkv, hd = geo["num_attention_heads"], geo["num_key_value_heads"], geo["head_dim"]
         eps = geo["rms_norm_eps"]
         g = torch.Generator(device=dev).manual_seed(seed)
-        moe, layout = _torch_moe(geo, dev)
+        moe, layout, _ = _torch_moe(geo, dev, dt)
 
         def w(*shape, fan_in=None):
             return torch.randn(*shape, device=dev, generator=g, dtype=dt) / (

@@ -293,7 +293,7 @@ class Scheduler:
             if self.budget is not None and tokens <= self.budget:
                 t = min(t, self.budget)
         if self.query_buckets is None:
-            return t, min(t, next_power_of_2(self.row_cap)) if self.threshold else t
+            return t, min(t, next_power_of_2(self.row_cap))
         return min(t, rows * query_len), query_len
 
     def step_slots(self, rows: int, query_len: int, tokens: int) -> tuple[int, int]:
