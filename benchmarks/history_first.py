@@ -14,11 +14,18 @@ tokens / engine steps (the prefill step included).
     python benchmarks/history_first.py                      # CPU: about a minute
     python benchmarks/history_first.py --files 8 --max-file-bytes 320 --k 4 --json hf.json
     python benchmarks/history_first.py --timed ...          # also tokens/s (GPU)
+    python benchmarks/history_first.py --timed --ballast-gb 16 ...  # at an 8B-class step
+
+``--ballast-gb G`` makes every target forward also stream G GB of float32 weights
+(:class:`BallastTarget`): the demo target's tokens at a step of milliseconds, where the
+drafters' and the n-gram match's own time is small beside the forward, as on the targets
+speculation is deployed for.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -26,6 +33,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from specjax.cli import demo
 from specjax.config import SpeculativeConfig
@@ -38,6 +46,49 @@ WORKLOAD = Path(__file__).with_name("history_first_workload.json")
 MODELS = ("eagle3", "draft_model", "medusa", "dflash", "eagle")
 METHODS = ("ngram", "ngram_gpu", "suffix", "suffix_arctic") + MODELS + tuple(
     f"{m}+{s}" for s in ("ngram", "ngram_gpu") for m in MODELS)
+
+
+@dataclasses.dataclass(frozen=True)
+class BallastTarget:
+    """``inner`` (a ``specjax.Target``) whose ``forward`` also reads a ``[rows, hidden]``
+    float32 matrix: ``hidden + zero * sum(ballast @ hidden[0])`` with ``zero`` a 0.0 the
+    compiler cannot see, so every forward streams the matrix and returns ``inner``'s values.
+    Params: ``{"inner": inner's params, "weight_ballast": [rows, H], "zero": []}``
+    (:meth:`wrap`). Everything else is ``inner``'s."""
+
+    inner: object
+
+    def __getattr__(self, name: str):
+        if name == "inner":             # not yet set (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def wrap(target, gigabytes: float):
+        """``TargetModel(BallastTarget(target.model), params)`` with ``gigabytes`` GB of
+        ballast (random: a constant matrix could be folded)."""
+        from specjax.engine import TargetModel
+
+        rows = max(1, int(gigabytes * 1e9) // (4 * target.model.hidden_size))
+        ballast = jax.random.normal(jax.random.key(0), (rows, target.model.hidden_size),
+                                    jnp.float32)
+        params = {"inner": target.params, "weight_ballast": ballast,
+                  "zero": jnp.zeros((), jnp.float32)}
+        return TargetModel(BallastTarget(target.model), params)
+
+    def with_aux_layers(self, ids):
+        return BallastTarget(self.inner.with_aux_layers(ids))
+
+    def forward(self, params, input_ids, positions, kv, attn):
+        hidden, aux, kv = self.inner.forward(params["inner"], input_ids, positions, kv, attn)
+        read = jnp.sum(params["weight_ballast"] @ hidden[0].astype(jnp.float32))
+        return hidden + (params["zero"] * read).astype(hidden.dtype), aux, kv
+
+    def compute_logits(self, params, hidden):
+        return self.inner.compute_logits(params["inner"], hidden)
+
+    def shared_weights(self, params):
+        return self.inner.shared_weights(params["inner"])
 
 
 def _head(data: bytes, limit: int) -> bytes:
@@ -86,8 +137,10 @@ def proposer(method: str, k: int, target, lookup: tuple[int, int], branches: int
 
 
 def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool = False,
-        branches: int = 1) -> dict:
+        branches: int = 1, ballast_gb: float = 0.0) -> dict:
     target = demo.demo_target()
+    if ballast_gb:
+        target = BallastTarget.wrap(target, ballast_gb)
     opts = LoopOptions(batch_buckets=(1,), query_buckets=demo.query_buckets(prompts),
                        context_buckets=demo.context_buckets())
 
@@ -167,21 +220,24 @@ def main(argv=None) -> int:
     ap.add_argument("--timed", action="store_true",
                     help="decode the workload a second time, compiled, for tokens/s (one "
                          "request at a time, each method's default engine path)")
+    ap.add_argument("--ballast-gb", type=float, default=0.0,
+                    help="every target forward also streams this many GB (BallastTarget)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not 1 <= a.files <= 8 or a.k < 1 or not 16 <= a.max_file_bytes <= 320 or \
-            not 1 <= a.branches <= 4:
-        ap.error("--files must be in 1..8, --k >= 1, --branches in 1..4, --max-file-bytes in "
+            not 1 <= a.branches <= 4 or not 0 <= a.ballast_gb <= 64:
+        ap.error("--files must be in 1..8, --k >= 1, --branches in 1..4, --ballast-gb in "
+                 "0..64, --max-file-bytes in "
                  "16..320 (the demo's "
                  f"max_model_len is {demo.MAX_MODEL_LEN})")
     prompts, max_tokens, src = workload(a.files, a.max_file_bytes)
     res = run(a.methods, a.k, prompts, max_tokens, (a.prompt_lookup_min, a.prompt_lookup_max),
               log=lambda s: print(s, file=sys.stderr, flush=True), timed=a.timed,
-              branches=a.branches)
+              branches=a.branches, ballast_gb=a.ballast_gb)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
             "python": platform.python_version(), "jax": jax.__version__, "k": a.k,
             "prompt_lookup": [a.prompt_lookup_min, a.prompt_lookup_max], "branches": a.branches,
-            "max_file_bytes": a.max_file_bytes, **src}
+            "ballast_gb": a.ballast_gb, "max_file_bytes": a.max_file_bytes, **src}
     print(table(res["rows"]))
     print(json.dumps(meta))
     if a.json:

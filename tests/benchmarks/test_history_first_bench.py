@@ -58,3 +58,25 @@ def test_the_workload_texts_are_the_held_out_files():
         assert 0 < len(text) <= 2048
         if name in held:
             assert (root / name).read_bytes()[:len(text)] == text
+
+
+def test_ballast_target_streams_its_matrix_and_keeps_the_tokens():
+    """``BallastTarget`` (``--ballast-gb``): the demo's greedy tokens unchanged; its matrix
+    wired into the output (a nonzero ``zero`` changes the tokens), so no compiler drops it."""
+    from specjax.cli import demo
+    from specjax.engine import Engine, SamplingParams, TargetModel
+
+    prompt = [history_first.BOS_ID] + list(b"def f(x):\n    return")
+    target = demo.demo_target()
+    wrapped = history_first.BallastTarget.wrap(target, 1e-4)
+    assert wrapped.params["weight_ballast"].shape == (1e5 // (4 * 256), 256)
+    assert wrapped.model.vocab_size == target.model.vocab_size
+
+    def tokens(t):
+        eng = Engine(t, None, max_model_len=demo.MAX_MODEL_LEN, block_size=demo.BLOCK_SIZE,
+                     max_num_seqs=1)
+        return eng.generate([prompt], SamplingParams(max_tokens=6)).token_ids[0]
+
+    assert tokens(wrapped) == tokens(target)
+    live = TargetModel(wrapped.model, {**wrapped.params, "zero": 1.0 + 0 * wrapped.params["zero"]})
+    assert tokens(live) != tokens(target)
