@@ -167,7 +167,8 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool =
     t0 = time.perf_counter()
     base, base_steps, _, extra = decode(None)
     n = sum(len(t) for t in base)
-    log(f"plain: {n} tokens, {base_steps} steps ({time.perf_counter() - t0:.0f}s)")
+    speed = f", {extra['tokens_per_s']:.1f} tok/s" if "tokens_per_s" in extra else ""
+    log(f"plain: {n} tokens, {base_steps} steps{speed} ({time.perf_counter() - t0:.0f}s)")
     rows = [{"method": "plain", "tokens": n, "steps": base_steps,
              "tokens_per_forward": n / base_steps, "lossless": extra.get("same_output", True),
              **extra}]
@@ -182,7 +183,8 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool =
         if hasattr(prop, "counts"):
             row.update(first_stage_rows=prop.first_stage_rows, model_rows=prop.model_rows)
         rows.append(row)
-        log(f"{m}: {row['tokens_per_forward']:.3f} tokens / target forward "
+        speed = f", {extra['tokens_per_s']:.1f} tok/s" if "tokens_per_s" in extra else ""
+        log(f"{m}: {row['tokens_per_forward']:.3f} tokens / target forward{speed} "
             f"{'OK' if row['lossless'] else 'MISMATCH'} ({time.perf_counter() - t0:.0f}s)")
     return {"rows": rows}
 
