@@ -262,9 +262,12 @@ def run(args) -> dict:
         ks: list = []                # the policy's K per device-loop call (K@T: flat slots)
         policy = eng.driver.policy
 
+        views: list = []             # what the policy weighed at each call (priced)
+
         def logged(running):
             c = policy(running)
             ks.append(None if c is None else c.k if c.tokens is None else f"{c.k}@{c.tokens}")
+            views.append(eng.driver.priced(running))
             return c
 
         def hook(i):
@@ -289,6 +292,12 @@ def run(args) -> dict:
         # the same engine forced to static K per phase, in this call: the table's best k
         # and the policy's most frequent rectangle of that phase (a flat K@T is not forced)
         cut = ks.index("|")
+        for name, (est, _, opts) in (("phase 1", views[cut - 1]), ("the last call", views[-1])):
+            rect = " ".join(f"{kk}: {1e3 * c:.2f}" for kk, t, c in opts if t is None)
+            flat = min(((c, kk, t) for kk, t, c in opts if t is not None), default=None)
+            print(f"# B={b} falling, {name}: estimate {float(np.mean(est)):.3f}; rectangles ms "
+                  f"{rect}" + (f"; cheapest flat {flat[1]}@{flat[2]} {1e3 * flat[0]:.2f}"
+                               if flat else ""), flush=True)
         static = []        # (phase 2 from the third call on: the first two still carry phase 1)
         for spec, best, chosen in ((hi, best1, ks[:cut]),
                                    (lo, best2, ks[cut + 3:] or ks[cut + 1:])):

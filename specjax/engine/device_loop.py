@@ -122,12 +122,20 @@ class DeviceLoopDriver:
 
     def policy(self, rows: list[_Request]) -> RowCaps | None:
         """``adaptive_k``'s choice for a call over ``rows`` (None: off):
-        :func:`~specjax.adaptive_k.choose_caps` over the rectangles of ``Engine.k_costs``
-        and the flat token slots of ``Engine.k_token_costs``; with the engine's own profile,
-        at ``seen_costs`` where run, else profiled x the median seen / profiled of its kind."""
+        :func:`~specjax.adaptive_k.choose_caps` over :meth:`priced`'s options."""
         e = self._e
         if not e.options.adaptive_k or e.k == 0 or not rows:
             return None
+        kk, t, c = choose_caps(*self.priced(rows))
+        return RowCaps(kk) if t is None else RowCaps(kk, t, tuple(int(x) for x in c))
+
+    def priced(self, rows: list[_Request]) -> tuple[np.ndarray, np.ndarray, list]:
+        """What ``adaptive_k`` weighs for a call over ``rows``: each row's acceptance
+        estimate ``[n]``, its cap ``[n]``, and the options ``(K, T or None, seconds)``: the
+        rectangles of ``Engine.k_costs`` and the flat token slots of ``Engine.k_token_costs``;
+        with the engine's own profile, at ``seen_costs`` where run, else profiled x the
+        median seen / profiled of its kind."""
+        e = self._e
         cost = e._costs(len(rows))
         b = e.scheduler.buckets(len(rows), 1, 1)[0]
         options = [(kk, None, float(cost[kk])) for kk in range(e.k + 1)] + [
@@ -150,8 +158,7 @@ class DeviceLoopDriver:
         scale = {f: float(np.median(ratios[f] or both)) if both else 1.0 for f in ratios}
         options = [(kk, t, seen.get((kk, t), c * scale[t is not None]) if ours[t is not None]
                     else c) for kk, t, c in options]
-        kk, t, c = choose_caps(rates, caps, options)
-        return RowCaps(kk) if t is None else RowCaps(kk, t, tuple(int(x) for x in c))
+        return rates, caps, options
 
     #: the weight of a call's own time in ``seen_costs`` (the rest: the previous average)
     SEEN_WEIGHT = 0.5
