@@ -26,7 +26,10 @@ forced on the same engine in the same call (a table from another call can be off
 machine). Before a policy's timed
 window every choice it may make is compiled, each forced for one sync (``--forced-costs``:
 then timed beside its profiled cost), and the policy runs ``--policy-warmup`` iterations of
-the window's own requests.
+the window's own requests, from prompts shorter by what that warm-up generates at the cell's
+best static k, so its window runs at the context of the table's (an iteration's time grows
+with the context). The falling cell's static runs start from prompts as long as the
+requests were in the middle of the phase they stand beside.
 
 Usage (GPU)::
 
@@ -124,12 +127,14 @@ def run(args) -> dict:
     budget = (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS if jax.default_backend() == "cpu"
               else DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
-    def build(b, k, rates, policy=None, window=args.iters):
+    def build(b, k, rates, policy=None, window=args.iters, lead=0):
         # nobody finishes inside the window: the prefill steps, in which early requests
-        # already decode, then the window (rounded up to a sync of at most 64 steps) and spares
+        # already decode, then the window (rounded up to a sync of at most 64 steps) and spares;
+        # prompts ``lead`` tokens short of --context (a policy's warm-up generates them)
         max_tokens = (window + 3 + 64 + -(-b * args.context // budget)) * (args.kmax + 1)
         mml = -(-(args.context + max_tokens + 2 * args.kmax + 8) // loop.BS) * loop.BS
-        prompts = [rng.integers(0, geo["vocab_size"], args.context).tolist() for _ in range(b)]
+        prompts = [rng.integers(0, geo["vocab_size"], args.context - lead).tolist()
+                   for _ in range(b)]
         spec = dict(enable_adaptive_verification=True) if policy == "adaptive_verification" \
             else {}
         prop = None if k == 0 else loop.drafter("eagle3", target, geo, args.target, k, rates,
@@ -184,9 +189,17 @@ def run(args) -> dict:
 
     def timed(b, k, rates, policy=None, rows=None):
         # a policy learns the window's own requests first (adaptive_k's evidence is per
-        # request; adaptive verification's estimator refits every 100 steps)
+        # request; adaptive verification's estimator refits every 100 steps), from prompts
+        # shorter by what its warm-up adds at the cell's best static k, so that its window
+        # runs at the context of the table's (an iteration's time grows with the context)
         skip = args.policy_warmup if policy else 0
-        eng, prop, prompts, max_tokens = build(b, k, rates, policy, args.iters + skip)
+        lead = 0
+        if skip:
+            rs = [r[0] for r in rows] if rows is not None else [rates[0]]
+            lead = round(skip * float(np.mean([expected_tokens(a, best_k(cost, b, a)[0])
+                                               for a in rs])))
+            lead = min(lead, args.context - 16)
+        eng, prop, prompts, max_tokens = build(b, k, rates, policy, args.iters + skip, lead)
         if rows is not None and k:     # per-row-class conditional rates (``--mixed``)
             eng.step._spec = conditional(eng, rows)
         n = eng.options.steps_per_sync
@@ -242,8 +255,9 @@ def run(args) -> dict:
         synthetic conditional rate drops from a1 to a2 after --falling-iters BEFORE iterations;
         tokens/s per window of about 24 iterations against each phase's best static k
         predicted from the cost table, and each phase against static K forced on the same
-        engine right after (``--static-iters``: the table's best k and the policy's most
-        frequent rectangle in that phase)."""
+        engine right after, at the phase's context (``--static-iters``: the table's best k
+        and the policy's most frequent rectangle in that phase). Prints what the policy
+        weighed at the switch and at the end (:meth:`DeviceLoopDriver.priced`)."""
         from specjax.engine.device_loop import RowCaps
 
         n_sw, n_after = (int(x) for x in args.falling_iters.split(","))
@@ -299,16 +313,22 @@ def run(args) -> dict:
                   f"{rect}" + (f"; cheapest flat {flat[1]}@{flat[2]} {1e3 * flat[0]:.2f}"
                                if flat else ""), flush=True)
         static = []        # (phase 2 from the third call on: the first two still carry phase 1)
-        for spec, best, chosen in ((hi, best1, ks[:cut]),
-                                   (lo, best2, ks[cut + 3:] or ks[cut + 1:])):
+        s_iters = -(-args.static_iters // n) * n
+        for spec, a, best, chosen, (i0, i1) in (
+                (hi, a1, best1, ks[:cut], (max(0, switch - 2 * w), switch)),
+                (lo, a2, best2, ks[cut + 3:] or ks[cut + 1:], (min(settle, total - n), total))):
             rect = [x for x in chosen if isinstance(x, int)]
             cands = sorted({best[0]} | ({max(set(rect), key=rect.count)} if rect else set()))
             eng.step._spec = spec
             got = {}
             for kk in cands:
+                # prompts as long as the requests were at the middle of the phase's window,
+                # less half the static window's tokens: both windows centred on one context
+                mid = (marks[i0][1] + marks[i1][1]) / 2 / b
+                extra = max(0, round(mid - s_iters * expected_tokens(a, kk) / 2))
+                longer = [p + rng.integers(0, geo["vocab_size"], extra).tolist() for p in prompts]
                 eng.driver.policy = lambda rows, c=RowCaps(kk): c
-                got[kk] = loop.measure(eng, prompts, -(-args.static_iters // n) * n,
-                                       max_tokens)["tokens_per_s"]
+                got[kk] = loop.measure(eng, longer, s_iters, max_tokens - extra)["tokens_per_s"]
             static.append(got)
         del eng, prop
         gc.collect()

@@ -134,7 +134,7 @@ class DeviceLoopDriver:
         estimate ``[n]``, its cap ``[n]``, and the options ``(K, T or None, seconds)``: the
         rectangles of ``Engine.k_costs`` and the flat token slots of ``Engine.k_token_costs``;
         with the engine's own profile, at ``seen_costs`` where run, else profiled x the
-        median seen / profiled of its kind."""
+        median seen / profiled of its kind x (1 - :attr:`EXPLORE`)."""
         e = self._e
         cost = e._costs(len(rows))
         b = e.scheduler.buckets(len(rows), 1, 1)[0]
@@ -156,12 +156,16 @@ class DeviceLoopDriver:
                 ratios[t is not None].append(seen[kk, t] / c)
         both = ratios[False] + ratios[True]
         scale = {f: float(np.median(ratios[f] or both)) if both else 1.0 for f in ratios}
-        options = [(kk, t, seen.get((kk, t), c * scale[t is not None]) if ours[t is not None]
-                    else c) for kk, t, c in options]
+        options = [(kk, t, seen.get((kk, t), c * scale[t is not None] * (1 - self.EXPLORE))
+                    if ours[t is not None] else c) for kk, t, c in options]
         return rates, caps, options
 
     #: the weight of a call's own time in ``seen_costs`` (the rest: the previous average)
     SEEN_WEIGHT = 0.5
+    #: the discount on a choice not run yet: the profile's bias differs between choices
+    #: (docs/adaptive_k.md), so one priced within this of the best is tried for a call,
+    #: then priced at its own time
+    EXPLORE = 0.05
 
     def observe_cost(self, f: _InFlight, t_done: float, iters: int) -> None:
         """Fold call ``f``'s seconds an iteration into ``seen_costs``: from its dispatch, or

@@ -178,7 +178,8 @@ def test_the_policy_weighs_the_calls_own_times_over_the_profile():
     when queued behind it) to the results, averaged per (K, T); compiling or empty calls left
     out. ``policy`` prefers 8 slots (profiled 1.6 s) for two high and two low requests; a
     table set by hand stays as set; with the engine's own profile, a choice run is priced at
-    its own time and the others at their profile times the median ratio seen / profiled."""
+    its own time and the others at their profile times the median ratio seen / profiled,
+    less ``EXPLORE``."""
     from types import SimpleNamespace
 
     from specjax.engine.device_loop import DeviceLoopDriver, RowCaps, _InFlight
@@ -212,9 +213,15 @@ def test_the_policy_weighs_the_calls_own_times_over_the_profile():
     assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))  # (unscaled: K = 1 would win)
     drv.seen_costs = {4: {(3, None): 2.5}}     # rectangles as profiled: so are the flat steps
     assert drv.policy(rows) == RowCaps(3, 8, (2, 0, 2, 0))
+    # a choice not run, within EXPLORE of the best, is tried (K = 2: 3.99 / s as profiled,
+    # 4.20 discounted, K = 1 4.13), then priced at its own time
+    drv.seen_costs = {4: {(0, None): 1.0, (1, None): 1.5, (3, 8): 4.8}}
+    assert drv.policy(rows) == RowCaps(2)
+    drv.seen_costs[4][2, None] = 2.0
+    assert drv.policy(rows) == RowCaps(1)
     eng.k_token_costs = {4: {(3, 8): 1.6, (2, 8): 1.5}}
     drv.profiled = {4: (eng.k_costs[4], eng.k_token_costs[4])}
-    drv.seen_costs = {4: {(3, 8): 4.8, (1, None): 1.5, (2, None): 2.0}}
+    drv.seen_costs = {4: {(3, 8): 4.8, (0, None): 1.0, (1, None): 1.5, (2, None): 2.0}}
     # each kind its own ratio: (2, 8) at 1.5 x 3 (over both kinds, 1.0: (2, 8) would win)
     assert drv.policy(rows) == RowCaps(1)
 
