@@ -26,10 +26,8 @@ forced on the same engine in the same call (a table from another call can be off
 machine). Before a policy's timed
 window every choice it may make is compiled, each forced for one sync (``--forced-costs``:
 then timed beside its profiled cost), and the policy runs ``--policy-warmup`` iterations of
-the window's own requests, from prompts shorter by what that warm-up generates at the cell's
-best static k, so its window runs at the context of the table's (an iteration's time grows
-with the context). The falling cell's static runs start from prompts as long as the
-requests were in the middle of the phase they stand beside.
+the window's own requests from prompts shorter by what that generates: every comparison runs
+at one context (docs/adaptive_k.md).
 
 Usage (GPU)::
 
@@ -256,8 +254,7 @@ def run(args) -> dict:
         tokens/s per window of about 24 iterations against each phase's best static k
         predicted from the cost table, and each phase against static K forced on the same
         engine right after, at the phase's context (``--static-iters``: the table's best k
-        and the policy's most frequent rectangle in that phase). Prints what the policy
-        weighed at the switch and at the end (:meth:`DeviceLoopDriver.priced`)."""
+        and the policy's most frequent rectangle in that phase)."""
         from specjax.engine.device_loop import RowCaps
 
         n_sw, n_after = (int(x) for x in args.falling_iters.split(","))

@@ -130,11 +130,9 @@ class DeviceLoopDriver:
         return RowCaps(kk) if t is None else RowCaps(kk, t, tuple(int(x) for x in c))
 
     def priced(self, rows: list[_Request]) -> tuple[np.ndarray, np.ndarray, list]:
-        """What ``adaptive_k`` weighs for a call over ``rows``: each row's acceptance
-        estimate ``[n]``, its cap ``[n]``, and the options ``(K, T or None, seconds)``: the
-        rectangles of ``Engine.k_costs`` and the flat token slots of ``Engine.k_token_costs``;
-        with the engine's own profile, at ``seen_costs`` where run, else profiled x the
-        median seen / profiled of its kind x (1 - :attr:`EXPLORE`)."""
+        """``adaptive_k``'s inputs for ``rows``: acceptance estimates ``[n]``, caps ``[n]``,
+        options ``(K, T or None, s)`` (``Engine.k_costs`` / ``k_token_costs``; own profile: at
+        ``seen_costs``, else profiled x median seen / profiled of its kind x (1 - EXPLORE))."""
         e = self._e
         cost = e._costs(len(rows))
         b = e.scheduler.buckets(len(rows), 1, 1)[0]
