@@ -155,13 +155,15 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool =
             if res.spec_stats is not None:
                 acc += res.spec_stats.num_accepted_tokens
                 drafts += res.spec_stats.num_drafts
-        extra = {}
+        extra = {}          # (a hybrid's rows counted over the first pass only)
+        if hasattr(prop, "counts"):
+            extra.update(first_stage_rows=prop.first_stage_rows, model_rows=prop.model_rows)
         if timed:            # again, compiled: the requests one after another, wall clock
             t0 = time.perf_counter()
             again = [eng.generate([p], SamplingParams(max_tokens=m)).token_ids[0]
                      for p, m in zip(prompts, max_tokens)]
             wall = time.perf_counter() - t0
-            extra = dict(tokens_per_s=sum(map(len, again)) / wall, same_output=again == toks)
+            extra.update(tokens_per_s=sum(map(len, again)) / wall, same_output=again == toks)
         return toks, steps, (1 + acc / drafts) if drafts else float("nan"), extra
 
     t0 = time.perf_counter()
@@ -180,8 +182,6 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool =
                "tokens_per_forward": sum(len(t) for t in toks) / steps,
                "mean_acceptance_length": mal,
                "lossless": toks == base and extra.get("same_output", True), **extra}
-        if hasattr(prop, "counts"):
-            row.update(first_stage_rows=prop.first_stage_rows, model_rows=prop.model_rows)
         rows.append(row)
         speed = f", {extra['tokens_per_s']:.1f} tok/s" if "tokens_per_s" in extra else ""
         log(f"{m}: {row['tokens_per_forward']:.3f} tokens / target forward{speed} "

@@ -31,13 +31,16 @@ def test_tiny_run(tmp_path, capsys):
 
 
 def test_timed_pass_reports_tokens_per_second(tmp_path, capsys):
-    """``--timed``: a second, compiled pass gives tokens/s; its output must match the first."""
+    """``--timed``: a second, compiled pass gives tokens/s; its output must match the first;
+    a hybrid's rows are those of one pass (a row a step at most)."""
     out = tmp_path / "hf.json"
     assert history_first.main(["--files", "1", "--max-file-bytes", "48", "--k", "2",
-                               "--methods", "ngram", "--timed", "--json", str(out)]) == 0
+                               "--methods", "ngram", "eagle3+ngram", "--timed", "--json",
+                               str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["method"] for r in rows] == ["plain", "ngram"]
+    assert [r["method"] for r in rows] == ["plain", "ngram", "eagle3+ngram"]
     assert all(r["same_output"] and r["tokens_per_s"] > 0 for r in rows)
+    assert 0 < rows[2]["first_stage_rows"] + rows[2]["model_rows"] <= rows[2]["steps"]
     assert "| tokens/s | vs plain |" in capsys.readouterr().out
 
 
