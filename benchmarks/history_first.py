@@ -157,7 +157,8 @@ def run(methods, k, prompts, max_tokens, lookup=(3, 5), log=print, timed: bool =
                 drafts += res.spec_stats.num_drafts
         extra = {}          # (a hybrid's rows counted over the first pass only)
         if hasattr(prop, "counts"):
-            extra.update(first_stage_rows=prop.first_stage_rows, model_rows=prop.model_rows)
+            extra.update(first_stage_rows=prop.first_stage_rows, model_rows=prop.model_rows,
+                         short_chain_steps=prop.counts.short_steps)
         if timed:            # again, compiled: the requests one after another, wall clock
             t0 = time.perf_counter()
             again = [eng.generate([p], SamplingParams(max_tokens=m)).token_ids[0]
@@ -197,8 +198,9 @@ def table(rows) -> str:
     plain = next((r.get("tokens_per_s") for r in rows if r["method"] == "plain"), None)
     for r in rows:
         mal = r.get("mean_acceptance_length")
-        extra = f" (n-gram rows {r['first_stage_rows']}, model rows {r['model_rows']})" \
-            if "first_stage_rows" in r else ""
+        extra = (f" (n-gram rows {r['first_stage_rows']}, model rows {r['model_rows']}, "
+                 f"1-token chains {r.get('short_chain_steps', 0)})") if "first_stage_rows" in r \
+            else ""
         out.append(f"| {r['method']}{extra} | {r['tokens_per_forward']:.3f} | {r['steps']} | "
                    f"{'-' if mal is None else f'{mal:.2f}'} | {'yes' if r['lossless'] else 'NO'} |"
                    + (f" {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / plain:.2f}x |"

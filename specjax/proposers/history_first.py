@@ -20,6 +20,7 @@ class HistoryFirstCounts:
     model_rows: int = 0
     first_stage_tokens: int = 0
     model_tokens: int = 0
+    short_steps: int = 0      # device-loop iterations whose model chain drafted one token
 
 
 class HistoryFirstProposer(ModelProposer):
@@ -48,13 +49,14 @@ class HistoryFirstProposer(ModelProposer):
         return getattr(self.first_stage, "device_drafter_state", None)
 
     def count_merges(self, first_rows: int, model_rows: int, first_tokens: int,
-                     model_tokens: int) -> None:
+                     model_tokens: int, short_steps: int) -> None:
         """Adds the device loop's merges (``LoopOutput.stage_counts``) to :attr:`counts`."""
         c = self.counts
         c.first_stage_rows += first_rows
         c.model_rows += model_rows
         c.first_stage_tokens += first_tokens
         c.model_tokens += model_tokens
+        c.short_steps += short_steps
 
     @property
     def first_stage_rows(self) -> int:

@@ -91,7 +91,8 @@ class LoopOutput(NamedTuple):
     (accepted before any stop cut the tokens, as the per-step loop counts them). finished:
     ``[B] bool`` after the call. num_iters: 0-d. logprobs: ``Logprobs`` with a leading ``[N]``
     axis (slots not emitted: padding), or None. stage_counts: a merging ``history_first``'s
-    ``[4] int32`` (first-stage rows, model rows, their draft tokens), else None."""
+    ``[5] int32`` (first-stage rows, model rows, their draft tokens, iterations whose model
+    chain drafted one token), else None."""
 
     tokens: Any
     counts: Any
@@ -367,6 +368,9 @@ def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, d
     b = st.last_token.shape[0]
     real = jnp.arange(b, dtype=jnp.int32) < st.num_reqs
     fin0 = st.finished
+    # history_first: a step whose rows all draft from the history runs a 1-token model chain
+    shortens = (merge and spec.tree is None and spec.drafts_in == "step"
+                and drafting(spec, 1) is not spec)
     rec = (jnp.full((n_iters, b, k + 1), PLACEHOLDER_TOKEN_ID, jnp.int32),
            jnp.zeros((n_iters, b), jnp.int32), jnp.zeros((n_iters, b), jnp.int32),
            jnp.zeros((n_iters, b), jnp.int32))
@@ -391,28 +395,41 @@ def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, d
         halt = jnp.zeros((), jnp.bool_) if early_exit else ~go(st)
         view = dataclasses.replace(st, finished=st.finished | halt)
         batch, nd = device_batch(view, k=k, vocab_size=spec.vocab_size, tree=spec.tree)
-        out, tkv, dstate, _ = _step(spec, tparams, dparams, tkv, dstate, batch)
-        emitted, emit, n_acc, finished, last, nc = _commit(view, out.sampled, k)
-        finished = jnp.where(halt, st.finished, finished)
         active = real & ~view.finished
-        hist = st.history
+
+        def settle(sampled):   # commit, history, first-stage drafts; all rows drafted by it?
+            emitted, emit, n_acc, finished, last, nc = _commit(view, sampled, k)
+            finished = jnp.where(halt, st.finished, finished)
+            hist, d = st.history, None
+            if drafter is not None:
+                w = hist.shape[1]
+                jj = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+                col = jnp.where(jj < emit[:, None], st.num_computed[:, None] + 1 + jj, w)
+                rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], col.shape)
+                hist = hist.at[rows, col].set(emitted, mode="drop")
+                d = (drafter.search(hist, nc + 1, real & ~finished) if drafter_state is None
+                     else drafter.draft(drafter_state, hist, nc + 1, real & ~finished))
+            short = jnp.all(~(active & ~finished) | (d.num_drafts > 0)) if merge else None
+            return short, (emitted, emit, n_acc, finished, last, nc, hist, d, short)
+
+        if shortens:
+            out, tkv, dstate, settled = _step(spec, tparams, dparams, tkv, dstate, batch, settle)
+        else:
+            out, tkv, dstate, _ = _step(spec, tparams, dparams, tkv, dstate, batch)
+            settled = settle(out.sampled)[1]
+        emitted, emit, n_acc, finished, last, nc, hist, d, short = settled
         if drafter is not None:
-            w = hist.shape[1]
-            jj = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-            col = jnp.where(jj < emit[:, None], st.num_computed[:, None] + 1 + jj, w)
-            rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], col.shape)
-            hist = hist.at[rows, col].set(emitted, mode="drop")
-            d = (drafter.search(hist, nc + 1, real & ~finished) if drafter_state is None else
-                 drafter.draft(drafter_state, hist, nc + 1, real & ~finished))
             drafts, num_drafts = d.token_ids.astype(jnp.int32), d.num_drafts.astype(jnp.int32)
             if merge:       # history_first: the history's chain where it drafts, else the model's
                 use = num_drafts > 0
                 drafts = jnp.where(use[:, None], drafts[:, : out.drafts.shape[1]], out.drafts)
                 num_drafts = jnp.where(use, num_drafts, out.num_drafts)
                 alive = (active & ~finished).astype(jnp.int32)
+                short = short & jnp.any(active) & shortens
                 stage = stage + jnp.stack([jnp.sum(alive * use), jnp.sum(alive * ~use),
                                            jnp.sum(alive * use * num_drafts),
-                                           jnp.sum(alive * ~use * num_drafts)])
+                                           jnp.sum(alive * ~use * num_drafts),
+                                           short.astype(jnp.int32)])
         elif k:
             drafts, num_drafts = out.drafts, out.num_drafts
         else:
@@ -431,7 +448,7 @@ def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, d
 
     zero = jnp.zeros((), jnp.int32)
     carry = (zero, zero, st, target_kv, draft_state, rec,
-             jnp.zeros(4, jnp.int32) if merge else None)
+             jnp.zeros(5, jnp.int32) if merge else None)
     if early_exit:
         carry = jax.lax.while_loop(cond, body, carry)
     else:   # a known trip count: no predicate read back to the host per iteration

@@ -146,11 +146,13 @@ def _propose_padded(spec: _Spec, dparams, draft_state, sampled, b: StepBatch, hi
     return drafts, write_draft_probs(draft_state, inner, b.slots, drafts.probs)
 
 
-def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
+def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch,
+                first=None):
     hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv,
                                                  b.attn)
     logits = spec.target.compute_logits(tparams, hidden[b.sdm.logits_indices])
-    out, draft_state, extra = verify_chain(spec, dparams, draft_state, b, logits, hidden, aux)
+    out, draft_state, extra = verify_chain(spec, dparams, draft_state, b, logits, hidden, aux,
+                                           first)
     if spec.accept:
         target_kv = spec.target.accept(target_kv, num_kept(b, out), b.attn)
     return out, target_kv, draft_state, extra
@@ -166,11 +168,14 @@ def num_kept(b: StepBatch, out: StepOutput):
     return jnp.where(real, qlen - b.sdm.num_draft_tokens + out.num_accepted, 0).astype(jnp.int32)
 
 
-def verify_chain(spec: _Spec, dparams, draft_state, b: StepBatch, logits, hidden, aux):
+def verify_chain(spec: _Spec, dparams, draft_state, b: StepBatch, logits, hidden, aux,
+                 first=None):
     """Chain verification, logprobs and (in-step) drafting from the target's ``logits`` at
     ``b.sdm.logits_indices`` and its ``hidden`` / ``aux`` of every scheduled token (traceable).
     Returns ``(StepOutput, draft_state, extra)``; ``extra`` the states a split proposer drafts
-    from on the host's kept tokens, else None."""
+    from on the host's kept tokens, else None. ``first(sampled) -> (short, extra)``, in-step
+    drafting only: where ``short``, the chain drafts one token (every row's drafts come from
+    a history stage; the first pass keeps the drafter's KV)."""
     rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates,
                                                                   jnp.float32)
     if rates is not None and rates.ndim == 2:     # one row of rates per row class r % n
@@ -182,10 +187,20 @@ def verify_chain(spec: _Spec, dparams, draft_state, b: StepBatch, logits, hidden
     lp = None if b.num_logprobs is None else chain_logprobs(
         b.sdm, logits, sampling, sampled, num_logprobs=b.num_logprobs, mode=spec.logprobs_mode)
     if spec.drafts_in == "step":
-        drafts, draft_state = _propose_padded(spec, dparams, draft_state, sampled, b, hidden, aux,
-                                              sampling)
+        def propose(s, state):
+            return _propose_padded(s, dparams, state, sampled, b, hidden, aux, sampling)
+        extra, short_spec = None, spec
+        if first is not None:
+            short, extra = first(sampled)
+            short_spec = drafting(spec, 1)
+        if short_spec is spec:
+            drafts, draft_state = propose(spec, draft_state)
+        else:
+            drafts, draft_state = jax.lax.cond(
+                short, lambda st: propose(short_spec, st), lambda st: propose(spec, st),
+                draft_state)
         return _output(sampled, drafts.token_ids, drafts.num_drafts, lp=lp,
-                       features=drafts.features), draft_state, None
+                       features=drafts.features), draft_state, extra
     extra = (hidden if spec.hidden else None, aux if spec.aux else None) \
         if spec.drafts_in == "split" else None
     return _output(sampled, k=spec.k, lp=lp), draft_state, extra
@@ -253,10 +268,10 @@ def verify_tree(spec: _Spec, dparams, draft_state, b: StepBatch, logits, hidden,
     return StepOutput(o.packed, o.k, o.logprobs, acc_nodes), kv, draft_state
 
 
-def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch):
+def _step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBatch, first=None):
     if b.attn.tree_mask is not None:
         return _tree_step(spec, tparams, dparams, target_kv, draft_state, b)
-    return _chain_step(spec, tparams, dparams, target_kv, draft_state, b)
+    return _chain_step(spec, tparams, dparams, target_kv, draft_state, b, first)
 
 
 _step_jit = jax.jit(_step, static_argnums=0, donate_argnums=(3, 4))

@@ -14,7 +14,7 @@ from specjax.engine import Engine, SamplingParams, generate
 from specjax.proposers import make_proposer
 from specjax.proposers.history_first import HistoryFirstProposer
 from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
-    FIXED, METHODS, PROMPTS_A, PARAMS_A, _chi2_first_verified, _fast_compiles, _sample_run,
+    BS, FIXED, METHODS, MML, PROMPTS_A, PARAMS_A, _chi2_first_verified, _fast_compiles, _sample_run,
     baseline, build, fixed, run, target)
 
 NGRAM = dict(history_first="ngram", prompt_lookup_min=2, prompt_lookup_max=3)
@@ -215,7 +215,9 @@ def test_device_loop_refused(loop):
 def test_device_loop_merges_a_device_first_stage(stage):
     """With a device first stage the device loop merges the chains itself (the history's
     where it drafts, the model's elsewhere): greedy output equals plain, and each request
-    drafts and accepts, and each stage is counted, exactly as on the per-step path."""
+    drafts and accepts, and each stage is counted, exactly as on the per-step path; steps
+    whose rows all draft from the history run a one-token model chain (which keeps the
+    model's KV: the later model rows draft as on the per-step path)."""
     got = {}
     for n in (4, 1):
         prop = build("eagle3", 3, **stage)
@@ -226,5 +228,68 @@ def test_device_loop_merges_a_device_first_stage(stage):
         assert out.token_ids == baseline("A").token_ids
         got[n] = ([(o.num_draft_tokens, o.num_accepted_tokens) for o in out.outputs],
                   dataclasses.astuple(prop.counts))
-    assert got[4] == got[1]                  # the loop's counters too (LoopOutput.stage_counts)
+    assert got[4][0] == got[1][0]
+    assert got[4][1][:4] == got[1][1][:4]    # the loop's counters too (LoopOutput.stage_counts)
     assert sum(a for _, a in got[4][0]) > 0 and got[4][1][0] > 0     # first-stage rows
+    assert got[4][1][4] > 0 and got[1][1][4] == 0                   # short chains: loop only
+
+
+@dataclasses.dataclass(frozen=True)
+class _OracleEveryThird:
+    """A device first stage drafting each request's next ``k`` plain-greedy tokens
+    (``seqs``: prompt + output per request, found by its first two tokens) in steps where
+    the live rows' lengths sum to a multiple of 3."""
+
+    seqs: tuple
+    tag: bool          # the two runs' stages differ: each compiles its own loop
+    k: int = 3
+
+    def search(self, token_ids, num_tokens, valid):
+        import jax.numpy as jnp
+        width = max(map(len, self.seqs)) + self.k
+        seqs = jnp.asarray([list(q) + [-1] * (width - len(q)) for q in self.seqs], jnp.int32)
+        req = jnp.argmax(jnp.all(token_ids[:, None, :2] == seqs[None, :, :2], axis=-1), axis=1)
+        cols = jnp.minimum(num_tokens[:, None] + jnp.arange(self.k), width - 1)
+        drafts = seqs[req[:, None], cols]
+        on = valid & (jnp.sum(jnp.where(valid, num_tokens, 0)) % 3 == 0) & (drafts[:, -1] >= 0)
+        return types.SimpleNamespace(token_ids=jnp.where(on[:, None], drafts, -1),
+                                     num_drafts=jnp.where(on, self.k, 0))
+
+
+def _noisy_draft_model(stage: dict):
+    """A draft model: the target with noise on its weights (accepts some drafts, not all)."""
+    import jax
+    tgt = target()
+    keys = iter(jax.random.split(jax.random.key(3), 64))
+    noisy = jax.tree.map(lambda w: w + 0.3 * w.std() * jax.random.normal(next(keys), w.shape,
+                                                                          w.dtype), tgt.params)
+    cfg = SpeculativeConfig(method="draft_model", model="target-copy", num_speculative_tokens=3,
+                            **stage)
+    return make_proposer(cfg, draft=tgt.model, draft_params=noisy, target=tgt.model,
+                         target_params=tgt.params, max_model_len=MML, block_size=BS,
+                         kernel_backend="xla")
+
+
+def test_device_loop_short_chain_keeps_the_drafter_level(monkeypatch):
+    """Steps drafted wholly by the first stage run a one-token model chain: the model rows
+    after them draft and accept exactly as with the full chain every step (a noisy draft
+    model: its chain's KV of wrong drafts differs from its first pass's of the right ones)."""
+    import importlib
+    decode_loop = importlib.import_module("specjax.runtime.decode_loop")
+    seqs = tuple(tuple(p + o) for p, o in zip(PROMPTS_A, baseline("A").token_ids))
+    got = {}
+    for short in (True, False):
+        oracle = _OracleEveryThird(seqs, short)
+        monkeypatch.setattr(HistoryFirstProposer, "loop_drafter", property(lambda _: oracle))
+        if not short:
+            monkeypatch.setattr(decode_loop, "drafting", lambda spec, n: spec)
+        stage = dict(NGRAM, history_first="ngram_gpu")
+        prop = _noisy_draft_model(stage)
+        eng = Engine(target(), prop, max_num_seqs=4, **fixed(steps_per_sync=4))
+        out = eng.generate(PROMPTS_A, PARAMS_A)
+        assert out.token_ids == baseline("A").token_ids
+        got[short] = ([(o.num_draft_tokens, o.num_accepted_tokens) for o in out.outputs],
+                      dataclasses.astuple(prop.counts))
+    assert got[True][0] == got[False][0] and got[True][1][:4] == got[False][1][:4]
+    assert got[True][1][4] > 0 and got[False][1][4] == 0 and got[True][1][1] > 0
+    assert sum(a for _, a in got[True][0]) > 0
