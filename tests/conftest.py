@@ -17,13 +17,19 @@ that keeps every test module's executables (jit caches) alive crosses Linux's de
 ``vm.max_map_count`` (65530 mappings), and XLA's CPU compiler then aborts or segfaults in
 the middle of a later compile (seen at 43% of the full suite: ``test_engine.py`` alone
 leaves ~16k mappings). Dropping JAX's caches after each test module keeps the count
-bounded; no test relies on a compilation surviving from another module.
+bounded; no test relies on a compilation surviving from another module. One persistent
+compilation cache per pytest run, shared by its xdist workers and removed at its end, gives
+the next module (and the other worker) an identical program without compiling it again;
+:func:`no_compilation_cache` turns it off for a test that counts backend compiles.
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,6 +40,42 @@ from suite_paths import SEARCH_PATH  # noqa: E402
 for _p in reversed(SEARCH_PATH):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+
+_CACHE_ENV = "SPECJAX_TEST_COMPILATION_CACHE"
+
+
+def pytest_configure(config):
+    """The run's compilation cache: made by the controller (xdist workers inherit the
+    path), used by every process."""
+    if not hasattr(config, "workerinput") and _CACHE_ENV not in os.environ:
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="specjax-jax-cache-")
+        config._specjax_cache = os.environ[_CACHE_ENV]
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_specjax_cache", None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(_CACHE_ENV, None)
+
+
+@pytest.fixture
+def no_compilation_cache():
+    """The persistent compilation cache off for one test (every program compiles)."""
+    import jax
+    from jax._src import compilation_cache   # JAX decides once whether to use it: reset
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 def pytest_collection_modifyitems(config, items):

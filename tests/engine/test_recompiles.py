@@ -43,7 +43,7 @@ def test_no_recompile_after_warmup(method, n, overlap):
     assert "backend compiles after warm-up: 0" in log.getvalue()
 
 
-def test_the_counter_sees_a_compile():
+def test_the_counter_sees_a_compile(no_compilation_cache):
     """The counter can fail: an engine warmed up for the greedy variants only compiles the
     sampled ones inside the run, and both counts see it (compiled programs dropped first:
     an earlier test may have compiled them)."""
