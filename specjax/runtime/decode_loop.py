@@ -10,6 +10,8 @@ Host n-gram, Arctic suffix and the non-padded drafter batch are refused (``loop_
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -362,6 +364,16 @@ def _commit(st: LoopState, sampled, k: int):
     return emitted, emit, n_acc, finished, last, nc
 
 
+def conditionals_on_device() -> bool:
+    """Whether a ``lax.cond`` in the device loop skips a host read of its predicate: off
+    GPU, or with ``WHILE`` and ``CONDITIONAL`` in ``--xla_gpu_enable_command_buffer``."""
+    if jax.default_backend() != "gpu":
+        return True
+    m = re.search(r"--xla_gpu_enable_command_buffer=(\S*)", os.environ.get("XLA_FLAGS", ""))
+    kinds = {k.strip().lstrip("+").upper() for k in m.group(1).split(",")} if m else set()
+    return {"WHILE", "CONDITIONAL"} <= kinds
+
+
 def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, dparams,
           target_kv, draft_state, st: LoopState, stop_on_finish, drafter_state=None):
     k = spec.k
@@ -370,7 +382,7 @@ def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, d
     fin0 = st.finished
     # history_first: a step whose rows all draft from the history runs a 1-token model chain
     shortens = (merge and spec.tree is None and spec.drafts_in == "step"
-                and drafting(spec, 1) is not spec)
+                and drafting(spec, 1) is not spec and conditionals_on_device())
     rec = (jnp.full((n_iters, b, k + 1), PLACEHOLDER_TOKEN_ID, jnp.int32),
            jnp.zeros((n_iters, b), jnp.int32), jnp.zeros((n_iters, b), jnp.int32),
            jnp.zeros((n_iters, b), jnp.int32))

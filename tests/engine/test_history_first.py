@@ -293,3 +293,17 @@ def test_device_loop_short_chain_keeps_the_drafter_level(monkeypatch):
     assert got[True][0] == got[False][0] and got[True][1][:4] == got[False][1][:4]
     assert got[True][1][4] > 0 and got[False][1][4] == 0 and got[True][1][1] > 0
     assert sum(a for _, a in got[True][0]) > 0
+
+
+@pytest.mark.parametrize("backend, flags, want", [
+    ("cpu", "", True), ("gpu", "", False),
+    ("gpu", "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CONDITIONAL", False),
+    ("gpu", "--xla_foo=1 --xla_gpu_enable_command_buffer=FUSION,CONDITIONAL,WHILE", True),
+    ("gpu", "--xla_gpu_enable_command_buffer=+while,+conditional", True)])
+def test_short_chain_only_where_conditionals_stay_on_the_device(backend, flags, want,
+                                                                monkeypatch):
+    import importlib
+    decode_loop = importlib.import_module("specjax.runtime.decode_loop")
+    monkeypatch.setattr(decode_loop.jax, "default_backend", lambda: backend)
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert decode_loop.conditionals_on_device() is want
