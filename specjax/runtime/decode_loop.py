@@ -407,11 +407,11 @@ def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, d
         halt = jnp.zeros((), jnp.bool_) if early_exit else ~go(st)
         view = dataclasses.replace(st, finished=st.finished | halt)
         batch, nd = device_batch(view, k=k, vocab_size=spec.vocab_size, tree=spec.tree)
-        active = real & ~view.finished
 
         def settle(sampled):   # commit, history, first-stage drafts; all rows drafted by it?
             emitted, emit, n_acc, finished, last, nc = _commit(view, sampled, k)
             finished = jnp.where(halt, st.finished, finished)
+            active = real & ~view.finished
             hist, d = st.history, None
             if drafter is not None:
                 w = hist.shape[1]
@@ -422,14 +422,14 @@ def _loop(spec, n_iters: int, drafter, merge: bool, early_exit: bool, tparams, d
                 d = (drafter.search(hist, nc + 1, real & ~finished) if drafter_state is None
                      else drafter.draft(drafter_state, hist, nc + 1, real & ~finished))
             short = jnp.all(~(active & ~finished) | (d.num_drafts > 0)) if merge else None
-            return short, (emitted, emit, n_acc, finished, last, nc, hist, d, short)
+            return short, (emitted, emit, n_acc, finished, active, last, nc, hist, d, short)
 
         if shortens:
             out, tkv, dstate, settled = _step(spec, tparams, dparams, tkv, dstate, batch, settle)
         else:
             out, tkv, dstate, _ = _step(spec, tparams, dparams, tkv, dstate, batch)
             settled = settle(out.sampled)[1]
-        emitted, emit, n_acc, finished, last, nc, hist, d, short = settled
+        emitted, emit, n_acc, finished, active, last, nc, hist, d, short = settled
         if drafter is not None:
             drafts, num_drafts = d.token_ids.astype(jnp.int32), d.num_drafts.astype(jnp.int32)
             if merge:       # history_first: the history's chain where it drafts, else the model's
