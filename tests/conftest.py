@@ -21,6 +21,9 @@ bounded; no test relies on a compilation surviving from another module. One pers
 compilation cache per pytest run, shared by its xdist workers and removed at its end, gives
 the next module (and the other worker) an identical program without compiling it again;
 :func:`no_compilation_cache` turns it off for a test that counts backend compiles.
+Every process of the run (subprocesses inherit the variable) compiles in XLA's cheap mode,
+``JAX_DISABLE_MOST_OPTIMIZATIONS=1``: compiling dominates the suite, and both sides of
+every comparison compile the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from suite_paths import SEARCH_PATH  # noqa: E402
 
@@ -53,6 +57,8 @@ def pytest_configure(config):
         config._specjax_cache = os.environ[_CACHE_ENV]
     import jax
 
+    jax.config.update("jax_disable_most_optimizations",
+                      os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "false"))
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -10,7 +10,6 @@ import pytest
 
 from specjax.cli import demo, main as cli
 from test_demo import demo_table
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 
 

@@ -12,7 +12,6 @@ import jax
 import pytest
 
 from specjax.cli import demo, main as cli
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 HEAD = ("method", "check", "tokens/fwd", "k", "per-position acceptance", "tokens/s", "spread",
         "sync", "speed-up")

@@ -33,11 +33,11 @@ from specjax.runtime.step import make_step
 
 try:
     from test_engine import (FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B, V,
-                             _dense_forward, _fast_compiles, build, eos_b, fixed,  # noqa: F401
+                             _dense_forward, build, eos_b, fixed,  # noqa: F401
                              target)
 except ImportError:  # tests/ made a package
     from tests.test_engine import (FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A,  # noqa: F401
-                                   PROMPTS_B, V, _dense_forward, _fast_compiles, build, eos_b,
+                                   PROMPTS_B, V, _dense_forward, build, eos_b,
                                    fixed, target)
 
 TOL = 1e-5

@@ -23,10 +23,10 @@ from specjax.proposers import DraftOutput, Feed, Proposer, TokenHistory
 
 try:
     from test_engine import (BS, FIXED, METHODS, MML, PROMPTS_A, SAMPLE_PROMPT, V,  # noqa: F401
-                             _fast_compiles, _target_probs, build, fixed, target)
+                             _target_probs, build, fixed, target)
 except ImportError:  # tests/ made a package
     from tests.test_engine import (BS, FIXED, METHODS, MML, PROMPTS_A, SAMPLE_PROMPT, V,  # noqa: F401
-                                   _fast_compiles, _target_probs, build, fixed, target)
+                                   _target_probs, build, fixed, target)
 
 EOS = 19
 

@@ -4,7 +4,6 @@ import suite_paths  # tests/support: where the suite's pieces are
 import json
 import sys
 
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 
 sys.path.insert(0, str(suite_paths.BENCHMARKS))
 

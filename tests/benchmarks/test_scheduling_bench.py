@@ -12,7 +12,6 @@ import types
 import numpy as np
 import pytest
 
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 
 sys.path.insert(0, str(suite_paths.BENCHMARKS))
 

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 
 sys.path.insert(0, str(suite_paths.BENCHMARKS))
 

@@ -13,8 +13,8 @@ import pytest
 from specjax import SpeculativeConfig
 from specjax.engine import Engine, LoopOptions, SamplingParams, generate
 from specjax.engine.verification import AdaptiveVerifier
-from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
-    BS, LOOP, N_SAMPLES, SAMPLE_PROMPT, _chi2_first_verified, _fast_compiles, _target_probs,
+from test_engine import (
+    BS, LOOP, N_SAMPLES, SAMPLE_PROMPT, _chi2_first_verified, _target_probs,
     build, fixed, target)
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3], [8, 1, 6, 2, 9], [4, 4]]

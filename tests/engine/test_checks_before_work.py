@@ -22,7 +22,6 @@ from specjax.runtime.step import make_step, step_cache_size
 from specjax.runtime.verify import make_verify_step
 
 from foreign_target import ForeignGPT, init_params
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, FIXED, GEO, MML, V, build, target
 
 NB = 1 + 4 * (MML // BS)          # the KV pool: blocks 1 .. NB - 1

@@ -22,10 +22,10 @@ from specjax.engine import Engine, LoopOptions, SamplingParams, generate, step_c
 
 try:
     from test_engine import (BS, FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B,
-                             V, _fast_compiles, baseline, build, eos_b, fixed, target)  # noqa: F401
+                             V, baseline, build, eos_b, fixed, target)  # noqa: F401
 except ImportError:  # tests/ made a package
     from tests.test_engine import (BS, FIXED, METHODS, MML, PARAMS_A, PARAMS_B, PROMPTS_A,  # noqa: F401
-                                   PROMPTS_B, V, _fast_compiles, baseline, build, eos_b, fixed,
+                                   PROMPTS_B, V, baseline, build, eos_b, fixed,
                                    target)
 
 DEVICE_METHODS = [m for m in ("eagle", "eagle3", "dflash", "medusa", "mtp", "draft_model", "ngram_gpu",

@@ -14,8 +14,8 @@ from scipy import stats
 from specjax import SpeculativeConfig
 from specjax.engine import Engine, LoopOptions, SamplingParams, generate
 from specjax.sampling import draft_sample as ds
-from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
-    BS, N_SAMPLES, SAMPLE_PROMPT, V, _fast_compiles, _target_probs, build, fixed, target)
+from test_engine import (
+    BS, N_SAMPLES, SAMPLE_PROMPT, V, _target_probs, build, fixed, target)
 
 PD = dict(draft_sample_method="probabilistic")
 METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash", "dspark", "medusa")

@@ -12,7 +12,6 @@ from specjax.models import registry
 from specjax.proposers import make_proposer
 
 import test_engine as te
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 DSPARK = dict(te.HEADS["dflash"][1], markov_rank=8)
 

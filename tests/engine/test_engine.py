@@ -28,7 +28,6 @@ from specjax.models import registry
 from specjax.proposers import (DraftOutput, Feed, Proposer, TokenHistory, available_methods,
                                make_proposer)
 
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 V = 64
 GEO = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -35,12 +35,12 @@ from scipy import stats
 try:
     from test_engine import (BS, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B, PROMPTS_A,
                              PROMPTS_B, SAMPLE_PROMPT, V, _chi2_first_verified, _target_probs,
-                             _fast_compiles, baseline, build, eos_b, fixed,  # noqa: F401 (autouse)
+                             baseline, build, eos_b, fixed,  # noqa: F401 (autouse)
                              target)
 except ImportError:  # tests/ made a package
     from tests.test_engine import (BS, METHODS, MML, N_SAMPLES, PARAMS_A, PARAMS_B,
                                    PROMPTS_A, PROMPTS_B, SAMPLE_PROMPT, V, _chi2_first_verified,
-                                   _fast_compiles, _target_probs, baseline, build, eos_b,  # noqa: F401
+                                   _target_probs, baseline, build, eos_b,  # noqa: F401
                                    fixed, target)
 
 

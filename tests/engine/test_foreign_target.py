@@ -16,7 +16,6 @@ from specjax import LoopOptions, SamplingParams, SpeculativeConfig, TargetModel,
 from specjax.models import registry
 
 from foreign_target import ForeignGPT, full_recompute_greedy, greedy_margin, init_params
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 BS, MML, N = 8, 64, 20
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]]

@@ -33,7 +33,6 @@ from specjax.token_tree import TokenTree
 
 from foreign_target import MovableForeignGPT, full_recompute_aux, full_recompute_logits
 from test_foreign_target import BS, MML, N, PROMPTS, eagle3_proposer, model, reference, run
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 # one bucket each: a step (and a device loop) compiles once per proposer
 BUCKETS = dict(batch_buckets=(2,), query_buckets=(16,), context_buckets=(MML // BS,))

@@ -13,8 +13,8 @@ from specjax import SpeculativeConfig
 from specjax.engine import Engine, SamplingParams, generate
 from specjax.proposers import make_proposer
 from specjax.proposers.history_first import HistoryFirstProposer
-from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
-    BS, FIXED, METHODS, MML, PROMPTS_A, PARAMS_A, _chi2_first_verified, _fast_compiles, _sample_run,
+from test_engine import (
+    BS, FIXED, METHODS, MML, PROMPTS_A, PARAMS_A, _chi2_first_verified, _sample_run,
     baseline, build, fixed, run, target)
 
 NGRAM = dict(history_first="ngram", prompt_lookup_min=2, prompt_lookup_max=3)

@@ -15,7 +15,6 @@ import pytest
 import specjax
 from specjax.engine import SamplingParams, generate
 
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, METHODS, MML, build, target
 
 DOC = suite_paths.DOCS / "integration.md"

@@ -13,8 +13,8 @@ import pytest
 
 import suite_paths  # tests/support
 from specjax.engine import Engine, SamplingParams, generate
-from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
-    BS, _chi2_first_verified, _fast_compiles, build, fixed, target, SAMPLE_PROMPT, N_SAMPLES)
+from test_engine import (
+    BS, _chi2_first_verified, build, fixed, target, SAMPLE_PROMPT, N_SAMPLES)
 
 from specjax.engine import LoopOptions
 

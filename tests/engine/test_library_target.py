@@ -28,7 +28,6 @@ from specjax.models import registry  # noqa: E402
 import library_target  # noqa: E402
 from library_target import (PagedAttention, PenzaiTarget, full_recompute_greedy, tiny_gemma,  # noqa: E402
                             tiny_llama)
-from compile_check import fast_compiles as _fast_compiles  # noqa: E402,F401 (autouse)
 
 BS, MML, N = 8, 64, 20
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]]

@@ -22,7 +22,6 @@ from specjax.kernels.paged_attention import reference as R
 from specjax.token_tree import TokenTree
 from test_engine import (BS, FIXED, METHODS, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B, V,
                          baseline, build, eos_b, fixed, target)
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 
 L = 2048                                 # max_model_len
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, V, 1500)]

@@ -29,7 +29,6 @@ import specjax
 from specjax.engine import SamplingParams, generate
 from specjax.proposers import TokenHistory
 
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, METHODS, MML, V, build, target
 
 NUM_BLOCKS = 16

@@ -27,7 +27,6 @@ from specjax.runtime.step import StepBatch
 from specjax.runtime.warmup import Bucket, padding_fields
 from specjax.token_tree import TokenTree
 
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, FIXED, METHODS, MML, build, target
 
 TREE = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]

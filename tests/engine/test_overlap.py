@@ -18,10 +18,10 @@ from specjax.engine import Engine, LoopOptions, SamplingParams, generate, step_c
 
 try:
     from test_engine import (FIXED, METHODS, PARAMS_A, PARAMS_B, PROMPTS_A, PROMPTS_B,
-                             _fast_compiles, baseline, build, eos_b, fixed, target)  # noqa: F401
+                             baseline, build, eos_b, fixed, target)  # noqa: F401
 except ImportError:  # tests/ made a package
     from tests.test_engine import (FIXED, METHODS, PARAMS_A, PARAMS_B, PROMPTS_A,  # noqa: F401
-                                   PROMPTS_B, _fast_compiles, baseline, build, eos_b, fixed,
+                                   PROMPTS_B, baseline, build, eos_b, fixed,
                                    target)
 
 

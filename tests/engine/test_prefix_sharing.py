@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import pytest
 
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, V
 from test_lookahead import Loop, Request, greedy, needs
 

@@ -21,7 +21,6 @@ from specjax.runtime.step import StepBatch
 from specjax.runtime.warmup import Bucket, as_bucket, as_buckets, padding_fields
 from specjax.token_tree import TokenTree
 
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 K, MML, BS = 3, 128, 8
 NB = MML // BS                       # blocks per request: the whole context

@@ -13,9 +13,9 @@ import pytest
 from specjax.engine import Engine
 
 try:
-    from test_engine import METHODS, MML, _fast_compiles, build, fixed, target  # noqa: F401
+    from test_engine import METHODS, MML, build, fixed, target  # noqa: F401
 except ImportError:  # tests/ made a package
-    from tests.test_engine import METHODS, MML, _fast_compiles, build, fixed, target  # noqa: F401
+    from tests.test_engine import METHODS, MML, build, fixed, target  # noqa: F401
 
 import suite_paths  # noqa: E402  (tests/support)
 

@@ -23,7 +23,6 @@ from specjax.target import check_target, has_accept, has_move_kv
 
 from recurrent_target import (RecurrentLM, full_recompute_greedy, greedy_margin, init_params,
                               reference_logits)
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 BS, MML, N, SEED = 8, 64, 20, 4
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2], [9, 4, 9, 4, 9, 4, 9]]

@@ -15,8 +15,8 @@ from specjax import adaptive_k as ak
 from specjax.engine import Engine, SamplingParams
 from specjax.runtime.decode_loop import device_batch, loop_cache_size, make_loop_state
 from test_decode_loop import host_batch
-from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
-    V, _fast_compiles, build, fixed, target)
+from test_engine import (
+    V, build, fixed, target)
 
 
 def _gain(a, c):

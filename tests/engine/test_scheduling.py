@@ -19,7 +19,6 @@ from specjax.engine import Engine, LoopOptions, SamplingParams, generate
 from specjax.engine.scheduler import Scheduler, _Request
 from test_engine import (BS, FIXED, LOOP, METHODS, PARAMS_A, PROMPTS_A, V, baseline, build,
                          fixed, target)
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 
 _rng = np.random.default_rng(11)
 

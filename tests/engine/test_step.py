@@ -16,7 +16,6 @@ from specjax.runtime.output import StepOutput
 from specjax.runtime.step import StepBatch, make_step, step_cache_size
 from specjax.token_tree import TokenTree
 
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, MML, V, build, target
 
 pytestmark = pytest.mark.smoke

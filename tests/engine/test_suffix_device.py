@@ -11,8 +11,8 @@ from specjax import SpeculativeConfig
 from specjax.engine import Engine, LoopOptions, SamplingParams, generate
 from specjax.proposers import make_proposer
 from specjax.proposers.suffix_gpu import SuffixGPUProposerAdapter
-from test_engine import (  # noqa: F401 (_fast_compiles: autouse)
-    BS, MML, N_SAMPLES, SAMPLE_PROMPT, _chi2_first_verified, _fast_compiles, baseline, fixed,
+from test_engine import (
+    BS, MML, N_SAMPLES, SAMPLE_PROMPT, _chi2_first_verified, baseline, fixed,
     run, target)
 
 

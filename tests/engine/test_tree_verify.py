@@ -17,7 +17,6 @@ from specjax.metadata import SpecDecodeMetadata
 from specjax.sampling import (SamplingMetadata, rejection_sample, tree_greedy_verify,
                              tree_rejection_sample)
 from specjax.token_tree import TokenTree
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 
 def random_tree(rng, max_depth=4, max_children=3, max_nodes=40) -> TokenTree:

@@ -20,7 +20,6 @@ from specjax.runtime.tree import compact_tree_kv
 from specjax.runtime.verify import make_verify_step
 from specjax.token_tree import TokenTree
 
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 from test_engine import BS, MML, METHODS, build, target
 
 PROMPTS = ([3, 9, 4, 3, 9, 4, 3, 9], [5, 1, 7, 7, 2])

@@ -23,7 +23,6 @@ from specjax.models import DecoderLM, registry
 from specjax.proposers.types import ProposerInputs
 
 from foreign_target import ForeignGPT, full_recompute_greedy, greedy_margin, init_params
-from compile_check import fast_compiles as _fast_compiles  # noqa: F401 (autouse)
 
 BS, MML, N, K = 8, 64, 16, 3
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]]

@@ -17,7 +17,6 @@ from specjax.kernels.paged_attention.reference import paged_attention_xla
 from specjax.models import registry
 from specjax.proposers import make_proposer
 from test_engine import BS, FIXED, HEADS, METHODS, MML, PARAMS_A, PROMPTS_A, baseline, target
-from test_engine import _fast_compiles  # noqa: F401 (autouse: cheap compiles)
 
 HEAD_METHODS = [m for m in ("eagle", "eagle3", "mtp", "dflash") if m in METHODS]
 

@@ -1,20 +1,9 @@
-"""Shared compile helpers: a jitted step does not recompile when only the real counts
-change; XLA's cheap compilation mode for a test module."""
+"""Shared compile helper: a jitted step does not recompile when only the real counts
+change."""
 
 import logging
 
 import jax
-import pytest
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_compiles():
-    """XLA's cheap compilation mode for the module that imports this fixture (compilation
-    dominates such modules' run time; both sides of every comparison compile the same way)."""
-    old = bool(jax.config.values.get("jax_disable_most_optimizations", False))
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
 
 
 def assert_no_recompile(jitted, run, sizes, caplog) -> None:
