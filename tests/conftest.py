@@ -57,8 +57,6 @@ def pytest_configure(config):
         config._specjax_cache = os.environ[_CACHE_ENV]
     import jax
 
-    jax.config.update("jax_disable_most_optimizations",
-                      os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "false"))
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
