@@ -59,6 +59,17 @@ def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a == 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
+def tokens_bound(a: float, k: int, iters: int) -> int:
+    """Tokens a request emits in ``iters`` iterations with k drafts at conditional acceptance
+    ``a`` (position j accepted with probability a^j, one bonus token an iteration), bounded
+    by the mean plus six standard deviations (exceeded with probability below 1e-9) and by
+    ``iters * (k + 1)``: the KV a benchmark request needs, not the worst case's."""
+    u = np.asarray([a ** (j + 1) for j in range(k)], float)
+    var = float(((2 * np.arange(1, k + 1) - 1) * u).sum() - u.sum() ** 2)
+    mean = iters * (1 + u.sum()) + 6 * np.sqrt(iters * max(var, 0.0)) + k + 1
+    return int(min(iters * (k + 1), np.ceil(mean)))
+
+
 def best_k(cost_ms: dict, batch: int, a: float) -> tuple[int, float]:
     """``(k, predicted tokens/s)`` maximising ``batch * E(a, k) / t(batch, k)``."""
     scores = {k: batch * expected_tokens(a, k) / (t / 1e3) for k, t in cost_ms[batch].items()}
@@ -125,11 +136,14 @@ def run(args) -> dict:
     budget = (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS if jax.default_backend() == "cpu"
               else DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
-    def build(b, k, rates, policy=None, window=args.iters, lead=0):
+    def build(b, k, rates, policy=None, window=args.iters, lead=0, top=None):
         # nobody finishes inside the window: the prefill steps, in which early requests
-        # already decode, then the window (rounded up to a sync of at most 64 steps) and spares;
-        # prompts ``lead`` tokens short of --context (a policy's warm-up generates them)
-        max_tokens = (window + 3 + 64 + -(-b * args.context // budget)) * (args.kmax + 1)
+        # already decode, then the window (rounded up to a sync of at most 64 steps) and spares,
+        # at the cell's highest conditional rate ``top`` (default: ``rates``' first); prompts
+        # ``lead`` tokens short of --context (a policy's warm-up generates them)
+        top = (rates[0] if rates else 0.0) if top is None else top
+        max_tokens = tokens_bound(top, len(rates),
+                                  window + 3 + 64 + -(-b * args.context // budget))
         mml = -(-(args.context + max_tokens + 2 * args.kmax + 8) // loop.BS) * loop.BS
         prompts = [rng.integers(0, geo["vocab_size"], args.context - lead).tolist()
                    for _ in range(b)]
@@ -197,7 +211,9 @@ def run(args) -> dict:
             lead = round(skip * float(np.mean([expected_tokens(a, best_k(cost, b, a)[0])
                                                for a in rs])))
             lead = min(lead, args.context - 16)
-        eng, prop, prompts, max_tokens = build(b, k, rates, policy, args.iters + skip, lead)
+        eng, prop, prompts, max_tokens = build(
+            b, k, rates, policy, args.iters + skip, lead,
+            None if rows is None else max(r[0] for r in rows))
         if rows is not None and k:     # per-row-class conditional rates (``--mixed``)
             eng.step._spec = conditional(eng, rows)
         n = eng.options.steps_per_sync
@@ -260,7 +276,7 @@ def run(args) -> dict:
         n_sw, n_after = (int(x) for x in args.falling_iters.split(","))
         k = args.kmax
         eng, prop, prompts, max_tokens = build(b, k, [a1 ** (j + 1) for j in range(k)],
-                                               "adaptive_k", n_sw + n_after)
+                                               "adaptive_k", n_sw + n_after, 0, max(a1, a2))
         hi, lo = conditional(eng, (a1,) * k), conditional(eng, (a2,) * k)
         n = eng.options.steps_per_sync
         switch, total = -(-n_sw // n) * n, -(-(n_sw + n_after) // n) * n

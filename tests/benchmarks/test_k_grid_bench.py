@@ -6,6 +6,7 @@ import suite_paths  # tests/support: where the suite's pieces are
 import json
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -23,6 +24,22 @@ def test_expected_tokens_best_k_and_schedule():
     assert k_grid.best_k(cost, 64, 0.3)[1] == pytest.approx(64 / 0.010)
     assert k_grid.schedule(cost, 0.3) == [[1, 63, 1], [64, 1 << 16, 0]]   # 1.3/11 > 1.39/12
     assert k_grid.schedule(cost, 0.95) == [[1, 1 << 16, 2]]
+
+
+@pytest.mark.parametrize("a,k", [(0.3, 7), (0.7, 3), (0.9, 7), (0.5, 1)])
+def test_tokens_bound_covers_simulated_runs(a, k):
+    """Requests' sizing: every one of 20,000 simulated requests of 300 iterations (accepted
+    prefix by independent conditional draws at rate a) stays inside the bound, and the bound
+    is within 6 standard deviations of the simulated mean, not the worst case."""
+    rng = np.random.default_rng(1)
+    draws = rng.random((20_000, 300, k)) < a
+    accepted = np.cumprod(draws, axis=-1).sum(-1)          # the accepted prefix's length
+    totals = (accepted + 1).sum(-1)
+    bound = k_grid.tokens_bound(a, k, 300)
+    assert totals.max() <= bound
+    assert bound <= totals.mean() + 6.5 * totals.std() + k + 1
+    assert bound < 300 * (k + 1) and k_grid.tokens_bound(1.0, k, 300) == 300 * (k + 1)
+    assert k_grid.tokens_bound(a, 0, 300) == 300
 
 
 def test_tiny_run(tmp_path, capsys):
