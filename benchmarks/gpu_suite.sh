@@ -39,7 +39,8 @@
 # "--falling 0.9,0.3": the adaptation cells; "--cost benchmarks/logs/k_grid_h100_2026-12-05b_*.log"
 # reuses the H100's table; "--query-buckets exact": rows of K + 1 tokens, not padded to a power
 # of two; "--check" alone drops the direct cells; "--forced-costs": each adaptive_k choice
-# timed forced beside its profiled cost; B = 64's mixed cell needs KGRID_S=540); dspark: issue 57, the demo DSpark head
+# timed forced beside its profiled cost; "--explore 0.25": adaptive_k's discount on a choice
+# not run yet; B = 64's mixed cell needs KGRID_S=540); dspark: issue 57, the demo DSpark head
 # trained by the recipe (DFlash's budget; $OUT/heads/dspark, copy it to
 # specjax/demo_models/dspark) and DSpark's propose beside DFlash's at B = 1, 8, 32 (8B-shaped,
 # rank 256, goal <= 1.1x); suffix: issue 58, the device suffix speculator inside the device

@@ -136,6 +136,8 @@ def run(args) -> dict:
     budget = (DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS if jax.default_backend() == "cpu"
               else DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
+    explore: set = set()        # DeviceLoopDriver.EXPLORE of the adaptive_k runs
+
     def build(b, k, rates, policy=None, window=args.iters, lead=0, top=None):
         # nobody finishes inside the window: the prefill steps, in which early requests
         # already decode, then the window (rounded up to a sync of at most 64 steps) and spares,
@@ -156,6 +158,10 @@ def run(args) -> dict:
             opts["query_buckets"] = tuple(range(1, args.kmax + 2)) + tuple(
                 1 << i for i in range((args.kmax + 1).bit_length(), 16))
         eng = loop.make_engine(target, prop, b, mml, dtype, loop=opts)
+        if policy == "adaptive_k":
+            if args.explore is not None:
+                eng.driver.EXPLORE = args.explore
+            explore.add(eng.driver.EXPLORE)
         return eng, prop, prompts, max_tokens
 
     def conditional(eng, rows):
@@ -458,7 +464,7 @@ def run(args) -> dict:
     return dict(cost_ms={str(b): v for b, v in cost.items()}, mixed=mixed, falling=falling,
                 best={f"{b}:{a}": v for (b, a), v in best.items()},
                 schedules={str(a): s for a, s in scheds.items()}, checks=checks,
-                policies=policies)
+                policies=policies, explore=sorted(explore))
 
 
 def main(argv=None) -> int:
@@ -502,12 +508,17 @@ def main(argv=None) -> int:
                     help="iterations a policy runs on the timed requests before their window "
                          "(adaptive_k learns each request and its choices' times; vLLM's "
                          "estimator refits every 100 steps); the KV pool grows with it")
+    ap.add_argument("--explore", type=float, default=None,
+                    help="adaptive_k runs: DeviceLoopDriver.EXPLORE, the discount on a choice "
+                         "not run yet (default: the library's)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"),
                     default="bfloat16" if gpu else "float32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.kmax < 1 or args.iters < 2 or args.repeat < 1 or args.static_iters < 1:
         ap.error("--kmax >= 1, --iters >= 2, --repeat >= 1, --static-iters >= 1")
+    if args.explore is not None and not 0 <= args.explore < 1:
+        ap.error(f"--explore must lie in [0, 1), got {args.explore}")
     if not all(0 <= float(a) < 1 for a in args.rates):
         ap.error("--rates must lie in [0, 1)")
     for pair in args.mixed + args.falling:
@@ -525,7 +536,8 @@ def main(argv=None) -> int:
         ap.error(f"--falling-iters: both >= 1, got {args.falling_iters!r}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}; "
           f"{jax.devices()[0].device_kind}; target {args.target} {args.dtype}; context "
-          f"{args.context}; iters {args.iters}; query buckets {args.query_buckets}")
+          f"{args.context}; iters {args.iters}; query buckets {args.query_buckets}"
+          + ("" if args.explore is None else f"; explore {args.explore}"))
     doc = run(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -71,9 +71,10 @@ def test_tiny_run(tmp_path, capsys):
                         "--repeat", "1", "--context", "16", "--rates", "0.9", "--policies",
                         "adaptive_k", "adaptive_verification", "--policy-warmup", "4",
                         "--mixed", "1.0,0.0", "--forced-costs", "--falling", "1.0,0.0",
-                        "--falling-iters", "8,16", "--static-iters", "4",
+                        "--falling-iters", "8,16", "--static-iters", "4", "--explore", "0.25",
                         "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert doc["explore"] == [0.25]
     (mix,) = doc["mixed"]        # even rows accept every draft, odd rows none
     t = {int(k): v for k, v in doc["cost_ms"]["2"].items()}
     want = max(t, key=lambda k: (k + 1 + 1) / 2 / t[k])     # E(1, k) = k + 1, E(0, k) = 1
