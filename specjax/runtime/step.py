@@ -150,7 +150,9 @@ def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBa
                 first=None):
     hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv,
                                                  b.attn)
-    logits = spec.target.compute_logits(tparams, hidden[b.sdm.logits_indices])
+    # a row samples at most its scheduled tokens: past the step's T slots the rows are padding
+    idx = b.sdm.logits_indices[: b.input_ids.shape[0]]
+    logits = spec.target.compute_logits(tparams, hidden[idx])
     out, draft_state, extra = verify_chain(spec, dparams, draft_state, b, logits, hidden, aux,
                                            first)
     if spec.accept:
@@ -446,11 +448,12 @@ class Step(_Verifier):
                                                  out, extra)
         return out, target_kv, draft_state
 
-    def lower(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch):
+    def lower(self, target_params, draft_params, target_kv, draft_state, batch: StepBatch,
+              *, draft_len: int | None = None):
         """The ``jax.stages.Lowered`` of the fused step on ``batch`` (for inspection:
-        ``.as_text()``, ``.compile().as_text()``)."""
+        ``.as_text()``, ``.compile().as_text()``); ``draft_len`` as in :meth:`__call__`."""
         check_batch(self, batch)
-        spec = self._spec
+        spec = drafting(self._spec, check_opt_int("draft_len", draft_len, 0, self.k))
         dparams = draft_params if spec.impl is not None else None
         with _compat.use_mesh(self.mesh):
             if host_transfer.packable(batch):      # the program __call__ runs

@@ -172,6 +172,34 @@ def test_device_loop_drafts_only_the_k_in_force(monkeypatch):
     assert seen == {None, 2, 1}
 
 
+def test_a_smaller_k_computes_the_target_logits_of_its_rows_only():
+    """A step drafting K < k (``draft_len``; rows of Q = K + 1 rounded up) computes the
+    target's logits for its B x Q token slots, not B x (k + 1): the vocabulary projection of
+    a small K costs what it costs in an engine of k = K. Read off the lowered program of a
+    history proposer's engine (no draft logits): its ``[rows, V]`` product (V = 64; the
+    hidden and MLP widths differ from it)."""
+    import re
+
+    from specjax.engine import TargetModel
+    from specjax.models import registry
+    from test_engine import FIXED, GEO
+
+    cfg = registry.config_from_hf("llama", dict(GEO, intermediate_size=48, num_hidden_layers=1))
+    tgt = TargetModel(registry.make_model("llama", cfg), registry.init_params("llama", cfg, 0))
+    eng = Engine(tgt, build("ngram_gpu", 3, tgt), max_num_seqs=4,
+                 max_model_len=FIXED["max_model_len"], block_size=BS,
+                 options=LoopOptions(steps_per_sync=4))
+    s = eng.scheduler
+    rows = {}
+    for dl in (None, 1, 0):
+        kk = eng.k if dl is None else dl
+        batch = s.dummy_batch(4, s.buckets(4, kk + 1, 1, kk)[1], s.max_blocks_per_req)
+        text = eng.step.lower(tgt.params, eng.step.draft_params, eng.target_kv, eng.draft_state,
+                              batch, draft_len=dl).as_text()
+        rows[dl] = re.findall(rf"dot_general.*-> tensor<(\d+)x{eng.vocab_size}xf32>", text)
+    assert rows == {None: ["16"], 1: ["8"], 0: ["4"]}, rows
+
+
 # -- LoopOptions(adaptive_k=True): the policy --------------------------------------------------
 
 def test_choose_k_and_the_acceptance_estimate():
