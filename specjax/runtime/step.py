@@ -150,14 +150,17 @@ def _chain_step(spec: _Spec, tparams, dparams, target_kv, draft_state, b: StepBa
                 first=None):
     hidden, aux, target_kv = spec.target.forward(tparams, b.input_ids, b.positions, target_kv,
                                                  b.attn)
-    # a row samples at most its scheduled tokens: past the step's T slots the rows are padding
-    idx = b.sdm.logits_indices[: b.input_ids.shape[0]]
-    logits = spec.target.compute_logits(tparams, hidden[idx])
+    logits = spec.target.compute_logits(tparams, hidden[chain_logits_indices(b)])
     out, draft_state, extra = verify_chain(spec, dparams, draft_state, b, logits, hidden, aux,
                                            first)
     if spec.accept:
         target_kv = spec.target.accept(target_kv, num_kept(b, out), b.attn)
     return out, target_kv, draft_state, extra
+
+
+def chain_logits_indices(b: StepBatch):
+    """``b.sdm.logits_indices`` cut to its T token slots (past T: padding), ``[<= T] int32``."""
+    return b.sdm.logits_indices[: b.input_ids.shape[0]]
 
 
 def num_kept(b: StepBatch, out: StepOutput):

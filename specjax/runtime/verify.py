@@ -18,9 +18,9 @@ from specjax.proposers import Proposer
 from specjax.runtime import host_transfer
 from specjax.runtime.checks import check_draft_params, check_not_donated
 from specjax.runtime.output import StepOutput
-from specjax.runtime.step import (StepBatch, _Verifier, check_batch, configure,
-                                  make_spec, split_propose, tree_logits_indices, verify_chain,
-                                  verify_tree)
+from specjax.runtime.step import (StepBatch, _Verifier, chain_logits_indices, check_batch,
+                                  configure, make_spec, split_propose, tree_logits_indices,
+                                  verify_chain, verify_tree)
 
 __all__ = ["VerifyStep", "make_verify_step"]
 
@@ -96,12 +96,12 @@ class VerifyStep(_Verifier):
 
     def logits_indices(self, batch: StepBatch):
         """``[N] int32``: the rows of ``batch``'s tokens whose target logits the call takes,
-        in order (a chain batch: ``batch.sdm.logits_indices``; a tree batch: each request's
-        root and nodes, ``B * (1 + num_nodes)`` rows)."""
+        in order (a chain batch: :func:`~specjax.runtime.step.chain_logits_indices`; a tree
+        batch: each request's root and nodes, ``B * (1 + num_nodes)`` rows)."""
         check_batch(self, batch)
         if batch.is_tree:
             return tree_logits_indices(batch, self.tree.num_nodes)[0].reshape(-1)
-        return batch.sdm.logits_indices
+        return chain_logits_indices(batch)
 
     def __call__(self, draft_params, draft_state, batch: StepBatch, logits, hidden=None,
                  aux=None, kv=None) -> tuple[StepOutput, Any, Any]:
